@@ -1,0 +1,348 @@
+"""The recipe schema: typed sections, YAML loading, dotted overrides, validation that reports every problem at once.
+
+A recipe is a YAML file with a ``task`` (a module under ``finetune/tasks``) and four sections. ``training`` and
+``output`` are shared by every task; ``model`` and ``data`` are declared by the task module itself (its
+``ModelConfig`` and ``DataConfig`` dataclasses), so unknown keys are errors everywhere.
+
+    >>> cfg = load_recipe("minilm-sentiment", ["training.batch_size=16"])
+    >>> cfg.training.batch_size
+    16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+RECIPES_DIR = Path(os.environ.get("FINETUNE_RECIPES", Path(__file__).resolve().parent.parent / "recipes"))
+
+
+class ConfigError(ValueError):
+    """Bad recipe or argument. ``problems`` holds one ``"field: what is allowed"`` line per problem."""
+
+    def __init__(self, problems):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+def doc(text: str, default=dataclasses.MISSING, **kw):
+    """A dataclass field carrying its help text (unit included)."""
+    if default is not dataclasses.MISSING:
+        kw["default"] = default
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class TrainingConfig:
+    batch_size: int = doc("micro-batch: samples per process per forward/backward", 8)
+    gradient_accumulation_steps: int = doc("N: micro-batches per process per optimizer step", 1)
+    effective_batch_size: Optional[int] = doc(
+        "samples per optimizer step over all processes; when set, N = this / (batch_size × processes), exact", None)
+    learning_rate: float = doc("peak learning rate", 5e-5)
+    epochs: int = doc("passes over the training data", 1)
+    max_steps: Optional[int] = doc("stop after this many optimizer steps (null: run all epochs)", None)
+    optimizer: Literal["adamw", "sgd", "lion"] = doc("adamw (no decay on biases/norms), sgd, or lion", "adamw")
+    weight_decay: float = doc("decoupled weight decay (adamw, lion) or L2 (sgd)", 0.0)
+    momentum: float = doc("sgd momentum", 0.0)
+    betas: list = doc("adamw / lion betas", dataclasses.MISSING, default_factory=lambda: [0.9, 0.999])
+    lr_scheduler: Literal[
+        "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+        "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay",
+    ] = doc("transformers.get_scheduler name; stepped once per optimizer step", "linear")
+    warmup_steps: int = doc("warm-up length in optimizer steps", 0)
+    max_grad_norm: Optional[float] = doc("clip the total L2 grad norm to this (null: no clipping)", 1.0)
+    mixed_precision: Literal["no", "fp16", "bf16"] = doc("autocast precision through Accelerate", "no")
+    gradient_checkpointing: bool = doc("recompute activations in backward (HF models or the task's hook)", False)
+    compile: bool = doc("torch.compile the model", False)
+    compile_mode: Optional[str] = doc("torch.compile mode (default, reduce-overhead, max-autotune)", None)
+    cudnn_benchmark: bool = doc("torch.backends.cudnn.benchmark", False)
+    seed: int = doc("seeds model init, sample order and dropout; sample order depends on nothing else", 42)
+    shuffle: bool = doc("reshuffle samples every epoch (seeded)", True)
+    items: Literal["auto", "samples", "tokens", "shifted_tokens"] = doc(
+        "what the loss averages over, used to weight micro-batches: auto detects label tokens (-100 ignored, "
+        "shifted for causal LMs), else samples", "auto")
+    eval_every: Optional[int] = doc("evaluate every K optimizer steps (null: at the end of each epoch)", None)
+    on_nonfinite: Literal["stop", "skip"] = doc("non-finite loss/grad: stop the run, or skip the window's update", "stop")
+    num_workers: int = doc("DataLoader worker processes", 0)
+    ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9)
+
+
+@dataclass
+class OutputConfig:
+    dir: Optional[str] = doc("output directory (null: runs/<recipe>/<timestamp>)", None)
+    overwrite: bool = doc("allow writing into a non-empty output directory", False)
+    save_model: bool = doc("save the final model (save_pretrained for HF models, safetensors otherwise)", True)
+    plots: bool = doc("write loss / lr / grad-norm PNGs", True)
+    tracker: Literal["none", "tensorboard", "wandb", "mlflow"] = doc("experiment tracker through Accelerate", "none")
+
+
+@dataclass
+class BaseModelConfig:
+    name_or_path: Optional[str] = doc("hub id or local directory of a pretrained model", None)
+    dropout: Optional[float] = doc("dropout probability for every dropout layer (null: model default; 0: off)", None)
+    trust_remote_code: bool = doc("allow model code from the checkpoint directory", False)
+
+
+@dataclass
+class BaseDataConfig:
+    val_fraction: float = doc("fraction of the data held out for validation", 0.1)
+    split_seed: int = doc("seed of the train/validation split (independent of training.seed)", 0)
+    limit: Optional[int] = doc("use only the first N samples (after the split) — for smoke runs", None)
+
+
+@dataclass
+class RecipeConfig:
+    task: str
+    model: Any
+    data: Any
+    training: TrainingConfig
+    output: OutputConfig
+    name: str = "custom"
+    description: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "description": self.description, "task": self.task,
+            "model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data),
+            "training": dataclasses.asdict(self.training), "output": dataclasses.asdict(self.output),
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# typed conversion
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "a mapping",
+            list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+_NO = object()
+
+
+def _coerce(value, tp):
+    """Return value converted to tp, or _NO."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            out = _coerce(value, arg)
+            if out is not _NO:
+                return out
+        return _NO
+    if origin is Literal:
+        return value if value in typing.get_args(tp) else _NO
+    if tp is bool:
+        return value if isinstance(value, bool) else _NO
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
+    if tp is float:
+        if isinstance(value, bool):
+            return _NO
+        if isinstance(value, str):  # YAML reads 5e-5 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                return _NO
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else _NO
+    if tp is str:
+        return value if isinstance(value, str) else _NO
+    if tp in (dict, list):
+        return value if isinstance(value, tp) else _NO
+    if origin in (dict, list):
+        return value if isinstance(value, origin) else _NO
+    return value
+
+
+def build_section(cls, raw, section: str, problems: list):
+    """Instantiate dataclass ``cls`` from mapping ``raw``, appending a line to ``problems`` for each bad field."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        problems.append(f"{section}: must be a mapping of keys to values")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in known:
+            problems.append(f"{section}.{key}: unknown key; allowed: {', '.join(known)}")
+            continue
+        out = _coerce(value, hints[key])
+        if out is _NO:
+            problems.append(f"{section}.{key}: got {value!r}; expected {_type_name(hints[key])}")
+            continue
+        kwargs[key] = out
+    return cls(**kwargs)
+
+
+def validate_training(t: TrainingConfig, problems: list):
+    """Range checks of the training section; appends one line per problem."""
+
+    def need(ok, msg):
+        if not ok:
+            problems.append(msg)
+
+    need(t.batch_size >= 1, f"training.batch_size: got {t.batch_size}; must be an integer >= 1")
+    need(t.gradient_accumulation_steps >= 1,
+         f"training.gradient_accumulation_steps: got {t.gradient_accumulation_steps}; must be an integer >= 1")
+    if t.effective_batch_size is not None:
+        need(t.effective_batch_size >= 1,
+             f"training.effective_batch_size: got {t.effective_batch_size}; must be an integer >= 1")
+    need(t.learning_rate >= 0, f"training.learning_rate: got {t.learning_rate}; must be >= 0")
+    need(t.epochs >= 1, f"training.epochs: got {t.epochs}; must be an integer >= 1")
+    if t.max_steps is not None:
+        need(t.max_steps >= 1, f"training.max_steps: got {t.max_steps}; must be an integer >= 1 or null")
+    need(t.weight_decay >= 0, f"training.weight_decay: got {t.weight_decay}; must be >= 0")
+    need(t.warmup_steps >= 0, f"training.warmup_steps: got {t.warmup_steps}; must be an integer >= 0")
+    if t.max_grad_norm is not None:
+        need(t.max_grad_norm > 0, f"training.max_grad_norm: got {t.max_grad_norm}; must be > 0 or null")
+    need(0 <= t.momentum < 1, f"training.momentum: got {t.momentum}; must be in [0, 1)")
+    need(len(t.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas),
+         f"training.betas: got {t.betas}; must be two numbers in [0, 1)")
+    need(0 <= t.ema_beta < 1, f"training.ema_beta: got {t.ema_beta}; must be in [0, 1)")
+    need(t.num_workers >= 0, f"training.num_workers: got {t.num_workers}; must be an integer >= 0")
+    if t.eval_every is not None:
+        need(t.eval_every >= 1, f"training.eval_every: got {t.eval_every}; must be an integer >= 1 or null")
+
+
+def _validate_ranges(cfg: RecipeConfig, problems: list):
+    validate_training(cfg.training, problems)
+
+    def need(ok, msg):
+        if not ok:
+            problems.append(msg)
+
+    m, d = cfg.model, cfg.data
+    if getattr(m, "dropout", None) is not None:
+        need(0 <= m.dropout < 1, f"model.dropout: got {m.dropout}; must be in [0, 1) or null")
+    if hasattr(d, "val_fraction"):
+        need(0 <= d.val_fraction < 1, f"data.val_fraction: got {d.val_fraction}; must be in [0, 1)")
+    if getattr(d, "limit", None) is not None:
+        need(d.limit >= 1, f"data.limit: got {d.limit}; must be an integer >= 1 or null")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading
+
+
+def task_module(name: str):
+    """Import ``finetune.tasks.<name>``; ConfigError naming the field when there is no such task."""
+    from finetune import tasks
+
+    if not isinstance(name, str) or not name.isidentifier() or name not in tasks.available():
+        raise ConfigError(f"task: got {name!r}; allowed: {', '.join(tasks.available())}")
+    return importlib.import_module(f"finetune.tasks.{name}")
+
+
+def list_recipes() -> list[tuple[str, str]]:
+    """(name, description) for every recipe in the recipes directory."""
+    out = []
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        try:
+            desc = (yaml.safe_load(path.read_text()) or {}).get("description", "")
+        except yaml.YAMLError:
+            desc = "(unreadable YAML)"
+        out.append((path.stem, " ".join(str(desc).split())))
+    return out
+
+
+def recipe_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if not path.is_file():
+            raise ConfigError(f"recipe: file {name_or_path} not found")
+        return path
+    path = RECIPES_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        names = ", ".join(n for n, _ in list_recipes())
+        raise ConfigError(f"recipe: unknown recipe {name_or_path!r}; available: {names}")
+    return path
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"training.lr_scheduler=cosine"`` → (["training", "lr_scheduler"], "cosine"); values are parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item}: expected section.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides) -> dict:
+    for item in overrides or []:
+        keys, value = parse_override(item) if isinstance(item, str) else item
+        if len(keys) == 1 and keys[0] in ("task", "name", "description"):
+            raw[keys[0]] = value
+            continue
+        if len(keys) != 2 or keys[0] not in ("model", "data", "training", "output"):
+            raise ConfigError(f"--set {'.'.join(keys)}: expected model|data|training|output.key=value")
+        section = raw.setdefault(keys[0], {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"{keys[0]}: must be a mapping of keys to values")
+        section[keys[1]] = value
+    return raw
+
+
+def config_from_dict(raw: dict, name: str = "custom") -> RecipeConfig:
+    """Validate a recipe mapping; ConfigError lists every problem."""
+    if not isinstance(raw, dict):
+        raise ConfigError("recipe: must be a YAML mapping with task, model, data, training, output")
+    problems = []
+    extra = set(raw) - {"task", "name", "description", "model", "data", "training", "output"}
+    problems += [f"{k}: unknown top-level key; allowed: task, description, model, data, training, output"
+                 for k in sorted(extra)]
+    module = task_module(raw.get("task"))
+    cfg = RecipeConfig(
+        task=raw["task"],
+        model=build_section(module.ModelConfig, raw.get("model"), "model", problems),
+        data=build_section(module.DataConfig, raw.get("data"), "data", problems),
+        training=build_section(TrainingConfig, raw.get("training"), "training", problems),
+        output=build_section(OutputConfig, raw.get("output"), "output", problems),
+        name=str(raw.get("name") or name),
+        description=str(raw.get("description") or ""),
+    )
+    if not problems:
+        _validate_ranges(cfg, problems)
+        if hasattr(module, "validate"):
+            module.validate(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def load_recipe(name_or_path: str, overrides=None) -> RecipeConfig:
+    """Load ``recipes/<name>.yaml`` (or a path), apply ``section.key=value`` overrides, validate."""
+    path = recipe_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"recipe: {path} is not valid YAML{where}") from None
+    raw = apply_overrides(raw if isinstance(raw, dict) else {}, overrides)
+    return config_from_dict(raw, name=path.stem)
+
+
+def dump_config(cfg: RecipeConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,43 @@
+"""What the loop trains: a model, its data and the few functions that differ between tasks.
+
+Task modules (``finetune/tasks/*``) build a :class:`Job`; the loop (``finetune/loop.py``) runs it. Tasks never import
+the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+
+@dataclass
+class Job:
+    """Args:
+        model: any ``nn.Module``; called as ``model(**batch)`` unless ``loss_fn`` is given.
+        train_data / val_data: indexable datasets (torch Dataset, 🤗 ``datasets.Dataset``, list of dicts).
+        collate_fn: list of samples → batch (default: torch's ``default_collate``).
+        loss_fn: ``loss_fn(model, batch)`` → mean loss over the batch's items, or a dict with ``"loss"`` and other
+            scalars to log (each averaged over the batch's items).
+        count_items: batch → how many items its mean loss averages over (default: ``training.items``).
+        eval_step: ``eval_step(model, batch, outputs)`` → (predictions, references) lists for ``compute_metrics``.
+        compute_metrics: (predictions, references) → dict of metric values.
+        enable_checkpointing: hook that turns on activation checkpointing for a custom model.
+        save: hook ``save(model, directory)`` for the final model (default: save_pretrained or safetensors).
+        length_of: sample index → length (tokens), for length-sorted micro-batches inside a window.
+        tokenizer: saved beside the model when it has ``save_pretrained``.
+    """
+
+    model: torch.nn.Module
+    train_data: Any
+    val_data: Any = None
+    collate_fn: Optional[Callable] = None
+    loss_fn: Optional[Callable] = None
+    count_items: Optional[Callable] = None
+    eval_step: Optional[Callable] = None
+    compute_metrics: Optional[Callable] = None
+    enable_checkpointing: Optional[Callable] = None
+    save: Optional[Callable] = None
+    length_of: Optional[Callable] = None
+    tokenizer: Any = None

@@ -1,0 +1,404 @@
+"""The shared training loop: windows → micro-steps → one optimizer step → history / eval / save.
+
+Every optimizer step is the step the baseline took with one batch of ``micro_batch × N × processes`` samples:
+
+* a window holds exactly the baseline batch's samples (``windows.py``), the epoch's last window included;
+* its item count (samples, or label tokens) is known before the first backward, summed over processes;
+* each micro-batch's mean loss is weighted by its share of those items (``loss_weight``), so the accumulated
+  gradient is the gradient of the mean loss over the whole window — whatever the tail, the micro-batch size or N;
+* gradients are all-reduced once per window (``accelerator.accumulate`` → ``no_sync`` on the other micro-steps);
+* unscale (fp16) → grad norm → clip → step → scheduler, once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import send_to_device
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from finetune.config import ConfigError, TrainingConfig
+from finetune.job import Job
+from finetune.state import TrainState
+from finetune.windows import WindowSampler, count_items, is_causal_lm, plan_epoch, windows_per_epoch
+
+
+class NonFiniteError(RuntimeError):
+    """A window produced a non-finite loss or gradient and ``training.on_nonfinite`` is ``stop``."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# set-up helpers
+
+
+def make_accelerator(t: TrainingConfig, accum: int, log_with=None, project_dir=None) -> Accelerator:
+    """An Accelerator for this run. fp16 without CUDA is refused: Accelerate would silently train in fp32."""
+    if t.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("training.mixed_precision: fp16 needs a CUDA device; use bf16 or no on this machine")
+    # Accelerate keeps process-wide singletons; a second run in the same process (the Python API, tests, a search)
+    # may ask for another precision or N, so start them afresh (the distributed process group is kept).
+    if AcceleratorState._shared_state:
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+    return Accelerator(
+        mixed_precision=t.mixed_precision,
+        gradient_accumulation_steps=accum,
+        log_with=log_with,
+        project_dir=project_dir,
+        cpu=not _has_device(),
+    )
+
+
+def _has_device() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return torch.cuda.is_available() or bool(mps and mps.is_available()) or \
+        bool(getattr(torch, "xpu", None) and torch.xpu.is_available())
+
+
+def resolve_accumulation(t: TrainingConfig, processes: int) -> int:
+    """N from ``effective_batch_size`` when given (it must split exactly), else ``gradient_accumulation_steps``."""
+    if t.effective_batch_size is None:
+        return t.gradient_accumulation_steps
+    per_step = t.batch_size * processes
+    if t.effective_batch_size % per_step:
+        raise ConfigError(
+            f"training.effective_batch_size: {t.effective_batch_size} is not a multiple of batch_size × processes "
+            f"= {t.batch_size} × {processes}; pick a batch_size that divides {t.effective_batch_size // processes}")
+    return t.effective_batch_size // per_step
+
+
+def total_optimizer_steps(n_train: int, t: TrainingConfig, accum: int, processes: int) -> int:
+    """Optimizer steps the run will take: Σ over epochs of ceil(samples / (b·N·W)), capped by max_steps."""
+    steps = t.epochs * windows_per_epoch(n_train, t.batch_size, accum, processes)
+    return min(steps, t.max_steps) if t.max_steps else steps
+
+
+def make_optimizer(model: torch.nn.Module, t: TrainingConfig) -> torch.optim.Optimizer:
+    """adamw / sgd / lion over the trainable parameters; no weight decay on biases and norm weights (1-D)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.betas))
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=t.learning_rate, momentum=t.momentum)
+    from lion_pytorch import Lion
+
+    return Lion(groups, lr=t.learning_rate, betas=tuple(t.betas))
+
+
+def enable_checkpointing(model: torch.nn.Module, hook=None) -> None:
+    """Activation checkpointing: the task's hook, else the HF API (new name first), else a ConfigError."""
+    if hook is not None:
+        hook(model)
+    elif hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ConfigError("training.gradient_checkpointing: this model has no checkpointing support "
+                          "(give the task an enable_checkpointing hook)")
+    # LoRA / frozen embeddings: checkpointed blocks need an input that requires grad to rebuild the graph.
+    if hasattr(model, "enable_input_require_grads") and any(not p.requires_grad for p in model.parameters()):
+        model.enable_input_require_grads()
+
+
+def loss_weight(items: int, window_items: int, accelerator: Accelerator) -> float:
+    """Factor for one micro-batch's mean loss so that a window's accumulated gradient is the gradient of the mean
+    loss over all the window's items (every process, every micro-batch).
+
+    * ``items / window_items`` — the micro-batch's share. Accelerate instead divides every loss by N in
+      ``accelerator.backward``, which is right only for N equal micro-batches: a short tail window (k < N) or a
+      short micro-batch is then mis-weighted.
+    * ``× gradient_accumulation_steps`` — undoes that ÷N (this is the one place we correct it).
+    * ``× num_processes`` — DDP / FSDP average gradients over processes; the window needs their sum.
+    """
+    return items / window_items * accelerator.gradient_accumulation_steps * accelerator.num_processes
+
+
+def compute_loss(model, batch, loss_fn):
+    """Run the model; return (mean loss, dict of extra scalars to log, outputs)."""
+    out = loss_fn(model, batch) if loss_fn is not None else model(**batch)
+    if isinstance(out, torch.Tensor):
+        return out, {}, None
+    loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)
+    if loss is None:
+        raise ValueError("the model returned no loss: pass labels in the batch, or give a loss_fn")
+    extras = {k: v for k, v in out.items() if k != "loss" and isinstance(v, torch.Tensor) and v.dim() == 0} \
+        if isinstance(out, dict) and loss_fn is not None else {}
+    return loss, extras, out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the loop
+
+
+def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, accelerator: Optional[Accelerator] = None,
+          state: Optional[TrainState] = None, tracker_config: Optional[dict] = None, log_with=None,
+          print_banner: bool = True) -> dict:
+    """Train ``job`` with the settings in ``t``; write ``history.jsonl`` under ``output_dir`` when given.
+
+    Returns a dict with the histories, counts and the trained (unwrapped) model — see ``finetune.api``.
+    """
+    out_dir = Path(output_dir) if output_dir else None
+    if accelerator is None:
+        processes = PartialState().num_processes
+        accelerator = make_accelerator(t, resolve_accumulation(t, processes), log_with=log_with,
+                                       project_dir=str(out_dir) if out_dir else None)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    accum = accelerator.gradient_accumulation_steps
+    if t.effective_batch_size is not None and resolve_accumulation(t, world) != accum:
+        raise ConfigError(f"training.effective_batch_size: {t.effective_batch_size} needs N = "
+                          f"{resolve_accumulation(t, world)} with {world} processes, the Accelerator has {accum}")
+    n_train = len(job.train_data)
+    if n_train == 0:
+        raise ConfigError("data: the training set is empty")
+    state = state or TrainState()
+    total_steps = total_optimizer_steps(n_train, t, accum, world)
+    effective = t.batch_size * accum * world
+    torch.backends.cudnn.benchmark = t.cudnn_benchmark
+
+    model = job.model
+    if t.gradient_checkpointing:
+        enable_checkpointing(model, job.enable_checkpointing)
+    optimizer = make_optimizer(model, t)
+    from transformers import get_scheduler
+
+    # The scheduler is not passed to accelerator.prepare: a prepared scheduler steps num_processes times per
+    # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
+    # process, so the raw scheduler is stepped exactly once per optimizer step.
+    scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=t.warmup_steps,
+                              num_training_steps=total_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    forward_model = torch.compile(model, mode=t.compile_mode) if t.compile else model
+    causal = is_causal_lm(model)
+    counter = job.count_items or (lambda b: count_items(b, t.items, causal))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    main = accelerator.is_main_process
+    if main and print_banner:
+        print(banner(n_train, t, accum, world, total_steps, accelerator), flush=True)
+    if log_with is not None:
+        accelerator.init_trackers("finetune", config={
+            **(tracker_config or {}), "config/effective_batch_size": effective,
+            "config/gradient_accumulation_steps": accum, "config/physical_batch_size": t.batch_size})
+    history_file = None
+    if main and out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        history_file = open(out_dir / "history.jsonl", "a")
+
+    bar = tqdm(total=total_steps, initial=state.optimizer_step, disable=not main, unit="step", dynamic_ncols=True,
+               desc=f"train (batch {effective})", mininterval=0.5 if sys.stderr.isatty() else 15)
+    last_time = time.perf_counter()
+    stop = state.optimizer_step >= total_steps
+    while not stop and state.epoch < t.epochs:
+        windows = plan_epoch(n_train, t.batch_size, accum, world, rank, t.seed, state.epoch, t.shuffle)
+        windows = windows[state.window:]
+        loader = DataLoader(job.train_data, batch_sampler=WindowSampler(windows), collate_fn=job.collate_fn,
+                            num_workers=t.num_workers, pin_memory=accelerator.device.type == "cuda")
+        batches = iter(loader)
+        for window in windows:
+            # Prefetch the window so its item count is known before the first backward.
+            micro_batches = [next(batches) for _ in window.micro_batches]
+            counts = [counter(b) if active else 0 for b, active in zip(micro_batches, window.active)]
+            window_items = sum(counts)
+            if world > 1:  # one all-reduce per window: the count over every process
+                window_items = int(accelerator.reduce(torch.tensor(window_items, device=accelerator.device), "sum"))
+            window_loss = torch.zeros((), device=accelerator.device)
+            window_extras = {}
+            # Align Accelerate's micro-step counter so that accumulate() syncs on this window's last micro-batch,
+            # even when the window is short (k < N micro-batches).
+            accelerator.step = accum - len(micro_batches)
+            for batch, items in zip(micro_batches, counts):
+                batch = send_to_device(batch, accelerator.device)
+                with accelerator.accumulate(model):
+                    loss, extras, _ = compute_loss(forward_model, batch, job.loss_fn)
+                    weight = loss_weight(items, max(window_items, 1), accelerator)
+                    # A weight-0 placeholder (or an item-less micro-batch) must add exact zeros, not 0 × NaN.
+                    scaled = loss * weight if items else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0
+                    accelerator.backward(scaled)
+                state.micro_step += 1
+                if items:
+                    share = items / max(window_items, 1)
+                    window_loss += loss.detach().float() * share
+                    for k, v in extras.items():
+                        window_extras[k] = window_extras.get(k, 0.0) + v.detach().float() * share
+
+            grad_norm, skipped, lr = optimizer_step(accelerator, optimizer, scheduler, params, t, state, window)
+            if world > 1:
+                window_loss = accelerator.reduce(window_loss, "sum")
+                window_extras = {k: accelerator.reduce(v, "sum") for k, v in window_extras.items()}
+            loss_value = float(window_loss)
+            now = time.perf_counter()
+            record = {
+                "step": state.optimizer_step, "epoch": window.epoch, "window": window.index,
+                "items": window_items, "samples": len(window.samples),
+                "micro_batches": math.ceil(len(window.samples) / t.batch_size),
+                "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
+                "seconds": round(now - last_time, 6), "window_hash": window.sample_hash,
+                **{k: float(v) for k, v in window_extras.items()},
+            }
+            last_time = now
+            state.items += window_items
+            state.samples += len(window.samples)
+            state.window = window.index + 1
+            state.history.append(record)
+            ema = state.update_ema(loss_value, t.ema_beta)
+            if history_file is not None:
+                history_file.write(json.dumps(record) + "\n")
+                history_file.flush()
+            if log_with is not None:
+                accelerator.log({"train/loss": loss_value, "train/lr": lr, "train/grad_norm": grad_norm},
+                                step=state.optimizer_step)
+            bar.update(1)
+            bar.set_postfix_str(f"eff_batch={effective} loss={ema:.4f} lr={lr:.2e}", refresh=False)
+
+            if job.val_data is not None and t.eval_every and state.optimizer_step % t.eval_every == 0:
+                run_eval(job, forward_model, accelerator, t, state, log_with)
+            if state.optimizer_step >= total_steps:
+                stop = True
+                break
+        else:
+            state.epoch += 1
+            state.window = 0
+            if job.val_data is not None and not t.eval_every:
+                run_eval(job, forward_model, accelerator, t, state, log_with)
+    bar.close()
+    if history_file is not None:
+        history_file.close()
+    if job.val_data is not None and (not state.val_history or state.val_history[-1]["step"] != state.optimizer_step):
+        run_eval(job, forward_model, accelerator, t, state, log_with)
+    if log_with is not None:
+        accelerator.end_training()
+
+    history = state.history
+    final = state.val_history[-1] if state.val_history else None
+    return {
+        "grad_norm_history": [h["grad_norm"] for h in history],
+        "loss_history": [h["loss"] for h in history],
+        "lr_history": [h["lr"] for h in history],
+        "val_history": state.val_history,
+        "history": history,
+        "optimizer_steps": state.optimizer_step,
+        "skipped_steps": sum(h["skipped"] for h in history),
+        "micro_batches": sum(h["micro_batches"] for h in history),
+        "effective_batch_size": effective,
+        "gradient_accumulation_steps": accum,
+        "total_steps": total_steps,
+        "final_loss": final["loss"] if final else (history[-1]["loss"] if history else float("nan")),
+        "final_metrics": final or {},
+        "model": accelerator.unwrap_model(model),
+        "accelerator": accelerator,
+        "state": state,
+    }
+
+
+def optimizer_step(accelerator, optimizer, scheduler, params, t: TrainingConfig, state: TrainState, window):
+    """Unscale → grad norm → clip → step → scheduler → zero_grad.
+
+    Returns (total grad norm before clipping, whether the update was skipped, the lr the step used).
+    """
+    # clip_grad_norm_ unscales fp16 gradients first (GradScaler.unscale_), so the norm and the clip are in true
+    # units; with clipping off, max_norm=inf still returns the total norm and leaves gradients untouched.
+    max_norm = t.max_grad_norm if t.max_grad_norm is not None else math.inf
+    norm = accelerator.clip_grad_norm_(params, max_norm)
+    grad_norm = float(norm) if norm is not None else float("nan")  # the step's one host sync
+    lr = optimizer.param_groups[0]["lr"]
+    if accelerator.scaler is not None:
+        optimizer.step()  # GradScaler skips the update on inf/NaN gradients and lowers the scale
+        skipped = bool(optimizer.step_was_skipped)
+    elif math.isfinite(grad_norm):
+        optimizer.step()
+        skipped = False
+    elif t.on_nonfinite == "skip":
+        skipped = True
+    else:
+        raise NonFiniteError(
+            f"non-finite gradient (norm {grad_norm}) at optimizer step {state.optimizer_step + 1} "
+            f"(epoch {window.epoch}, window {window.index}); set training.on_nonfinite=skip to drop such windows")
+    if not skipped:  # a skipped update is not a step of the schedule
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    state.optimizer_step += 1
+    return grad_norm, skipped, lr
+
+
+@torch.no_grad()
+def run_eval(job: Job, model, accelerator: Accelerator, t: TrainingConfig, state: TrainState, log_with=None) -> dict:
+    """Item-weighted validation loss over the whole validation set (sharded over processes, no sample repeated),
+    plus the task's metrics. Appends to ``state.val_history`` and returns the record."""
+    from accelerate.utils import gather_object
+
+    world, rank = accelerator.num_processes, accelerator.process_index
+    indices = list(range(rank, len(job.val_data), world))
+    loader = DataLoader(job.val_data, batch_sampler=[indices[i:i + t.batch_size]
+                                                     for i in range(0, len(indices), t.batch_size)],
+                        collate_fn=job.collate_fn, num_workers=t.num_workers)
+    counter = job.count_items or (lambda b: count_items(b, t.items, is_causal_lm(model)))
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    items_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    preds, refs = [], []
+    for batch in loader:
+        items = counter(batch)
+        batch = send_to_device(batch, accelerator.device)
+        loss, _, outputs = compute_loss(model, batch, job.loss_fn)
+        if items:
+            loss_sum += loss.double() * items
+            items_sum += items
+        if job.eval_step is not None:
+            p, r = job.eval_step(model, batch, outputs)
+            preds += list(p)
+            refs += list(r)
+    model.train(was_training)
+    if world > 1:
+        loss_sum = accelerator.reduce(loss_sum, "sum")
+        items_sum = accelerator.reduce(items_sum, "sum")
+        preds, refs = gather_object(preds), gather_object(refs)
+    epoch = state.history[-1]["epoch"] if state.history else state.epoch
+    record = {"step": state.optimizer_step, "epoch": epoch,
+              "loss": float(loss_sum / items_sum) if float(items_sum) else float("nan")}
+    if job.compute_metrics is not None and preds:
+        record.update(job.compute_metrics(preds, refs))
+    state.val_history.append(record)
+    if accelerator.is_main_process:
+        tqdm.write("eval " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in record.items()))
+    if log_with is not None:
+        accelerator.log({f"eval/{k}": v for k, v in record.items() if k not in ("step", "epoch")},
+                        step=state.optimizer_step)
+    return record
+
+
+def banner(n_train: int, t: TrainingConfig, accum: int, world: int, total_steps: int, accelerator) -> str:
+    per_epoch = windows_per_epoch(n_train, t.batch_size, accum, world)
+    split = f"{t.batch_size} × {accum}" + (f" × {world} processes" if world > 1 else "")
+    lines = [
+        "=" * 60, "FINE-TUNING", "=" * 60,
+        f"Training samples: {n_train}",
+        f"Batch size: {t.batch_size}",
+        f"Gradient accumulation steps: {accum}",
+        f"Processes: {world}",
+        f"Effective batch size: {t.batch_size * accum * world} ({split})",
+        f"Optimizer steps: {total_steps} ({per_epoch} per epoch; the last window of each epoch holds "
+        f"{n_train - (per_epoch - 1) * t.batch_size * accum * world} samples)",
+        f"Optimizer: {t.optimizer}, lr {t.learning_rate:g}, schedule {t.lr_scheduler}, warm-up {t.warmup_steps} steps",
+        f"Mixed precision: {t.mixed_precision}, device: {accelerator.device}",
+        "=" * 60,
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""What a run leaves in its output directory: metrics.json, PNG plots, the final model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+PLOTTED = (("loss", "window loss (mean over the window's items)"), ("lr", "learning rate"),
+           ("grad_norm", "grad norm (total L2, before clipping)"))
+
+
+def summary(result: dict) -> dict:
+    """The JSON-safe part of a run's result."""
+    keys = ("optimizer_steps", "skipped_steps", "micro_batches", "effective_batch_size",
+            "gradient_accumulation_steps", "total_steps", "final_loss", "final_metrics", "val_history")
+    out = {k: result[k] for k in keys if k in result}
+    out.update(result.get("extra_metrics", {}))
+    return out
+
+
+def write_metrics(result: dict, out_dir) -> Path:
+    path = Path(out_dir) / "metrics.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary(result), indent=2, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return str(x)
+
+
+def write_plots(history: list, out_dir, val_history=()) -> list:
+    """loss (with EMA and validation points), lr and grad-norm curves over optimizer steps, one PNG each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    steps = [h["step"] for h in history]
+    for key, title in PLOTTED:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        values = [h[key] for h in history]
+        ax.plot(steps, values, lw=1, label=key)
+        if key == "loss":
+            ema, avg = [], None
+            for v in values:
+                avg = v if avg is None else 0.9 * avg + 0.1 * v
+                ema.append(avg)
+            ax.plot(steps, ema, lw=2, label="EMA (0.9)")
+            vals = [(v["step"], v["loss"]) for v in val_history if "loss" in v]
+            if vals:
+                ax.plot(*zip(*vals), "o-", label="validation")
+            ax.legend()
+        ax.set_xlabel("optimizer step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = Path(out_dir) / f"{key}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def save_model(model: torch.nn.Module, out_dir, tokenizer=None, save_hook=None) -> Path:
+    """save_pretrained for HF / peft models, else safetensors of the state dict (``model.safetensors``)."""
+    target = Path(out_dir) / "model"
+    target.mkdir(parents=True, exist_ok=True)
+    if save_hook is not None:
+        save_hook(model, target)
+    elif hasattr(model, "save_pretrained"):
+        model.save_pretrained(target, safe_serialization=True)
+    else:
+        from safetensors.torch import save_model as save_safetensors
+
+        save_safetensors(model, str(target / "model.safetensors"))
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(target)
+    return target

@@ -1,0 +1,145 @@
+"""Train a recipe: ``accelerate launch finetune/run.py --recipe minilm-sentiment [--batch-size 8 ...]``.
+
+parse → load + validate the recipe → build the task → train (finetune.loop) → write the outputs.
+Bad input ends with one line ``error: <field>: <what is allowed>`` and exit code 2, before anything is written.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: import the package, not this folder's modules as top-level names
+    _here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
+    sys.path.insert(0, str(_here.parent))
+
+import argparse
+import time
+
+from finetune.config import ConfigError, dump_config, list_recipes, load_recipe
+
+# CLI flag → recipe field
+FLAGS = {
+    "batch_size": "training.batch_size",
+    "grad_accum_steps": "training.gradient_accumulation_steps",
+    "effective_batch_size": "training.effective_batch_size",
+    "epochs": "training.epochs",
+    "max_steps": "training.max_steps",
+    "lr": "training.learning_rate",
+    "mixed_precision": "training.mixed_precision",
+    "seed": "training.seed",
+    "output_dir": "output.dir",
+}
+SWITCHES = {"gradient_checkpointing": "training.gradient_checkpointing", "compile": "training.compile"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the usage block too)
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser(prog=None) -> argparse.ArgumentParser:
+    p = _Parser(prog=prog, description="Fine-tune a recipe with exact gradient accumulation.")
+    p.add_argument("--recipe", help="recipe name (see --list-recipes) or path to a YAML file")
+    p.add_argument("--list-recipes", action="store_true", help="list the recipes, one a line, and exit")
+    p.add_argument("--batch-size", help="micro-batch: samples per process per forward/backward")
+    p.add_argument("--grad-accum-steps", help="N: micro-batches per optimizer step")
+    p.add_argument("--effective-batch-size", help="samples per optimizer step (all processes); derives N exactly")
+    p.add_argument("--epochs", help="passes over the training data")
+    p.add_argument("--max-steps", help="stop after this many optimizer steps")
+    p.add_argument("--lr", help="peak learning rate")
+    p.add_argument("--mixed-precision", help="no | fp16 | bf16")
+    p.add_argument("--use-amp", action="store_true", help="mixed precision: fp16 on CUDA, bf16 otherwise")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--seed", help="seed of init, sample order and dropout")
+    p.add_argument("--output-dir", help="where config.yaml, history.jsonl, metrics.json, plots and the model go")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any recipe field (repeatable), e.g. --set training.warmup_steps=10")
+    return p
+
+
+def overrides_from_args(args) -> list[str]:
+    out = [f"{field}={getattr(args, flag)}" for flag, field in FLAGS.items() if getattr(args, flag) is not None]
+    out += [f"{field}=true" for flag, field in SWITCHES.items() if getattr(args, flag)]
+    if args.effective_batch_size is not None and args.grad_accum_steps is not None:
+        raise ConfigError("--effective-batch-size: give it or --grad-accum-steps, not both")
+    if args.use_amp and args.mixed_precision is None:
+        import torch
+
+        out.append(f"training.mixed_precision={'fp16' if torch.cuda.is_available() else 'bf16'}")
+    return out + list(args.set)
+
+
+def output_dir_for(cfg) -> Path:
+    """The run's output directory; refused (before anything is written) if it would overwrite another run."""
+    out = Path(cfg.output.dir) if cfg.output.dir else Path("runs") / cfg.name / time.strftime("%Y%m%d-%H%M%S")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output.dir: {out} is a file; give a directory")
+    if out.is_dir() and any(out.iterdir()) and not cfg.output.overwrite:
+        raise ConfigError(f"output.dir: {out} already holds files; pick a new directory or set output.overwrite=true")
+    return out
+
+
+def main(argv=None, prog=None) -> int:
+    args = build_parser(prog).parse_args(argv)
+    if args.list_recipes:
+        for name, desc in list_recipes():
+            print(f"{name:<24} {desc}")
+        return 0
+    if not args.recipe:
+        print("error: --recipe: required (one of: " + ", ".join(n for n, _ in list_recipes()) + ")",
+              file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    except ConfigError as e:
+        for problem in e.problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list, set_seed
+
+    from finetune import loop, outputs
+    from finetune.config import task_module
+
+    cfg = load_recipe(args.recipe, overrides_from_args(args))
+    state = PartialState()
+    out_dir = [output_dir_for(cfg) if state.is_main_process else None]
+    if state.num_processes > 1:  # every process writes to the same place (timestamps differ between them)
+        broadcast_object_list(out_dir)
+    out_dir = out_dir[0]
+    loop.resolve_accumulation(cfg.training, state.num_processes)  # fail on a bad effective batch before building
+
+    set_seed(cfg.training.seed)  # model init (new heads) is part of the reproduction
+    job = task_module(cfg.task).build(cfg)
+    if state.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(dump_config(cfg))
+    start = time.perf_counter()
+    result = loop.train(job, cfg.training, output_dir=out_dir,
+                        log_with=None if cfg.output.tracker == "none" else cfg.output.tracker,
+                        tracker_config=cfg.to_dict())
+    result["extra_metrics"] = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name}
+    accelerator = result["accelerator"]
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        outputs.write_metrics(result, out_dir)
+        if cfg.output.plots and result["history"]:
+            outputs.write_plots(result["history"], out_dir, result["val_history"])
+        if cfg.output.save_model:
+            outputs.save_model(result["model"], out_dir, job.tokenizer, job.save)
+        final = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in result["final_metrics"].items())
+        print(f"done: {result['optimizer_steps']} optimizer steps in {result['extra_metrics']['train_seconds']} s;"
+              f" {final}; outputs in {out_dir}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Everything that resumes a run, in one object saved and restored whole.
+
+Counters name their unit: ``optimizer_step`` (updates), ``micro_step`` (micro-batches on this process),
+``epoch``, ``window`` (next window within the epoch), ``items`` (samples or tokens that counted toward the loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+
+@dataclass
+class TrainState:
+    optimizer_step: int = 0         # optimizer updates taken (skipped ones included)
+    micro_step: int = 0             # micro-batches run on this process
+    epoch: int = 0                  # current epoch
+    window: int = 0                 # next window of the current epoch
+    items: int = 0                  # loss items seen, all processes
+    samples: int = 0                # samples seen, all processes
+    ema_loss: Optional[float] = None
+    history: list = field(default_factory=list)      # one dict per optimizer step
+    val_history: list = field(default_factory=list)  # one dict per evaluation
+
+    def update_ema(self, loss: float, beta: float) -> float:
+        """Exponential moving average of the window loss, started at the first value (so unbiased from step 1)."""
+        if loss == loss:  # a NaN window (skipped) leaves the average alone
+            self.ema_loss = loss if self.ema_loss is None else beta * self.ema_loss + (1 - beta) * loss
+        return float("nan") if self.ema_loss is None else self.ema_loss
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, d: dict) -> None:
+        for k, v in d.items():
+            setattr(self, k, v)

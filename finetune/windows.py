@@ -1,0 +1,157 @@
+"""Turning a dataset into windows: the samples of one optimizer step, split into micro-batches per process.
+
+A *window* holds the samples the baseline put in one batch: ``B = micro_batch × N × processes`` consecutive samples
+of the epoch's seeded order (the epoch's last window holds the rest). Which samples form a window therefore depends
+on the seed and on B only — never on how B is split — so ``(b, N, W)`` and ``(b·N·W, 1, 1)`` see the same windows.
+A window never spans two epochs.
+
+Inside a window the samples are cut into micro-batches of ``b`` (the last may be short) and dealt round-robin to
+the processes. When a short window leaves a process without a micro-batch at some micro-step, that process still
+runs one (a copy of the window's first sample) with weight 0, so every process joins every gradient all-reduce.
+
+    >>> w = plan_epoch(10, micro_batch=2, accum=2, world=1, rank=0, seed=0, epoch=0)
+    >>> [len(x.micro_batches) for x in w], [len(m) for m in w[-1].micro_batches]
+    ([2, 2, 1], [2])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Window:
+    epoch: int
+    index: int                          # window number within the epoch
+    samples: tuple                      # every sample index of the window, all processes, in epoch order
+    micro_batches: tuple                # this process's micro-batches: tuples of sample indices
+    active: tuple                       # False where the micro-batch is a weight-0 placeholder
+
+    @property
+    def sample_hash(self) -> str:
+        """Short hash of the window's membership (order-free): equal windows ⇔ equal hashes."""
+        data = ",".join(map(str, sorted(self.samples))).encode()
+        return hashlib.sha1(data).hexdigest()[:12]
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The epoch's sample order: a permutation from (seed, epoch) alone."""
+    if not shuffle:
+        return list(range(n))
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def windows_per_epoch(n: int, micro_batch: int, accum: int, world: int = 1) -> int:
+    return math.ceil(n / (micro_batch * accum * world))
+
+
+def plan_epoch(
+    n: int,
+    micro_batch: int,
+    accum: int,
+    world: int,
+    rank: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    sort_key: Optional[Callable[[int], int]] = None,
+) -> list[Window]:
+    """Every window of one epoch, as seen by process ``rank`` of ``world``.
+
+    ``sort_key`` (sample index → length), when given, orders each window's samples by length before they are cut
+    into micro-batches: membership is unchanged, padding shrinks.
+    """
+    order = epoch_order(n, seed, epoch, shuffle)
+    size = micro_batch * accum * world
+    windows = []
+    for w, start in enumerate(range(0, n, size)):
+        samples = order[start:start + size]
+        members = sorted(samples, key=sort_key) if sort_key is not None else samples
+        chunks = [tuple(members[i:i + micro_batch]) for i in range(0, len(members), micro_batch)]
+        steps = math.ceil(len(chunks) / world)
+        mine, active = [], []
+        for s in range(steps):
+            j = s * world + rank
+            if j < len(chunks):
+                mine.append(chunks[j])
+                active.append(True)
+            else:
+                mine.append((samples[0],))
+                active.append(False)
+        windows.append(Window(epoch, w, tuple(samples), tuple(mine), tuple(active)))
+    return windows
+
+
+class WindowSampler(torch.utils.data.Sampler):
+    """Batch sampler for a DataLoader: yields this process's micro-batches of ``windows`` in order."""
+
+    def __init__(self, windows: Sequence[Window]):
+        self.windows = list(windows)
+
+    def __iter__(self):
+        for w in self.windows:
+            yield from (list(mb) for mb in w.micro_batches)
+
+    def __len__(self):
+        return sum(len(w.micro_batches) for w in self.windows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# items: what a micro-batch's mean loss averages over
+
+
+def is_causal_lm(model) -> bool:
+    """True for HF causal LMs (their loss shifts labels by one), looking through DDP / compile / peft wrappers."""
+    seen = set()
+    while model is not None and id(model) not in seen:
+        seen.add(id(model))
+        name = type(model).__name__
+        if name.endswith(("ForCausalLM", "LMHeadModel")):
+            return True
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod", None) or getattr(model, "base_model", None) \
+            or getattr(model, "model", None)
+    return False
+
+
+def count_items(batch, mode: str = "auto", causal: bool = False) -> int:
+    """How many items the micro-batch's mean loss averages over.
+
+    ``samples``: the batch's leading dimension. ``tokens``: labels that are not -100. ``shifted_tokens``: the same
+    after the one-position shift a causal LM applies (the first label of every row is never predicted).
+    ``auto``: token labels (2-D or more) → tokens, shifted when ``causal``; otherwise samples.
+    """
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if mode == "auto":
+        if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
+            mode = "shifted_tokens" if causal else "tokens"
+        else:
+            mode = "samples"
+    if mode == "samples":
+        return batch_len(batch)
+    if not isinstance(labels, torch.Tensor):
+        raise ValueError(f"training.items={mode!r} needs a 'labels' tensor in every batch")
+    if mode == "shifted_tokens":
+        labels = labels[..., 1:]
+    return int((labels != -100).sum())
+
+
+def batch_len(batch) -> int:
+    """Leading dimension of the first tensor found in a (nested) batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for v in batch:
+            try:
+                return batch_len(v)
+            except ValueError:
+                pass
+    raise ValueError("cannot find a tensor in the batch to count its samples")
