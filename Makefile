@@ -7,6 +7,8 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 RECIPE     ?= minilm-sentiment
 ARGS       ?=
+# accelerate_configs/single_gpu.yaml etc. on a GPU machine (see README)
+ACCELERATE_CONFIG ?= accelerate_configs/single_cpu.yaml
 BIN        := $(VENV)/bin
 
 export HF_HUB_OFFLINE ?= 1
@@ -28,7 +30,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(BIN)/accelerate launch --num_processes 1 finetune/run.py --recipe $(RECIPE) $(ARGS)
+	$(BIN)/accelerate launch --config_file $(ACCELERATE_CONFIG) finetune/run.py --recipe $(RECIPE) $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q

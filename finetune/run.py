@@ -66,6 +66,8 @@ def overrides_from_args(args) -> list[str]:
     out += [f"{field}=true" for flag, field in SWITCHES.items() if getattr(args, flag)]
     if args.effective_batch_size is not None and args.grad_accum_steps is not None:
         raise ConfigError("--effective-batch-size: give it or --grad-accum-steps, not both")
+    if args.grad_accum_steps is not None:  # an explicit N replaces the recipe's effective batch
+        out.append("training.effective_batch_size=null")
     if args.use_amp and args.mixed_precision is None:
         import torch
 

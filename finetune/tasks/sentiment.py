@@ -1,6 +1,6 @@
 """Sequence classification of short texts with a pretrained encoder (the ``minilm-sentiment`` recipe).
 
-Default data: the human ratings of VADER's lexicon (``vaderSentiment/vader_lexicon.txt``, 7 517 words and emoticons,
+Default data: the human ratings of VADER's lexicon (``vaderSentiment/vader_lexicon.txt``, 7 520 words and emoticons,
 each rated by ten people on -4..4); the label is the polarity of the mean rating. Any csv / json / jsonl / parquet
 file with a text and a label column works too (``data.source: path/to/file.csv``).
 """

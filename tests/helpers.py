@@ -1,0 +1,71 @@
+"""Tiny models and data built in the test, shared by the test modules."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().double() for p in model.parameters()])
+
+
+def rel_diff(a, b) -> float:
+    """max |a − b| / max |b| over all parameters (a, b: models or flat tensors)."""
+    a = a if isinstance(a, torch.Tensor) else flat(a)
+    b = b if isinstance(b, torch.Tensor) else flat(b)
+    return float((a - b).abs().max() / b.abs().max())
+
+
+class MLP(torch.nn.Module):
+    """Regression MLP; forward(x, y) returns {"loss": mean squared error over the batch's samples}."""
+
+    def __init__(self, d_in=6, hidden=16):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+
+    def forward(self, x, y):
+        return {"loss": torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)}
+
+
+def regression_data(n, d_in=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    y = torch.sin(x.sum(-1)) + 0.1 * torch.randn(n, generator=g)
+    return [{"x": x[i], "y": y[i]} for i in range(n)]
+
+
+def tiny_gpt2(seed=0, vocab=64):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def token_data(n, vocab=64, lo=2, hi=12, seed=0):
+    """Variable-length token sequences (lengths lo..hi)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        out.append({"input_ids": torch.randint(1, vocab, (length,), generator=g)})
+    return out
+
+
+def pad_collate(samples, pad_id=0):
+    """Right-pad to the micro-batch's longest sample; padded label positions are -100."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), longest), dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, :len(s["input_ids"])] = s["input_ids"]
+        mask[i, :len(s["input_ids"])] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def copy_model(model):
+    return copy.deepcopy(model)

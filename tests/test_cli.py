@@ -1,0 +1,109 @@
+"""The CLI as a user runs it: `accelerate launch finetune/run.py --recipe …`, its outputs and its errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.config import ConfigError, list_recipes, load_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = str(ROOT / "finetune" / "run.py")
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def cli(*args, launcher=(sys.executable,), timeout=600):
+    return subprocess.run([*launcher, RUN, *args], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                          timeout=timeout)
+
+
+def test_minilm_sentiment_through_accelerate_launch(tmp_path):
+    out = tmp_path / "run"
+    proc = cli("--recipe", "minilm-sentiment", "--max-steps", "3", "--batch-size", "4", "--grad-accum-steps", "2",
+               "--set", "data.limit=40", "--output-dir", str(out),
+               launcher=(ACCELERATE, "launch", "--num_processes", "1", "--num_machines", "1",
+                         "--mixed_precision", "no", "--dynamo_backend", "no"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Effective batch size: 8 (4 × 2)" in proc.stdout
+    history = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert all(h["samples"] == 8 for h in history)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["optimizer_steps"] == 3 and 0 <= metrics["final_metrics"]["accuracy"] <= 1
+    cfg = yaml.safe_load((out / "config.yaml").read_text())
+    assert cfg["training"]["batch_size"] == 4 and cfg["training"]["gradient_accumulation_steps"] == 2
+    for png in ("loss.png", "lr.png", "grad_norm.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert (out / "model" / "model.safetensors").exists() and (out / "model" / "tokenizer.json").exists()
+
+
+def test_list_recipes():
+    proc = cli("--list-recipes")
+    assert proc.returncode == 0
+    names = [line.split()[0] for line in proc.stdout.splitlines()]
+    assert names == [n for n, _ in list_recipes()] and "minilm-sentiment" in names
+    assert all(len(line.split(None, 1)) == 2 for line in proc.stdout.splitlines())  # name, then a description
+
+
+@pytest.mark.parametrize("name", [n for n, _ in list_recipes()])
+def test_every_recipe_loads_and_validates(name):
+    cfg = load_recipe(name)
+    assert cfg.name == name and cfg.description
+    text = (ROOT / "recipes" / f"{name}.yaml").read_text()
+    assert text.startswith("# accelerate launch finetune/run.py --recipe " + name)
+
+
+def test_effective_batch_size_derives_n():
+    cfg = load_recipe("minilm-sentiment", ["training.batch_size=4", "training.effective_batch_size=32"])
+    from finetune.loop import resolve_accumulation
+
+    assert resolve_accumulation(cfg.training, processes=1) == 8
+    assert resolve_accumulation(cfg.training, processes=2) == 4
+    with pytest.raises(ConfigError, match="training.effective_batch_size: 32 is not a multiple"):
+        resolve_accumulation(load_recipe("minilm-sentiment", ["training.batch_size=5"]).training, 1)
+
+
+BAD = [
+    (["--recipe", "nope"], "recipe: unknown recipe 'nope'"),
+    (["--recipe", "minilm-sentiment", "--set", "training.bogus=1"], "training.bogus: unknown key"),
+    (["--recipe", "minilm-sentiment", "--batch-size", "eight"], "training.batch_size: got 'eight'"),
+    (["--recipe", "minilm-sentiment", "--grad-accum-steps", "0"], "training.gradient_accumulation_steps: got 0"),
+    (["--recipe", "minilm-sentiment", "--lr", "-0.1"], "training.learning_rate: got -0.1"),
+    (["--recipe", "minilm-sentiment", "--batch-size", "-4"], "training.batch_size: got -4"),
+    (["--recipe", "minilm-sentiment", "--mixed-precision", "fp8"], "training.mixed_precision: got 'fp8'"),
+    (["--recipe", "minilm-sentiment", "--effective-batch-size", "30", "--batch-size", "4"],
+     "training.effective_batch_size: 30 is not a multiple"),
+    (["--recipe", "minilm-sentiment", "--set", "model.dropout=1.5"], "model.dropout: got 1.5"),
+    (["--recipe", "minilm-sentiment", "--set", "data.source=/no/such/file.csv"], "data.source: file"),
+    (["--recipe", "minilm-sentiment", "--set", "optimizer=adam"], "--set optimizer"),
+    (["--recipe", "minilm-sentiment", "--epochs", "1", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[m.split(":")[0] for _, m in BAD])
+def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
+    out = tmp_path / "out"
+    proc = cli(*args, "--output-dir", str(out))
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_existing_run_is_not_overwritten(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "history.jsonl").write_text("keep me\n")
+    proc = cli("--recipe", "minilm-sentiment", "--output-dir", str(out))
+    assert proc.returncode == 2 and "output.dir:" in proc.stderr and "already holds files" in proc.stderr
+    assert (out / "history.jsonl").read_text() == "keep me\n"
+    f = tmp_path / "file"
+    f.write_text("x")
+    proc = cli("--recipe", "minilm-sentiment", "--output-dir", str(f))
+    assert proc.returncode == 2 and f"output.dir: {f} is a file" in proc.stderr

@@ -1,0 +1,201 @@
+"""Step counts, the LR schedule, N = 1, precision and the optimizer-step ordering of the shared loop."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from finetune import ConfigError, TrainingConfig, test_fine_tuning
+from finetune.loop import make_accelerator, optimizer_step
+from finetune.state import TrainState
+from finetune.windows import Window, plan_epoch
+from tests.helpers import MLP, copy_model, regression_data, rel_diff
+
+
+def test_100_micro_batches_with_n4_take_25_steps():
+    result = test_fine_tuning(MLP(), train_data=regression_data(800), batch_size=8, gradient_accumulation_steps=4)
+    assert result["micro_batches"] == 100
+    assert result["optimizer_steps"] == 25
+    assert len(result["grad_norm_history"]) == 25
+    assert all(math.isfinite(g) and g > 0 for g in result["grad_norm_history"])
+    assert result["effective_batch_size"] == 32
+
+
+@pytest.mark.parametrize("n_samples,b,n,epochs", [(50, 4, 3, 3), (17, 5, 2, 2), (64, 8, 8, 1), (9, 2, 16, 2)])
+def test_steps_and_linear_schedule(n_samples, b, n, epochs):
+    """Optimizer steps = Σ over epochs of ceil(micro_batches / N); the scheduler is stepped once per step."""
+    result = test_fine_tuning(MLP(), train_data=regression_data(n_samples), batch_size=b,
+                              gradient_accumulation_steps=n, n_epochs=epochs, learning_rate=1e-2)
+    micro = math.ceil(n_samples / b)
+    steps = epochs * math.ceil(micro / n)
+    assert result["optimizer_steps"] == steps
+    assert result["micro_batches"] == epochs * micro
+    assert result["lr_history"] == pytest.approx([1e-2 * (1 - k / steps) for k in range(steps)], abs=1e-12)
+
+
+def test_warmup_and_max_steps():
+    result = test_fine_tuning(MLP(), train_data=regression_data(100), batch_size=5, gradient_accumulation_steps=2,
+                              n_epochs=5, max_steps=7, warmup_steps=2, learning_rate=1.0)
+    assert result["optimizer_steps"] == 7
+    assert result["lr_history"][:3] == pytest.approx([0.0, 0.5, 1.0])
+    assert result["lr_history"][-1] == pytest.approx(1.0 * (7 - 6) / (7 - 2))
+
+
+def test_n1_is_a_plain_loop():
+    """N = 1 takes exactly the steps of a hand-written torch loop over the same seeded order."""
+    torch.manual_seed(0)
+    model, data = MLP(), regression_data(30)
+    ours = test_fine_tuning(copy_model(model), train_data=data, batch_size=4, optimizer="sgd", learning_rate=0.1,
+                            max_grad_norm=None, lr_scheduler="constant", n_epochs=2, seed=5)
+    ref = copy_model(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for epoch in range(2):
+        order = plan_epoch(30, 4, 1, 1, 0, seed=5, epoch=epoch)
+        for w in order:
+            idx = list(w.micro_batches[0])
+            batch = {"x": torch.stack([data[i]["x"] for i in idx]), "y": torch.stack([data[i]["y"] for i in idx])}
+            ref(**batch)["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+    assert rel_diff(ours["model"], ref) <= 1e-6
+
+
+def test_sample_order_depends_on_seed_only():
+    def members(b, n, w):
+        return [sorted(x.samples) for r in range(w) for x in plan_epoch(103, b, n, w, r, seed=7, epoch=1)][:5]
+
+    base = [sorted(x.samples) for x in plan_epoch(103, 24, 1, 1, 0, seed=7, epoch=1)]
+    for b, n, w in [(3, 8, 1), (6, 2, 2), (1, 12, 2), (24, 1, 1)]:
+        windows = plan_epoch(103, b, n, w, 0, seed=7, epoch=1)
+        assert [sorted(x.samples) for x in windows] == base
+    assert base != [sorted(x.samples) for x in plan_epoch(103, 24, 1, 1, 0, seed=8, epoch=1)]
+    assert base != [sorted(x.samples) for x in plan_epoch(103, 24, 1, 1, 0, seed=7, epoch=2)]
+
+
+def test_bf16_autocast_runs_on_cpu():
+    seen = []
+
+    class Probe(MLP):
+        def forward(self, x, y):
+            seen.append(self.net[0](x).dtype)
+            return super().forward(x, y)
+
+    result = test_fine_tuning(Probe(), train_data=regression_data(20), batch_size=5, mixed_precision="bf16")
+    assert torch.bfloat16 in seen
+    assert all(math.isfinite(v) for v in result["loss_history"])
+
+
+def test_fp16_refused_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ConfigError, match="training.mixed_precision: fp16 needs a CUDA device"):
+        test_fine_tuning(MLP(), train_data=regression_data(8), mixed_precision="fp16")
+
+
+def _fp16_accelerator(init_scale):
+    """A CPU Accelerator wired like an fp16 one: a real GradScaler scales the loss in backward and the prepared
+    optimizer steps through it — the ordering under test is the loop's, with Accelerate's real plumbing (the forward
+    stays fp32 so the numbers can be compared exactly)."""
+    acc = make_accelerator(TrainingConfig(), accum=1)
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    acc.state._mixed_precision = "fp16"
+    return acc
+
+
+def _one_step(acc, model, max_norm, poison=False):
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
+    model, opt = acc.prepare(model, opt)
+    acc.native_amp = True  # after prepare: fp32 forward (exact numbers), fp16 loss scaling and unscaling
+    batch = {"x": torch.ones(4, 6), "y": torch.zeros(4)}
+    acc.backward(model(**batch)["loss"])
+    if poison:
+        next(model.parameters()).grad[0, 0] = float("inf")
+    t = TrainingConfig(max_grad_norm=max_norm, optimizer="sgd")
+    state = TrainState()
+    norm, skipped, lr = optimizer_step(acc, opt, sched, list(model.parameters()), t, state,
+                                       Window(0, 0, (0,), ((0,),), (True,)))
+    return model, opt, sched, norm, skipped, lr, state
+
+
+def test_fp16_unscales_before_norm_and_clip():
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy_model(model)
+    ref(**{"x": torch.ones(4, 6), "y": torch.zeros(4)})["loss"].backward()
+    true_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+
+    acc = _fp16_accelerator(init_scale=2.0 ** 12)
+    model, _, sched, norm, skipped, lr, state = _one_step(acc, model, max_norm=0.01)
+    assert not skipped
+    assert norm == pytest.approx(true_norm, rel=1e-5)  # measured after unscaling, before clipping
+    assert rel_diff(model, ref) <= 1e-6  # clipped in true units, then stepped
+    assert sched.last_epoch == 1 and state.optimizer_step == 1
+
+
+def test_fp16_overflow_skips_step_and_scheduler():
+    torch.manual_seed(0)
+    model = MLP()
+    before = [p.detach().clone() for p in model.parameters()]
+    acc = _fp16_accelerator(init_scale=2.0 ** 12)
+    model, opt, sched, norm, skipped, lr, state = _one_step(acc, model, max_norm=1.0, poison=True)
+    assert skipped and not math.isfinite(norm)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert sched.last_epoch == 0  # a skipped update is not a step of the schedule
+    assert acc.scaler.get_scale() < 2.0 ** 12
+    assert state.optimizer_step == 1  # still counted as a window
+
+
+def test_nonfinite_stop_and_skip():
+    class Bad(MLP):
+        calls = 0
+
+        def forward(self, x, y):
+            Bad.calls += 1
+            out = super().forward(x, y)
+            return {"loss": out["loss"] * (float("nan") if Bad.calls == 3 else 1.0)}
+
+    with pytest.raises(RuntimeError, match="optimizer step 3 \\(epoch 0, window 2\\)"):
+        test_fine_tuning(Bad(), train_data=regression_data(20), batch_size=4, shuffle=False)
+    Bad.calls = 0
+    result = test_fine_tuning(Bad(), train_data=regression_data(20), batch_size=4, on_nonfinite="skip")
+    assert [h["skipped"] for h in result["history"]] == [False, False, True, False, False]
+    assert all(torch.isfinite(p).all() for p in result["model"].parameters())
+
+
+def test_history_file_and_metrics(tmp_path):
+    result = test_fine_tuning(MLP(), train_data=regression_data(30), val_data=regression_data(10, seed=1),
+                              batch_size=4, gradient_accumulation_steps=2, n_epochs=2, output_dir=str(tmp_path))
+    lines = [json.loads(x) for x in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert len(lines) == result["optimizer_steps"] == 8
+    assert {"step", "epoch", "items", "micro_batches", "loss", "lr", "grad_norm", "skipped", "seconds"} <= set(lines[0])
+    assert [x["step"] for x in lines] == list(range(1, 9))
+    assert sum(x["items"] for x in lines) == 60
+    assert len(result["val_history"]) == 2 and result["final_loss"] == result["val_history"][-1]["loss"]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["optimizer_steps"] == 8
+
+
+def test_config_dict_and_keyword_precedence():
+    result = test_fine_tuning(MLP(), {"batch_size": 3, "n_epochs": 2, "learning_rate": 0.5},
+                              train_data=regression_data(12), learning_rate=0.25, lr_scheduler="constant")
+    assert result["optimizer_steps"] == 8
+    assert result["lr_history"][0] == 0.25
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"gradient_accumulation_steps": 0}, "training.gradient_accumulation_steps"),
+    ({"batch_size": -1}, "training.batch_size"),
+    ({"learning_rate": -1e-3}, "training.learning_rate"),
+    ({"optimizer": "adam"}, "training.optimizer"),
+    ({"nonsense": 1}, "training.nonsense"),
+])
+def test_api_bad_arguments_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        test_fine_tuning(MLP(), train_data=regression_data(8), **kw)
+
+
+def test_not_collected_by_pytest():
+    assert test_fine_tuning.__test__ is False
