@@ -194,7 +194,7 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
         print(banner(n_train, t, accum, world, total_steps, accelerator), flush=True)
     if log_with is not None:
         accelerator.init_trackers("finetune", config={
-            **(tracker_config or {}), "config/effective_batch_size": effective,
+            **_scalars(tracker_config or {}), "config/effective_batch_size": effective,
             "config/gradient_accumulation_steps": accum, "config/physical_batch_size": t.batch_size})
     history_file = None
     if main and out_dir is not None:
@@ -305,6 +305,17 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
         "accelerator": accelerator,
         "state": state,
     }
+
+
+def _scalars(config: dict, prefix: str = "") -> dict:
+    """Flatten a nested config into ``section/key`` scalars (trackers such as TensorBoard take nothing else)."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_scalars(value, f"{prefix}{key}/"))
+        else:
+            out[prefix + key] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out
 
 
 def optimizer_step(accelerator, optimizer, scheduler, params, t: TrainingConfig, state: TrainState, window):

@@ -41,7 +41,8 @@ def tiny_gpt2(seed=0, vocab=64):
 
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1,
+                     pad_token_id=0)
     return GPT2LMHeadModel(cfg)
 
 

@@ -74,3 +74,21 @@ def test_token_classification_unshifted_tokens():
     big = run(model, data, 4, 1, collate_fn=collate)
     assert rel_diff(small["model"], big["model"]) <= 1e-5
     assert sum(h["items"] for h in small["history"]) == 2 * sum(len(s["input_ids"]) for s in data)
+
+
+def test_micro_batch_without_items_adds_nothing():
+    """A micro-batch whose labels are all ignored (one-token rows: nothing to predict) adds exact zeros."""
+    model = tiny_gpt2()
+    data = [{"input_ids": torch.tensor([5])}] * 2 + token_data(6, lo=4, hi=8, seed=4)
+    small = run(model, data, 2, 4, collate_fn=pad_collate, shuffle=False, n_epochs=1)
+    big = run(model, data, 8, 1, collate_fn=pad_collate, shuffle=False, n_epochs=1)
+    assert math.isfinite(small["grad_norm_history"][0])
+    assert rel_diff(small["model"], big["model"]) <= 1e-5
+
+
+def test_gradient_checkpointing_gives_the_same_steps():
+    model, data = tiny_gpt2(), token_data(20)
+    plain = run(model, data, 4, 2, collate_fn=pad_collate, n_epochs=1)
+    ckpt = run(model, data, 4, 2, collate_fn=pad_collate, n_epochs=1, gradient_checkpointing=True)
+    assert ckpt["model"].transformer.gradient_checkpointing
+    assert rel_diff(ckpt["model"], plain["model"]) <= 1e-6

@@ -199,3 +199,42 @@ def test_api_bad_arguments_name_the_field(kw, field):
 
 def test_not_collected_by_pytest():
     assert test_fine_tuning.__test__ is False
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "lion"])
+def test_optimizers_train(name):
+    torch.manual_seed(0)
+    data = regression_data(64)
+    result = test_fine_tuning(MLP(), train_data=data, batch_size=8, optimizer=name, n_epochs=8,
+                              learning_rate={"adamw": 1e-2, "sgd": 0.1, "lion": 1e-2}[name], weight_decay=0.01)
+    first, last = result["loss_history"][:8], result["loss_history"][-8:]
+    assert sum(last) < 0.8 * sum(first)
+
+
+def test_adamw_no_weight_decay_on_biases_and_norms():
+    from finetune.loop import make_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = make_optimizer(model, TrainingConfig(weight_decay=0.1))
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert decayed == {id(model[0].weight)}
+
+
+def test_compile_matches_eager():
+    torch.manual_seed(0)
+    model, data = MLP(), regression_data(24)
+    eager = test_fine_tuning(copy_model(model), train_data=data, batch_size=4, gradient_accumulation_steps=2,
+                             optimizer="sgd", learning_rate=0.1)
+    compiled = test_fine_tuning(copy_model(model), train_data=data, batch_size=4, gradient_accumulation_steps=2,
+                                optimizer="sgd", learning_rate=0.1, compile=True)
+    assert rel_diff(compiled["model"], eager["model"]) <= 1e-5
+
+
+def test_tracker_logs_effective_batch(tmp_path):
+    pytest.importorskip("tensorboard")
+    test_fine_tuning(MLP(), train_data=regression_data(16), batch_size=2, gradient_accumulation_steps=4,
+                     use_wandb="tensorboard", output_dir=str(tmp_path))
+    events = list(tmp_path.rglob("events.out.tfevents.*"))
+    assert events
+    hparams = "".join(p.read_text() for p in tmp_path.rglob("hparams.yml"))
+    assert "config/effective_batch_size: 8" in hparams and "config/physical_batch_size: 2" in hparams
