@@ -65,6 +65,13 @@ def _has_device() -> bool:
         bool(getattr(torch, "xpu", None) and torch.xpu.is_available())
 
 
+def distributed_state() -> PartialState:
+    """The process group Accelerate sets up from the launcher's environment. Without an accelerator we ask for the
+    CPU explicitly: several processes then train with gloo DDP (``accelerate launch --multi_gpu`` or torchrun),
+    which ``accelerate launch --cpu --num_processes 2`` does not give (it starts one process)."""
+    return PartialState(cpu=not _has_device())
+
+
 def resolve_accumulation(t: TrainingConfig, processes: int) -> int:
     """N from ``effective_batch_size`` when given (it must split exactly), else ``gradient_accumulation_steps``."""
     if t.effective_batch_size is None:
@@ -155,7 +162,7 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
     """
     out_dir = Path(output_dir) if output_dir else None
     if accelerator is None:
-        processes = PartialState().num_processes
+        processes = distributed_state().num_processes
         accelerator = make_accelerator(t, resolve_accumulation(t, processes), log_with=log_with,
                                        project_dir=str(out_dir) if out_dir else None)
     world, rank = accelerator.num_processes, accelerator.process_index

@@ -104,20 +104,26 @@ def main(argv=None, prog=None) -> int:
 
 
 def _run(args) -> int:
-    from accelerate import PartialState
     from accelerate.utils import broadcast_object_list, set_seed
 
     from finetune import loop, outputs
     from finetune.config import task_module
 
     cfg = load_recipe(args.recipe, overrides_from_args(args))
-    state = PartialState()
+    state = loop.distributed_state()
     out_dir = [output_dir_for(cfg) if state.is_main_process else None]
     if state.num_processes > 1:  # every process writes to the same place (timestamps differ between them)
         broadcast_object_list(out_dir)
     out_dir = out_dir[0]
     loop.resolve_accumulation(cfg.training, state.num_processes)  # fail on a bad effective batch before building
 
+    if not state.is_main_process:  # one process speaks: the others keep quiet about loading and mapping
+        import datasets
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+        datasets.disable_progress_bars()
     set_seed(cfg.training.seed)  # model init (new heads) is part of the reproduction
     job = task_module(cfg.task).build(cfg)
     if state.is_main_process:

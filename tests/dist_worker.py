@@ -1,0 +1,45 @@
+"""Run by tests/test_distributed.py under `accelerate launch` (W processes) and in-process (W = 1).
+
+Trains the same tiny models with the same effective batch and saves, from the main process, the final weights and
+the per-step history so the test can compare W = 2 with W = 1.
+"""
+
+import json
+import sys
+
+import torch
+
+from finetune import test_fine_tuning
+from tests.helpers import MLP, flat, pad_collate, regression_data, tiny_gpt2, token_data
+
+# (name, effective batch split, dataset): tails chosen so the last window splits unevenly over 2 processes
+CASES = {
+    # 41 samples, B = 12: tail of 5 → micro-batches of 3 and 2 on the two ranks
+    "mlp_uneven": dict(data=lambda: regression_data(41), model=lambda: MLP(), b=3, effective=12, kw={}),
+    # 41 samples, B = 8: tail of 1 → the second rank has no sample and joins with a weight-0 placeholder
+    "mlp_idle_rank": dict(data=lambda: regression_data(41), model=lambda: MLP(), b=2, effective=8, kw={}),
+    # padded causal LM: token counts differ per rank and per micro-batch
+    "gpt2_tokens": dict(data=lambda: token_data(27), model=lambda: tiny_gpt2(), b=2, effective=8,
+                        kw={"collate_fn": pad_collate}),
+}
+
+
+def run(name, processes):
+    case = CASES[name]
+    torch.manual_seed(0)
+    model = case["model"]()
+    n = case["effective"] // (case["b"] * processes)
+    result = test_fine_tuning(model, train_data=case["data"](), val_data=case["data"]()[:9], batch_size=case["b"],
+                              gradient_accumulation_steps=n, optimizer="sgd", learning_rate=0.3,
+                              max_grad_norm=None, n_epochs=2, seed=11, **case["kw"])
+    return {"weights": flat(result["model"]).tolist(), "lr": result["lr_history"],
+            "history": [{k: v for k, v in h.items() if k != "seconds"} for h in result["history"]],
+            "val": result["val_history"], "effective": result["effective_batch_size"],
+            "processes": result["accelerator"].num_processes, "main": result["accelerator"].is_main_process}
+
+
+if __name__ == "__main__":
+    out = {name: run(name, processes=int(sys.argv[2])) for name in CASES}
+    if all(v["main"] for v in out.values()):
+        with open(sys.argv[1], "w") as f:
+            json.dump(out, f)

@@ -1,0 +1,67 @@
+"""Two CPU processes (gloo DDP through `accelerate launch`) take the same optimizer steps as one process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import dist_worker
+
+ROOT = Path(__file__).resolve().parent.parent
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0", "PYTHONPATH": str(ROOT),
+       "TOKENIZERS_PARALLELISM": "false"}
+CONFIG = str(ROOT / "accelerate_configs" / "multi_cpu_2.yaml")
+
+
+def launch(*args, config=CONFIG, timeout=600, port=None):
+    cmd = [ACCELERATE, "launch", "--config_file", config]
+    if port:
+        cmd += ["--main_process_port", str(port)]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def two_process_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist") / "w2.json"
+    proc = launch(str(ROOT / "tests" / "dist_worker.py"), str(out), "2", port=29521)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", list(dist_worker.CASES))
+def test_two_processes_match_one(two_process_results, case):
+    two = two_process_results[case]
+    one = dist_worker.run(case, processes=1)
+    assert two["processes"] == 2 and one["processes"] == 1
+    assert two["effective"] == one["effective"] == dist_worker.CASES[case]["effective"]
+    w2, w1 = torch.tensor(two["weights"]), torch.tensor(one["weights"])
+    assert float((w2 - w1).abs().max() / w1.abs().max()) <= 1e-5
+    assert two["lr"] == one["lr"]
+    # history.jsonl is the same for any number of processes (timings aside)
+    assert len(two["history"]) == len(one["history"])
+    for h2, h1 in zip(two["history"], one["history"]):
+        for key in ("step", "epoch", "window", "items", "samples", "micro_batches", "window_hash", "skipped"):
+            assert h2[key] == h1[key], key
+        for key in ("loss", "grad_norm", "lr"):
+            assert h2[key] == pytest.approx(h1[key], rel=1e-5), key
+    # validation: every sample once, same loss
+    assert [v["loss"] for v in two["val"]] == pytest.approx([v["loss"] for v in one["val"]], rel=1e-5)
+
+
+def test_recipe_under_two_process_config_logs_once(tmp_path):
+    out = tmp_path / "run"
+    proc = launch(str(ROOT / "finetune" / "run.py"), "--recipe", "minilm-sentiment", "--max-steps", "2",
+                  "--batch-size", "4", "--set", "data.limit=40", "--output-dir", str(out), port=29522)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("FINE-TUNING") == 1
+    assert "Processes: 2" in proc.stdout and "Effective batch size: 32 (4 × 4 × 2 processes)" in proc.stdout
+    assert proc.stdout.count("done:") == 1
+    assert proc.stderr.count("LOAD REPORT") <= 1
+    history = (out / "history.jsonl").read_text().splitlines()
+    assert len(history) == 2  # one writer
+    assert json.loads(history[0])["samples"] == 32
