@@ -42,9 +42,8 @@ class NonFiniteError(RuntimeError):
 
 
 def make_accelerator(t: TrainingConfig, accum: int, log_with=None, project_dir=None) -> Accelerator:
-    """An Accelerator for this run. fp16 without CUDA is refused: Accelerate would silently train in fp32."""
-    if t.mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise ConfigError("training.mixed_precision: fp16 needs a CUDA device; use bf16 or no on this machine")
+    """An Accelerator for this run (see ``check_environment`` for what is refused)."""
+    check_environment(t)
     # Accelerate keeps process-wide singletons; a second run in the same process (the Python API, tests, a search)
     # may ask for another precision or N, so start them afresh (the distributed process group is kept).
     if AcceleratorState._shared_state:
@@ -57,6 +56,16 @@ def make_accelerator(t: TrainingConfig, accum: int, log_with=None, project_dir=N
         project_dir=project_dir,
         cpu=not _has_device(),
     )
+
+
+def check_environment(t: TrainingConfig) -> None:
+    """Refuse, naming the setting, what this machine cannot run (fail at set-up, not mid-run)."""
+    if t.mixed_precision == "fp16" and not torch.cuda.is_available():  # Accelerate would silently train in fp32
+        raise ConfigError("training.mixed_precision: fp16 needs a CUDA device; use bf16 or no on this machine")
+    for engine in ("FSDP", "DEEPSPEED"):  # Accelerate's plugins for these refuse to start without a GPU
+        if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true" and not _has_device():
+            raise ConfigError(f"accelerate config: {engine.lower()} needs GPUs; on CPU use "
+                              "accelerate_configs/multi_cpu_2.yaml (DDP over gloo)")
 
 
 def _has_device() -> bool:

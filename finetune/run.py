@@ -115,7 +115,8 @@ def _run(args) -> int:
     if state.num_processes > 1:  # every process writes to the same place (timestamps differ between them)
         broadcast_object_list(out_dir)
     out_dir = out_dir[0]
-    loop.resolve_accumulation(cfg.training, state.num_processes)  # fail on a bad effective batch before building
+    loop.check_environment(cfg.training)  # fail on what this machine can't run, and on a bad effective batch,
+    loop.resolve_accumulation(cfg.training, state.num_processes)  # before building anything
 
     if not state.is_main_process:  # one process speaks: the others keep quiet about loading and mapping
         import datasets

@@ -39,7 +39,8 @@ def run(name, processes):
 
 
 if __name__ == "__main__":
-    out = {name: run(name, processes=int(sys.argv[2])) for name in CASES}
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else list(CASES)
+    out = {name: run(name, processes=int(sys.argv[2])) for name in names}
     if all(v["main"] for v in out.values()):
         with open(sys.argv[1], "w") as f:
             json.dump(out, f)

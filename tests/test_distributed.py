@@ -65,3 +65,33 @@ def test_recipe_under_two_process_config_logs_once(tmp_path):
     history = (out / "history.jsonl").read_text().splitlines()
     assert len(history) == 2  # one writer
     assert json.loads(history[0])["samples"] == 32
+
+
+def test_two_machines_on_loopback(tmp_path):
+    """num_machines = 2 (machine_rank 0 and 1, main process at 127.0.0.1), one process each, gloo."""
+    out = tmp_path / "w2.json"
+    config = str(ROOT / "accelerate_configs" / "multi_node_cpu.yaml")
+    script = [str(ROOT / "tests" / "dist_worker.py"), str(out), "2", "mlp_uneven"]
+    cmd = lambda rank: [ACCELERATE, "launch", "--config_file", config, "--machine_rank", str(rank),  # noqa: E731
+                        "--main_process_port", "29533", *script]
+    machines = [subprocess.Popen(cmd(r), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                                 cwd=ROOT) for r in (0, 1)]
+    results = [m.communicate(timeout=600) for m in machines]
+    assert all(m.returncode == 0 for m in machines), results[0][1][-3000:] + results[1][1][-3000:]
+    two = json.loads(out.read_text())["mlp_uneven"]
+    one = dist_worker.run("mlp_uneven", processes=1)
+    assert two["processes"] == 2
+    w2, w1 = torch.tensor(two["weights"]), torch.tensor(one["weights"])
+    assert float((w2 - w1).abs().max() / w1.abs().max()) <= 1e-5
+
+
+def test_fsdp_and_deepspeed_refused_without_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = launch(str(ROOT / "finetune" / "run.py"), "--recipe", "minilm-sentiment", "--max-steps", "1",
+                  "--output-dir", str(tmp_path / "o"), config=str(ROOT / "accelerate_configs" / "fsdp.yaml"),
+                  port=29524)
+    assert proc.returncode != 0
+    assert "error: accelerate config: fsdp needs GPUs" in proc.stderr
+    assert "LOAD REPORT" not in proc.stderr  # refused before the model was built
+    assert not (tmp_path / "o").exists()
