@@ -71,7 +71,8 @@ class TrainingConfig:
         "what the loss averages over, used to weight micro-batches: auto detects label tokens (-100 ignored, "
         "shifted for causal LMs), else samples", "auto")
     eval_every: Optional[int] = doc("evaluate every K optimizer steps (null: at the end of each epoch)", None)
-    on_nonfinite: Literal["stop", "skip"] = doc("non-finite loss/grad: stop the run, or skip the window's update", "stop")
+    on_nonfinite: Literal["stop", "skip"] = doc(
+        "non-finite loss/grad: stop the run, or skip the window's update", "stop")
     num_workers: int = doc("DataLoader worker processes", 0)
     ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9)
 
@@ -83,6 +84,8 @@ class OutputConfig:
     save_model: bool = doc("save the final model (save_pretrained for HF models, safetensors otherwise)", True)
     plots: bool = doc("write loss / lr / grad-norm PNGs", True)
     tracker: Literal["none", "tensorboard", "wandb", "mlflow"] = doc("experiment tracker through Accelerate", "none")
+    save_every: Optional[int] = doc("checkpoint every K optimizer steps and at the end (null: no checkpoints)", None)
+    keep_checkpoints: int = doc("how many of the newest checkpoints to keep", 2)
 
 
 @dataclass
@@ -235,6 +238,10 @@ def _validate_ranges(cfg: RecipeConfig, problems: list):
         need(0 <= m.dropout < 1, f"model.dropout: got {m.dropout}; must be in [0, 1) or null")
     if hasattr(d, "val_fraction"):
         need(0 <= d.val_fraction < 1, f"data.val_fraction: got {d.val_fraction}; must be in [0, 1)")
+    o = cfg.output
+    if o.save_every is not None:
+        need(o.save_every >= 1, f"output.save_every: got {o.save_every}; must be an integer >= 1 or null")
+    need(o.keep_checkpoints >= 1, f"output.keep_checkpoints: got {o.keep_checkpoints}; must be an integer >= 1")
     if getattr(d, "limit", None) is not None:
         need(d.limit >= 1, f"data.limit: got {d.limit}; must be an integer >= 1 or null")
 

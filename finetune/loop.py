@@ -68,6 +68,15 @@ def check_environment(t: TrainingConfig) -> None:
                               "accelerate_configs/multi_cpu_2.yaml (DDP over gloo)")
 
 
+def check_job(job: Job, t: TrainingConfig) -> None:
+    """Data the settings can't use: an empty training set, a micro-batch larger than it."""
+    n_train = len(job.train_data)
+    if n_train == 0:
+        raise ConfigError("data: the training set is empty")
+    if t.batch_size > n_train:
+        raise ConfigError(f"training.batch_size: {t.batch_size} is larger than the {n_train} training samples")
+
+
 def _has_device() -> bool:
     mps = getattr(torch.backends, "mps", None)
     return torch.cuda.is_available() or bool(mps and mps.is_available()) or \
@@ -163,12 +172,19 @@ def compute_loss(model, batch, loss_fn):
 
 
 def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, accelerator: Optional[Accelerator] = None,
-          state: Optional[TrainState] = None, tracker_config: Optional[dict] = None, log_with=None,
-          print_banner: bool = True) -> dict:
+          tracker_config: Optional[dict] = None, log_with=None, print_banner: bool = True,
+          save_every: Optional[int] = None, keep_checkpoints: int = 2, resume_from=None,
+          config_text: str = "") -> dict:
     """Train ``job`` with the settings in ``t``; write ``history.jsonl`` under ``output_dir`` when given.
+
+    ``save_every`` (optimizer steps) writes a checkpoint under ``output_dir/checkpoints`` every K steps and at the
+    end, keeping the last ``keep_checkpoints``; ``resume_from`` (a checkpoint directory) continues that run at
+    its next window with the same sample order and random state.
 
     Returns a dict with the histories, counts and the trained (unwrapped) model — see ``finetune.api``.
     """
+    from finetune import checkpoint
+
     out_dir = Path(output_dir) if output_dir else None
     if accelerator is None:
         processes = distributed_state().num_processes
@@ -179,10 +195,9 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
     if t.effective_batch_size is not None and resolve_accumulation(t, world) != accum:
         raise ConfigError(f"training.effective_batch_size: {t.effective_batch_size} needs N = "
                           f"{resolve_accumulation(t, world)} with {world} processes, the Accelerator has {accum}")
+    check_job(job, t)
     n_train = len(job.train_data)
-    if n_train == 0:
-        raise ConfigError("data: the training set is empty")
-    state = state or TrainState()
+    state = TrainState()
     total_steps = total_optimizer_steps(n_train, t, accum, world)
     effective = t.batch_size * accum * world
     torch.backends.cudnn.benchmark = t.cudnn_benchmark
@@ -199,11 +214,12 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
     scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=t.warmup_steps,
                               num_training_steps=total_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
     forward_model = torch.compile(model, mode=t.compile_mode) if t.compile else model
     causal = is_causal_lm(model)
     counter = job.count_items or (lambda b: count_items(b, t.items, causal))
     params = [p for p in model.parameters() if p.requires_grad]
+    if resume_from is not None:
+        state = checkpoint.load_checkpoint(accelerator, resume_from, scheduler)
 
     main = accelerator.is_main_process
     if main and print_banner:
@@ -215,6 +231,9 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
     history_file = None
     if main and out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
+        if resume_from is not None:  # drop lines a killed run wrote after its last checkpoint
+            checkpoint.atomic_write_text(out_dir / "history.jsonl",
+                                         "".join(json.dumps(h) + "\n" for h in state.history))
         history_file = open(out_dir / "history.jsonl", "a")
 
     bar = tqdm(total=total_steps, initial=state.optimizer_step, disable=not main, unit="step", dynamic_ncols=True,
@@ -223,9 +242,13 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
     stop = state.optimizer_step >= total_steps
     while not stop and state.epoch < t.epochs:
         windows = plan_epoch(n_train, t.batch_size, accum, world, rank, t.seed, state.epoch, t.shuffle)
+        epoch_windows = len(windows)
         windows = windows[state.window:]
+        # The loader gets its own generator: iter() would otherwise draw a seed from the global RNG, and a run
+        # resumed mid-epoch would then see different dropout masks than the uninterrupted one.
         loader = DataLoader(job.train_data, batch_sampler=WindowSampler(windows), collate_fn=job.collate_fn,
-                            num_workers=t.num_workers, pin_memory=accelerator.device.type == "cuda")
+                            num_workers=t.num_workers, pin_memory=accelerator.device.type == "cuda",
+                            generator=torch.Generator().manual_seed(t.seed + state.epoch))
         batches = iter(loader)
         for window in windows:
             # Prefetch the window so its item count is known before the first backward.
@@ -283,21 +306,25 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
             bar.update(1)
             bar.set_postfix_str(f"eff_batch={effective} loss={ema:.4f} lr={lr:.2e}", refresh=False)
 
-            if job.val_data is not None and t.eval_every and state.optimizer_step % t.eval_every == 0:
+            # After the step: close the epoch, evaluate, checkpoint — in this order, so that a checkpoint holds
+            # everything up to it and a resumed run repeats nothing.
+            done = state.optimizer_step >= total_steps
+            epoch_end = window.index == epoch_windows - 1
+            if epoch_end:
+                state.epoch, state.window = state.epoch + 1, 0
+            if job.val_data is not None and (
+                    done or (t.eval_every and state.optimizer_step % t.eval_every == 0)
+                    or (epoch_end and not t.eval_every)):
                 run_eval(job, forward_model, accelerator, t, state, log_with)
-            if state.optimizer_step >= total_steps:
+            if save_every and out_dir is not None and (done or state.optimizer_step % save_every == 0):
+                checkpoint.save_checkpoint(accelerator, state, out_dir, scheduler, config_text, keep_checkpoints,
+                                           meta={"effective_batch_size": effective})
+            if done:
                 stop = True
                 break
-        else:
-            state.epoch += 1
-            state.window = 0
-            if job.val_data is not None and not t.eval_every:
-                run_eval(job, forward_model, accelerator, t, state, log_with)
     bar.close()
     if history_file is not None:
         history_file.close()
-    if job.val_data is not None and (not state.val_history or state.val_history[-1]["step"] != state.optimizer_step):
-        run_eval(job, forward_model, accelerator, t, state, log_with)
     if log_with is not None:
         accelerator.end_training()
 

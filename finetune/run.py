@@ -30,7 +30,16 @@ FLAGS = {
     "mixed_precision": "training.mixed_precision",
     "seed": "training.seed",
     "output_dir": "output.dir",
+    "save_every": "output.save_every",
+    "keep_last": "output.keep_checkpoints",
 }
+# fields whose change between a checkpoint and its resumption changes the result (the micro-batch split does not:
+# the effective batch is compared instead)
+_NEUTRAL = {"training.batch_size", "training.gradient_accumulation_steps", "training.effective_batch_size",
+            "training.num_workers", "training.gradient_checkpointing", "training.cudnn_benchmark",
+            "training.ema_beta", "training.eval_every", "training.on_nonfinite", "output.dir", "output.overwrite",
+            "output.save_every", "output.keep_checkpoints", "output.plots", "output.tracker", "output.save_model",
+            "description", "name"}
 SWITCHES = {"gradient_checkpointing": "training.gradient_checkpointing", "compile": "training.compile"}
 
 
@@ -56,6 +65,10 @@ def build_parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--seed", help="seed of init, sample order and dropout")
     p.add_argument("--output-dir", help="where config.yaml, history.jsonl, metrics.json, plots and the model go")
+    p.add_argument("--save-every", help="checkpoint every K optimizer steps and at the end")
+    p.add_argument("--keep-last", help="keep the newest M checkpoints (default 2)")
+    p.add_argument("--resume", metavar="latest|PATH",
+                   help="continue a run: 'latest' checkpoint of --output-dir, or a checkpoint directory")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any recipe field (repeatable), e.g. --set training.warmup_steps=10")
     return p
@@ -75,12 +88,16 @@ def overrides_from_args(args) -> list[str]:
     return out + list(args.set)
 
 
-def output_dir_for(cfg) -> Path:
+def output_dir_for(cfg, resume=None) -> Path:
     """The run's output directory; refused (before anything is written) if it would overwrite another run."""
+    if resume is not None and resume != "latest" and not cfg.output.dir:
+        return Path(resume).resolve().parent.parent  # <run>/checkpoints/step-…
+    if resume == "latest" and not cfg.output.dir:
+        raise ConfigError("resume: 'latest' needs --output-dir (the run to continue)")
     out = Path(cfg.output.dir) if cfg.output.dir else Path("runs") / cfg.name / time.strftime("%Y%m%d-%H%M%S")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output.dir: {out} is a file; give a directory")
-    if out.is_dir() and any(out.iterdir()) and not cfg.output.overwrite:
+    if resume is None and out.is_dir() and any(out.iterdir()) and not cfg.output.overwrite:
         raise ConfigError(f"output.dir: {out} already holds files; pick a new directory or set output.overwrite=true")
     return out
 
@@ -106,15 +123,20 @@ def main(argv=None, prog=None) -> int:
 def _run(args) -> int:
     from accelerate.utils import broadcast_object_list, set_seed
 
-    from finetune import loop, outputs
+    from finetune import checkpoint, loop, outputs
     from finetune.config import task_module
 
     cfg = load_recipe(args.recipe, overrides_from_args(args))
     state = loop.distributed_state()
-    out_dir = [output_dir_for(cfg) if state.is_main_process else None]
+    out_dir = [output_dir_for(cfg, args.resume) if state.is_main_process else None]
     if state.num_processes > 1:  # every process writes to the same place (timestamps differ between them)
         broadcast_object_list(out_dir)
     out_dir = out_dir[0]
+    resume_from = None
+    if args.resume is not None:
+        resume_from = checkpoint.find_checkpoint(args.resume, out_dir)  # refuses a missing / corrupt checkpoint
+        if state.is_main_process:
+            warn_if_result_changes(resume_from, cfg, state.num_processes)
     loop.check_environment(cfg.training)  # fail on what this machine can't run, and on a bad effective batch,
     loop.resolve_accumulation(cfg.training, state.num_processes)  # before building anything
 
@@ -127,13 +149,17 @@ def _run(args) -> int:
         datasets.disable_progress_bars()
     set_seed(cfg.training.seed)  # model init (new heads) is part of the reproduction
     job = task_module(cfg.task).build(cfg)
+    loop.check_job(job, cfg.training)
+    config_text = dump_config(cfg)
     if state.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(dump_config(cfg))
+        checkpoint.atomic_write_text(out_dir / "config.yaml", config_text)
     start = time.perf_counter()
     result = loop.train(job, cfg.training, output_dir=out_dir,
                         log_with=None if cfg.output.tracker == "none" else cfg.output.tracker,
-                        tracker_config=cfg.to_dict())
+                        tracker_config=cfg.to_dict(), save_every=cfg.output.save_every,
+                        keep_checkpoints=cfg.output.keep_checkpoints, resume_from=resume_from,
+                        config_text=config_text)
     result["extra_metrics"] = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name}
     accelerator = result["accelerator"]
     accelerator.wait_for_everyone()
@@ -148,6 +174,36 @@ def _run(args) -> int:
         print(f"done: {result['optimizer_steps']} optimizer steps in {result['extra_metrics']['train_seconds']} s;"
               f" {final}; outputs in {out_dir}", flush=True)
     return 0
+
+
+def warn_if_result_changes(path: Path, cfg, processes: int) -> None:
+    """One line naming the settings that differ from the checkpoint's and change the result."""
+    import json
+
+    import yaml
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    try:
+        old = flat(yaml.safe_load((path / "config.yaml").read_text()) or {})
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return
+    new = flat(cfg.to_dict())
+    changed = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in sorted(set(old) | set(new))
+               if k not in _NEUTRAL and old.get(k) != new.get(k)]
+    t = cfg.training
+    from finetune.loop import resolve_accumulation
+
+    effective = t.batch_size * resolve_accumulation(t, processes) * processes
+    if manifest.get("effective_batch_size") not in (None, effective):
+        changed.insert(0, f"effective batch ({manifest['effective_batch_size']} → {effective})")
+    if changed:
+        print("warning: resuming with settings that change the result: " + ", ".join(changed), file=sys.stderr)
 
 
 if __name__ == "__main__":

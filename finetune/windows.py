@@ -115,8 +115,8 @@ def is_causal_lm(model) -> bool:
         name = type(model).__name__
         if name.endswith(("ForCausalLM", "LMHeadModel")):
             return True
-        model = getattr(model, "module", None) or getattr(model, "_orig_mod", None) or getattr(model, "base_model", None) \
-            or getattr(model, "model", None)
+        model = next((getattr(model, a) for a in ("module", "_orig_mod", "base_model", "model")
+                      if isinstance(getattr(model, a, None), torch.nn.Module)), None)
     return False
 
 

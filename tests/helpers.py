@@ -70,3 +70,38 @@ def pad_collate(samples, pad_id=0):
 
 def copy_model(model):
     return copy.deepcopy(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running the CLI as a user does
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = str(ROOT / "finetune" / "run.py")
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+TINY = str(ROOT / "tests" / "assets" / "tiny-sentiment.yaml")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0", "TOKENIZERS_PARALLELISM": "false",
+       "PYTHONPATH": str(ROOT)}
+
+
+def cli(*args, launcher=(sys.executable,), timeout=600, env=None):
+    """Run ``finetune/run.py`` with ``args`` (through ``launcher``) and return the CompletedProcess."""
+    return subprocess.run([*launcher, RUN, *args], capture_output=True, text=True, env={**ENV, **(env or {})},
+                          cwd=ROOT, timeout=timeout)
+
+
+def load_weights(run_dir) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(run_dir) / "model" / "model.safetensors"))
+
+
+def same_bytes(a: dict, b: dict) -> bool:
+    """Every tensor equal bit for bit (same names, dtypes, shapes and bytes)."""
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        and a[k].contiguous().view(torch.uint8).equal(b[k].contiguous().view(torch.uint8)) for k in a)

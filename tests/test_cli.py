@@ -1,25 +1,12 @@
 """The CLI as a user runs it: `accelerate launch finetune/run.py --recipe …`, its outputs and its errors."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
 from finetune.config import ConfigError, list_recipes, load_recipe
-
-ROOT = Path(__file__).resolve().parent.parent
-RUN = str(ROOT / "finetune" / "run.py")
-ACCELERATE = str(Path(sys.executable).parent / "accelerate")
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def cli(*args, launcher=(sys.executable,), timeout=600):
-    return subprocess.run([*launcher, RUN, *args], capture_output=True, text=True, env=ENV, cwd=ROOT,
-                          timeout=timeout)
+from tests.helpers import ACCELERATE, ROOT, TINY, cli
 
 
 def test_minilm_sentiment_through_accelerate_launch(tmp_path):
@@ -68,32 +55,75 @@ def test_effective_batch_size_derives_n():
         resolve_accumulation(load_recipe("minilm-sentiment", ["training.batch_size=5"]).training, 1)
 
 
+def _data_file(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# (arguments, expected message); "{tmp}" is replaced by the test's temporary directory
 BAD = [
     (["--recipe", "nope"], "recipe: unknown recipe 'nope'"),
+    (["--recipe", "{tmp}/missing.yaml"], "recipe: file"),
     (["--recipe", "minilm-sentiment", "--set", "training.bogus=1"], "training.bogus: unknown key"),
     (["--recipe", "minilm-sentiment", "--batch-size", "eight"], "training.batch_size: got 'eight'"),
     (["--recipe", "minilm-sentiment", "--grad-accum-steps", "0"], "training.gradient_accumulation_steps: got 0"),
     (["--recipe", "minilm-sentiment", "--lr", "-0.1"], "training.learning_rate: got -0.1"),
     (["--recipe", "minilm-sentiment", "--batch-size", "-4"], "training.batch_size: got -4"),
+    (["--recipe", "minilm-sentiment", "--epochs", "0"], "training.epochs: got 0"),
     (["--recipe", "minilm-sentiment", "--mixed-precision", "fp8"], "training.mixed_precision: got 'fp8'"),
+    (["--recipe", "minilm-sentiment", "--set", "training.max_grad_norm=0"], "training.max_grad_norm: got 0"),
+    (["--recipe", "minilm-sentiment", "--set", "training.warmup_steps=-1"], "training.warmup_steps: got -1"),
     (["--recipe", "minilm-sentiment", "--effective-batch-size", "30", "--batch-size", "4"],
      "training.effective_batch_size: 30 is not a multiple"),
+    (["--recipe", "minilm-sentiment", "--effective-batch-size", "32", "--grad-accum-steps", "2"],
+     "--effective-batch-size: give it or --grad-accum-steps, not both"),
     (["--recipe", "minilm-sentiment", "--set", "model.dropout=1.5"], "model.dropout: got 1.5"),
+    (["--recipe", "minilm-sentiment", "--set", "data.val_fraction=1.5"], "data.val_fraction: got 1.5"),
+    (["--recipe", "minilm-sentiment", "--save-every", "0"], "output.save_every: got 0"),
     (["--recipe", "minilm-sentiment", "--set", "data.source=/no/such/file.csv"], "data.source: file"),
     (["--recipe", "minilm-sentiment", "--set", "optimizer=adam"], "--set optimizer"),
+    (["--recipe", "minilm-sentiment", "--set", "training.lr"], "--set training.lr: expected section.key=value"),
     (["--recipe", "minilm-sentiment", "--epochs", "1", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--recipe", TINY, "--batch-size", "500"], "training.batch_size: 500 is larger than the 120 training samples"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/empty.csv"], "data.source: file {tmp}/empty.csv is empty"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/bad.jsonl"], "data.source: cannot read {tmp}/bad.jsonl"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/labels.csv"], "data.label_field: labels must be integers in"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/nolabel.csv"], "data.label_field: no column 'label'"),
+    (["--recipe", TINY, "--mixed-precision", "fp16"], "training.mixed_precision: fp16 needs a CUDA device"),
+    (["--recipe", TINY, "--resume", "latest"], "resume: no checkpoint in"),
+    (["--recipe", TINY, "--resume", "{tmp}/nowhere/checkpoints/step-000004"], "resume: checkpoint"),
+    (["--recipe", "{tmp}/badyaml.yaml"], "recipe: {tmp}/badyaml.yaml is not valid YAML"),
+    (["--recipe", "{tmp}/badtask.yaml"], "task: got 'nope'; allowed:"),
 ]
 
 
-@pytest.mark.parametrize("args,message", BAD, ids=[m.split(":")[0] for _, m in BAD])
+@pytest.mark.parametrize("args,message", BAD, ids=[f"{i:02d}-" + m.split(":")[0] for i, (_, m) in enumerate(BAD)])
 def test_bad_input_is_one_line_exit_2(tmp_path, args, message):
+    _data_file(tmp_path, "empty.csv", "")
+    _data_file(tmp_path, "bad.jsonl", '{"text": "good", "label": 1}\n{"text": "bad", "label": \n')
+    _data_file(tmp_path, "labels.csv", "text,label\ngood,1\nbad,7\n")
+    _data_file(tmp_path, "nolabel.csv", "text,polarity\ngood,1\nbad,0\n")
+    _data_file(tmp_path, "badyaml.yaml", "task: sentiment\ntraining: [unclosed\n")
+    _data_file(tmp_path, "badtask.yaml", "task: nope\n")
+    if "data.source={tmp}" in " ".join(args) or "resume" in " ".join(args):
+        args = [*args, "--set", "data.limit=1000"] if "resume" not in " ".join(args) else args
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    message = message.replace("{tmp}", str(tmp_path))
     out = tmp_path / "out"
+    if "latest" in args:  # an existing run without checkpoints: its files must survive
+        out.mkdir()
+        (out / "history.jsonl").write_text("keep me\n")
     proc = cli(*args, "--output-dir", str(out))
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.strip().splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    assert not out.exists()
+    if "latest" in args:
+        assert [p.name for p in out.iterdir()] == ["history.jsonl"]
+        assert (out / "history.jsonl").read_text() == "keep me\n"
+    else:
+        assert not out.exists()
 
 
 def test_existing_run_is_not_overwritten(tmp_path):

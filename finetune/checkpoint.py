@@ -1,0 +1,200 @@
+"""Crash-safe checkpoints that resume the very same run.
+
+Layout under the run's output directory::
+
+    checkpoints/step-000012/   accelerator.save_state (model.safetensors, optimizer, scheduler, scaler, RNG),
+                               trainer_state.json (finetune.state.TrainState), scheduler.json,
+                               rng_<rank>.json / .safetensors (random states without pickle),
+                               config.yaml, manifest.json (size + sha256 of every file, written last)
+    checkpoints/latest         name of the newest complete checkpoint (moved last)
+
+A checkpoint is written into ``checkpoints/.tmp-step-…``, every file fsynced, then renamed into place; only then
+does ``latest`` move (write-to-temp + rename). A kill at any moment leaves the previous checkpoint loadable; a
+checkpoint whose files do not match its manifest is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from finetune.config import ConfigError
+from finetune.state import TrainState
+
+LATEST = "latest"
+MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+SCHEDULER = "scheduler.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# random states: our own copy, saved without pickle (python/numpy as JSON, torch/CUDA as safetensors)
+
+
+def capture_rng(rank: int, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    (directory / f"rng_{rank}.json").write_text(json.dumps({
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }))
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda_{i}"] = s
+    save_file(tensors, str(directory / f"rng_{rank}.safetensors"))
+
+
+def restore_rng(rank: int, directory: Path) -> None:
+    from safetensors.torch import load_file
+
+    d = json.loads((directory / f"rng_{rank}.json").read_text())
+    random.setstate((d["python"][0], tuple(d["python"][1]), d["python"][2]))
+    kind, keys, pos, has_gauss, cached = d["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    tensors = load_file(str(directory / f"rng_{rank}.safetensors"))
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda_")]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# save
+
+
+def save_checkpoint(accelerator, state: TrainState, run_dir, scheduler=None, config_text: str = "", keep: int = 2,
+                    meta: dict | None = None) -> Path:
+    """Save everything that resumes the run after ``state.optimizer_step``; every process must call it."""
+    root = Path(run_dir) / "checkpoints"
+    name = f"step-{state.optimizer_step:06d}"
+    final = root / name
+    tmp = root / f".tmp-{name}"
+    main = accelerator.is_main_process
+    if main:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=True)  # model (safetensors), optimizer, scaler, RNG
+    capture_rng(accelerator.process_index, tmp)
+    _fault("save", state.optimizer_step)  # test hook: dies here, mid-write, when asked to
+    accelerator.wait_for_everyone()
+    if main:
+        (tmp / STATE).write_text(json.dumps(state.state_dict()))
+        if scheduler is not None:  # JSON, not a pickle: loading it runs no code
+            (tmp / SCHEDULER).write_text(json.dumps(scheduler.state_dict()))
+        (tmp / "config.yaml").write_text(config_text)
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        for p in files:
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        (tmp / MANIFEST).write_text(json.dumps({"step": state.optimizer_step, "processes": accelerator.num_processes,
+                                                **(meta or {}), "files": manifest}, indent=1))
+        with open(tmp / MANIFEST, "rb") as f:
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # a checkpoint of this step from an earlier attempt: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        atomic_write_text(root / LATEST, name + "\n")  # the pointer moves last
+        for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    if torch.cuda.is_available():  # saving churns the allocator; give fragmented blocks back
+        torch.cuda.empty_cache()
+    return final
+
+
+def _fault(point: str, step: int) -> None:
+    """``FINETUNE_FAULT=save:4`` kills the process in the middle of writing the step-4 checkpoint (tests only)."""
+    if os.environ.get("FINETUNE_FAULT") == f"{point}:{step}":
+        os.kill(os.getpid(), 9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# find, verify, load
+
+
+def find_checkpoint(spec: str, run_dir) -> Path:
+    """``latest`` → the newest complete checkpoint of ``run_dir``; otherwise a checkpoint directory."""
+    if spec == LATEST:
+        pointer = Path(run_dir) / "checkpoints" / LATEST
+        if not pointer.is_file():
+            raise ConfigError(f"resume: no checkpoint in {run_dir} (no checkpoints/{LATEST}); "
+                              "train with --save-every K first, or give a checkpoint path")
+        path = pointer.parent / pointer.read_text().strip()
+    else:
+        path = Path(spec)
+    if not path.is_dir():
+        raise ConfigError(f"resume: checkpoint {path} not found")
+    verify(path)
+    return path
+
+
+def verify(path: Path) -> dict:
+    """Refuse a partial or corrupt checkpoint: every file of the manifest present, with its size and hash."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError):
+        raise ConfigError(f"resume: {path} is not a complete checkpoint (no valid {MANIFEST})") from None
+    for rel, meta in files.items():
+        p = path / rel
+        if not p.is_file():
+            raise ConfigError(f"resume: checkpoint {path} is incomplete: {rel} is missing")
+        if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+            raise ConfigError(f"resume: checkpoint {path} is corrupt: {rel} does not match its manifest")
+    return manifest
+
+
+def load_checkpoint(accelerator, path: Path, scheduler=None) -> TrainState:
+    """Restore model, optimizer, scheduler, scaler and random states; return the TrainState."""
+    accelerator.load_state(str(path))  # tensors via safetensors / torch.load(weights_only=True)
+    if scheduler is not None and (path / SCHEDULER).is_file():
+        scheduler.load_state_dict(json.loads((path / SCHEDULER).read_text()))
+    state = TrainState()
+    state.load_state_dict(json.loads((path / STATE).read_text()))
+    rank = accelerator.process_index
+    if not (path / f"rng_{rank}.json").is_file():
+        raise ConfigError(f"resume: checkpoint {path} has no random state for process {rank}; "
+                          "resume with the number of processes it was saved with")
+    restore_rng(rank, path)
+    return state

