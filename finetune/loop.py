@@ -190,8 +190,7 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
         processes = distributed_state().num_processes
         accelerator = make_accelerator(t, resolve_accumulation(t, processes), log_with=log_with,
                                        project_dir=str(out_dir) if out_dir else None)
-    world, rank = accelerator.num_processes, accelerator.process_index
-    accum = accelerator.gradient_accumulation_steps
+    world, accum = accelerator.num_processes, accelerator.gradient_accumulation_steps
     if t.effective_batch_size is not None and resolve_accumulation(t, world) != accum:
         raise ConfigError(f"training.effective_batch_size: {t.effective_batch_size} needs N = "
                           f"{resolve_accumulation(t, world)} with {world} processes, the Accelerator has {accum}")
@@ -221,90 +220,49 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
     if resume_from is not None:
         state = checkpoint.load_checkpoint(accelerator, resume_from, scheduler)
 
-    main = accelerator.is_main_process
-    if main and print_banner:
+    if accelerator.is_main_process and print_banner:
         print(banner(n_train, t, accum, world, total_steps, accelerator), flush=True)
     if log_with is not None:
         accelerator.init_trackers("finetune", config={
             **_scalars(tracker_config or {}), "config/effective_batch_size": effective,
             "config/gradient_accumulation_steps": accum, "config/physical_batch_size": t.batch_size})
-    history_file = None
-    if main and out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if resume_from is not None:  # drop lines a killed run wrote after its last checkpoint
-            checkpoint.atomic_write_text(out_dir / "history.jsonl",
-                                         "".join(json.dumps(h) + "\n" for h in state.history))
-        history_file = open(out_dir / "history.jsonl", "a")
 
-    bar = tqdm(total=total_steps, initial=state.optimizer_step, disable=not main, unit="step", dynamic_ncols=True,
-               desc=f"train (batch {effective})", mininterval=0.5 if sys.stderr.isatty() else 15)
-    last_time = time.perf_counter()
-    stop = state.optimizer_step >= total_steps
-    while not stop and state.epoch < t.epochs:
-        windows = plan_epoch(n_train, t.batch_size, accum, world, rank, t.seed, state.epoch, t.shuffle)
-        epoch_windows = len(windows)
-        windows = windows[state.window:]
-        # The loader gets its own generator: iter() would otherwise draw a seed from the global RNG, and a run
-        # resumed mid-epoch would then see different dropout masks than the uninterrupted one.
-        loader = DataLoader(job.train_data, batch_sampler=WindowSampler(windows), collate_fn=job.collate_fn,
-                            num_workers=t.num_workers, pin_memory=accelerator.device.type == "cuda",
-                            generator=torch.Generator().manual_seed(t.seed + state.epoch))
-        batches = iter(loader)
-        for window in windows:
-            # Prefetch the window so its item count is known before the first backward.
-            micro_batches = [next(batches) for _ in window.micro_batches]
+    with RunLog(accelerator, out_dir, state, total_steps, effective, log_with, rewrite=resume_from is not None) as log:
+        for window, micro_batches, epoch_windows in iterate_windows(job, t, accelerator, state, accum):
+            if state.optimizer_step >= total_steps:
+                break
+            # The window's item count, over every process, before its first backward (one all-reduce).
             counts = [counter(b) if active else 0 for b, active in zip(micro_batches, window.active)]
-            window_items = sum(counts)
-            if world > 1:  # one all-reduce per window: the count over every process
-                window_items = int(accelerator.reduce(torch.tensor(window_items, device=accelerator.device), "sum"))
-            window_loss = torch.zeros((), device=accelerator.device)
-            window_extras = {}
+            window_items = int(accelerator.reduce(torch.tensor(sum(counts), device=accelerator.device), "sum")) \
+                if world > 1 else sum(counts)
             # Align Accelerate's micro-step counter so that accumulate() syncs on this window's last micro-batch,
             # even when the window is short (k < N micro-batches).
             accelerator.step = accum - len(micro_batches)
+            window_loss, window_extras = torch.zeros((), device=accelerator.device), {}
             for batch, items in zip(micro_batches, counts):
-                batch = send_to_device(batch, accelerator.device)
                 with accelerator.accumulate(model):
-                    loss, extras, _ = compute_loss(forward_model, batch, job.loss_fn)
-                    weight = loss_weight(items, max(window_items, 1), accelerator)
+                    loss, extras, _ = compute_loss(forward_model, send_to_device(batch, accelerator.device),
+                                                   job.loss_fn)
                     # A weight-0 placeholder (or an item-less micro-batch) must add exact zeros, not 0 × NaN.
-                    scaled = loss * weight if items else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0
-                    accelerator.backward(scaled)
+                    accelerator.backward(loss * loss_weight(items, window_items, accelerator) if items
+                                         else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0)
                 state.micro_step += 1
-                if items:
-                    share = items / max(window_items, 1)
-                    window_loss += loss.detach().float() * share
+                if items:  # the logged loss: the same item-weighted mean, without Accelerate's factors
+                    window_loss += loss.detach().float() * (items / window_items)
                     for k, v in extras.items():
-                        window_extras[k] = window_extras.get(k, 0.0) + v.detach().float() * share
+                        window_extras[k] = window_extras.get(k, 0.0) + v.detach().float() * (items / window_items)
 
             grad_norm, skipped, lr = optimizer_step(accelerator, optimizer, scheduler, params, t, state, window)
             if world > 1:
                 window_loss = accelerator.reduce(window_loss, "sum")
                 window_extras = {k: accelerator.reduce(v, "sum") for k, v in window_extras.items()}
-            loss_value = float(window_loss)
-            now = time.perf_counter()
-            record = {
+            log.step({
                 "step": state.optimizer_step, "epoch": window.epoch, "window": window.index,
                 "items": window_items, "samples": len(window.samples),
                 "micro_batches": math.ceil(len(window.samples) / t.batch_size),
-                "loss": loss_value, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
-                "seconds": round(now - last_time, 6), "window_hash": window.sample_hash,
-                **{k: float(v) for k, v in window_extras.items()},
-            }
-            last_time = now
-            state.items += window_items
-            state.samples += len(window.samples)
-            state.window = window.index + 1
-            state.history.append(record)
-            ema = state.update_ema(loss_value, t.ema_beta)
-            if history_file is not None:
-                history_file.write(json.dumps(record) + "\n")
-                history_file.flush()
-            if log_with is not None:
-                accelerator.log({"train/loss": loss_value, "train/lr": lr, "train/grad_norm": grad_norm},
-                                step=state.optimizer_step)
-            bar.update(1)
-            bar.set_postfix_str(f"eff_batch={effective} loss={ema:.4f} lr={lr:.2e}", refresh=False)
+                "loss": float(window_loss), "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
+                "window_hash": window.sample_hash, **{k: float(v) for k, v in window_extras.items()},
+            }, window, t.ema_beta)
 
             # After the step: close the epoch, evaluate, checkpoint — in this order, so that a checkpoint holds
             # everything up to it and a resumed run repeats nothing.
@@ -320,11 +278,7 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
                 checkpoint.save_checkpoint(accelerator, state, out_dir, scheduler, config_text, keep_checkpoints,
                                            meta={"effective_batch_size": effective})
             if done:
-                stop = True
                 break
-    bar.close()
-    if history_file is not None:
-        history_file.close()
     if log_with is not None:
         accelerator.end_training()
 
@@ -359,6 +313,75 @@ def _scalars(config: dict, prefix: str = "") -> dict:
         else:
             out[prefix + key] = value if isinstance(value, (int, float, str, bool)) else str(value)
     return out
+
+
+def iterate_windows(job: Job, t: TrainingConfig, accelerator, state: TrainState, accum: int):
+    """Yield (window, its micro-batches for this process, windows in the epoch) from ``state.epoch`` /
+    ``state.window`` on; each window's micro-batches are collated ahead (prefetched) so they can be counted."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    while state.epoch < t.epochs:
+        epoch = state.epoch
+        windows = plan_epoch(len(job.train_data), t.batch_size, accum, world, rank, t.seed, epoch, t.shuffle)
+        todo = windows[state.window:]
+        # The loader gets its own generator: iter() would otherwise draw a seed from the global RNG, and a run
+        # resumed mid-epoch would then see different dropout masks than the uninterrupted one.
+        loader = DataLoader(job.train_data, batch_sampler=WindowSampler(todo), collate_fn=job.collate_fn,
+                            num_workers=t.num_workers, pin_memory=accelerator.device.type == "cuda",
+                            generator=torch.Generator().manual_seed(t.seed + epoch))
+        batches = iter(loader)
+        for window in todo:
+            yield window, [next(batches) for _ in window.micro_batches], len(windows)
+        if state.epoch == epoch:  # the caller stopped early
+            return
+
+
+class RunLog:
+    """Where each optimizer step is reported, on the main process only: ``history.jsonl`` (one line per step,
+    flushed), the trackers, and the progress bar (effective batch, EMA loss, lr, ETA)."""
+
+    def __init__(self, accelerator, out_dir, state: TrainState, total_steps: int, effective: int, log_with,
+                 rewrite: bool = False):
+        self.accelerator, self.state, self.effective, self.log_with = accelerator, state, effective, log_with
+        self.main = accelerator.is_main_process
+        self.file = None
+        if self.main and out_dir is not None:
+            from finetune.checkpoint import atomic_write_text
+
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if rewrite:  # resuming: drop lines a killed run wrote after its last checkpoint
+                atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in state.history))
+            self.file = open(out_dir / "history.jsonl", "a")
+        self.bar = tqdm(total=total_steps, initial=state.optimizer_step, disable=not self.main, unit="step",
+                        dynamic_ncols=True, desc=f"train (batch {effective})",
+                        mininterval=0.5 if sys.stderr.isatty() else 15)
+        self.last = time.perf_counter()
+
+    def step(self, record: dict, window, ema_beta: float) -> None:
+        now = time.perf_counter()
+        record["seconds"] = round(now - self.last, 6)
+        self.last = now
+        state = self.state
+        state.items += record["items"]
+        state.samples += record["samples"]
+        state.window = window.index + 1
+        state.history.append(record)
+        ema = state.update_ema(record["loss"], ema_beta)
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.log_with is not None:
+            self.accelerator.log({f"train/{k}": record[k] for k in ("loss", "lr", "grad_norm")},
+                                 step=state.optimizer_step)
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"eff_batch={self.effective} loss={ema:.4f} lr={record['lr']:.2e}", refresh=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.close()  # also on an error, so its message starts on a line of its own
+        if self.file is not None:
+            self.file.close()
 
 
 def optimizer_step(accelerator, optimizer, scheduler, params, t: TrainingConfig, state: TrainState, window):

@@ -112,12 +112,17 @@ def main(argv=None, prog=None) -> int:
         print("error: --recipe: required (one of: " + ", ".join(n for n, _ in list_recipes()) + ")",
               file=sys.stderr)
         return 2
+    from finetune.loop import NonFiniteError
+
     try:
         return _run(args)
     except ConfigError as e:
         for problem in e.problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:  # the run diverged: say where; the last checkpoint is intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def _run(args) -> int:

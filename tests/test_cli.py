@@ -137,3 +137,18 @@ def test_existing_run_is_not_overwritten(tmp_path):
     f.write_text("x")
     proc = cli("--recipe", "minilm-sentiment", "--output-dir", str(f))
     assert proc.returncode == 2 and f"output.dir: {f} is a file" in proc.stderr
+
+
+def test_divergence_stops_with_one_line_naming_the_step(tmp_path):
+    out = tmp_path / "run"
+    proc = cli("--recipe", TINY, "--lr", "1e30", "--set", "training.max_grad_norm=null", "--set",
+               "training.optimizer=sgd", "--output-dir", str(out))
+    assert proc.returncode == 1
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and "non-finite gradient" in errors[0] and "optimizer step" in errors[0]
+    assert "Traceback" not in proc.stderr
+    proc = cli("--recipe", TINY, "--lr", "1e30", "--set", "training.max_grad_norm=null", "--set",
+               "training.optimizer=sgd", "--set", "training.on_nonfinite=skip", "--output-dir", str(tmp_path / "b"))
+    assert proc.returncode == 0
+    history = [json.loads(x) for x in (tmp_path / "b" / "history.jsonl").read_text().splitlines()]
+    assert any(h["skipped"] for h in history)
