@@ -17,8 +17,9 @@ from finetune.job import Job
 
 # test_fine_tuning's keyword → TrainingConfig field (the rest share their names)
 _RENAMED = {"n_epochs": "epochs"}
+_HOOKS = ("count_items", "eval_step", "compute_metrics", "param_groups", "before_window", "enable_checkpointing")
 _API_ONLY = {"model", "config", "train_data", "val_data", "use_amp", "use_wandb", "output_dir", "collate_fn",
-             "loss_fn", "count_items", "eval_step", "compute_metrics"}
+             "loss_fn", *_HOOKS}
 
 
 def _explicit_kwargs(fn):
@@ -80,7 +81,8 @@ def test_fine_tuning(
         use_wandb: True (wandb) or a tracker name ("tensorboard", "mlflow") logged through Accelerate.
         output_dir: where ``history.jsonl`` and ``metrics.json`` go (nothing is written when None).
         **more: other ``TrainingConfig`` fields (``items``, ``on_nonfinite``, ``eval_every``, …) and the
-            ``Job`` hooks ``count_items``, ``eval_step``, ``compute_metrics``.
+            ``Job`` hooks ``count_items``, ``eval_step``, ``compute_metrics``, ``param_groups``,
+            ``before_window``, ``enable_checkpointing`` (see ``finetune.job.Job``).
 
     Returns:
         dict with ``grad_norm_history``, ``loss_history``, ``lr_history`` (one per optimizer step),
@@ -100,7 +102,7 @@ def test_fine_tuning(
     given = {k: v for k, v in locals().items() if k in _passed}
     given.update(more)
     t = _training_config(config, given)
-    hooks = {k: more.pop(k) for k in ("count_items", "eval_step", "compute_metrics") if k in more}
+    hooks = {k: more.pop(k) for k in _HOOKS if k in more}
     set_seed(t.seed)
     job = Job(model=model, train_data=_as_dataset(train_data), val_data=_as_dataset(val_data),
               collate_fn=collate_fn, loss_fn=loss_fn, **hooks)

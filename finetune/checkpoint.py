@@ -98,7 +98,7 @@ def restore_rng(rank: int, directory: Path) -> None:
 # save
 
 
-def save_checkpoint(accelerator, state: TrainState, run_dir, scheduler=None, config_text: str = "", keep: int = 2,
+def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, config_text: str = "", keep: int = 2,
                     meta: dict | None = None) -> Path:
     """Save everything that resumes the run after ``state.optimizer_step``; every process must call it."""
     root = Path(run_dir) / "checkpoints"
@@ -117,8 +117,8 @@ def save_checkpoint(accelerator, state: TrainState, run_dir, scheduler=None, con
     accelerator.wait_for_everyone()
     if main:
         (tmp / STATE).write_text(json.dumps(state.state_dict()))
-        if scheduler is not None:  # JSON, not a pickle: loading it runs no code
-            (tmp / SCHEDULER).write_text(json.dumps(scheduler.state_dict()))
+        if schedulers:  # JSON, not a pickle: loading it runs no code
+            (tmp / SCHEDULER).write_text(json.dumps({k: s.state_dict() for k, s in schedulers.items()}))
         (tmp / "config.yaml").write_text(config_text)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         for p in files:
@@ -185,11 +185,14 @@ def verify(path: Path) -> dict:
     return manifest
 
 
-def load_checkpoint(accelerator, path: Path, scheduler=None) -> TrainState:
-    """Restore model, optimizer, scheduler, scaler and random states; return the TrainState."""
+def load_checkpoint(accelerator, path: Path, schedulers=None) -> TrainState:
+    """Restore model, optimizers, schedulers (name → scheduler), scaler and random states; return the TrainState."""
     accelerator.load_state(str(path))  # tensors via safetensors / torch.load(weights_only=True)
-    if scheduler is not None and (path / SCHEDULER).is_file():
-        scheduler.load_state_dict(json.loads((path / SCHEDULER).read_text()))
+    saved = json.loads((path / SCHEDULER).read_text()) if (path / SCHEDULER).is_file() else {}
+    for name, scheduler in (schedulers or {}).items():
+        if name not in saved:
+            raise ConfigError(f"resume: checkpoint {path} has no scheduler state for optimizer {name!r}")
+        scheduler.load_state_dict(saved[name])
     state = TrainState()
     state.load_state_dict(json.loads((path / STATE).read_text()))
     rank = accelerator.process_index

@@ -26,6 +26,12 @@ class Job:
         enable_checkpointing: hook that turns on activation checkpointing for a custom model.
         save: hook ``save(model, directory)`` for the final model (default: save_pretrained or safetensors).
         length_of: sample index → length (tokens), for length-sorted micro-batches inside a window.
+        param_groups: name → {"params": iterable, and TrainingConfig fields to override (learning_rate, betas,
+            weight_decay, optimizer, max_grad_norm, …)}: one optimizer (and scheduler) each, all stepped at the end
+            of every window — e.g. a generator and a discriminator. One loss drives them all: keep each
+            parameter set's gradient out of the others' terms (detach / frozen copies).
+        before_window: called with the TrainState before each window (keys schedules such as a KL warm-up or an
+            R1 interval on optimizer steps, so they are the same for any N).
         tokenizer: saved beside the model when it has ``save_pretrained``.
     """
 
@@ -41,3 +47,5 @@ class Job:
     save: Optional[Callable] = None
     length_of: Optional[Callable] = None
     tokenizer: Any = None
+    param_groups: Optional[dict] = None
+    before_window: Optional[Callable] = None

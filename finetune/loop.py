@@ -12,11 +12,13 @@ Every optimizer step is the step the baseline took with one batch of ``micro_bat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -108,10 +110,11 @@ def total_optimizer_steps(n_train: int, t: TrainingConfig, accum: int, processes
     return min(steps, t.max_steps) if t.max_steps else steps
 
 
-def make_optimizer(model: torch.nn.Module, t: TrainingConfig) -> torch.optim.Optimizer:
-    """adamw / sgd / lion over the trainable parameters; no weight decay on biases and norm weights (1-D)."""
+def make_optimizer(params, t: TrainingConfig) -> torch.optim.Optimizer:
+    """adamw / sgd / lion over the trainable ones of ``params`` (a module or an iterable of parameters); no weight
+    decay on biases and norm weights (1-D)."""
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p in (params.parameters() if isinstance(params, torch.nn.Module) else params):
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
@@ -123,6 +126,34 @@ def make_optimizer(model: torch.nn.Module, t: TrainingConfig) -> torch.optim.Opt
     from lion_pytorch import Lion
 
     return Lion(groups, lr=t.learning_rate, betas=tuple(t.betas))
+
+
+@dataclass
+class Optim:
+    """One optimizer with its scheduler, parameters and clipping (a GAN has two; most jobs one, named "model")."""
+
+    name: str
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    params: list
+    max_grad_norm: Optional[float]
+
+
+def make_optims(model: torch.nn.Module, job: Job, t: TrainingConfig, total_steps: int) -> list:
+    """One Optim per ``job.param_groups`` entry (name → {"params": …, TrainingConfig overrides}), else one over the
+    whole model. Schedulers come from ``transformers.get_scheduler``, sized in optimizer steps."""
+    from transformers import get_scheduler
+
+    groups = job.param_groups or {"model": {"params": model.parameters()}}
+    optims = []
+    for name, spec in groups.items():
+        tg = dataclasses.replace(t, **{k: v for k, v in spec.items() if k != "params"})
+        params = [p for p in spec["params"] if p.requires_grad]
+        optimizer = make_optimizer(params, tg)
+        scheduler = get_scheduler(tg.lr_scheduler, optimizer, num_warmup_steps=tg.warmup_steps,
+                                  num_training_steps=total_steps)
+        optims.append(Optim(name, optimizer, scheduler, params, tg.max_grad_norm))
+    return optims
 
 
 def enable_checkpointing(model: torch.nn.Module, hook=None) -> None:
@@ -162,8 +193,9 @@ def compute_loss(model, batch, loss_fn):
     loss = out["loss"] if isinstance(out, dict) else getattr(out, "loss", None)
     if loss is None:
         raise ValueError("the model returned no loss: pass labels in the batch, or give a loss_fn")
+    # other 0-d tensors of a dict output (loss terms such as "kl" or "d_loss") are logged beside the loss
     extras = {k: v for k, v in out.items() if k != "loss" and isinstance(v, torch.Tensor) and v.dim() == 0} \
-        if isinstance(out, dict) and loss_fn is not None else {}
+        if isinstance(out, dict) else {}
     return loss, extras, out
 
 
@@ -204,21 +236,19 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
     model = job.model
     if t.gradient_checkpointing:
         enable_checkpointing(model, job.enable_checkpointing)
-    optimizer = make_optimizer(model, t)
-    from transformers import get_scheduler
-
-    # The scheduler is not passed to accelerator.prepare: a prepared scheduler steps num_processes times per
+    # Schedulers are not passed to accelerator.prepare: a prepared scheduler steps num_processes times per
     # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
-    # process, so the raw scheduler is stepped exactly once per optimizer step.
-    scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=t.warmup_steps,
-                              num_training_steps=total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    # process, so each raw scheduler is stepped exactly once per optimizer step.
+    optims = make_optims(model, job, t, total_steps)
+    model, *prepared = accelerator.prepare(model, *[o.optimizer for o in optims])
+    for o, p in zip(optims, prepared):
+        o.optimizer = p
     forward_model = torch.compile(model, mode=t.compile_mode) if t.compile else model
     causal = is_causal_lm(model)
     counter = job.count_items or (lambda b: count_items(b, t.items, causal))
-    params = [p for p in model.parameters() if p.requires_grad]
+    schedulers = {o.name: o.scheduler for o in optims}
     if resume_from is not None:
-        state = checkpoint.load_checkpoint(accelerator, resume_from, scheduler)
+        state = checkpoint.load_checkpoint(accelerator, resume_from, schedulers)
 
     if accelerator.is_main_process and print_banner:
         print(banner(n_train, t, accum, world, total_steps, accelerator), flush=True)
@@ -238,6 +268,8 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
             # Align Accelerate's micro-step counter so that accumulate() syncs on this window's last micro-batch,
             # even when the window is short (k < N micro-batches).
             accelerator.step = accum - len(micro_batches)
+            if job.before_window is not None:  # e.g. a KL weight or an R1 interval keyed on optimizer steps
+                job.before_window(state)
             window_loss, window_extras = torch.zeros((), device=accelerator.device), {}
             for batch, items in zip(micro_batches, counts):
                 with accelerator.accumulate(model):
@@ -252,7 +284,7 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
                     for k, v in extras.items():
                         window_extras[k] = window_extras.get(k, 0.0) + v.detach().float() * (items / window_items)
 
-            grad_norm, skipped, lr = optimizer_step(accelerator, optimizer, scheduler, params, t, state, window)
+            norms, skipped, lrs = optimizer_step(accelerator, optims, t, state, window)
             if world > 1:
                 window_loss = accelerator.reduce(window_loss, "sum")
                 window_extras = {k: accelerator.reduce(v, "sum") for k, v in window_extras.items()}
@@ -260,8 +292,10 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
                 "step": state.optimizer_step, "epoch": window.epoch, "window": window.index,
                 "items": window_items, "samples": len(window.samples),
                 "micro_batches": math.ceil(len(window.samples) / t.batch_size),
-                "loss": float(window_loss), "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
+                "loss": float(window_loss), "lr": lrs[0], "grad_norm": norms[0], "skipped": skipped,
                 "window_hash": window.sample_hash, **{k: float(v) for k, v in window_extras.items()},
+                **{f"{key}_{o.name}": v[i] for i, o in enumerate(optims) if i
+                   for key, v in (("lr", lrs), ("grad_norm", norms))},
             }, window, t.ema_beta)
 
             # After the step: close the epoch, evaluate, checkpoint — in this order, so that a checkpoint holds
@@ -275,7 +309,7 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
                     or (epoch_end and not t.eval_every)):
                 run_eval(job, forward_model, accelerator, t, state, log_with)
             if save_every and out_dir is not None and (done or state.optimizer_step % save_every == 0):
-                checkpoint.save_checkpoint(accelerator, state, out_dir, scheduler, config_text, keep_checkpoints,
+                checkpoint.save_checkpoint(accelerator, state, out_dir, schedulers, config_text, keep_checkpoints,
                                            meta={"effective_batch_size": effective})
             if done:
                 break
@@ -384,34 +418,44 @@ class RunLog:
             self.file.close()
 
 
-def optimizer_step(accelerator, optimizer, scheduler, params, t: TrainingConfig, state: TrainState, window):
-    """Unscale → grad norm → clip → step → scheduler → zero_grad.
+def optimizer_step(accelerator, optims: list, t: TrainingConfig, state: TrainState, window):
+    """Unscale → grad norm → clip → step → scheduler → zero_grad, for each optimizer.
 
-    Returns (total grad norm before clipping, whether the update was skipped, the lr the step used).
+    Returns (total grad norm before clipping per optimizer, whether the update was skipped, lr per optimizer).
     """
-    # clip_grad_norm_ unscales fp16 gradients first (GradScaler.unscale_), so the norm and the clip are in true
-    # units; with clipping off, max_norm=inf still returns the total norm and leaves gradients untouched.
-    max_norm = t.max_grad_norm if t.max_grad_norm is not None else math.inf
-    norm = accelerator.clip_grad_norm_(params, max_norm)
-    grad_norm = float(norm) if norm is not None else float("nan")  # the step's one host sync
-    lr = optimizer.param_groups[0]["lr"]
+    norms = []
+    for i, o in enumerate(optims):
+        # clip_grad_norm_ unscales fp16 gradients first (GradScaler.unscale_, for every optimizer at once), so the
+        # norm and the clip are in true units; with clipping off, max_norm=inf still returns the total norm and
+        # leaves the gradients untouched.
+        max_norm = o.max_grad_norm if o.max_grad_norm is not None else math.inf
+        clip = accelerator.clip_grad_norm_ if i == 0 else torch.nn.utils.clip_grad_norm_
+        norm = clip(o.params, max_norm)
+        norms.append(norm if norm is not None else torch.tensor(float("nan")))
+    norms = torch.stack([torch.as_tensor(n, dtype=torch.float32).cpu() for n in norms]).tolist()  # one host sync
+    lrs = [o.optimizer.param_groups[0]["lr"] for o in optims]
     if accelerator.scaler is not None:
-        optimizer.step()  # GradScaler skips the update on inf/NaN gradients and lowers the scale
-        skipped = bool(optimizer.step_was_skipped)
-    elif math.isfinite(grad_norm):
-        optimizer.step()
+        for o in optims:
+            o.optimizer.step()  # GradScaler skips the update on inf/NaN gradients and lowers the scale
+        skipped = any(bool(o.optimizer.step_was_skipped) for o in optims)
+    elif all(math.isfinite(n) for n in norms):
+        for o in optims:
+            o.optimizer.step()
         skipped = False
     elif t.on_nonfinite == "skip":
         skipped = True
     else:
+        bad = ", ".join(f"{o.name} {n}" for o, n in zip(optims, norms) if not math.isfinite(n))
         raise NonFiniteError(
-            f"non-finite gradient (norm {grad_norm}) at optimizer step {state.optimizer_step + 1} "
-            f"(epoch {window.epoch}, window {window.index}); set training.on_nonfinite=skip to drop such windows")
-    if not skipped:  # a skipped update is not a step of the schedule
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+            f"non-finite gradient (norm {bad if len(optims) > 1 else norms[0]}) at optimizer step "
+            f"{state.optimizer_step + 1} (epoch {window.epoch}, window {window.index}); set "
+            "training.on_nonfinite=skip to drop such windows")
+    for o in optims:
+        if not skipped:  # a skipped update is not a step of the schedule
+            o.scheduler.step()
+        o.optimizer.zero_grad(set_to_none=True)
     state.optimizer_step += 1
-    return grad_norm, skipped, lr
+    return norms, skipped, lrs
 
 
 @torch.no_grad()

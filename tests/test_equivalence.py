@@ -92,3 +92,43 @@ def test_gradient_checkpointing_gives_the_same_steps():
     ckpt = run(model, data, 4, 2, collate_fn=pad_collate, n_epochs=1, gradient_checkpointing=True)
     assert ckpt["model"].transformer.gradient_checkpointing
     assert rel_diff(ckpt["model"], plain["model"]) <= 1e-6
+
+
+class TwoPart(torch.nn.Module):
+    """Two parameter sets with their own optimizers; the second's loss reads the first's output detached."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = MLP()
+        self.second = torch.nn.Linear(6, 1)
+        self.weight = 1.0  # set by before_window from the optimizer step
+
+    def forward(self, x, y):
+        a = self.first(x, y)["loss"]
+        b = torch.nn.functional.mse_loss(self.second(x).squeeze(-1), y - self.first.net(x).squeeze(-1).detach())
+        return {"loss": a + self.weight * b, "second": b}
+
+
+def test_two_optimizers_and_a_step_keyed_schedule():
+    torch.manual_seed(0)
+    model, data = TwoPart(), regression_data(41)
+    weights = {}
+
+    def run_two(b, n):
+        m = copy_model(model)
+
+        def before(state):  # a warm-up keyed on optimizer steps, as a KL or R1 schedule would be
+            m.weight = min(1.0, (state.optimizer_step + 1) / 4)
+            weights.setdefault((b, n), []).append(m.weight)
+
+        groups = {"first": {"params": m.first.parameters()},
+                  "second": {"params": m.second.parameters(), "learning_rate": 0.05, "max_grad_norm": 0.5}}
+        return run(m, data, b, n, param_groups=groups, before_window=before, learning_rate=0.2)
+
+    small, big = run_two(3, 4), run_two(12, 1)
+    assert rel_diff(small["model"], big["model"]) <= 1e-5
+    assert weights[(3, 4)] == weights[(12, 1)]  # the same schedule whatever N
+    h = small["history"][0]
+    assert {"grad_norm_second", "lr_second", "second"} <= set(h) and h["lr_second"] == 0.05
+    assert [x["grad_norm_second"] for x in small["history"]] == pytest.approx(
+        [x["grad_norm_second"] for x in big["history"]], rel=1e-5)

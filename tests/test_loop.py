@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from finetune import ConfigError, TrainingConfig, test_fine_tuning
-from finetune.loop import make_accelerator, optimizer_step
+from finetune.loop import Optim, make_accelerator, optimizer_step
 from finetune.state import TrainState
 from finetune.windows import Window, plan_epoch
 from tests.helpers import MLP, copy_model, regression_data, rel_diff
@@ -106,6 +106,7 @@ def _fp16_accelerator(init_scale):
 def _one_step(acc, model, max_norm, poison=False):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1))
+    params = list(model.parameters())
     model, opt = acc.prepare(model, opt)
     acc.native_amp = True  # after prepare: fp32 forward (exact numbers), fp16 loss scaling and unscaling
     batch = {"x": torch.ones(4, 6), "y": torch.zeros(4)}
@@ -114,9 +115,9 @@ def _one_step(acc, model, max_norm, poison=False):
         next(model.parameters()).grad[0, 0] = float("inf")
     t = TrainingConfig(max_grad_norm=max_norm, optimizer="sgd")
     state = TrainState()
-    norm, skipped, lr = optimizer_step(acc, opt, sched, list(model.parameters()), t, state,
-                                       Window(0, 0, (0,), ((0,),), (True,)))
-    return model, opt, sched, norm, skipped, lr, state
+    norms, skipped, lrs = optimizer_step(acc, [Optim("model", opt, sched, params, max_norm)], t, state,
+                                         Window(0, 0, (0,), ((0,),), (True,)))
+    return model, opt, sched, norms[0], skipped, lrs[0], state
 
 
 def test_fp16_unscales_before_norm_and_clip():

@@ -138,7 +138,7 @@ def test_checkpoints_load_without_pickle(uninterrupted, monkeypatch):
     opt = make_optimizer(model, t)
     sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=10)
     model, opt = acc.prepare(model, opt)
-    state = checkpoint.load_checkpoint(acc, latest, sched)
+    state = checkpoint.load_checkpoint(acc, latest, {"model": sched})
     assert state.optimizer_step == json.loads((latest / "manifest.json").read_text())["step"]
     assert calls and all(w is True for w in calls), calls
     assert sched.last_epoch == state.optimizer_step
