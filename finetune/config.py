@@ -74,6 +74,9 @@ class TrainingConfig:
     on_nonfinite: Literal["stop", "skip"] = doc(
         "non-finite loss/grad: stop the run, or skip the window's update", "stop")
     num_workers: int = doc("DataLoader worker processes", 0)
+    sort_within_window: bool = doc(
+        "order each window's samples by length before cutting micro-batches (less padding; same windows, same "
+        "steps)", False)
     ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9)
 
 
@@ -103,6 +106,17 @@ class BaseDataConfig:
 
 
 @dataclass
+class PeftConfig:
+    enabled: bool = doc("train LoRA adapters (peft) instead of all weights", False)
+    r: int = doc("LoRA rank", 8)
+    alpha: int = doc("LoRA alpha (the update is scaled by alpha / r)", 16)
+    dropout: float = doc("dropout on the LoRA branch (0 for an exact reproduction check)", 0.0)
+    target_modules: Optional[list] = doc("module names to adapt (null: peft's default for the architecture)", None)
+    modules_to_save: Optional[list] = doc("modules trained in full beside the adapters (e.g. [classifier])", None)
+    merge: bool = doc("also save the model with the adapters merged in (model-merged/)", False)
+
+
+@dataclass
 class RecipeConfig:
     task: str
     model: Any
@@ -111,12 +125,14 @@ class RecipeConfig:
     output: OutputConfig
     name: str = "custom"
     description: str = ""
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     def to_dict(self) -> dict:
         return {
             "name": self.name, "description": self.description, "task": self.task,
             "model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data),
             "training": dataclasses.asdict(self.training), "output": dataclasses.asdict(self.output),
+            "peft": dataclasses.asdict(self.peft),
         }
 
 
@@ -238,6 +254,11 @@ def _validate_ranges(cfg: RecipeConfig, problems: list):
         need(0 <= m.dropout < 1, f"model.dropout: got {m.dropout}; must be in [0, 1) or null")
     if hasattr(d, "val_fraction"):
         need(0 <= d.val_fraction < 1, f"data.val_fraction: got {d.val_fraction}; must be in [0, 1)")
+    p = cfg.peft
+    if p.enabled:
+        need(p.r >= 1, f"peft.r: got {p.r}; must be an integer >= 1")
+        need(p.alpha >= 1, f"peft.alpha: got {p.alpha}; must be an integer >= 1")
+        need(0 <= p.dropout < 1, f"peft.dropout: got {p.dropout}; must be in [0, 1)")
     o = cfg.output
     if o.save_every is not None:
         need(o.save_every >= 1, f"output.save_every: got {o.save_every}; must be an integer >= 1 or null")
@@ -302,8 +323,8 @@ def apply_overrides(raw: dict, overrides) -> dict:
         if len(keys) == 1 and keys[0] in ("task", "name", "description"):
             raw[keys[0]] = value
             continue
-        if len(keys) != 2 or keys[0] not in ("model", "data", "training", "output"):
-            raise ConfigError(f"--set {'.'.join(keys)}: expected model|data|training|output.key=value")
+        if len(keys) != 2 or keys[0] not in ("model", "data", "training", "output", "peft"):
+            raise ConfigError(f"--set {'.'.join(keys)}: expected model|data|training|output|peft.key=value")
         section = raw.setdefault(keys[0], {})
         if not isinstance(section, dict):
             raise ConfigError(f"{keys[0]}: must be a mapping of keys to values")
@@ -316,8 +337,8 @@ def config_from_dict(raw: dict, name: str = "custom") -> RecipeConfig:
     if not isinstance(raw, dict):
         raise ConfigError("recipe: must be a YAML mapping with task, model, data, training, output")
     problems = []
-    extra = set(raw) - {"task", "name", "description", "model", "data", "training", "output"}
-    problems += [f"{k}: unknown top-level key; allowed: task, description, model, data, training, output"
+    extra = set(raw) - {"task", "name", "description", "model", "data", "training", "output", "peft"}
+    problems += [f"{k}: unknown top-level key; allowed: task, description, model, data, training, output, peft"
                  for k in sorted(extra)]
     module = task_module(raw.get("task"))
     cfg = RecipeConfig(
@@ -326,6 +347,7 @@ def config_from_dict(raw: dict, name: str = "custom") -> RecipeConfig:
         data=build_section(module.DataConfig, raw.get("data"), "data", problems),
         training=build_section(TrainingConfig, raw.get("training"), "training", problems),
         output=build_section(OutputConfig, raw.get("output"), "output", problems),
+        peft=build_section(PeftConfig, raw.get("peft"), "peft", problems),
         name=str(raw.get("name") or name),
         description=str(raw.get("description") or ""),
     )

@@ -30,6 +30,8 @@ class Job:
             weight_decay, optimizer, max_grad_norm, …)}: one optimizer (and scheduler) each, all stepped at the end
             of every window — e.g. a generator and a discriminator. One loss drives them all: keep each
             parameter set's gradient out of the others' terms (detach / frozen copies).
+        val_loss_metrics: validation loss → dict of metrics derived from it (perplexity = exp(loss)).
+        summarize: trained model → dict added to metrics.json at the end (e.g. a generated sample).
         before_window: called with the TrainState before each window (keys schedules such as a KL warm-up or an
             R1 interval on optimizer steps, so they are the same for any N).
         tokenizer: saved beside the model when it has ``save_pretrained``.
@@ -49,3 +51,5 @@ class Job:
     tokenizer: Any = None
     param_groups: Optional[dict] = None
     before_window: Optional[Callable] = None
+    val_loss_metrics: Optional[Callable] = None
+    summarize: Optional[Callable] = None

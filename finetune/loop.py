@@ -77,6 +77,8 @@ def check_job(job: Job, t: TrainingConfig) -> None:
         raise ConfigError("data: the training set is empty")
     if t.batch_size > n_train:
         raise ConfigError(f"training.batch_size: {t.batch_size} is larger than the {n_train} training samples")
+    if t.sort_within_window and job.length_of is None:
+        raise ConfigError("training.sort_within_window: this task gives no sample lengths (Job.length_of)")
 
 
 def _has_device() -> bool:
@@ -307,10 +309,12 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
             if job.val_data is not None and (
                     done or (t.eval_every and state.optimizer_step % t.eval_every == 0)
                     or (epoch_end and not t.eval_every)):
-                run_eval(job, forward_model, accelerator, t, state, log_with)
+                val = run_eval(job, forward_model, accelerator, t, state, log_with)
+                state.history[-1].update({f"val_{k}": v for k, v in val.items() if k not in ("step", "epoch")})
             if save_every and out_dir is not None and (done or state.optimizer_step % save_every == 0):
                 checkpoint.save_checkpoint(accelerator, state, out_dir, schedulers, config_text, keep_checkpoints,
                                            meta={"effective_batch_size": effective})
+            log.flush()
             if done:
                 break
     if log_with is not None:
@@ -355,7 +359,8 @@ def iterate_windows(job: Job, t: TrainingConfig, accelerator, state: TrainState,
     world, rank = accelerator.num_processes, accelerator.process_index
     while state.epoch < t.epochs:
         epoch = state.epoch
-        windows = plan_epoch(len(job.train_data), t.batch_size, accum, world, rank, t.seed, epoch, t.shuffle)
+        windows = plan_epoch(len(job.train_data), t.batch_size, accum, world, rank, t.seed, epoch, t.shuffle,
+                             sort_key=job.length_of if t.sort_within_window else None)
         todo = windows[state.window:]
         # The loader gets its own generator: iter() would otherwise draw a seed from the global RNG, and a run
         # resumed mid-epoch would then see different dropout masks than the uninterrupted one.
@@ -400,14 +405,17 @@ class RunLog:
         state.window = window.index + 1
         state.history.append(record)
         ema = state.update_ema(record["loss"], ema_beta)
-        if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
         if self.log_with is not None:
             self.accelerator.log({f"train/{k}": record[k] for k in ("loss", "lr", "grad_norm")},
                                  step=state.optimizer_step)
         self.bar.update(1)
         self.bar.set_postfix_str(f"eff_batch={self.effective} loss={ema:.4f} lr={record['lr']:.2e}", refresh=False)
+
+    def flush(self) -> None:
+        """Write the step's line (after its evaluation, whose results it carries as val_*)."""
+        if self.file is not None:
+            self.file.write(json.dumps(self.state.history[-1]) + "\n")
+            self.file.flush()
 
     def __enter__(self):
         return self
@@ -494,6 +502,8 @@ def run_eval(job: Job, model, accelerator: Accelerator, t: TrainingConfig, state
     epoch = state.history[-1]["epoch"] if state.history else state.epoch
     record = {"step": state.optimizer_step, "epoch": epoch,
               "loss": float(loss_sum / items_sum) if float(items_sum) else float("nan")}
+    if job.val_loss_metrics is not None:  # e.g. perplexity = exp(loss)
+        record.update(job.val_loss_metrics(record["loss"]))
     if job.compute_metrics is not None and preds:
         record.update(job.compute_metrics(preds, refs))
     state.val_history.append(record)

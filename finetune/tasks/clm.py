@@ -1,0 +1,208 @@
+"""Causal language modelling: fine-tune any ``AutoModelForCausalLM`` (or one built from a config) on local text.
+
+Default corpus: the ≈2 000 paragraphs of the Python documentation that ship with Python itself
+(``pydoc_data.topics``). Any text / json / jsonl / csv / parquet file works too (``data.source``). The tokenizer
+comes from the model directory, or — for a model built from ``model.config`` — is trained on the training split
+with ``tokenizers`` (byte-level BPE) and cached. Token weighting over each window uses the shifted count of real
+label tokens (the loop's ``items: auto``), so the loss is exact for any head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
+from finetune.job import Job
+from finetune.tasks._common import apply_peft, resolve_model_path, save_peft, set_dropout, split
+
+CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
+
+
+@dataclass
+class ModelConfig(BaseModelConfig):
+    config: Optional[dict] = doc("build a new model from this config (model_type + sizes) when name_or_path is "
+                                 "null, e.g. {model_type: gpt2, n_layer: 4, n_embd: 128, n_head: 4}", None)
+    tokenizer: Optional[str] = doc("tokenizer dir or hub id (null: name_or_path's, or one trained on the data)", None)
+    vocab_size: int = doc("vocabulary of the tokenizer trained when there is none", 4096)
+    sample_prompt: str = doc("prompt of the text sample generated at the end ('' to skip)", "The")
+    sample_tokens: int = doc("length of that sample, in tokens", 40)
+
+
+@dataclass
+class DataConfig(BaseDataConfig):
+    source: str = doc("'pydoc' (the Python docs shipped with Python) or a txt / json / jsonl / csv / parquet file",
+                      "pydoc")
+    text_field: str = doc("column holding the text (json / csv / parquet)", "text")
+    seq_len: int = doc("tokens per sample: longer texts are truncated (or, with packing, cut into blocks)", 128)
+    packing: bool = doc("concatenate all texts and cut blocks of seq_len (no padding) instead of one text a sample",
+                        False)
+    min_chars: int = doc("drop texts shorter than this", 40)
+
+
+def validate(cfg, problems: list) -> None:
+    m, d = cfg.model, cfg.data
+    if m.name_or_path is None and m.config is None:
+        problems.append("model.name_or_path: give a model (hub id or directory) or model.config to build one")
+    if m.config is not None and "model_type" not in m.config:
+        problems.append("model.config: needs model_type (e.g. gpt2, llama)")
+    if d.seq_len < 2:
+        problems.append(f"data.seq_len: got {d.seq_len}; must be >= 2")
+    if d.source != "pydoc" and not Path(d.source).is_file():
+        problems.append(f"data.source: file {d.source} not found; use 'pydoc' or a data file")
+
+
+def pydoc_paragraphs(min_chars: int = 40) -> list[str]:
+    """Paragraphs of the Python documentation bundled with the interpreter (pydoc_data.topics)."""
+    from pydoc_data import topics
+
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    return [p.strip() for p in text.split("\n\n") if len(p.strip()) >= min_chars]
+
+
+def load_texts(d: DataConfig):
+    import datasets
+
+    if d.source == "pydoc":
+        return datasets.Dataset.from_dict({"text": pydoc_paragraphs(d.min_chars)})
+    path = Path(d.source)
+    if path.stat().st_size == 0:
+        raise ConfigError(f"data.source: file {path} is empty")
+    ext = path.suffix.lower().lstrip(".")
+    builder = {"txt": "text", "text": "text", "md": "text", "json": "json", "jsonl": "json", "csv": "csv",
+               "parquet": "parquet"}.get(ext)
+    if builder is None:
+        raise ConfigError(f"data.source: unsupported file type .{ext}; use txt, json, jsonl, csv or parquet")
+    try:
+        kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+        table = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+    except Exception as e:  # datasets raises many types for a malformed file
+        raise ConfigError(f"data.source: cannot read {path}: {str(e).splitlines()[0][:200]}") from None
+    if d.text_field not in table.column_names:
+        raise ConfigError(f"data.text_field: no column {d.text_field!r} in {path}; "
+                          f"columns: {', '.join(table.column_names)}")
+    table = table.rename_column(d.text_field, "text") if d.text_field != "text" else table
+    return table.filter(lambda x: x["text"] is not None and len(x["text"].strip()) >= d.min_chars)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE tokenizer trained on ``texts`` (cached by content and size), as a transformers tokenizer."""
+    from transformers import PreTrainedTokenizerFast
+
+    digest = hashlib.sha256(("\x00".join(texts) + f"|{vocab_size}").encode()).hexdigest()[:16]
+    path = CACHE / "tokenizers" / f"bpe-{vocab_size}-{digest}"
+    if not (path / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator(texts, trainer)
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".tokenizer.json.{os.getpid()}"
+        tok.save(str(tmp))
+        os.replace(tmp, path / "tokenizer.json")
+    return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), eos_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>", pad_token="<pad>")
+
+
+def build_model(m: ModelConfig, tokenizer):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if m.name_or_path is not None:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(m.name_or_path),
+                                                     trust_remote_code=m.trust_remote_code, **(m.config or {}))
+    else:
+        fields = dict(m.config)
+        arch = AutoConfig.for_model(fields.pop("model_type"), vocab_size=len(tokenizer),
+                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.pad_token_id, **fields)
+        model = AutoModelForCausalLM.from_config(arch, trust_remote_code=m.trust_remote_code)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def pad_collate(pad_id: int):
+    """Right-pad each micro-batch to its own longest sample; padded positions get label -100."""
+
+    def collate(samples):
+        longest = max(len(s["input_ids"]) for s in samples)
+        ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(samples), longest), dtype=torch.long)
+        for i, s in enumerate(samples):
+            n = len(s["input_ids"])
+            ids[i, :n] = torch.as_tensor(s["input_ids"])
+            mask[i, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    return collate
+
+
+def build(cfg) -> Job:
+    m, d = cfg.model, cfg.data
+    texts = load_texts(d)
+    train_texts, val_texts = split(texts, d.val_fraction, d.split_seed, d.limit)
+    if m.tokenizer or m.name_or_path:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(m.tokenizer or m.name_or_path),
+                                                  trust_remote_code=m.trust_remote_code)
+    else:
+        tokenizer = train_tokenizer(list(train_texts["text"]), m.vocab_size)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = build_model(m, tokenizer)
+    set_dropout(model, m.dropout)
+    model = apply_peft(model, cfg.peft, "CAUSAL_LM")
+
+    def tokenize(batch):
+        eos = tokenizer.eos_token or ""
+        if d.packing:
+            return tokenizer([t + eos for t in batch["text"]])
+        return tokenizer(batch["text"], truncation=True, max_length=d.seq_len)
+
+    def pack(batch):  # concatenate, cut into blocks of seq_len (the remainder is dropped)
+        ids = [t for row in batch["input_ids"] for t in row]
+        n = len(ids) // d.seq_len * d.seq_len
+        return {"input_ids": [ids[i:i + d.seq_len] for i in range(0, n, d.seq_len)]}
+
+    def prepare(table):
+        if table is None:
+            return None
+        table = table.map(tokenize, batched=True, remove_columns=table.column_names, desc="tokenize")
+        table = table.remove_columns([c for c in table.column_names if c != "input_ids"])
+        return table.map(pack, batched=True, batch_size=1000, desc="pack") if d.packing else table
+
+    train, val = prepare(train_texts), prepare(val_texts)
+    lengths = [len(x) for x in train["input_ids"]]
+
+    def summarize(trained):
+        if not m.sample_prompt:
+            return {}
+        trained.eval()
+        inputs = tokenizer(m.sample_prompt, return_tensors="pt").to(next(trained.parameters()).device)
+        with torch.no_grad():
+            out = trained.generate(**inputs, max_new_tokens=m.sample_tokens, do_sample=False,
+                                   pad_token_id=tokenizer.pad_token_id)
+        text = tokenizer.decode(out[0], skip_special_tokens=True)
+        print(f"sample: {text!r}", flush=True)
+        return {"sample": text}
+
+    return Job(
+        model=model, train_data=train, val_data=val, tokenizer=tokenizer,
+        collate_fn=pad_collate(tokenizer.pad_token_id),
+        length_of=lambda i: lengths[i],
+        val_loss_metrics=lambda loss: {"perplexity": math.exp(min(loss, 50.0))},
+        summarize=summarize,
+        save=(lambda mdl, directory: save_peft(mdl, directory, cfg.peft.merge, tokenizer)) if cfg.peft.enabled
+        else None,
+    )
