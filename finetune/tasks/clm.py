@@ -178,9 +178,23 @@ def build(cfg) -> Job:
     def prepare(table):
         if table is None:
             return None
+        # Tokenized sets are cached on disk, keyed by the texts, the tokenizer and the settings.
+        texts_hash = hashlib.sha256("\x00".join(table["text"]).encode()).hexdigest()
+        key = hashlib.sha256("|".join([texts_hash, tokenizer.backend_tokenizer.to_str()
+                                       if getattr(tokenizer, "is_fast", False) else tokenizer.name_or_path,
+                                       str(d.seq_len), str(d.packing)]).encode()).hexdigest()[:16]
+        path = CACHE / "datasets" / f"clm-{key}"
+        if (path / "dataset_info.json").is_file():
+            import datasets
+
+            return datasets.load_from_disk(str(path))
         table = table.map(tokenize, batched=True, remove_columns=table.column_names, desc="tokenize")
         table = table.remove_columns([c for c in table.column_names if c != "input_ids"])
-        return table.map(pack, batched=True, batch_size=1000, desc="pack") if d.packing else table
+        table = table.map(pack, batched=True, batch_size=1000, desc="pack") if d.packing else table
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        table.save_to_disk(str(tmp))
+        os.replace(tmp, path) if not path.exists() else None
+        return table
 
     train, val = prepare(train_texts), prepare(val_texts)
     lengths = [len(x) for x in train["input_ids"]]
