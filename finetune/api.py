@@ -17,7 +17,8 @@ from finetune.job import Job
 
 # test_fine_tuning's keyword → TrainingConfig field (the rest share their names)
 _RENAMED = {"n_epochs": "epochs"}
-_HOOKS = ("count_items", "eval_step", "compute_metrics", "param_groups", "before_window", "enable_checkpointing")
+_HOOKS = ("count_items", "eval_step", "compute_metrics", "param_groups", "before_window", "enable_checkpointing",
+          "length_of")
 _API_ONLY = {"model", "config", "train_data", "val_data", "use_amp", "use_wandb", "output_dir", "collate_fn",
              "loss_fn", *_HOOKS}
 
@@ -82,7 +83,7 @@ def test_fine_tuning(
         output_dir: where ``history.jsonl`` and ``metrics.json`` go (nothing is written when None).
         **more: other ``TrainingConfig`` fields (``items``, ``on_nonfinite``, ``eval_every``, …) and the
             ``Job`` hooks ``count_items``, ``eval_step``, ``compute_metrics``, ``param_groups``,
-            ``before_window``, ``enable_checkpointing`` (see ``finetune.job.Job``).
+            ``before_window``, ``enable_checkpointing``, ``length_of`` (see ``finetune.job.Job``).
 
     Returns:
         dict with ``grad_norm_history``, ``loss_history``, ``lr_history`` (one per optimizer step),

@@ -74,9 +74,12 @@ class TrainingConfig:
     on_nonfinite: Literal["stop", "skip"] = doc(
         "non-finite loss/grad: stop the run, or skip the window's update", "stop")
     num_workers: int = doc("DataLoader worker processes", 0)
-    sort_within_window: bool = doc(
+    sort_within_window: Optional[bool] = doc(
         "order each window's samples by length before cutting micro-batches (less padding; same windows, same "
-        "steps)", False)
+        "steps); null: on when the task knows sample lengths (text tasks)", None)
+    max_tokens_per_micro_batch: Optional[int] = doc(
+        "cut each window into micro-batches of at most this many padded tokens (their size varies; windows and "
+        "steps stay the same); null: batch_size samples each", None)
     ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9)
 
 
@@ -238,6 +241,9 @@ def validate_training(t: TrainingConfig, problems: list):
          f"training.betas: got {t.betas}; must be two numbers in [0, 1)")
     need(0 <= t.ema_beta < 1, f"training.ema_beta: got {t.ema_beta}; must be in [0, 1)")
     need(t.num_workers >= 0, f"training.num_workers: got {t.num_workers}; must be an integer >= 0")
+    if t.max_tokens_per_micro_batch is not None:
+        need(t.max_tokens_per_micro_batch >= 1, f"training.max_tokens_per_micro_batch: got "
+             f"{t.max_tokens_per_micro_batch}; must be an integer >= 1 or null")
     if t.eval_every is not None:
         need(t.eval_every >= 1, f"training.eval_every: got {t.eval_every}; must be an integer >= 1 or null")
 

@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -25,7 +26,7 @@ from typing import Optional
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import send_to_device
+from accelerate.utils import DistributedType, send_to_device
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -79,6 +80,8 @@ def check_job(job: Job, t: TrainingConfig) -> None:
         raise ConfigError(f"training.batch_size: {t.batch_size} is larger than the {n_train} training samples")
     if t.sort_within_window and job.length_of is None:
         raise ConfigError("training.sort_within_window: this task gives no sample lengths (Job.length_of)")
+    if t.max_tokens_per_micro_batch and job.length_of is None:
+        raise ConfigError("training.max_tokens_per_micro_batch: this task gives no sample lengths (Job.length_of)")
 
 
 def _has_device() -> bool:
@@ -181,10 +184,24 @@ def loss_weight(items: int, window_items: int, accelerator: Accelerator) -> floa
     * ``items / window_items`` — the micro-batch's share. Accelerate instead divides every loss by N in
       ``accelerator.backward``, which is right only for N equal micro-batches: a short tail window (k < N) or a
       short micro-batch is then mis-weighted.
-    * ``× gradient_accumulation_steps`` — undoes that ÷N (this is the one place we correct it).
+    * ``× divisor`` — undoes that ÷N (this is the one place we correct it). Accelerate divides by its
+      ``gradient_accumulation_steps``, which the loop sets to each window's micro-step count; DeepSpeed's engine
+      divides by the value in its own config instead.
     * ``× num_processes`` — DDP / FSDP average gradients over processes; the window needs their sum.
     """
-    return items / window_items * accelerator.gradient_accumulation_steps * accelerator.num_processes
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        divisor = accelerator.deepspeed_engine_wrapped.engine.gradient_accumulation_steps()
+    else:
+        divisor = accelerator.gradient_accumulation_steps
+    return items / window_items * divisor * accelerator.num_processes
+
+
+def token_counts(batch) -> tuple:
+    """(real, padded) tokens of a text micro-batch from its attention mask; (0, 0) for other batches."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor):
+        return 0, 0
+    return int(mask.sum()), mask.numel()
 
 
 def compute_loss(model, batch, loss_fn):
@@ -263,13 +280,19 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
         for window, micro_batches, epoch_windows in iterate_windows(job, t, accelerator, state, accum):
             if state.optimizer_step >= total_steps:
                 break
-            # The window's item count, over every process, before its first backward (one all-reduce).
+            # The window's item count, over every process, before its first backward (one all-reduce, which also
+            # carries the real and padded token counts for the history).
             counts = [counter(b) if active else 0 for b, active in zip(micro_batches, window.active)]
-            window_items = int(accelerator.reduce(torch.tensor(sum(counts), device=accelerator.device), "sum")) \
-                if world > 1 else sum(counts)
-            # Align Accelerate's micro-step counter so that accumulate() syncs on this window's last micro-batch,
-            # even when the window is short (k < N micro-batches).
-            accelerator.step = accum - len(micro_batches)
+            tokens = [token_counts(b) if active else (0, 0) for b, active in zip(micro_batches, window.active)]
+            totals = [sum(counts), sum(r for r, _ in tokens), sum(p for _, p in tokens)]
+            if world > 1:
+                totals = accelerator.reduce(torch.tensor(totals, device=accelerator.device), "sum").tolist()
+            window_items, real_tokens, padded_tokens = (int(x) for x in totals)
+            # Accelerate syncs gradients (and divides losses) by its gradient_accumulation_steps: make that this
+            # window's micro-step count, so accumulate() all-reduces on its last micro-batch even when the window
+            # is short (k < N) or cut by a token budget (k ≠ N).
+            accelerator.gradient_accumulation_steps = len(micro_batches)
+            accelerator.step = 0
             if job.before_window is not None:  # e.g. a KL weight or an R1 interval keyed on optimizer steps
                 job.before_window(state)
             window_loss, window_extras = torch.zeros((), device=accelerator.device), {}
@@ -293,7 +316,8 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
             log.step({
                 "step": state.optimizer_step, "epoch": window.epoch, "window": window.index,
                 "items": window_items, "samples": len(window.samples),
-                "micro_batches": math.ceil(len(window.samples) / t.batch_size),
+                "micro_batches": window.total_micro_batches,
+                **({"tokens": real_tokens, "padded_tokens": padded_tokens} if padded_tokens else {}),
                 "loss": float(window_loss), "lr": lrs[0], "grad_norm": norms[0], "skipped": skipped,
                 "window_hash": window.sample_hash, **{k: float(v) for k, v in window_extras.items()},
                 **{f"{key}_{o.name}": v[i] for i, o in enumerate(optims) if i
@@ -331,6 +355,8 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
         "optimizer_steps": state.optimizer_step,
         "skipped_steps": sum(h["skipped"] for h in history),
         "micro_batches": sum(h["micro_batches"] for h in history),
+        "tokens": sum(h.get("tokens", 0) for h in history),
+        "padded_tokens": sum(h.get("padded_tokens", 0) for h in history),
         "effective_batch_size": effective,
         "gradient_accumulation_steps": accum,
         "total_steps": total_steps,
@@ -359,8 +385,10 @@ def iterate_windows(job: Job, t: TrainingConfig, accelerator, state: TrainState,
     world, rank = accelerator.num_processes, accelerator.process_index
     while state.epoch < t.epochs:
         epoch = state.epoch
+        sort = t.sort_within_window if t.sort_within_window is not None else job.length_of is not None
         windows = plan_epoch(len(job.train_data), t.batch_size, accum, world, rank, t.seed, epoch, t.shuffle,
-                             sort_key=job.length_of if t.sort_within_window else None)
+                             sort_key=job.length_of if sort else None, length_of=job.length_of,
+                             max_tokens=t.max_tokens_per_micro_batch)
         todo = windows[state.window:]
         # The loader gets its own generator: iter() would otherwise draw a seed from the global RNG, and a run
         # resumed mid-epoch would then see different dropout masks than the uninterrupted one.
@@ -394,6 +422,7 @@ class RunLog:
                         dynamic_ncols=True, desc=f"train (batch {effective})",
                         mininterval=0.5 if sys.stderr.isatty() else 15)
         self.last = time.perf_counter()
+        self.real = self.padded = 0
 
     def step(self, record: dict, window, ema_beta: float) -> None:
         now = time.perf_counter()
@@ -408,8 +437,12 @@ class RunLog:
         if self.log_with is not None:
             self.accelerator.log({f"train/{k}": record[k] for k in ("loss", "lr", "grad_norm")},
                                  step=state.optimizer_step)
+        self.real += record.get("tokens", 0)
+        self.padded += record.get("padded_tokens", 0)
+        pad = f" pad_eff={self.real / self.padded:.0%}" if self.padded else ""
         self.bar.update(1)
-        self.bar.set_postfix_str(f"eff_batch={self.effective} loss={ema:.4f} lr={record['lr']:.2e}", refresh=False)
+        self.bar.set_postfix_str(f"eff_batch={self.effective} loss={ema:.4f} lr={record['lr']:.2e}{pad}",
+                                 refresh=False)
 
     def flush(self) -> None:
         """Write the step's line (after its evaluation, whose results it carries as val_*)."""

@@ -32,6 +32,7 @@ class Window:
     samples: tuple                      # every sample index of the window, all processes, in epoch order
     micro_batches: tuple                # this process's micro-batches: tuples of sample indices
     active: tuple                       # False where the micro-batch is a weight-0 placeholder
+    total_micro_batches: int = 0        # real micro-batches of the window over all processes
 
     @property
     def sample_hash(self) -> str:
@@ -62,11 +63,15 @@ def plan_epoch(
     epoch: int,
     shuffle: bool = True,
     sort_key: Optional[Callable[[int], int]] = None,
+    length_of: Optional[Callable[[int], int]] = None,
+    max_tokens: Optional[int] = None,
 ) -> list[Window]:
     """Every window of one epoch, as seen by process ``rank`` of ``world``.
 
     ``sort_key`` (sample index → length), when given, orders each window's samples by length before they are cut
-    into micro-batches: membership is unchanged, padding shrinks.
+    into micro-batches: membership is unchanged, padding shrinks. ``max_tokens`` (with ``length_of``) cuts
+    micro-batches of varying size, each at most that many padded tokens (``samples × longest``) — a sample longer
+    than the budget goes alone.
     """
     order = epoch_order(n, seed, epoch, shuffle)
     size = micro_batch * accum * world
@@ -74,7 +79,8 @@ def plan_epoch(
     for w, start in enumerate(range(0, n, size)):
         samples = order[start:start + size]
         members = sorted(samples, key=sort_key) if sort_key is not None else samples
-        chunks = [tuple(members[i:i + micro_batch]) for i in range(0, len(members), micro_batch)]
+        chunks = token_budget_chunks(members, length_of, max_tokens) if max_tokens else \
+            [tuple(members[i:i + micro_batch]) for i in range(0, len(members), micro_batch)]
         steps = math.ceil(len(chunks) / world)
         mine, active = [], []
         for s in range(steps):
@@ -85,8 +91,23 @@ def plan_epoch(
             else:
                 mine.append((samples[0],))
                 active.append(False)
-        windows.append(Window(epoch, w, tuple(samples), tuple(mine), tuple(active)))
+        windows.append(Window(epoch, w, tuple(samples), tuple(mine), tuple(active), len(chunks)))
     return windows
+
+
+def token_budget_chunks(members, length_of, max_tokens: int) -> list[tuple]:
+    """Cut ``members`` (in order) into micro-batches of at most ``max_tokens`` padded tokens each."""
+    chunks, chunk, longest = [], [], 0
+    for i in members:
+        n = length_of(i)
+        if chunk and (len(chunk) + 1) * max(longest, n) > max_tokens:
+            chunks.append(tuple(chunk))
+            chunk, longest = [], 0
+        chunk.append(i)
+        longest = max(longest, n)
+    if chunk:
+        chunks.append(tuple(chunk))
+    return chunks
 
 
 class WindowSampler(torch.utils.data.Sampler):

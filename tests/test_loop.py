@@ -116,7 +116,7 @@ def _one_step(acc, model, max_norm, poison=False):
     t = TrainingConfig(max_grad_norm=max_norm, optimizer="sgd")
     state = TrainState()
     norms, skipped, lrs = optimizer_step(acc, [Optim("model", opt, sched, params, max_norm)], t, state,
-                                         Window(0, 0, (0,), ((0,),), (True,)))
+                                         Window(0, 0, (0,), ((0,),), (True,), 1))
     return model, opt, sched, norms[0], skipped, lrs[0], state
 
 
