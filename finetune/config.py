@@ -19,7 +19,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -43,11 +43,17 @@ def doc(text: str, default=dataclasses.MISSING, **kw):
 
 @dataclass
 class TrainingConfig:
-    batch_size: int = doc("micro-batch: samples per process per forward/backward", 8)
+    batch_size: Union[int, Literal["auto"]] = doc(
+        "micro-batch: samples per process per forward/backward; auto: the largest that fits (needs "
+        "effective_batch_size; on out-of-memory the same window is retried with a smaller one)", 8)
     gradient_accumulation_steps: int = doc("N: micro-batches per process per optimizer step", 1)
     effective_batch_size: Optional[int] = doc(
         "samples per optimizer step over all processes; when set, N = this / (batch_size × processes), exact", None)
-    learning_rate: float = doc("peak learning rate", 5e-5)
+    learning_rate: float = doc("peak learning rate (at reference_batch_size when scale_lr is set)", 5e-5)
+    scale_lr: Literal["none", "linear", "sqrt"] = doc(
+        "scale learning_rate by (effective batch / reference_batch_size) or its square root — for a run that can't "
+        "use the baseline's batch; none keeps it", "none")
+    reference_batch_size: Optional[int] = doc("the baseline's effective batch that learning_rate belongs to", None)
     epochs: int = doc("passes over the training data", 1)
     max_steps: Optional[int] = doc("stop after this many optimizer steps (null: run all epochs)", None)
     optimizer: Literal["adamw", "sgd", "lion"] = doc("adamw (no decay on biases/norms), sgd, or lion", "adamw")
@@ -89,7 +95,9 @@ class OutputConfig:
     overwrite: bool = doc("allow writing into a non-empty output directory", False)
     save_model: bool = doc("save the final model (save_pretrained for HF models, safetensors otherwise)", True)
     plots: bool = doc("write loss / lr / grad-norm PNGs", True)
-    tracker: Literal["none", "tensorboard", "wandb", "mlflow"] = doc("experiment tracker through Accelerate", "none")
+    tracker: Literal["none", "tensorboard", "wandb", "mlflow"] = doc(
+        "experiment tracker through Accelerate (tensorboard writes under the output dir; wandb / mlflow need their "
+        "package and account)", "tensorboard")
     save_every: Optional[int] = doc("checkpoint every K optimizer steps and at the end (null: no checkpoints)", None)
     keep_checkpoints: int = doc("how many of the newest checkpoints to keep", 2)
 
@@ -222,13 +230,21 @@ def validate_training(t: TrainingConfig, problems: list):
         if not ok:
             problems.append(msg)
 
-    need(t.batch_size >= 1, f"training.batch_size: got {t.batch_size}; must be an integer >= 1")
+    if t.batch_size == "auto":
+        need(t.effective_batch_size is not None,
+             "training.batch_size: auto needs training.effective_batch_size (the window the micro-batches split)")
+    else:
+        need(t.batch_size >= 1, f"training.batch_size: got {t.batch_size}; must be an integer >= 1 or auto")
     need(t.gradient_accumulation_steps >= 1,
          f"training.gradient_accumulation_steps: got {t.gradient_accumulation_steps}; must be an integer >= 1")
     if t.effective_batch_size is not None:
         need(t.effective_batch_size >= 1,
              f"training.effective_batch_size: got {t.effective_batch_size}; must be an integer >= 1")
     need(t.learning_rate >= 0, f"training.learning_rate: got {t.learning_rate}; must be >= 0")
+    if t.scale_lr != "none":
+        need(t.reference_batch_size is not None and t.reference_batch_size >= 1,
+             f"training.reference_batch_size: got {t.reference_batch_size}; scale_lr={t.scale_lr} needs the "
+             "baseline's effective batch (an integer >= 1)")
     need(t.epochs >= 1, f"training.epochs: got {t.epochs}; must be an integer >= 1")
     if t.max_steps is not None:
         need(t.max_steps >= 1, f"training.max_steps: got {t.max_steps}; must be an integer >= 1 or null")

@@ -32,8 +32,9 @@ from tqdm.auto import tqdm
 
 from finetune.config import ConfigError, TrainingConfig
 from finetune.job import Job
+from finetune.memory import MemoryMonitor, fake_oom_check, is_oom, smaller_micro_batch
 from finetune.state import TrainState
-from finetune.windows import WindowSampler, count_items, is_causal_lm, plan_epoch, windows_per_epoch
+from finetune.windows import WindowSampler, batch_len, count_items, is_causal_lm, plan_epoch, windows_per_epoch
 
 
 class NonFiniteError(RuntimeError):
@@ -61,8 +62,14 @@ def make_accelerator(t: TrainingConfig, accum: int, log_with=None, project_dir=N
     )
 
 
-def check_environment(t: TrainingConfig) -> None:
+def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
     """Refuse, naming the setting, what this machine cannot run (fail at set-up, not mid-run)."""
+    if tracker not in (None, "none"):
+        import importlib.util
+
+        if importlib.util.find_spec(tracker) is None:
+            raise ConfigError(f"output.tracker: {tracker} is not installed (pip install {tracker}); "
+                              "or set output.tracker=none")
     if t.mixed_precision == "fp16" and not torch.cuda.is_available():  # Accelerate would silently train in fp32
         raise ConfigError("training.mixed_precision: fp16 needs a CUDA device; use bf16 or no on this machine")
     for engine in ("FSDP", "DEEPSPEED"):  # Accelerate's plugins for these refuse to start without a GPU
@@ -76,7 +83,7 @@ def check_job(job: Job, t: TrainingConfig) -> None:
     n_train = len(job.train_data)
     if n_train == 0:
         raise ConfigError("data: the training set is empty")
-    if t.batch_size > n_train:
+    if t.batch_size != "auto" and t.batch_size > n_train:
         raise ConfigError(f"training.batch_size: {t.batch_size} is larger than the {n_train} training samples")
     if t.sort_within_window and job.length_of is None:
         raise ConfigError("training.sort_within_window: this task gives no sample lengths (Job.length_of)")
@@ -99,6 +106,8 @@ def distributed_state() -> PartialState:
 
 def resolve_accumulation(t: TrainingConfig, processes: int) -> int:
     """N from ``effective_batch_size`` when given (it must split exactly), else ``gradient_accumulation_steps``."""
+    if t.batch_size == "auto":
+        return 1  # decided at run time, see train()
     if t.effective_batch_size is None:
         return t.gradient_accumulation_steps
     per_step = t.batch_size * processes
@@ -144,15 +153,25 @@ class Optim:
     max_grad_norm: Optional[float]
 
 
-def make_optims(model: torch.nn.Module, job: Job, t: TrainingConfig, total_steps: int) -> list:
+def lr_scale(t: TrainingConfig, effective: int) -> float:
+    """``training.scale_lr``: linear or square-root scaling of the lr from the baseline's batch to this run's."""
+    if t.scale_lr == "none":
+        return 1.0
+    ratio = effective / t.reference_batch_size
+    return ratio if t.scale_lr == "linear" else math.sqrt(ratio)
+
+
+def make_optims(model: torch.nn.Module, job: Job, t: TrainingConfig, total_steps: int, lr_scale: float = 1.0) -> list:
     """One Optim per ``job.param_groups`` entry (name → {"params": …, TrainingConfig overrides}), else one over the
-    whole model. Schedulers come from ``transformers.get_scheduler``, sized in optimizer steps."""
+    whole model, at ``lr_scale`` × their learning rates. Schedulers come from ``transformers.get_scheduler``, sized
+    in optimizer steps."""
     from transformers import get_scheduler
 
     groups = job.param_groups or {"model": {"params": model.parameters()}}
     optims = []
     for name, spec in groups.items():
         tg = dataclasses.replace(t, **{k: v for k, v in spec.items() if k != "params"})
+        tg = dataclasses.replace(tg, learning_rate=tg.learning_rate * lr_scale)
         params = [p for p in spec["params"] if p.requires_grad]
         optimizer = make_optimizer(params, tg)
         scheduler = get_scheduler(tg.lr_scheduler, optimizer, num_warmup_steps=tg.warmup_steps,
@@ -225,18 +244,26 @@ def compute_loss(model, batch, loss_fn):
 def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, accelerator: Optional[Accelerator] = None,
           tracker_config: Optional[dict] = None, log_with=None, print_banner: bool = True,
           save_every: Optional[int] = None, keep_checkpoints: int = 2, resume_from=None,
-          config_text: str = "") -> dict:
+          config_text: str = "", on_eval=None) -> dict:
     """Train ``job`` with the settings in ``t``; write ``history.jsonl`` under ``output_dir`` when given.
 
     ``save_every`` (optimizer steps) writes a checkpoint under ``output_dir/checkpoints`` every K steps and at the
     end, keeping the last ``keep_checkpoints``; ``resume_from`` (a checkpoint directory) continues that run at
-    its next window with the same sample order and random state.
+    its next window with the same sample order and random state. ``on_eval(record)`` is called after every
+    evaluation (a hyper-parameter search prunes there).
 
     Returns a dict with the histories, counts and the trained (unwrapped) model — see ``finetune.api``.
     """
     from finetune import checkpoint
 
     out_dir = Path(output_dir) if output_dir else None
+    auto_batch = t.batch_size == "auto"
+    if auto_batch:  # start from the largest candidate: the whole per-process window in one micro-batch
+        processes = accelerator.num_processes if accelerator is not None else distributed_state().num_processes
+        if processes > 1:
+            raise ConfigError("training.batch_size: auto runs on one process (an out-of-memory error on one rank "
+                              "would leave the others waiting); give a number with several processes")
+        t = dataclasses.replace(t, batch_size=t.effective_batch_size, gradient_accumulation_steps=1)
     if accelerator is None:
         processes = distributed_state().num_processes
         accelerator = make_accelerator(t, resolve_accumulation(t, processes), log_with=log_with,
@@ -258,7 +285,7 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
     # Schedulers are not passed to accelerator.prepare: a prepared scheduler steps num_processes times per
     # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
     # process, so each raw scheduler is stepped exactly once per optimizer step.
-    optims = make_optims(model, job, t, total_steps)
+    optims = make_optims(model, job, t, total_steps, lr_scale(t, effective))
     model, *prepared = accelerator.prepare(model, *[o.optimizer for o in optims])
     for o, p in zip(optims, prepared):
         o.optimizer = p
@@ -276,38 +303,38 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
             **_scalars(tracker_config or {}), "config/effective_batch_size": effective,
             "config/gradient_accumulation_steps": accum, "config/physical_batch_size": t.batch_size})
 
+    monitor = MemoryMonitor(accelerator.device)
     with RunLog(accelerator, out_dir, state, total_steps, effective, log_with, rewrite=resume_from is not None) as log:
-        for window, micro_batches, epoch_windows in iterate_windows(job, t, accelerator, state, accum):
-            if state.optimizer_step >= total_steps:
+        windows = iterate_windows(job, t, accelerator, state, accum)
+        while state.optimizer_step < total_steps:
+            window, micro_batches, epoch_windows = next(windows, (None, None, None))
+            if window is None:
                 break
-            # The window's item count, over every process, before its first backward (one all-reduce, which also
-            # carries the real and padded token counts for the history).
-            counts = [counter(b) if active else 0 for b, active in zip(micro_batches, window.active)]
-            tokens = [token_counts(b) if active else (0, 0) for b, active in zip(micro_batches, window.active)]
-            totals = [sum(counts), sum(r for r, _ in tokens), sum(p for _, p in tokens)]
-            if world > 1:
-                totals = accelerator.reduce(torch.tensor(totals, device=accelerator.device), "sum").tolist()
-            window_items, real_tokens, padded_tokens = (int(x) for x in totals)
-            # Accelerate syncs gradients (and divides losses) by its gradient_accumulation_steps: make that this
-            # window's micro-step count, so accumulate() all-reduces on its last micro-batch even when the window
-            # is short (k < N) or cut by a token budget (k ≠ N).
-            accelerator.gradient_accumulation_steps = len(micro_batches)
-            accelerator.step = 0
             if job.before_window is not None:  # e.g. a KL weight or an R1 interval keyed on optimizer steps
                 job.before_window(state)
-            window_loss, window_extras = torch.zeros((), device=accelerator.device), {}
-            for batch, items in zip(micro_batches, counts):
-                with accelerator.accumulate(model):
-                    loss, extras, _ = compute_loss(forward_model, send_to_device(batch, accelerator.device),
-                                                   job.loss_fn)
-                    # A weight-0 placeholder (or an item-less micro-batch) must add exact zeros, not 0 × NaN.
-                    accelerator.backward(loss * loss_weight(items, window_items, accelerator) if items
-                                         else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0)
-                state.micro_step += 1
-                if items:  # the logged loss: the same item-weighted mean, without Accelerate's factors
-                    window_loss += loss.detach().float() * (items / window_items)
-                    for k, v in extras.items():
-                        window_extras[k] = window_extras.get(k, 0.0) + v.detach().float() * (items / window_items)
+            rng = torch.get_rng_state()
+            try:
+                window_items, real_tokens, padded_tokens, window_loss, window_extras = accumulate_window(
+                    accelerator, model, forward_model, job, window, micro_batches, counter, state)
+            except Exception as error:
+                if not (auto_batch and is_oom(error)):
+                    raise
+                # batch_size: auto — retry the same window split into smaller micro-batches: its samples, and
+                # so the step, do not change.
+                accelerator.unwrap_model(model).zero_grad(set_to_none=True)
+                del micro_batches, error
+                free_memory()
+                torch.set_rng_state(rng)
+                smaller = smaller_micro_batch(t.batch_size, effective // world)
+                if smaller == 0:
+                    raise ConfigError("training.batch_size: auto found no micro-batch that fits (1 sample does not)")
+                if accelerator.is_main_process:
+                    tqdm.write(f"out of memory at micro-batch {t.batch_size}: window {window.index} again with "
+                               f"{smaller} × {effective // world // smaller}")
+                t = dataclasses.replace(t, batch_size=smaller)
+                accum = effective // world // smaller
+                windows = iterate_windows(job, t, accelerator, state, accum)
+                continue
 
             norms, skipped, lrs = optimizer_step(accelerator, optims, t, state, window)
             if world > 1:
@@ -322,6 +349,7 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
                 "window_hash": window.sample_hash, **{k: float(v) for k, v in window_extras.items()},
                 **{f"{key}_{o.name}": v[i] for i, o in enumerate(optims) if i
                    for key, v in (("lr", lrs), ("grad_norm", norms))},
+                "micro_batch_size": t.batch_size, **monitor.sample(),
             }, window, t.ema_beta)
 
             # After the step: close the epoch, evaluate, checkpoint — in this order, so that a checkpoint holds
@@ -335,6 +363,8 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
                     or (epoch_end and not t.eval_every)):
                 val = run_eval(job, forward_model, accelerator, t, state, log_with)
                 state.history[-1].update({f"val_{k}": v for k, v in val.items() if k not in ("step", "epoch")})
+                if on_eval is not None:
+                    on_eval(val)
             if save_every and out_dir is not None and (done or state.optimizer_step % save_every == 0):
                 checkpoint.save_checkpoint(accelerator, state, out_dir, schedulers, config_text, keep_checkpoints,
                                            meta={"effective_batch_size": effective})
@@ -377,6 +407,49 @@ def _scalars(config: dict, prefix: str = "") -> dict:
         else:
             out[prefix + key] = value if isinstance(value, (int, float, str, bool)) else str(value)
     return out
+
+
+def accumulate_window(accelerator, model, forward_model, job: Job, window, micro_batches, counter, state):
+    """Forward and backward every micro-batch of one window, each weighted by its share of the window's items.
+
+    Returns (window items, real tokens, padded tokens, window loss, extra loss terms) — the counts over every
+    process, the losses of this process (summed over processes by the caller).
+    """
+    # The window's item count, over every process, before its first backward (one all-reduce, which also carries
+    # the real and padded token counts for the history).
+    counts = [counter(b) if active else 0 for b, active in zip(micro_batches, window.active)]
+    tokens = [token_counts(b) if active else (0, 0) for b, active in zip(micro_batches, window.active)]
+    totals = [sum(counts), sum(r for r, _ in tokens), sum(p for _, p in tokens)]
+    if accelerator.num_processes > 1:
+        totals = accelerator.reduce(torch.tensor(totals, device=accelerator.device), "sum").tolist()
+    window_items, real_tokens, padded_tokens = (int(x) for x in totals)
+    # Accelerate syncs gradients (and divides losses) by its gradient_accumulation_steps: make that this window's
+    # micro-step count, so accumulate() all-reduces on its last micro-batch even when the window is short (k < N)
+    # or cut by a token budget (k ≠ N).
+    accelerator.gradient_accumulation_steps = len(micro_batches)
+    accelerator.step = 0
+    window_loss, window_extras = torch.zeros((), device=accelerator.device), {}
+    for batch, items in zip(micro_batches, counts):
+        fake_oom_check(batch_len(batch))  # test hook (FINETUNE_FAKE_OOM_ABOVE); a no-op otherwise
+        with accelerator.accumulate(model):
+            loss, extras, _ = compute_loss(forward_model, send_to_device(batch, accelerator.device), job.loss_fn)
+            # A weight-0 placeholder (or an item-less micro-batch) must add exact zeros, not 0 × NaN.
+            accelerator.backward(loss * loss_weight(items, window_items, accelerator) if items
+                                 else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0)
+        state.micro_step += 1
+        if items:  # the logged loss: the same item-weighted mean, without Accelerate's factors
+            window_loss += loss.detach().float() * (items / window_items)
+            for k, v in extras.items():
+                window_extras[k] = window_extras.get(k, 0.0) + v.detach().float() * (items / window_items)
+    return window_items, real_tokens, padded_tokens, window_loss, window_extras
+
+
+def free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def iterate_windows(job: Job, t: TrainingConfig, accelerator, state: TrainState, accum: int):
@@ -551,6 +624,7 @@ def run_eval(job: Job, model, accelerator: Accelerator, t: TrainingConfig, state
 
 def banner(n_train: int, t: TrainingConfig, accum: int, world: int, total_steps: int, accelerator) -> str:
     per_epoch = windows_per_epoch(n_train, t.batch_size, accum, world)
+    effective = t.batch_size * accum * world
     split = f"{t.batch_size} × {accum}" + (f" × {world} processes" if world > 1 else "")
     lines = [
         "=" * 60, "FINE-TUNING", "=" * 60,
@@ -561,7 +635,10 @@ def banner(n_train: int, t: TrainingConfig, accum: int, world: int, total_steps:
         f"Effective batch size: {t.batch_size * accum * world} ({split})",
         f"Optimizer steps: {total_steps} ({per_epoch} per epoch; the last window of each epoch holds "
         f"{n_train - (per_epoch - 1) * t.batch_size * accum * world} samples)",
-        f"Optimizer: {t.optimizer}, lr {t.learning_rate:g}, schedule {t.lr_scheduler}, warm-up {t.warmup_steps} steps",
+        f"Optimizer: {t.optimizer}, lr {t.learning_rate * lr_scale(t, effective):g}, schedule {t.lr_scheduler}, "
+        f"warm-up {t.warmup_steps} steps",
+        *([f"LR scaling: {t.scale_lr} from the baseline's batch {t.reference_batch_size} to {effective}: "
+           f"{t.learning_rate:g} × {lr_scale(t, effective):.4g}"] if t.scale_lr != "none" else []),
         f"Mixed precision: {t.mixed_precision}, device: {accelerator.device}",
         "=" * 60,
     ]

@@ -126,10 +126,9 @@ def main(argv=None, prog=None) -> int:
 
 
 def _run(args) -> int:
-    from accelerate.utils import broadcast_object_list, set_seed
+    from accelerate.utils import broadcast_object_list
 
-    from finetune import checkpoint, loop, outputs
-    from finetune.config import task_module
+    from finetune import checkpoint, loop
 
     cfg = load_recipe(args.recipe, overrides_from_args(args))
     state = loop.distributed_state()
@@ -142,9 +141,21 @@ def _run(args) -> int:
         resume_from = checkpoint.find_checkpoint(args.resume, out_dir)  # refuses a missing / corrupt checkpoint
         if state.is_main_process:
             warn_if_result_changes(resume_from, cfg, state.num_processes)
-    loop.check_environment(cfg.training)  # fail on what this machine can't run, and on a bad effective batch,
-    loop.resolve_accumulation(cfg.training, state.num_processes)  # before building anything
+    loop.check_environment(cfg.training, cfg.output.tracker)  # fail on what this machine can't run, on a bad
+    loop.resolve_accumulation(cfg.training, state.num_processes)  # effective batch, before building anything
 
+    execute(cfg, out_dir, resume_from)
+    return 0
+
+
+def execute(cfg, out_dir: Path, resume_from=None, on_eval=None) -> dict:
+    """Build the recipe's task, train it through the shared loop, write the outputs; return the loop's result."""
+    from accelerate.utils import set_seed
+
+    from finetune import checkpoint, loop, outputs
+    from finetune.config import task_module
+
+    state = loop.distributed_state()
     if not state.is_main_process:  # one process speaks: the others keep quiet about loading and mapping
         import datasets
         import transformers
@@ -164,7 +175,7 @@ def _run(args) -> int:
                         log_with=None if cfg.output.tracker == "none" else cfg.output.tracker,
                         tracker_config=cfg.to_dict(), save_every=cfg.output.save_every,
                         keep_checkpoints=cfg.output.keep_checkpoints, resume_from=resume_from,
-                        config_text=config_text)
+                        config_text=config_text, on_eval=on_eval)
     result["extra_metrics"] = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name}
     accelerator = result["accelerator"]
     accelerator.wait_for_everyone()
@@ -178,9 +189,11 @@ def _run(args) -> int:
             outputs.save_model(result["model"], out_dir, job.tokenizer, job.save)
         final = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                          for k, v in result["final_metrics"].items())
+        pad = f"; padding efficiency {result['tokens'] / result['padded_tokens']:.0%}" \
+            if result.get("padded_tokens") else ""
         print(f"done: {result['optimizer_steps']} optimizer steps in {result['extra_metrics']['train_seconds']} s;"
-              f" {final}; outputs in {out_dir}", flush=True)
-    return 0
+              f" {final}{pad}; outputs in {out_dir}", flush=True)
+    return result
 
 
 def warn_if_result_changes(path: Path, cfg, processes: int) -> None:

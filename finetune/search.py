@@ -1,0 +1,124 @@
+"""``finetune search``: optuna over recipe fields, pruning on per-epoch validation.
+
+    finetune search --recipe minilm-sentiment --trials 20 \\
+        --param lr=loguniform:1e-5:1e-3 --param gradient_accumulation_steps=choice:1,2,4,8
+
+Each trial is a normal run (its own output directory under ``--output-dir``); the best trial's parameters and
+metric are printed and saved to ``best.json``. ``--param`` names a recipe field (``section.key``, or a training
+field alone, ``lr`` for the learning rate) and a distribution: ``loguniform:LO:HI``, ``uniform:LO:HI``,
+``int:LO:HI`` or ``choice:A,B,…``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from finetune.config import ConfigError, TrainingConfig
+
+ALIASES = {"lr": "training.learning_rate", "batch_size": "training.batch_size", "epochs": "training.epochs"}
+
+
+def parse_param(spec: str) -> tuple[str, str, list]:
+    """``"lr=loguniform:1e-5:1e-3"`` → ("training.learning_rate", "loguniform", [1e-5, 1e-3])."""
+    import yaml
+
+    if "=" not in spec or ":" not in spec.split("=", 1)[1]:
+        raise ConfigError(f"--param {spec}: expected NAME=DIST:ARGS, e.g. lr=loguniform:1e-5:1e-3")
+    name, dist = spec.split("=", 1)
+    kind, _, rest = dist.partition(":")
+    field = ALIASES.get(name, name if "." in name else f"training.{name}")
+    if "." not in name and name not in ALIASES and name not in TrainingConfig.__dataclass_fields__:
+        raise ConfigError(f"--param {name}: not a training field; use section.key for model / data fields")
+    if kind == "choice":
+        values = [yaml.safe_load(v) for v in rest.split(",") if v != ""]
+    elif kind in ("loguniform", "uniform", "int"):
+        try:
+            lo, hi = (float(x) for x in rest.split(":"))
+        except ValueError:
+            raise ConfigError(f"--param {spec}: {kind} takes LO:HI") from None
+        if not lo < hi or (kind == "loguniform" and lo <= 0):
+            raise ConfigError(f"--param {spec}: needs LO < HI (and LO > 0 for loguniform)")
+        values = [int(lo), int(hi)] if kind == "int" else [lo, hi]
+    else:
+        raise ConfigError(f"--param {spec}: distribution {kind!r}; allowed: loguniform, uniform, int, choice")
+    if not values:
+        raise ConfigError(f"--param {spec}: choice needs at least one value")
+    return field, kind, values
+
+
+def suggest(trial, field: str, kind: str, values: list):
+    if kind == "choice":
+        return trial.suggest_categorical(field, values)
+    if kind == "int":
+        return trial.suggest_int(field, values[0], values[1])
+    return trial.suggest_float(field, values[0], values[1], log=kind == "loguniform")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--recipe", required=True, help="recipe name or YAML path")
+    p.add_argument("--trials", type=int, default=10, help="number of trials")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=DIST:ARGS",
+                   help="a searched field, e.g. lr=loguniform:1e-5:1e-3 (repeatable)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="fixed overrides")
+    p.add_argument("--metric", default="loss", help="validation metric to optimize (loss, accuracy, mae, …)")
+    p.add_argument("--direction", choices=["minimize", "maximize"], help="default: minimize loss-like metrics")
+    p.add_argument("--output-dir", default=None, help="where the trials go (default runs/<recipe>-search)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the search's sampler")
+
+
+def main(args) -> int:
+    try:
+        import optuna
+    except ImportError:
+        raise ConfigError("search: needs optuna (pip install 'finetune[search]')") from None
+    from finetune.config import load_recipe
+    from finetune.run import execute
+
+    if args.trials < 1:
+        raise ConfigError(f"--trials: got {args.trials}; must be >= 1")
+    params = [parse_param(p) for p in args.param]
+    if not params:
+        raise ConfigError("--param: give at least one, e.g. --param lr=loguniform:1e-5:1e-3")
+    base = load_recipe(args.recipe, args.set)  # validates the fixed part once, before any trial
+    direction = args.direction or ("maximize" if args.metric in ("accuracy", "pearson", "f1") else "minimize")
+    root = Path(args.output_dir or Path("runs") / f"{base.name}-search")
+    if root.is_dir() and any(root.iterdir()):
+        raise ConfigError(f"--output-dir: {root} already holds files; pick a new directory")
+
+    def objective(trial):
+        overrides = list(args.set)
+        for field, kind, values in params:
+            overrides.append(f"{field}={suggest(trial, field, kind, values)}")
+        if any(f.endswith("gradient_accumulation_steps") for f, _, _ in params):
+            overrides.append("training.effective_batch_size=null")  # a searched N replaces the recipe's batch
+        cfg = load_recipe(args.recipe, overrides)
+
+        def report(record):  # per evaluation: report, and let the pruner stop a hopeless trial
+            value = record.get(args.metric)
+            if value is not None and math.isfinite(value):
+                trial.report(value, record["step"])
+                if trial.should_prune():
+                    raise optuna.TrialPruned()
+
+        result = execute(cfg, root / f"trial-{trial.number:03d}", on_eval=report)
+        value = (result["final_metrics"] or {}).get(args.metric)
+        if value is None:
+            raise ConfigError(f"--metric: the recipe reports no validation {args.metric!r}; it reports "
+                              f"{', '.join(k for k in result['final_metrics'] if k not in ('step', 'epoch'))}")
+        return value
+
+    study = optuna.create_study(direction=direction, sampler=optuna.samplers.TPESampler(seed=args.seed),
+                                pruner=optuna.pruners.MedianPruner(n_warmup_steps=0))
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study.optimize(objective, n_trials=args.trials, catch=())
+    best = study.best_trial
+    summary = {"metric": args.metric, "direction": direction, "value": best.value, "params": best.params,
+               "trial": best.number, "output_dir": str(root / f"trial-{best.number:03d}"),
+               "trials": [{"number": t.number, "state": t.state.name, "value": t.value, "params": t.params}
+                          for t in study.trials]}
+    (root / "best.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"best trial {best.number}: {args.metric}={best.value:.4f} with "
+          + ", ".join(f"{k}={v}" for k, v in best.params.items()) + f" (saved {root / 'best.json'})")
+    return 0
