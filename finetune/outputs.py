@@ -48,9 +48,11 @@ def write_plots(history: list, out_dir, val_history=()) -> list:
 
     paths = []
     steps = [h["step"] for h in history]
-    for key, title in PLOTTED:
+    mem_key = next((k for k in ("mem_reserved_mb", "mem_allocated_mb", "mem_rss_mb") if k in history[-1]), None)
+    plotted = PLOTTED + (((mem_key, f"memory ({mem_key[4:-3]}, MiB)"),) if mem_key else ())
+    for key, title in plotted:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        values = [h[key] for h in history]
+        values = [h.get(key, float("nan")) for h in history]
         ax.plot(steps, values, lw=1, label=key)
         if key == "loss":
             ema, avg = [], None
@@ -66,7 +68,7 @@ def write_plots(history: list, out_dir, val_history=()) -> list:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = Path(out_dir) / f"{key}.png"
+        path = Path(out_dir) / f"{'memory' if key == mem_key else key}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)

@@ -163,6 +163,6 @@ def test_auto_micro_batch_through_the_cli(tmp_path):
     proc = cli("--recipe", TINY, "--batch-size", "auto", "--effective-batch-size", "8", "--max-steps", "3",
                "--output-dir", str(out), env={"FINETUNE_FAKE_OOM_ABOVE": "3"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "out of memory at micro-batch 8: window 0 again with 4 × 2" in proc.stderr
+    assert "out of memory at micro-batch 8: window 0 again with 4 × 2" in proc.stdout
     history = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
     assert [h["micro_batch_size"] for h in history] == [2, 2, 2] and all(h["samples"] == 8 for h in history)
