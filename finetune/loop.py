@@ -371,8 +371,9 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
             log.flush()
             if done:
                 break
-    if log_with is not None:
-        accelerator.end_training()
+    if log_with is not None:  # not accelerator.end_training(): it also tears down the process group
+        for tracker in accelerator.trackers:
+            tracker.finish()
 
     history = state.history
     final = state.val_history[-1] if state.val_history else None
