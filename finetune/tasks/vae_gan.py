@@ -211,7 +211,7 @@ class VAEGAN(nn.Module):
         generator = recon + self.kl_now * kl + m.perceptual_weight * perc + m.adv_weight * adv
         per_sample = generator + d_loss + r1
         return {"loss": per_sample.mean(), "recon": recon.mean(), "kl": kl.mean(),
-                "kl_weight": torch.tensor(float(self.kl_now)), "perceptual": perc.mean(), "adv": adv.mean(),
+                "kl_weight": image.new_tensor(float(self.kl_now)), "perceptual": perc.mean(), "adv": adv.mean(),
                 "d_loss": d_loss.mean(), "r1": r1.mean(), "reconstruction": fake}
 
 
