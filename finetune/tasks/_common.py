@@ -89,3 +89,26 @@ def save_peft(model, directory, merge: bool, tokenizer=None) -> None:
         model.merge_and_unload(safe_merge=True).save_pretrained(target)
         if tokenizer is not None:
             tokenizer.save_pretrained(target)
+
+
+def split_samples(samples: list, val_fraction: float, seed: int, limit=None):
+    """Seeded train/validation split of a list of samples (for data a task generates itself); ``limit`` keeps the
+    first N of each part. Returns (train, val or None)."""
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = round(len(samples) * val_fraction)
+    val = [samples[i] for i in order[:n_val]] or None
+    train = [samples[i] for i in order[n_val:]]
+    if limit is not None:
+        train = train[:limit]
+        val = val[:limit] if val is not None else None
+    return train, val
+
+
+def step_seed(*keys: int) -> int:
+    """One 63-bit seed from integer keys (e.g. training seed, optimizer step, sample index): the seed of a random
+    draw that must not depend on how a window is split into micro-batches."""
+    h = 0x9E3779B97F4A7C15
+    for k in keys:
+        h = (h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
