@@ -53,7 +53,8 @@ def test_sigkill_at_random_step_then_resume_is_bit_identical(uninterrupted, tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert same_bytes(load_weights(out), load_weights(uninterrupted)), f"killed at step {step}"
     # the history is the uninterrupted one (lines written after the last checkpoint were dropped, then redone)
-    strip = lambda text: [{k: v for k, v in json.loads(x).items() if k != "seconds"} for x in text.splitlines()]  # noqa
+    strip = lambda text: [{k: v for k, v in json.loads(x).items() if k != "seconds" and not k.startswith("mem_")}
+                          for x in text.splitlines()]  # timings and memory readings differ between runs
     assert strip((out / "history.jsonl").read_text()) == strip((uninterrupted / "history.jsonl").read_text())
     full = json.loads((uninterrupted / "metrics.json").read_text())
     resumed = json.loads((out / "metrics.json").read_text())
