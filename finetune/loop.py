@@ -125,7 +125,11 @@ def make_optimizer(params, t: TrainingConfig) -> torch.optim.Optimizer:
     groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     if t.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.betas))
+        # The fused kernel (one pass over all parameters): torch's default on a CPU is a loop over the tensors,
+        # ~6× slower for MiniLM's 22.7 M parameters. Not with fp16: the GradScaler then hands a fused optimizer its
+        # inf check, and Accelerate could no longer tell a skipped step.
+        fused = t.mixed_precision != "fp16" and all(p.is_floating_point() for g in groups for p in g["params"])
+        return torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.betas), fused=fused or None)
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.learning_rate, momentum=t.momentum)
     from lion_pytorch import Lion
