@@ -302,8 +302,10 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
             window_loss, window_extras = torch.zeros((), device=accelerator.device), {}
             for batch, items in zip(micro_batches, counts):
                 with accelerator.accumulate(model):
-                    loss, extras, _ = compute_loss(forward_model, send_to_device(batch, accelerator.device),
-                                                   job.loss_fn)
+                    # The outputs (a language model's logits) are not kept: held, they would stay allocated
+                    # through this backward and the next micro-batch's forward.
+                    loss, extras = compute_loss(forward_model, send_to_device(batch, accelerator.device),
+                                                job.loss_fn)[:2]
                     # A weight-0 placeholder (or an item-less micro-batch) must add exact zeros, not 0 × NaN.
                     accelerator.backward(loss * loss_weight(items, window_items, accelerator) if items
                                          else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0)
