@@ -191,6 +191,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fp64 and one epoch only")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the results do not depend on it)")
+    p.add_argument("--plot", metavar="PNG", help="also draw the fp64 table as a bar chart into this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -212,6 +213,13 @@ def main(argv=None) -> dict:
     print("## HF Trainer's logged loss ÷ the window's true mean loss (first step, fp64)\n")
     print(C.table(["case", "ratio"], [[k, f"{v:.3f}"] for k, v in loss_ratio.items()]))
     main_res = record["fp64_1ep"]
+    if args.plot:
+        floor = 1e-17
+        C.bar_chart(args.plot, "Distance to the big-batch run after one epoch (fp64; 0 drawn at 1e-17)",
+                    ["MLP\ntail window 16/16/5", "BERT classifier\ntail window 4/3", "GPT-2, padded\nN = 3",
+                     "GPT-2, padded\nN = 1"],
+                    {t: [max(row[t]["weights"], floor) for row in main_res.values()] for t in TOOLS},
+                    "max |w − w_ref| / max |w_ref|", log=True)
     record["finetune_max"] = max(row["finetune"]["weights"] for row in main_res.values())
     record["peers_max"] = max(row[t]["weights"] for row in main_res.values() for t in TOOLS if t != "finetune")
     record["seconds"] = round(time.perf_counter() - start, 1)

@@ -187,10 +187,37 @@ def step_seconds(model, data, collate, b: int, checkpointing: bool, steps: int) 
     return C.median([h["seconds"] for h in result["history"][1:]])
 
 
+def plot(path, record: dict, b: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(record["models"]), figsize=(4.2 * len(record["models"]), 3.4))
+    for ax, (name, res) in zip(axes, record["models"].items()):
+        acc = [r for r in res["accumulation"] if r["micro_batch"] == b]
+        big = [r for r in res["accumulation"] if r["accum"] == 1]
+        ax.plot([r["micro_batch"] * r["accum"] for r in acc], [r["peak_mb"] for r in acc], "o-",
+                label=f"micro-batch {b}, N accumulation steps")
+        ax.plot([r["micro_batch"] for r in big], [r["peak_mb"] for r in big], "s--", label="one micro-batch (N = 1)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("samples per optimizer step")
+        ax.set_ylabel("step peak MB")
+        ax.set_title(f"{name} ({res['params_mb']:.0f} MB of parameters)", fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"![step peak]({Path(path).name})\n")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a smaller grid (~1-2 min on 2 CPU cores)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (memory does not depend on it)")
+    p.add_argument("--plot", metavar="PNG", help="also draw step peak against samples per step into this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -241,6 +268,8 @@ def main(argv=None) -> dict:
         print(C.table(["checkpointing", "activations of one micro-batch MB", "step peak MB", "step ms"], ck_rows))
         print()
         record["models"][name] = res
+    if args.plot:
+        plot(args.plot, record, b)
     record["accumulation_peak_vs_one_micro_batch"] = worst
     record["seconds"] = round(time.perf_counter() - start, 1)
     print(f"Largest step peak of {b} × N over {b} × 1: {worst:.3f}. Total {record['seconds']} s.\n")

@@ -13,10 +13,13 @@ recipe's GPT-2 (one Python-docs paragraph a sample, padded per micro-batch; toke
    interleaved (the order rotates); each step's time is the median over repetitions, the first step (warm-up) is
    left out, and the throughput is the step units summed over the summed median step times — on two clocks: the
    process's CPU time (one torch thread: the CPU time is the work; it barely moves when other jobs take the cores)
-   and the wall clock.
+   and the wall clock. The raw loop runs twice as two tools: the ratio of the two copies shows how far identical
+   runs drift on the machine of the day.
 2. **Everyone's defaults.** finetune as its text tasks run it (windows sorted by length, dynamic padding) against
    Trainer as its documentation sets it up (random sampler, padding collator, its default optimizer), same
    micro-batch, N, learning rate and epoch of the same text; real (non-padding) tokens per second.
+3. **Fixed cost per optimizer step**: the same four loops on a 6-16-1 MLP, where the model's work is ~nothing, so
+   what is left is each tool's own machinery per step (CPU µs).
 
 The last line printed is one JSON object: ``finetune_vs_raw``, ``finetune_vs_accelerate``, ``finetune_vs_trainer``
 (throughput ratios at identical work on CPU time, the lower of the two models; > 1: finetune faster) and
@@ -38,6 +41,8 @@ import torch  # noqa: E402
 
 TOOLS = {"raw torch": C.run_raw, "hand Accelerate": C.run_accelerate, "HF Trainer": C.run_trainer,
          "finetune": C.run_finetune}
+# the raw loop a second time: its ratio to the first shows how far two identical runs drift on this machine
+CONTROL = "raw torch (again)"
 KEYS = {"raw torch": "raw", "hand Accelerate": "accelerate", "HF Trainer": "trainer"}
 
 
@@ -64,7 +69,8 @@ def workloads(quick: bool) -> dict:
 
 def identical_work(w: dict, reps: int) -> dict:
     runs = C.interleaved(
-        {name: (lambda fn: lambda model, *a: fn(model, *a, lr=w["lr"]))(fn) for name, fn in TOOLS.items()},
+        {name: (lambda fn: lambda model, *a: fn(model, *a, lr=w["lr"]))(fn)
+         for name, fn in {**TOOLS, CONTROL: C.run_raw}.items()},
         reps, lambda: (C.copy_model(w["model"]), w["data"], w["collate"], w["b"], w["n"]))
     reference = runs["raw torch"][0]
     for name, rs in runs.items():  # the same micro-batches in every step, for every tool and repetition
@@ -76,9 +82,13 @@ def identical_work(w: dict, reps: int) -> dict:
     for name, rs in runs.items():
         out[name] = {"wall_s": C.median([r.wall for r in rs])}
         for clock in ("cpu", "wall"):  # each step's median over the repetitions, summed over steps 2..
-            steps = [C.median(x) for x in zip(*(r.durations(clock)[1:] for r in rs))]
+            per_rep = [r.durations(clock)[1:] for r in rs]
+            steps = [C.median(x) for x in zip(*per_rep)]
             out[name][clock] = units / sum(steps)
             out[name][f"{clock}_step_ms"] = 1000 * C.median(steps)
+            # the fastest repetition of each step: interference from other jobs only ever adds time
+            out[name][f"{clock}_min"] = units / sum(min(x) for x in zip(*per_rep))
+        out[name]["cpu_step_ms_per_rep"] = [[round(1000 * d, 1) for d in r.durations("cpu")] for r in rs]
     return out
 
 
@@ -102,6 +112,18 @@ def defaults(w: dict, reps: int) -> dict:
     return out
 
 
+def fixed_cost(reps: int, steps: int) -> dict:
+    """Each tool's own cost per optimizer step, where the model costs ~nothing: a 6-16-1 MLP, 4 micro-batches of 4
+    samples a step, AdamW. Median CPU µs of the steps after the first, the median over repetitions."""
+    from equivalence import MLP, regression_data, torch_default_collate
+
+    torch.manual_seed(0)
+    model, data = MLP(), regression_data(16 * steps, torch.float32)
+    runs = C.interleaved({name: (lambda fn: lambda m: fn(m, data, torch_default_collate, 4, 4, lr=1e-3))(fn)
+                          for name, fn in TOOLS.items()}, reps, lambda: (C.copy_model(model),))
+    return {name: 1e6 * C.median([C.median(r.durations("cpu")[1:]) for r in rs]) for name, rs in runs.items()}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer steps and repetitions (~2 min on 2 CPU cores)")
@@ -122,7 +144,11 @@ def main(argv=None) -> dict:
         same = identical_work(w, reps)
         ft = same["finetune"]
         rows = [[name, f"{r['cpu']:.1f}", f"{ft['cpu'] / r['cpu']:.3f}", f"{r['wall']:.1f}",
-                 f"{ft['wall'] / r['wall']:.3f}", f"{r['wall_step_ms']:.0f}"] for name, r in same.items()]
+                 f"{ft['wall'] / r['wall']:.3f}", f"{r['wall_step_ms']:.0f}"] for name, r in same.items()
+                if name != CONTROL]
+        noise = same[CONTROL]["cpu"] / same["raw torch"]["cpu"]
+        rows.append([f"*control: {CONTROL}*", f"{same[CONTROL]['cpu']:.1f}", f"raw ÷ raw again: {1 / noise:.3f}",
+                     f"{same[CONTROL]['wall']:.1f}", "", f"{same[CONTROL]['wall_step_ms']:.0f}"])
         print(f"## {model_name}: identical work (b={w['b']}, N={w['n']}, {len(w['data'])} samples, "
               f"{len(w['data']) // (w['b'] * w['n'])} steps)\n")
         print(C.table(["tool", f"{unit}/s (CPU time)", "finetune ÷ tool", f"{unit}/s (wall)", "finetune ÷ tool (wall)",
@@ -140,6 +166,8 @@ def main(argv=None) -> dict:
         record["models"][model_name] = {
             "unit": unit, **{f"finetune_vs_{KEYS[k]}": ft["cpu"] / r["cpu"] for k, r in same.items() if k in KEYS},
             **{f"finetune_vs_{KEYS[k]}_wall": ft["wall"] / r["wall"] for k, r in same.items() if k in KEYS},
+            **{f"finetune_vs_{KEYS[k]}_fastest": ft["cpu_min"] / r["cpu_min"] for k, r in same.items() if k in KEYS},
+            "raw_vs_raw_again": 1 / noise,
             "identical_work": same,
             "finetune_defaults_vs_trainer_defaults": ratio_defaults,
             "finetune_defaults_vs_trainer_defaults_wall": f["wall"] / t["wall"],
@@ -147,6 +175,13 @@ def main(argv=None) -> dict:
         for k, key in KEYS.items():
             ratios[key].append(ft["cpu"] / same[k]["cpu"])
         default_ratios.append(ratio_defaults)
+    fixed = fixed_cost(reps, 32 if args.quick else 96)
+    raw = fixed["raw torch"]
+    print("## Fixed cost per optimizer step (a 6-16-1 MLP: the tools' own work; b = 4, N = 4, AdamW)\n")
+    print(C.table(["tool", "µs per step (CPU time)", "over the raw loop µs"],
+                  [[name, f"{us:.0f}", f"{us - raw:+.0f}"] for name, us in fixed.items()]))
+    print()
+    record["per_step_us"] = fixed
     record.update({f"finetune_vs_{k}": min(v) for k, v in ratios.items()})
     record["finetune_defaults_vs_trainer_defaults"] = min(default_ratios)
     record["seconds"] = round(time.perf_counter() - start, 1)
