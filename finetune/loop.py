@@ -284,6 +284,7 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
     torch.backends.cudnn.benchmark = t.cudnn_benchmark
 
     model = job.model
+    model.train()  # from_pretrained returns a model in eval mode: dropout would silently stay off
     if t.gradient_checkpointing:
         enable_checkpointing(model, job.enable_checkpointing)
     # Schedulers are not passed to accelerator.prepare: a prepared scheduler steps num_processes times per

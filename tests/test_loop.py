@@ -239,3 +239,17 @@ def test_tracker_logs_effective_batch(tmp_path):
     assert events
     hparams = "".join(p.read_text() for p in tmp_path.rglob("hparams.yml"))
     assert "config/effective_batch_size: 8" in hparams and "config/physical_batch_size: 2" in hparams
+
+
+def test_model_in_eval_mode_is_trained_in_train_mode():
+    """from_pretrained hands over a model in eval mode; dropout must still be active while training."""
+    modes = []
+
+    class Probe(MLP):
+        def forward(self, x, y):
+            modes.append(self.training)
+            return super().forward(x, y)
+
+    model = Probe().eval()
+    test_fine_tuning(model, train_data=regression_data(8), batch_size=4)
+    assert modes and all(modes)

@@ -46,7 +46,7 @@ def _kill_at(step, out):
 def test_sigkill_at_random_step_then_resume_is_bit_identical(uninterrupted, tmp_path, epoch):
     total = len((uninterrupted / "history.jsonl").read_text().splitlines())
     per_epoch = total // 2
-    step = random.randrange(1, per_epoch - 2) if epoch == 0 else random.randrange(per_epoch + 1, total - 4)
+    step = random.randrange(4, per_epoch - 2) if epoch == 0 else random.randrange(per_epoch + 1, total - 4)
     out = tmp_path / "run"
     assert _kill_at(step, out) == -signal.SIGKILL, f"the run ended before step {step}"
     proc = cli(*ARGS, "--output-dir", str(out), "--resume", "latest")
