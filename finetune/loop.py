@@ -12,6 +12,7 @@ Every optimizer step is the step the baseline took with one batch of ``micro_bat
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import math
@@ -101,7 +102,21 @@ def distributed_state() -> PartialState:
     """The process group Accelerate sets up from the launcher's environment. Without an accelerator we ask for the
     CPU explicitly: several processes then train with gloo DDP (``accelerate launch --multi_gpu`` or torchrun),
     which ``accelerate launch --cpu --num_processes 2`` does not give (it starts one process)."""
-    return PartialState(cpu=not _has_device())
+    state = PartialState(cpu=not _has_device())
+    if state.num_processes > 1 and not _shutdown_registered:
+        atexit.register(shutdown)
+        _shutdown_registered.append(True)
+    return state
+
+
+_shutdown_registered: list = []
+
+
+def shutdown() -> None:
+    """Destroy the process group (local, no collective). Runs at exit of every multi-process run: a gloo group
+    left alive while the interpreter finalizes can abort the process (SIGABRT) after training succeeded."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def resolve_accumulation(t: TrainingConfig, processes: int) -> int:

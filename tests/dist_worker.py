@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from finetune import test_fine_tuning
+from finetune import loop, test_fine_tuning
 from tests.helpers import MLP, flat, pad_collate, regression_data, tiny_gpt2, token_data
 
 # (name, effective batch split, dataset): tails chosen so the last window splits unevenly over 2 processes
@@ -40,7 +40,8 @@ def run(name, processes):
     return {"weights": flat(result["model"]).tolist(), "lr": result["lr_history"],
             "history": [{k: v for k, v in h.items() if k != "seconds"} for h in result["history"]],
             "val": result["val_history"], "effective": result["effective_batch_size"],
-            "processes": result["accelerator"].num_processes, "main": result["accelerator"].is_main_process}
+            "processes": result["accelerator"].num_processes, "main": result["accelerator"].is_main_process,
+            "shutdown_at_exit": bool(loop._shutdown_registered)}
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from finetune import loop
 from tests import dist_worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +39,7 @@ def test_two_processes_match_one(two_process_results, case):
     two = two_process_results[case]
     one = dist_worker.run(case, processes=1)
     assert two["processes"] == 2 and one["processes"] == 1
+    assert two["shutdown_at_exit"]  # the gloo group is destroyed before the interpreter finalizes (else SIGABRT)
     assert two["effective"] == one["effective"] == dist_worker.CASES[case]["effective"]
     w2, w1 = torch.tensor(two["weights"]), torch.tensor(one["weights"])
     assert float((w2 - w1).abs().max() / w1.abs().max()) <= 1e-5
@@ -51,6 +53,14 @@ def test_two_processes_match_one(two_process_results, case):
             assert h2[key] == pytest.approx(h1[key], rel=1e-5), key
     # validation: every sample once, same loss
     assert [v["loss"] for v in two["val"]] == pytest.approx([v["loss"] for v in one["val"]], rel=1e-5)
+
+
+def test_shutdown_destroys_the_process_group(tmp_path):
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    assert torch.distributed.is_initialized()
+    loop.shutdown()
+    assert not torch.distributed.is_initialized()
+    loop.shutdown()  # a second call (explicit, then at exit) is harmless
 
 
 def test_recipe_under_two_process_config_logs_once(tmp_path):
