@@ -178,7 +178,9 @@ def _coerce(value, tp):
                 return out
         return _NO
     if origin is Literal:
-        return value if value in typing.get_args(tp) else _NO
+        if value is False and "no" in typing.get_args(tp):  # YAML 1.1 reads `mixed_precision: no` as false
+            return "no"
+        return value if value in typing.get_args(tp) and not isinstance(value, bool) else _NO
     if tp is bool:
         return value if isinstance(value, bool) else _NO
     if tp is int:

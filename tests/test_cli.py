@@ -55,6 +55,19 @@ def test_effective_batch_size_derives_n():
         resolve_accumulation(load_recipe("minilm-sentiment", ["training.batch_size=5"]).training, 1)
 
 
+def test_mixed_precision_no_survives_yaml(tmp_path):
+    # YAML 1.1 reads a bare `no` as false; `mixed_precision: no` must still mean "no", in a recipe or via --set
+    assert load_recipe("clm-lion-long", ["training.mixed_precision=no"]).training.mixed_precision == "no"
+    recipe = tmp_path / "r.yaml"
+    raw = yaml.safe_load(open(TINY).read())
+    raw["training"]["mixed_precision"] = "no"
+    recipe.write_text(yaml.safe_dump(raw).replace("mixed_precision: 'no'", "mixed_precision: no"))
+    assert "mixed_precision: no\n" in recipe.read_text()
+    assert load_recipe(str(recipe)).training.mixed_precision == "no"
+    with pytest.raises(ConfigError, match="training.mixed_precision: got True"):
+        load_recipe("clm-lion-long", ["training.mixed_precision=yes"])
+
+
 def _data_file(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)
