@@ -1,16 +1,18 @@
 """Run by tests/test_distributed.py under `accelerate launch` (W processes) and in-process (W = 1).
 
-Trains the same tiny models with the same effective batch and saves, from the main process, the final weights and
-the per-step history so the test can compare W = 2 with W = 1.
+Trains the same tiny models (and the custom-model recipes at small shapes) with the same effective batch and saves,
+from the main process, the final weights and the per-step history so the test can compare W = 2 with W = 1.
 """
 
 import json
 import sys
 
 import torch
+from accelerate.utils import set_seed
 
 from finetune import loop, test_fine_tuning
-from tests.helpers import MLP, flat, pad_collate, regression_data, tiny_gpt2, token_data
+from finetune.config import load_recipe, task_module
+from tests.helpers import EXACT, MLP, SMALL, flat, pad_collate, regression_data, tiny_gpt2, token_data
 
 # (name, effective batch split, dataset): tails chosen so the last window splits unevenly over 2 processes
 CASES = {
@@ -28,15 +30,29 @@ CASES = {
                                   "length_of": lambda i, d=token_data(27, hi=20): len(d[i]["input_ids"])}),
 }
 
+# custom-model recipes through the same loop (22 samples, B = 12: the tail window of 10 splits 6 / 4 over 2 ranks);
+# the GAN's two optimizers, R1's double backward and the per-sample noise must all hold across processes
+CUSTOM = {
+    "vae-digits": ["training.learning_rate=0.2", "model.d_learning_rate=0.1", "model.r1_gamma=5"],
+    "ode-latent": ["model.ode_memory=checkpoint", "model.solver=rk4", "training.learning_rate=0.5"],
+    "video-motion": ["training.learning_rate=0.05", "model.checkpoint_frames=true"],
+}
+
 
 def run(name, processes):
-    case = CASES[name]
-    torch.manual_seed(0)
-    model = case["model"]()
-    n = case["effective"] // (case["b"] * processes)
-    result = test_fine_tuning(model, train_data=case["data"](), val_data=case["data"]()[:9], batch_size=case["b"],
-                              gradient_accumulation_steps=n, optimizer="sgd", learning_rate=0.3,
-                              max_grad_norm=None, n_epochs=2, seed=11, **case["kw"])
+    if name in CUSTOM:
+        cfg = load_recipe(name, [*SMALL[name], *EXACT, "training.batch_size=3",
+                                 f"training.gradient_accumulation_steps={4 // processes}", *CUSTOM[name]])
+        set_seed(cfg.training.seed)
+        result = loop.train(task_module(cfg.task).build(cfg), cfg.training, print_banner=False)
+    else:
+        case = CASES[name]
+        torch.manual_seed(0)
+        model = case["model"]()
+        n = case["effective"] // (case["b"] * processes)
+        result = test_fine_tuning(model, train_data=case["data"](), val_data=case["data"]()[:9],
+                                  batch_size=case["b"], gradient_accumulation_steps=n, optimizer="sgd",
+                                  learning_rate=0.3, max_grad_norm=None, n_epochs=2, seed=11, **case["kw"])
     return {"weights": flat(result["model"]).tolist(), "lr": result["lr_history"],
             "history": [{k: v for k, v in h.items() if k != "seconds"} for h in result["history"]],
             "val": result["val_history"], "effective": result["effective_batch_size"],
@@ -45,7 +61,7 @@ def run(name, processes):
 
 
 if __name__ == "__main__":
-    names = sys.argv[3].split(",") if len(sys.argv) > 3 else list(CASES)
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else [*CASES, *CUSTOM]
     out = {name: run(name, processes=int(sys.argv[2])) for name in names}
     if all(v["main"] for v in out.values()):
         with open(sys.argv[1], "w") as f:

@@ -105,3 +105,18 @@ def same_bytes(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
         and a[k].contiguous().view(torch.uint8).equal(b[k].contiguous().view(torch.uint8)) for k in a)
+
+
+# Custom recipes at small shapes (each run takes about a second) and the settings under which (b, N) = (b·N, 1).
+SMALL = {
+    "ode-latent": ["data.size=12", "model.hidden_channels=8", "model.ode_integration_steps=3",
+                   "model.swd_projections=8", "model.swd_max_samples=16", "model.swd_patch=3"],
+    "vae-digits": ["model.channels=8", "model.d_channels=8", "model.latent_dim=4", "model.kl_warmup_steps=3",
+                   "model.r1_interval=2"],
+    "video-motion": ["data.clips=60", "data.frames=3", "data.size=12", "model.channels=4", "model.dim=8",
+                     "model.heads=2", "model.layers=1"],
+}
+# 22 training samples in windows of 12: the second window holds 10 = 3 + 3 + 3 + 1.
+EXACT = ["model.dropout=0", "data.limit=22", "training.optimizer=sgd", "training.max_grad_norm=null",
+         "training.epochs=2", "training.warmup_steps=0", "training.lr_scheduler=constant",
+         "training.effective_batch_size=null"]

@@ -166,3 +166,24 @@ def test_long_sequence_lion_amp_compile_recipe(tmp_path):
     assert "eff_batch=32 loss=" in proc.stderr
     history = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
     assert len(history) == 1 and math.isfinite(history[0]["loss"]) and history[0]["samples"] <= 32
+
+
+def test_dropout_zero_reaches_attention_that_reads_a_float():
+    """``model.dropout: 0`` must also reach attention dropout kept as a float (nn.MultiheadAttention, and HF models
+    that copy ``attention_dropout`` from the config at init): else training stays random, and (b, N) = (b·N, 1)
+    holds only while the RNG stream happens to line up (one process on CPU), not across processes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.tasks._common import set_dropout
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.5, batch_first=True)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, attention_dropout=0.5))
+    x, ids = torch.randn(2, 5, 16), torch.randint(32, (2, 5))
+    cases = [(layer, lambda m: m(x)), (llama, lambda m: m(input_ids=ids).logits)]
+    for model, forward in cases:
+        model.train()
+        assert not torch.equal(forward(model), forward(model))  # the check can fail: dropout is live
+        set_dropout(model, 0.0)
+        assert torch.equal(forward(model), forward(model)), type(model).__name__

@@ -28,13 +28,17 @@ def resolve_model_path(name_or_path: str) -> str:
 def set_dropout(model: torch.nn.Module, p) -> None:
     """Set every dropout probability of ``model`` to ``p`` (``None`` keeps the model's own).
 
-    Covers ``nn.Dropout*`` modules and the float ``*dropout*`` fields of an HF config that attention kernels read
-    directly. ``p = 0`` is what an exact reproduction check needs."""
+    Covers ``nn.Dropout*`` modules, float ``*dropout*`` attributes that attention reads directly
+    (``nn.MultiheadAttention.dropout``, HF's ``attention_dropout`` copied from the config at init) and the float
+    ``*dropout*`` fields of an HF config. ``p = 0`` is what an exact reproduction check needs."""
     if p is None:
         return
     for m in model.modules():
         if isinstance(m, torch.nn.modules.dropout._DropoutNd):
             m.p = p
+        for key, value in vars(m).items():
+            if "dropout" in key and isinstance(value, float):
+                setattr(m, key, float(p))
         cfg = getattr(m, "config", None)
         if cfg is not None and hasattr(cfg, "to_dict"):
             for key, value in cfg.to_dict().items():
