@@ -649,6 +649,9 @@ def banner(n_train: int, t: TrainingConfig, accum: int, world: int, total_steps:
     per_epoch = windows_per_epoch(n_train, t.batch_size, accum, world)
     effective = t.batch_size * accum * world
     split = f"{t.batch_size} × {accum}" + (f" × {world} processes" if world > 1 else "")
+    tail = n_train - (per_epoch - 1) * effective
+    tail_text = "every window is full" if tail == effective else \
+        f"the last window of each epoch holds {tail} sample{'s' if tail > 1 else ''}"
     lines = [
         "=" * 60, "FINE-TUNING", "=" * 60,
         f"Training samples: {n_train}",
@@ -656,8 +659,7 @@ def banner(n_train: int, t: TrainingConfig, accum: int, world: int, total_steps:
         f"Gradient accumulation steps: {accum}",
         f"Processes: {world}",
         f"Effective batch size: {t.batch_size * accum * world} ({split})",
-        f"Optimizer steps: {total_steps} ({per_epoch} per epoch; the last window of each epoch holds "
-        f"{n_train - (per_epoch - 1) * t.batch_size * accum * world} samples)",
+        f"Optimizer steps: {total_steps} ({per_epoch} per epoch; {tail_text})",
         f"Optimizer: {t.optimizer}, lr {t.learning_rate * lr_scale(t, effective):g}, schedule {t.lr_scheduler}, "
         f"warm-up {t.warmup_steps} steps",
         *([f"LR scaling: {t.scale_lr} from the baseline's batch {t.reference_batch_size} to {effective}: "

@@ -253,3 +253,14 @@ def test_model_in_eval_mode_is_trained_in_train_mode():
     model = Probe().eval()
     test_fine_tuning(model, train_data=regression_data(8), batch_size=4)
     assert modes and all(modes)
+
+
+@pytest.mark.parametrize("n, tail", [(37, "the last window of each epoch holds 1 sample)"),
+                                     (35, "the last window of each epoch holds 11 samples)"),
+                                     (24, "every window is full)")])
+def test_banner_names_the_short_last_window(capsys, n, tail):
+    test_fine_tuning(MLP(), train_data=regression_data(n), batch_size=4, gradient_accumulation_steps=3,
+                     max_steps=1)
+    out = capsys.readouterr().out
+    assert "Effective batch size: 12 (4 × 3)" in out
+    assert f"per epoch; {tail}" in out
