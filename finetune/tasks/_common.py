@@ -25,6 +25,32 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def load_local_table(path, builders: dict, kwargs=None):
+    """A local data file through ``datasets.load_dataset`` (``builders``: file extension → builder name). A bad file
+    is one ``data.source`` line: datasets' own error log and progress bar are silenced while it reads."""
+    import datasets
+
+    from finetune.config import ConfigError
+
+    path = Path(path)
+    ext = path.suffix.lower().lstrip(".")
+    if ext not in builders:
+        raise ConfigError(f"data.source: unsupported file type .{ext}; use {', '.join(builders)}")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"data.source: file {path} is empty")
+    verbosity, bars = datasets.utils.logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(builders[ext], data_files=str(path), split="train", **(kwargs or {}).get(ext, {}))
+    except Exception as e:  # datasets raises many types for a malformed file
+        raise ConfigError(f"data.source: cannot read {path}: {str(e).splitlines()[0][:200]}") from None
+    finally:
+        datasets.utils.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
 def set_dropout(model: torch.nn.Module, p) -> None:
     """Set every dropout probability of ``model`` to ``p`` (``None`` keeps the model's own).
 

@@ -20,7 +20,7 @@ import torch
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
 from finetune.job import Job
-from finetune.tasks._common import apply_peft, resolve_model_path, save_peft, set_dropout, split
+from finetune.tasks._common import apply_peft, load_local_table, resolve_model_path, save_peft, set_dropout, split
 
 CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
 
@@ -72,18 +72,9 @@ def load_texts(d: DataConfig):
     if d.source == "pydoc":
         return datasets.Dataset.from_dict({"text": pydoc_paragraphs(d.min_chars)})
     path = Path(d.source)
-    if path.stat().st_size == 0:
-        raise ConfigError(f"data.source: file {path} is empty")
-    ext = path.suffix.lower().lstrip(".")
-    builder = {"txt": "text", "text": "text", "md": "text", "json": "json", "jsonl": "json", "csv": "csv",
-               "parquet": "parquet"}.get(ext)
-    if builder is None:
-        raise ConfigError(f"data.source: unsupported file type .{ext}; use txt, json, jsonl, csv or parquet")
-    try:
-        kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-        table = datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
-    except Exception as e:  # datasets raises many types for a malformed file
-        raise ConfigError(f"data.source: cannot read {path}: {str(e).splitlines()[0][:200]}") from None
+    table = load_local_table(path, {"txt": "text", "text": "text", "md": "text", "json": "json", "jsonl": "json",
+                                    "csv": "csv", "parquet": "parquet"},
+                             {ext: {"sample_by": "paragraph"} for ext in ("txt", "text", "md")})
     if d.text_field not in table.column_names:
         raise ConfigError(f"data.text_field: no column {d.text_field!r} in {path}; "
                           f"columns: {', '.join(table.column_names)}")

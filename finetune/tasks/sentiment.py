@@ -8,7 +8,6 @@ and a label column works too (``data.source: path/to/file.csv``).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -17,7 +16,15 @@ import numpy as np
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
 from finetune.job import Job
-from finetune.tasks._common import apply_peft, load_metric, resolve_model_path, save_peft, set_dropout, split
+from finetune.tasks._common import (
+    apply_peft,
+    load_local_table,
+    load_metric,
+    resolve_model_path,
+    save_peft,
+    set_dropout,
+    split,
+)
 
 
 @dataclass
@@ -74,19 +81,8 @@ def vader_ratings():
 
 def load_table(source: str):
     """A local data file through ``datasets.load_dataset`` (format from the extension)."""
-    import datasets
-
-    ext = Path(source).suffix.lower().lstrip(".")
-    builder = {"csv": "csv", "tsv": "csv", "json": "json", "jsonl": "json", "parquet": "parquet"}.get(ext)
-    if builder is None:
-        raise ConfigError(f"data.source: unsupported file type .{ext}; use csv, tsv, json, jsonl or parquet")
-    if os.path.getsize(source) == 0:
-        raise ConfigError(f"data.source: file {source} is empty")
-    kwargs = {"delimiter": "\t"} if ext == "tsv" else {}
-    try:
-        return datasets.load_dataset(builder, data_files=source, split="train", **kwargs)
-    except Exception as e:  # datasets raises many types for a malformed file
-        raise ConfigError(f"data.source: cannot read {source}: {str(e).splitlines()[0][:200]}") from None
+    return load_local_table(source, {"csv": "csv", "tsv": "csv", "json": "json", "jsonl": "json",
+                                     "parquet": "parquet"}, {"tsv": {"delimiter": "\t"}})
 
 
 def build(cfg) -> Job:
