@@ -119,6 +119,8 @@ def build_model(m: ModelConfig, tokenizer):
         model = AutoModelForCausalLM.from_config(arch, trust_remote_code=m.trust_remote_code)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "loss_type", "") is None:  # e.g. GPT2LMHeadModel: transformers falls back to this, with a warning
+        model.loss_type = "ForCausalLM"
     return model
 
 
