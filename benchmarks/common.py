@@ -119,7 +119,7 @@ def pydoc_samples(tokenizer, n: Optional[int] = None, seq_len: int = 128, seed: 
 def clm_collate(tokenizer, pad_to: Optional[int] = None):
     """finetune's causal-LM collate (right-pad to the micro-batch's longest sample, labels -100 on padding);
     ``pad_to``: static padding to that length instead."""
-    from finetune.tasks.clm import pad_collate
+    from finetune.tasks._common import pad_collate
 
     dynamic = pad_collate(tokenizer.pad_token_id)
     if pad_to is None:

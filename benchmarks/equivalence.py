@@ -36,6 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 import torch  # noqa: E402
 
+from finetune.tasks._common import pad_collate as _pad_collate  # noqa: E402
+
+pad_collate = _pad_collate(0)  # right-pad; class labels stacked, a causal LM's padded labels -100
+
 TOOLS = {"Accelerate accumulate()": C.run_accelerate, "HF Trainer": C.run_trainer, "finetune": C.run_finetune}
 SGD = dict(optimizer="sgd", scheduler="constant", max_grad_norm=None)
 
@@ -69,20 +73,6 @@ def token_data(n: int, vocab: int = 64, lo: int = 2, hi: int = 12, seed: int = 0
             sample["labels"] = int(torch.randint(0, labels, (1,), generator=g))
         out.append(sample)
     return out
-
-
-def pad_collate(samples, pad_id: int = 0):
-    """Right-pad to the micro-batch's longest sample; token labels (a causal LM's) are -100 on padding, class
-    labels are stacked."""
-    longest = max(len(s["input_ids"]) for s in samples)
-    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), longest), dtype=torch.long)
-    for i, s in enumerate(samples):
-        ids[i, :len(s["input_ids"])] = s["input_ids"]
-        mask[i, :len(s["input_ids"])] = 1
-    labels = torch.tensor([s["labels"] for s in samples]) if "labels" in samples[0] else ids.masked_fill(mask == 0,
-                                                                                                           -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kw):

@@ -52,6 +52,18 @@ def measure(step) -> dict:
     return {"peak": m.peak, "kept": kept[0] if kept else 0}
 
 
+def training_step(model, batch):
+    """``step(mark)`` for ``measure`` / ``best_seconds``: zero grads, forward, ``mark()``, backward."""
+
+    def step(mark=lambda: None):
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch)["loss"]
+        mark()
+        loss.backward()
+
+    return step
+
+
 def best_seconds(step, repeats: int) -> float:
     """The fastest of ``repeats`` runs: on a shared machine the others measure the neighbours."""
     times = []

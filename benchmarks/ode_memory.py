@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.live_bytes import best_seconds, machine, measure  # noqa: E402
+from benchmarks.live_bytes import best_seconds, machine, measure, training_step  # noqa: E402
 from finetune.tasks.latent_ode import DataConfig, LatentODE, ModelConfig, make_latents  # noqa: E402
 
 MODES = ("none", "checkpoint", "adjoint")
@@ -49,15 +49,10 @@ def main(argv=None) -> dict:
             with torch.no_grad():  # a non-trivial flow (the task starts from the zero flow)
                 model.velocity.net[-1].weight.normal_(0, 0.05)
 
-            def step(mark):
-                model.zero_grad(set_to_none=True)
-                loss = model(**batch)["loss"]
-                mark()
-                loss.backward()
-
-            step(lambda: None)  # warm-up
+            step = training_step(model, batch)
+            step()  # warm-up
             model.velocity.evaluations = 0
-            step(lambda: None)
+            step()
             evaluations = model.velocity.evaluations
             mem = measure(step)
             rows.append({"steps": steps, "mode": mode, "kept_mb": mem["kept"] / 2**20, "peak_mb": mem["peak"] / 2**20,

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.live_bytes import best_seconds, machine, measure  # noqa: E402
+from benchmarks.live_bytes import best_seconds, machine, measure, training_step  # noqa: E402
 from finetune.tasks.video import DataConfig, ModelConfig, VideoRegressor, make_clips  # noqa: E402
 
 
@@ -41,13 +41,8 @@ def main(argv=None) -> dict:
             torch.manual_seed(0)
             model = VideoRegressor(ModelConfig(checkpoint_frames=on), frames)
 
-            def step(mark):
-                model.zero_grad(set_to_none=True)
-                loss = model(**batch)["loss"]
-                mark()
-                loss.backward()
-
-            step(lambda: None)  # warm-up
+            step = training_step(model, batch)
+            step()  # warm-up
             mem = measure(step)
             rows.append({"frames": frames, "checkpoint_frames": on, "kept_mb": mem["kept"] / 2**20,
                          "peak_mb": mem["peak"] / 2**20, "seconds": best_seconds(step, args.repeats)})

@@ -225,6 +225,13 @@ def build_section(cls, raw, section: str, problems: list):
     return cls(**kwargs)
 
 
+def require_at_least_one(section, names, problems: list, prefix: str) -> None:
+    """One ``prefix.name: got …; must be an integer >= 1`` line per field of ``section`` below 1."""
+    for name in names:
+        if getattr(section, name) < 1:
+            problems.append(f"{prefix}.{name}: got {getattr(section, name)}; must be an integer >= 1")
+
+
 def validate_training(t: TrainingConfig, problems: list):
     """Range checks of the training section; appends one line per problem."""
 

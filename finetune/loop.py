@@ -357,16 +357,17 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
                 continue
 
             norms, skipped, lrs = optimizer_step(accelerator, optims, t, state, window)
-            if world > 1:
-                window_loss = accelerator.reduce(window_loss, "sum")
-                window_extras = {k: accelerator.reduce(v, "sum") for k, v in window_extras.items()}
+            # the logged loss and its terms: one all-reduce and one host sync for all of them
+            logged = torch.stack([window_loss, *window_extras.values()])
+            logged = (accelerator.reduce(logged, "sum") if world > 1 else logged).tolist()
+            window_loss, window_extras = logged[0], dict(zip(window_extras, logged[1:]))
             log.step({
                 "step": state.optimizer_step, "epoch": window.epoch, "window": window.index,
                 "items": window_items, "samples": len(window.samples),
                 "micro_batches": window.total_micro_batches,
                 **({"tokens": real_tokens, "padded_tokens": padded_tokens} if padded_tokens else {}),
-                "loss": float(window_loss), "lr": lrs[0], "grad_norm": norms[0], "skipped": skipped,
-                "window_hash": window.sample_hash, **{k: float(v) for k, v in window_extras.items()},
+                "loss": window_loss, "lr": lrs[0], "grad_norm": norms[0], "skipped": skipped,
+                "window_hash": window.sample_hash, **window_extras,
                 **{f"{key}_{o.name}": v[i] for i, o in enumerate(optims) if i
                    for key, v in (("lr", lrs), ("grad_norm", norms))},
                 "micro_batch_size": t.batch_size, **monitor.sample(),

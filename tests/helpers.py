@@ -6,6 +6,8 @@ import copy
 
 import torch
 
+from finetune.tasks._common import pad_collate as _pad_collate
+
 
 def flat(model) -> torch.Tensor:
     return torch.cat([p.detach().flatten().double() for p in model.parameters()])
@@ -56,16 +58,7 @@ def token_data(n, vocab=64, lo=2, hi=12, seed=0):
     return out
 
 
-def pad_collate(samples, pad_id=0):
-    """Right-pad to the micro-batch's longest sample; padded label positions are -100."""
-    longest = max(len(s["input_ids"]) for s in samples)
-    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), longest), dtype=torch.long)
-    for i, s in enumerate(samples):
-        ids[i, :len(s["input_ids"])] = s["input_ids"]
-        mask[i, :len(s["input_ids"])] = 1
-    labels = ids.masked_fill(mask == 0, -100)
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+pad_collate = _pad_collate(0)  # right-pads a micro-batch; padded label positions are -100
 
 
 def copy_model(model):

@@ -25,6 +25,25 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
+def pad_collate(pad_id: int = 0):
+    """A collate_fn that right-pads each micro-batch to its own longest sample. Without a per-sample ``labels`` (a
+    causal LM) the labels are the input ids with -100 on padding; a per-sample class label is stacked."""
+
+    def collate(samples):
+        longest = max(len(s["input_ids"]) for s in samples)
+        ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(samples), longest), dtype=torch.long)
+        for i, s in enumerate(samples):
+            n = len(s["input_ids"])
+            ids[i, :n] = torch.as_tensor(s["input_ids"])
+            mask[i, :n] = 1
+        labels = torch.tensor([s["labels"] for s in samples]) if "labels" in samples[0] else \
+            ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return collate
+
+
 def load_local_table(path, builders: dict, kwargs=None):
     """A local data file through ``datasets.load_dataset`` (``builders``: file extension → builder name). A bad file
     is one ``data.source`` line: datasets' own error log and progress bar are silenced while it reads."""

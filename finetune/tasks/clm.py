@@ -20,7 +20,15 @@ import torch
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
 from finetune.job import Job
-from finetune.tasks._common import apply_peft, load_local_table, resolve_model_path, save_peft, set_dropout, split
+from finetune.tasks._common import (
+    apply_peft,
+    load_local_table,
+    pad_collate,
+    resolve_model_path,
+    save_peft,
+    set_dropout,
+    split,
+)
 
 CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
 
@@ -122,22 +130,6 @@ def build_model(m: ModelConfig, tokenizer):
     if getattr(model, "loss_type", "") is None:  # e.g. GPT2LMHeadModel: transformers falls back to this, with a warning
         model.loss_type = "ForCausalLM"
     return model
-
-
-def pad_collate(pad_id: int):
-    """Right-pad each micro-batch to its own longest sample; padded positions get label -100."""
-
-    def collate(samples):
-        longest = max(len(s["input_ids"]) for s in samples)
-        ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(samples), longest), dtype=torch.long)
-        for i, s in enumerate(samples):
-            n = len(s["input_ids"])
-            ids[i, :n] = torch.as_tensor(s["input_ids"])
-            mask[i, :n] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
-    return collate
 
 
 def build(cfg) -> Job:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
+from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
 from finetune.job import Job
 from finetune.tasks._common import load_metric, set_dropout, split_samples, step_seed
 
@@ -59,9 +59,8 @@ class DataConfig(BaseDataConfig):
 
 def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
-    for name in ("hidden_channels", "ode_integration_steps", "swd_projections", "swd_max_samples"):
-        if getattr(m, name) < 1:
-            problems.append(f"model.{name}: got {getattr(m, name)}; must be an integer >= 1")
+    require_at_least_one(m, ("hidden_channels", "ode_integration_steps", "swd_projections", "swd_max_samples"),
+                         problems, "model")
     if m.hidden_channels % 8:
         problems.append(f"model.hidden_channels: got {m.hidden_channels}; must be a multiple of 8 (GroupNorm)")
     if not 1 <= m.swd_patch <= d.size:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
+from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
 from finetune.job import Job
 from finetune.tasks._common import load_metric, set_dropout, split_samples, step_seed
 
@@ -70,9 +70,7 @@ class DataConfig(BaseDataConfig):
 
 def validate(cfg, problems: list) -> None:
     m = cfg.model
-    for name in ("channels", "latent_dim", "d_channels", "r1_interval"):
-        if getattr(m, name) < 1:
-            problems.append(f"model.{name}: got {getattr(m, name)}; must be an integer >= 1")
+    require_at_least_one(m, ("channels", "latent_dim", "d_channels", "r1_interval"), problems, "model")
     if m.channels % 8 or m.d_channels % 8:
         problems.append("model.channels / model.d_channels: must be multiples of 8 (GroupNorm)")
     for name in ("kl_weight", "adv_weight", "r1_gamma", "perceptual_weight", "kl_warmup_steps"):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune.config import BaseDataConfig, BaseModelConfig, doc
+from finetune.config import BaseDataConfig, BaseModelConfig, doc, require_at_least_one
 from finetune.job import Job
 from finetune.tasks._common import load_metric, set_dropout, split_samples
 
@@ -52,9 +52,7 @@ class DataConfig(BaseDataConfig):
 
 def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
-    for name in ("channels", "dim", "layers", "heads"):
-        if getattr(m, name) < 1:
-            problems.append(f"model.{name}: got {getattr(m, name)}; must be an integer >= 1")
+    require_at_least_one(m, ("channels", "dim", "layers", "heads"), problems, "model")
     if m.channels % 4 or m.dim % m.heads:
         problems.append("model.channels must be a multiple of 4 and model.dim a multiple of model.heads")
     if d.clips < 2 or d.frames < 2 or d.size < 8:
