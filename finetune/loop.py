@@ -461,10 +461,14 @@ def accumulate_window(accelerator, model, forward_model, job: Job, window, micro
             accelerator.backward(loss * loss_weight(items, window_items, accelerator) if items
                                  else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0)
         state.micro_step += 1
-        if items:  # the logged loss: the same item-weighted mean, without Accelerate's factors
+        # the logged loss: the same item-weighted mean, without Accelerate's factors. Every term is entered even
+        # from a placeholder (as 0), so that each process sums the same terms over processes.
+        for k in extras:
+            window_extras.setdefault(k, torch.zeros((), device=accelerator.device))
+        if items:
             window_loss += loss.detach().float() * (items / window_items)
             for k, v in extras.items():
-                window_extras[k] = window_extras.get(k, 0.0) + v.detach().float() * (items / window_items)
+                window_extras[k] += v.detach().float() * (items / window_items)
     return window_items, real_tokens, padded_tokens, window_loss, window_extras
 
 

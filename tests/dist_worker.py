@@ -30,10 +30,10 @@ CASES = {
                                   "length_of": lambda i, d=token_data(27, hi=20): len(d[i]["input_ids"])}),
 }
 
-# custom-model recipes through the same loop (22 samples, B = 12: the tail window of 10 splits 6 / 4 over 2 ranks);
-# the GAN's two optimizers, R1's double backward and the per-sample noise must all hold across processes
+# custom-model recipes through the same loop (22 samples, B = 12: the tail window of 10 splits 6 / 4 over 2 ranks;
+# the VAE-GAN with 25, an idle rank): two optimizers, R1, per-sample noise and loss terms must hold across processes
 CUSTOM = {
-    "vae-digits": ["training.learning_rate=0.2", "model.d_learning_rate=0.1", "model.r1_gamma=5"],
+    "vae-digits": ["training.learning_rate=0.2", "model.d_learning_rate=0.1", "model.r1_gamma=5", "data.limit=25"],
     "ode-latent": ["model.ode_memory=checkpoint", "model.solver=rk4", "training.learning_rate=0.5"],
     "video-motion": ["training.learning_rate=0.05", "model.checkpoint_frames=true"],
 }
