@@ -17,8 +17,8 @@ from finetune.job import Job
 
 # test_fine_tuning's keyword → TrainingConfig field (the rest share their names)
 _RENAMED = {"n_epochs": "epochs"}
-_HOOKS = ("count_items", "eval_step", "compute_metrics", "param_groups", "before_window", "enable_checkpointing",
-          "length_of")
+_HOOKS = ("count_items", "eval_step", "compute_metrics", "param_groups", "before_window", "after_step",
+          "enable_checkpointing", "length_of")
 _API_ONLY = {"model", "config", "train_data", "val_data", "use_amp", "use_wandb", "output_dir", "collate_fn",
              "loss_fn", *_HOOKS}
 

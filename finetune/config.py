@@ -77,6 +77,7 @@ class TrainingConfig:
         "what the loss averages over, used to weight micro-batches: auto detects label tokens (-100 ignored, "
         "shifted for causal LMs), else samples", "auto")
     eval_every: Optional[int] = doc("evaluate every K optimizer steps (null: at the end of each epoch)", None)
+    eval_at_start: bool = doc("also evaluate before the first optimizer step (the untuned model's metrics)", False)
     on_nonfinite: Literal["stop", "skip"] = doc(
         "non-finite loss/grad: stop the run, or skip the window's update", "stop")
     num_workers: int = doc("DataLoader worker processes", 0)

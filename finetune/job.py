@@ -31,9 +31,12 @@ class Job:
             of every window — e.g. a generator and a discriminator. One loss drives them all: keep each
             parameter set's gradient out of the others' terms (detach / frozen copies).
         val_loss_metrics: validation loss → dict of metrics derived from it (perplexity = exp(loss)).
-        summarize: trained model → dict added to metrics.json at the end (e.g. a generated sample).
+        summarize: ``summarize(model, run_dir)`` → dict added to metrics.json at the end (e.g. a generated sample);
+            ``run_dir`` is the run's output directory (None through the Python API without ``output_dir``).
         before_window: called with the TrainState before each window (keys schedules such as a KL warm-up or an
             R1 interval on optimizer steps, so they are the same for any N).
+        after_step: ``after_step(state, model)`` after every optimizer step (an EMA of the weights, a sample image
+            every K steps); ``model`` is the unwrapped model.
         tokenizer: saved beside the model when it has ``save_pretrained``.
     """
 
@@ -51,5 +54,6 @@ class Job:
     tokenizer: Any = None
     param_groups: Optional[dict] = None
     before_window: Optional[Callable] = None
+    after_step: Optional[Callable] = None
     val_loss_metrics: Optional[Callable] = None
     summarize: Optional[Callable] = None

@@ -323,6 +323,8 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
             **_scalars(tracker_config or {}), "config/effective_batch_size": effective,
             "config/gradient_accumulation_steps": accum, "config/physical_batch_size": t.batch_size})
 
+    if job.val_data is not None and t.eval_at_start and state.optimizer_step == 0 and not state.val_history:
+        run_eval(job, forward_model, accelerator, t, state, log_with)  # the untuned model, for before/after
     monitor = MemoryMonitor(accelerator.device)
     with RunLog(accelerator, out_dir, state, total_steps, effective, log_with, rewrite=resume_from is not None) as log:
         windows = iterate_windows(job, t, accelerator, state, accum)
@@ -373,6 +375,8 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
                 "micro_batch_size": t.batch_size, **monitor.sample(),
             }, window, t.ema_beta)
 
+            if job.after_step is not None:
+                job.after_step(state, accelerator.unwrap_model(model))
             # After the step: close the epoch, evaluate, checkpoint — in this order, so that a checkpoint holds
             # everything up to it and a resumed run repeats nothing.
             done = state.optimizer_step >= total_steps

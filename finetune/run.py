@@ -37,7 +37,7 @@ FLAGS = {
 # the effective batch is compared instead)
 _NEUTRAL = {"training.batch_size", "training.gradient_accumulation_steps", "training.effective_batch_size",
             "training.num_workers", "training.gradient_checkpointing", "training.cudnn_benchmark",
-            "training.ema_beta", "training.eval_every", "training.on_nonfinite", "output.dir", "output.overwrite",
+            "training.ema_beta", "training.eval_every", "training.eval_at_start", "training.on_nonfinite", "output.dir", "output.overwrite",
             "output.save_every", "output.keep_checkpoints", "output.plots", "output.tracker", "output.save_model",
             "description", "name"}
 SWITCHES = {"gradient_checkpointing": "training.gradient_checkpointing", "compile": "training.compile"}
@@ -181,7 +181,7 @@ def execute(cfg, out_dir: Path, resume_from=None, on_eval=None) -> dict:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if job.summarize is not None:
-            result["extra_metrics"].update(job.summarize(result["model"]))
+            result["extra_metrics"].update(job.summarize(result["model"], out_dir))
         outputs.write_metrics(result, out_dir)
         if cfg.output.plots and result["history"]:
             outputs.write_plots(result["history"], out_dir, result["val_history"])

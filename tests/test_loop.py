@@ -264,3 +264,15 @@ def test_banner_names_the_short_last_window(capsys, n, tail):
     out = capsys.readouterr().out
     assert "Effective batch size: 12 (4 × 3)" in out
     assert f"per epoch; {tail}" in out
+
+
+def test_eval_at_start_and_after_step_hook():
+    """eval_at_start evaluates the untuned model at step 0; after_step sees every optimizer step once, in order."""
+    data, seen = regression_data(24), []
+    kw = dict(train_data=data[:16], val_data=data[16:], batch_size=4, gradient_accumulation_steps=2,
+              learning_rate=0.05, n_epochs=2, after_step=lambda state, model: seen.append(state.optimizer_step))
+    result = test_fine_tuning(MLP(), eval_at_start=True, **kw)
+    assert [v["step"] for v in result["val_history"]] == [0, 2, 4]
+    assert result["val_history"][0]["loss"] != result["val_history"][-1]["loss"]
+    assert seen == [1, 2, 3, 4]
+    assert [v["step"] for v in test_fine_tuning(MLP(), **kw)["val_history"]] == [2, 4]  # off by default

@@ -184,7 +184,7 @@ def build(cfg) -> Job:
     train, val = prepare(train_texts), prepare(val_texts)
     lengths = [len(x) for x in train["input_ids"]]
 
-    def summarize(trained):
+    def summarize(trained, run_dir=None):
         if not m.sample_prompt:
             return {}
         trained.eval()
