@@ -48,7 +48,11 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from finetune import loop  # noqa: E402
 from finetune.config import TrainingConfig  # noqa: E402
+from finetune.distributed import restart_accelerate_state  # noqa: E402
 from finetune.job import Job  # noqa: E402
+from finetune.optim import make_optimizer  # noqa: E402
+from finetune.steps import token_counts  # noqa: E402
+from finetune.windows import batch_len, membership_hash  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
@@ -147,19 +151,8 @@ def strip_idx(collate):
     return lambda samples: collate([without_idx(s) for s in samples])
 
 
-def window_hash(ids) -> str:
-    """The same membership hash as finetune's history (``window_hash``): sha1 of the sorted sample indices."""
-    import hashlib
-
-    return hashlib.sha1(",".join(map(str, sorted(ids))).encode()).hexdigest()[:12]
-
-
 def lengths_of(samples) -> list:
     return [len(s["input_ids"]) for s in samples]
-
-
-def windows_of(n_samples: int, b: int, n: int) -> int:
-    return math.ceil(n_samples / (b * n))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -217,28 +210,19 @@ class StepRecorder:
             counts.append(0)
 
     def micro(self, batch) -> None:
-        mask = batch.get("attention_mask")
-        self.run.samples[-1] += len(next(iter(batch.values())))
-        if mask is not None:
-            self.run.tokens[-1] += int(mask.sum())
-            self.run.padded[-1] += mask.numel()
+        real, padded = token_counts(batch)
+        self.run.samples[-1] += batch_len(batch)
+        self.run.tokens[-1] += real
+        self.run.padded[-1] += padded
 
     def done(self) -> None:
         self.run.end = clocks()
 
 
-def fresh_accelerate_state() -> None:
-    """Accelerate keeps process-wide singletons; each run starts them afresh (as finetune's loop does)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
-
-
 def optimizer_for(params, kind: str, lr: float):
     """The optimizer finetune builds for ``kind`` (adamw / sgd), built by finetune itself, so that every tool
     steps with the same implementation and numerics."""
-    return loop.make_optimizer(list(params), TrainingConfig(optimizer=kind, learning_rate=lr, weight_decay=0.0))
+    return make_optimizer(list(params), TrainingConfig(optimizer=kind, learning_rate=lr, weight_decay=0.0))
 
 
 def _to_device(batch):
@@ -292,7 +276,7 @@ def run_accelerate(model, data, collate, b: int, n: int, *, lr: float, epochs: i
     start = time.perf_counter()
     run = Run("hand Accelerate")
     rec = StepRecorder(run)
-    fresh_accelerate_state()
+    restart_accelerate_state()  # each peer starts from a fresh Accelerate, as in its own process
     accelerator = Accelerator(gradient_accumulation_steps=n, cpu=DEVICE.type == "cpu")
     loader = _loader(data, collate, b, shuffle, seed)
     opt = optimizer_for(model.parameters(), optimizer, lr)
@@ -347,7 +331,7 @@ def run_trainer(model, data, collate, b: int, n: int, *, lr: float, epochs: int 
                       mask.numel() if mask is not None else 0, ids))
         return batch
 
-    fresh_accelerate_state()
+    restart_accelerate_state()
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
             output_dir=tmp, report_to=[], use_cpu=DEVICE.type == "cpu", per_device_train_batch_size=b,
@@ -372,7 +356,7 @@ def run_trainer(model, data, collate, b: int, n: int, *, lr: float, epochs: int 
             run.padded.append(sum(x[2] for x in part))
             ids = [i for x in part for i in x[3]]
             if None not in ids:
-                run.windows.append(window_hash(ids))
+                run.windows.append(membership_hash(ids))
     return run
 
 

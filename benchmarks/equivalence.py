@@ -165,7 +165,7 @@ def trainer_logged_loss(dtype=torch.float64) -> dict:
         window = collate(data[:b * n])
         with torch.no_grad():
             true = float(C.copy_model(model)(**window)["loss"])
-        C.fresh_accelerate_state()
+        C.restart_accelerate_state()
         with tempfile.TemporaryDirectory() as tmp, C.quiet():
             args = TrainingArguments(output_dir=tmp, report_to=[], use_cpu=True, per_device_train_batch_size=b,
                                      gradient_accumulation_steps=n, learning_rate=0.0, max_steps=1, logging_steps=1,

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from finetune import loop  # noqa: E402
 from finetune.config import TrainingConfig  # noqa: E402
 from finetune.job import Job  # noqa: E402
+from finetune.modeling import enable_checkpointing  # noqa: E402
 
 MB = 2 ** 20
 SEQ = 128
@@ -133,7 +134,7 @@ def accelerate_steps(model, data, collate, b: int, n: int, steps: int, before_wi
     """The documented Accelerate loop (``accumulate()``, prepared DataLoader) over ``steps`` windows, AdamW."""
     from accelerate import Accelerator
 
-    C.fresh_accelerate_state()
+    C.restart_accelerate_state()
     accelerator = Accelerator(gradient_accumulation_steps=n, cpu=C.DEVICE.type == "cpu")
     opt = C.optimizer_for(model.parameters(), "adamw", 1e-5)
     loader = torch.utils.data.DataLoader(data[:b * n * steps], batch_size=b, collate_fn=collate)
@@ -173,7 +174,7 @@ def activation_bytes(model, data, collate, b: int, checkpointing: bool = False) 
     """Bytes a training-mode forward of one micro-batch leaves allocated for its backward."""
     model = C.copy_model(model).to(C.DEVICE).train()
     if checkpointing:
-        loop.enable_checkpointing(model)
+        enable_checkpointing(model)
     batch = {k: v.to(C.DEVICE) for k, v in collate(data[:b]).items()}
     with Meter() as m:
         out = model(**batch)

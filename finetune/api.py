@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, Optional
 
-from finetune.config import ConfigError, RecipeConfig, TrainingConfig, build_section, validate_training
+from finetune.config import RecipeConfig, TrainingConfig, build_section, fields_with, validate_training
+from finetune.errors import ConfigError
 from finetune.job import Job
 
-# test_fine_tuning's keyword → TrainingConfig field (the rest share their names)
-_RENAMED = {"n_epochs": "epochs"}
+# Job hooks accepted as keywords; every other keyword is a TrainingConfig field (or its alias, e.g. n_epochs).
 _HOOKS = ("count_items", "eval_step", "compute_metrics", "param_groups", "before_window", "after_step",
           "enable_checkpointing", "length_of")
-_API_ONLY = {"model", "config", "train_data", "val_data", "use_amp", "use_wandb", "output_dir", "collate_fn",
-             "loss_fn", *_HOOKS}
 
 
 def _explicit_kwargs(fn):
@@ -86,7 +85,8 @@ def test_fine_tuning(
             ``before_window``, ``enable_checkpointing``, ``length_of`` (see ``finetune.job.Job``).
 
     Returns:
-        dict with ``grad_norm_history``, ``loss_history``, ``lr_history`` (one per optimizer step),
+        ``finetune.loop.TrainResult``, read as a dict or by attribute: ``grad_norm_history``, ``loss_history``,
+        ``lr_history`` (one per optimizer step),
         ``optimizer_steps``, ``micro_batches``, ``effective_batch_size``, ``final_loss`` (validation loss at the
         end when ``val_data`` is given, else the last window's loss), ``val_history``, ``history`` (the
         ``history.jsonl`` records) and ``model`` (trained in place, unwrapped).
@@ -118,6 +118,8 @@ def test_fine_tuning(
 
 
 test_fine_tuning.__test__ = False  # not a pytest test, whatever module imports it
+# the keywords that are not training fields (the model, data, hooks and switches of the call itself)
+_API_ARGUMENTS = {*inspect.signature(test_fine_tuning).parameters, *_HOOKS} - {"more", "_passed"}
 
 
 def _training_config(config, given: dict) -> TrainingConfig:
@@ -131,11 +133,14 @@ def _training_config(config, given: dict) -> TrainingConfig:
         base = {}
     else:
         raise ConfigError(f"config: got {type(config).__name__}; expected a dict, TrainingConfig or RecipeConfig")
+    renamed = {alias: name.split(".", 1)[1] for name, alias in fields_with("alias").items()
+               if name.startswith("training.")}
+    fields = {f.name for f in dataclasses.fields(TrainingConfig)}
     raw = {}
     for key, value in {**base, **given}.items():
-        if key in _API_ONLY:
-            continue
-        raw[_RENAMED.get(key, key)] = value
+        key = renamed.get(key, key)
+        if key in fields or key not in _API_ARGUMENTS:  # an unknown keyword is reported by build_section
+            raw[key] = value
     if given.get("mixed_precision") is None and "mixed_precision" in raw and raw["mixed_precision"] is None:
         del raw["mixed_precision"]
     if given.get("use_amp") or (base.get("use_amp") and "mixed_precision" not in given):

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from finetune.config import ConfigError
+from finetune.errors import ConfigError
+from finetune.outputs import atomic_write_text, fsync_dir
 from finetune.state import TrainState
 
 LATEST = "latest"
@@ -34,30 +35,12 @@ STATE = "trainer_state.json"
 SCHEDULER = "scheduler.json"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -129,11 +112,11 @@ def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, co
                                                 **(meta or {}), "files": manifest}, indent=1))
         with open(tmp / MANIFEST, "rb") as f:
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # a checkpoint of this step from an earlier attempt: replace it
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
         atomic_write_text(root / LATEST, name + "\n")  # the pointer moves last
         for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

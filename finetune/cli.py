@@ -1,28 +1,93 @@
-"""The ``finetune`` command (also ``python -m finetune``).
+"""The ``finetune`` command (also ``python -m finetune`` and ``accelerate launch finetune/run.py``).
 
-    finetune run --recipe minilm-sentiment [...]     train (same flags as finetune/run.py)
+    finetune run --recipe minilm-sentiment [...]     train (the flags below; finetune/run.py takes the same)
     finetune ls                                       the recipes, one a line
     finetune validate RECIPE [--set k=v ...]          load + validate, every problem listed
     finetune plan --recipe R --gpu 8GiB               memory plan: micro-batch, N, checkpointing
     finetune compare RUN_A RUN_B                      did two runs take the same optimizer steps?
     finetune plot RUN                                 redraw a run's PNGs from its history
     finetune search --recipe R --trials K --param lr=loguniform:1e-5:1e-3 ...   optuna search
+
+Bad input ends with one line ``error: <field>: <what is allowed>`` and exit code 2, before anything is written.
+The ``run`` flags are generated from the recipe schema (``config.doc(..., flag=...)``): one source per field.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from finetune.config import ConfigError, list_recipes, load_recipe
+from finetune.config import documented_fields, load_recipe
+from finetune.errors import ConfigError
+from finetune.registry import list_recipes
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
+    def error(self, message):  # one line, exit 2 (argparse would print the usage block too)
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# finetune run
+
+
+def _flag_fields() -> list:
+    """(flag, ``section.field``, dataclass field) for every recipe field that has a command-line flag."""
+    return [(f.metadata["flag"], name, f) for name, f in documented_fields() if f.metadata.get("flag")]
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", help="recipe name (see --list-recipes) or path to a YAML file")
+    p.add_argument("--list-recipes", action="store_true", help="list the recipes, one a line, and exit")
+    for flag, name, f in _flag_fields():
+        if f.type in (bool, "bool"):
+            p.add_argument(flag, action="store_true", help=f"{f.metadata['help']} ({name})")
+        else:
+            p.add_argument(flag, help=f"{f.metadata['help']} ({name})")
+    p.add_argument("--use-amp", action="store_true", help="mixed precision: fp16 on CUDA, bf16 otherwise")
+    p.add_argument("--resume", metavar="latest|PATH",
+                   help="continue a run: 'latest' checkpoint of --output-dir, or a checkpoint directory")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any recipe field (repeatable), e.g. --set training.warmup_steps=10")
+
+
+def overrides_from_args(args) -> list[str]:
+    """The run flags as ``section.key=value`` overrides, applied before ``--set``."""
+    out = []
+    for flag, name, f in _flag_fields():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if f.type in (bool, "bool"):
+            out += [f"{name}=true"] if value else []
+        elif value is not None:
+            out.append(f"{name}={value}")
+    if args.effective_batch_size is not None and args.grad_accum_steps is not None:
+        raise ConfigError("--effective-batch-size: give it or --grad-accum-steps, not both")
+    if args.grad_accum_steps is not None:  # an explicit N replaces the recipe's effective batch
+        out.append("training.effective_batch_size=null")
+    if args.use_amp and args.mixed_precision is None:
+        import torch
+
+        out.append(f"training.mixed_precision={'fp16' if torch.cuda.is_available() else 'bf16'}")
+    return out + list(args.set)
+
+
+def cmd_run(args) -> int:
+    from finetune.execute import execute, prepare
+
+    if args.list_recipes:
+        return cmd_ls(args)
+    if not args.recipe:
+        raise ConfigError("--recipe: required (one of: " + ", ".join(n for n, _ in list_recipes()) + ")")
+    cfg = load_recipe(args.recipe, overrides_from_args(args))
+    out_dir, resume_from = prepare(cfg, args.resume)
+    execute(cfg, out_dir, resume_from)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the other commands
 
 
 def cmd_ls(args) -> int:
@@ -55,20 +120,16 @@ def cmd_plot(args) -> int:
     from finetune import outputs
 
     run = Path(args.run)
-    history_file = run / "history.jsonl"
-    if not history_file.is_file():
-        raise ConfigError(f"plot: {run} is not a run directory (no history.jsonl)")
-    history = [json.loads(x) for x in history_file.read_text().splitlines() if x.strip()]
-    metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").is_file() else {}
-    for path in outputs.write_plots(history, run, metrics.get("val_history", [])):
+    history = outputs.read_history(run, "plot")
+    for path in outputs.write_plots(history, run, outputs.read_metrics(run).get("val_history", [])):
         print(path)
     return 0
 
 
 def cmd_plan(args) -> int:
-    from finetune import memory
+    from finetune import plan
 
-    return memory.main(args)
+    return plan.main(args)
 
 
 def cmd_search(args) -> int:
@@ -77,12 +138,14 @@ def cmd_search(args) -> int:
     return search.main(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from finetune import run
+def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
+    from finetune import plan, search
 
-    p = _Parser(prog="finetune", description="Reproduce a big-batch fine-tuning baseline with exact accumulation.")
+    p = _Parser(prog=prog, description="Reproduce a big-batch fine-tuning baseline with exact accumulation.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    sub.add_parser("run", help="train a recipe (same flags as finetune/run.py)", add_help=False)
+    r = sub.add_parser("run", help="train a recipe")
+    add_run_arguments(r)
+    r.set_defaults(func=cmd_run)
     sub.add_parser("ls", help="list the recipes").set_defaults(func=cmd_ls)
     v = sub.add_parser("validate", help="load and validate a recipe, listing every problem")
     v.add_argument("recipe")
@@ -98,25 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="redraw a run's loss / lr / grad-norm PNGs")
     pl.add_argument("run")
     pl.set_defaults(func=cmd_plot)
-    from finetune import memory, search
-
-    memory.add_arguments(sub.add_parser("plan", help="memory plan for a recipe on a GPU size"))
+    plan.add_arguments(sub.add_parser("plan", help="memory plan for a recipe on a GPU size"))
     sub.choices["plan"].set_defaults(func=cmd_plan)
     search.add_arguments(sub.add_parser("search", help="optuna search over recipe fields"))
     sub.choices["search"].set_defaults(func=cmd_search)
-    del run
     return p
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "run":
-        from finetune import run
+def main(argv=None, prog: str = "finetune") -> int:
+    """Parse and run one command; a ConfigError is printed as one line per problem and exits 2."""
+    from finetune.steps import NonFiniteError
 
-        return run.main(argv[1:], prog="finetune run")
-    args = build_parser().parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if not getattr(args, "func", None):
-        build_parser().print_help()
+        parser.print_help()
         return 2
     try:
         return args.func(args)
@@ -124,6 +183,14 @@ def main(argv=None) -> int:
         for problem in e.problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:  # the run diverged: say where; the last checkpoint is intact
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def run_main(argv=None) -> int:
+    """``finetune/run.py [flags]`` = ``finetune run [flags]``."""
+    return main(["run", *(sys.argv[1:] if argv is None else argv)], prog="finetune/run.py")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ curve, and finally the trained weights (max relative difference). Exit code 0 wh
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,14 +34,9 @@ class Comparison:
 
 
 def read_run(run: Path) -> dict:
-    from finetune.config import ConfigError
+    from finetune.outputs import read_history, read_metrics
 
-    history_file = run / "history.jsonl"
-    if not history_file.is_file():
-        raise ConfigError(f"compare: {run} is not a run directory (no history.jsonl)")
-    history = [json.loads(line) for line in history_file.read_text().splitlines() if line.strip()]
-    metrics = json.loads((run / "metrics.json").read_text()) if (run / "metrics.json").is_file() else {}
-    return {"history": history, "metrics": metrics, "weights": _weights(run)}
+    return {"history": read_history(run, "compare"), "metrics": read_metrics(run), "weights": _weights(run)}
 
 
 def _weights(run: Path) -> dict | None:

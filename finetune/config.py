@@ -12,50 +12,55 @@ A recipe is a YAML file with a ``task`` (a module under ``finetune/tasks``) and 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-import os
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
 
-RECIPES_DIR = Path(os.environ.get("FINETUNE_RECIPES", Path(__file__).resolve().parent.parent / "recipes"))
+from finetune.errors import ConfigError
+from finetune.registry import list_recipes, recipe_path, task_module  # noqa: F401  (re-exported)
 
 
-class ConfigError(ValueError):
-    """Bad recipe or argument. ``problems`` holds one ``"field: what is allowed"`` line per problem."""
+def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, alias: Optional[str] = None,
+        affects_result: bool = True, **kw):
+    """A dataclass field and everything said about it, in one place.
 
-    def __init__(self, problems):
-        self.problems = [problems] if isinstance(problems, str) else list(problems)
-        super().__init__("; ".join(self.problems))
-
-
-def doc(text: str, default=dataclasses.MISSING, **kw):
-    """A dataclass field carrying its help text (unit included)."""
+    Args:
+        text: help text, unit included (the recipe docs, ``--help`` and error messages use it).
+        default: the default value.
+        flag: the command-line flag that sets it (``finetune run --batch-size``), if any.
+        alias: another name for it in ``test_fine_tuning()`` and ``finetune search --param`` (``n_epochs``).
+        affects_result: False when changing it between a checkpoint and its resumption leaves the steps alone
+            (worker count, logging, checkpoint cadence); resuming warns about the others.
+    """
     if default is not dataclasses.MISSING:
         kw["default"] = default
-    return field(metadata={"help": text}, **kw)
+    return field(metadata={"help": text, "flag": flag, "alias": alias, "affects_result": affects_result}, **kw)
 
 
 @dataclass
 class TrainingConfig:
     batch_size: Union[int, Literal["auto"]] = doc(
         "micro-batch: samples per process per forward/backward; auto: the largest that fits (needs "
-        "effective_batch_size; on out-of-memory the same window is retried with a smaller one)", 8)
-    gradient_accumulation_steps: int = doc("N: micro-batches per process per optimizer step", 1)
+        "effective_batch_size; on out-of-memory the same window is retried with a smaller one)", 8,
+        flag="--batch-size", affects_result=False)
+    gradient_accumulation_steps: int = doc("N: micro-batches per process per optimizer step", 1,
+                                           flag="--grad-accum-steps", affects_result=False)
     effective_batch_size: Optional[int] = doc(
-        "samples per optimizer step over all processes; when set, N = this / (batch_size × processes), exact", None)
-    learning_rate: float = doc("peak learning rate (at reference_batch_size when scale_lr is set)", 5e-5)
+        "samples per optimizer step over all processes; when set, N = this / (batch_size × processes), exact", None,
+        flag="--effective-batch-size", affects_result=False)
+    learning_rate: float = doc("peak learning rate (at reference_batch_size when scale_lr is set)", 5e-5,
+                               flag="--lr", alias="lr")
     scale_lr: Literal["none", "linear", "sqrt"] = doc(
         "scale learning_rate by (effective batch / reference_batch_size) or its square root — for a run that can't "
         "use the baseline's batch; none keeps it", "none")
     reference_batch_size: Optional[int] = doc("the baseline's effective batch that learning_rate belongs to", None)
-    epochs: int = doc("passes over the training data", 1)
-    max_steps: Optional[int] = doc("stop after this many optimizer steps (null: run all epochs)", None)
+    epochs: int = doc("passes over the training data", 1, flag="--epochs", alias="n_epochs")
+    max_steps: Optional[int] = doc("stop after this many optimizer steps (null: run all epochs)", None,
+                                   flag="--max-steps")
     optimizer: Literal["adamw", "sgd", "lion"] = doc("adamw (no decay on biases/norms), sgd, or lion", "adamw")
     weight_decay: float = doc("decoupled weight decay (adamw, lion) or L2 (sgd)", 0.0)
     momentum: float = doc("sgd momentum", 0.0)
@@ -66,41 +71,50 @@ class TrainingConfig:
     ] = doc("transformers.get_scheduler name; stepped once per optimizer step", "linear")
     warmup_steps: int = doc("warm-up length in optimizer steps", 0)
     max_grad_norm: Optional[float] = doc("clip the total L2 grad norm to this (null: no clipping)", 1.0)
-    mixed_precision: Literal["no", "fp16", "bf16"] = doc("autocast precision through Accelerate", "no")
-    gradient_checkpointing: bool = doc("recompute activations in backward (HF models or the task's hook)", False)
-    compile: bool = doc("torch.compile the model", False)
+    mixed_precision: Literal["no", "fp16", "bf16"] = doc("autocast precision through Accelerate", "no",
+                                                         flag="--mixed-precision")
+    gradient_checkpointing: bool = doc("recompute activations in backward (HF models or the task's hook)", False,
+                                       flag="--gradient-checkpointing", affects_result=False)
+    compile: bool = doc("torch.compile the model", False, flag="--compile")
     compile_mode: Optional[str] = doc("torch.compile mode (default, reduce-overhead, max-autotune)", None)
-    cudnn_benchmark: bool = doc("torch.backends.cudnn.benchmark", False)
-    seed: int = doc("seeds model init, sample order and dropout; sample order depends on nothing else", 42)
+    cudnn_benchmark: bool = doc("torch.backends.cudnn.benchmark", False, affects_result=False)
+    seed: int = doc("seeds model init, sample order and dropout; sample order depends on nothing else", 42,
+                    flag="--seed")
     shuffle: bool = doc("reshuffle samples every epoch (seeded)", True)
     items: Literal["auto", "samples", "tokens", "shifted_tokens"] = doc(
         "what the loss averages over, used to weight micro-batches: auto detects label tokens (-100 ignored, "
         "shifted for causal LMs), else samples", "auto")
-    eval_every: Optional[int] = doc("evaluate every K optimizer steps (null: at the end of each epoch)", None)
-    eval_at_start: bool = doc("also evaluate before the first optimizer step (the untuned model's metrics)", False)
+    eval_every: Optional[int] = doc("evaluate every K optimizer steps (null: at the end of each epoch)", None,
+                                    affects_result=False)
+    eval_at_start: bool = doc("also evaluate before the first optimizer step (the untuned model's metrics)", False,
+                              affects_result=False)
     on_nonfinite: Literal["stop", "skip"] = doc(
-        "non-finite loss/grad: stop the run, or skip the window's update", "stop")
-    num_workers: int = doc("DataLoader worker processes", 0)
+        "non-finite loss/grad: stop the run, or skip the window's update", "stop", affects_result=False)
+    num_workers: int = doc("DataLoader worker processes", 0, affects_result=False)
     sort_within_window: Optional[bool] = doc(
         "order each window's samples by length before cutting micro-batches (less padding; same windows, same "
         "steps); null: on when the task knows sample lengths (text tasks)", None)
     max_tokens_per_micro_batch: Optional[int] = doc(
         "cut each window into micro-batches of at most this many padded tokens (their size varies; windows and "
         "steps stay the same); null: batch_size samples each", None)
-    ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9)
+    ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9, affects_result=False)
 
 
 @dataclass
 class OutputConfig:
-    dir: Optional[str] = doc("output directory (null: runs/<recipe>/<timestamp>)", None)
-    overwrite: bool = doc("allow writing into a non-empty output directory", False)
-    save_model: bool = doc("save the final model (save_pretrained for HF models, safetensors otherwise)", True)
-    plots: bool = doc("write loss / lr / grad-norm PNGs", True)
+    dir: Optional[str] = doc("output directory (null: runs/<recipe>/<timestamp>): config.yaml, history.jsonl, "
+                             "metrics.json, plots, the model", None, flag="--output-dir", affects_result=False)
+    overwrite: bool = doc("allow writing into a non-empty output directory", False, affects_result=False)
+    save_model: bool = doc("save the final model (save_pretrained for HF models, safetensors otherwise)", True,
+                           affects_result=False)
+    plots: bool = doc("write loss / lr / grad-norm PNGs", True, affects_result=False)
     tracker: Literal["none", "tensorboard", "wandb", "mlflow"] = doc(
         "experiment tracker through Accelerate (tensorboard writes under the output dir; wandb / mlflow need their "
-        "package and account)", "tensorboard")
-    save_every: Optional[int] = doc("checkpoint every K optimizer steps and at the end (null: no checkpoints)", None)
-    keep_checkpoints: int = doc("how many of the newest checkpoints to keep", 2)
+        "package and account)", "tensorboard", affects_result=False)
+    save_every: Optional[int] = doc("checkpoint every K optimizer steps and at the end (null: no checkpoints)", None,
+                                    flag="--save-every", affects_result=False)
+    keep_checkpoints: int = doc("how many of the newest checkpoints to keep", 2, flag="--keep-last",
+                                affects_result=False)
 
 
 @dataclass
@@ -303,40 +317,6 @@ def _validate_ranges(cfg: RecipeConfig, problems: list):
 # loading
 
 
-def task_module(name: str):
-    """Import ``finetune.tasks.<name>``; ConfigError naming the field when there is no such task."""
-    from finetune import tasks
-
-    if not isinstance(name, str) or not name.isidentifier() or name not in tasks.available():
-        raise ConfigError(f"task: got {name!r}; allowed: {', '.join(tasks.available())}")
-    return importlib.import_module(f"finetune.tasks.{name}")
-
-
-def list_recipes() -> list[tuple[str, str]]:
-    """(name, description) for every recipe in the recipes directory."""
-    out = []
-    for path in sorted(RECIPES_DIR.glob("*.yaml")):
-        try:
-            desc = (yaml.safe_load(path.read_text()) or {}).get("description", "")
-        except yaml.YAMLError:
-            desc = "(unreadable YAML)"
-        out.append((path.stem, " ".join(str(desc).split())))
-    return out
-
-
-def recipe_path(name_or_path: str) -> Path:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
-        if not path.is_file():
-            raise ConfigError(f"recipe: file {name_or_path} not found")
-        return path
-    path = RECIPES_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        names = ", ".join(n for n, _ in list_recipes())
-        raise ConfigError(f"recipe: unknown recipe {name_or_path!r}; available: {names}")
-    return path
-
-
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``"training.lr_scheduler=cosine"`` → (["training", "lr_scheduler"], "cosine"); values are parsed as YAML."""
     if "=" not in item:
@@ -407,3 +387,34 @@ def load_recipe(name_or_path: str, overrides=None) -> RecipeConfig:
 
 def dump_config(cfg: RecipeConfig) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def flatten(tree: dict, prefix: str = "", sep: str = ".") -> dict:
+    """``{"training": {"lr": 1}}`` → ``{"training.lr": 1}`` (trackers and resume checks compare flat keys)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}{sep}", sep))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+SECTIONS = {"training": TrainingConfig, "output": OutputConfig, "peft": PeftConfig}
+
+
+def documented_fields(sections=SECTIONS):
+    """(``section.name``, dataclass field) for every field of the shared sections, in declaration order."""
+    for section, cls in sections.items():
+        for f in dataclasses.fields(cls):
+            yield f"{section}.{f.name}", f
+
+
+def fields_with(key: str) -> dict:
+    """``section.name`` → the field's metadata ``key`` (``flag``, ``alias``) for the fields that set it."""
+    return {name: f.metadata[key] for name, f in documented_fields() if f.metadata.get(key)}
+
+
+def result_neutral_fields() -> set:
+    """Fields whose change between a checkpoint and its resumption does not change the steps taken."""
+    return {name for name, f in documented_fields() if not f.metadata.get("affects_result", True)}

@@ -4,12 +4,47 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
 
 PLOTTED = (("loss", "window loss (mean over the window's items)"), ("lr", "learning rate"),
            ("grad_norm", "grad norm (total L2, before clipping)"))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_history(run_dir, command: str = "run") -> list[dict]:
+    """The records of a run's ``history.jsonl`` (one per optimizer step); ConfigError naming ``command`` when there
+    is none."""
+    from finetune.errors import ConfigError
+
+    path = Path(run_dir) / "history.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"{command}: {run_dir} is not a run directory (no history.jsonl)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_metrics(run_dir) -> dict:
+    path = Path(run_dir) / "metrics.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def summary(result: dict) -> dict:
@@ -48,8 +83,8 @@ def write_plots(history: list, out_dir, val_history=()) -> list:
 
     paths = []
     steps = [h["step"] for h in history]
-    mem_key = next((k for k in ("mem_reserved_mb", "mem_allocated_mb", "mem_rss_mb") if k in history[-1]), None)
-    plotted = PLOTTED + (((mem_key, f"memory ({mem_key[4:-3]}, MiB)"),) if mem_key else ())
+    mem_key = next((k for k in ("mem_reserved_mib", "mem_allocated_mib", "mem_rss_mib") if k in history[-1]), None)
+    plotted = PLOTTED + (((mem_key, f"memory ({mem_key[4:-4]}, MiB)"),) if mem_key else ())
     for key, title in plotted:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         values = [h.get(key, float("nan")) for h in history]

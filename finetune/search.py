@@ -15,9 +15,10 @@ import json
 import math
 from pathlib import Path
 
-from finetune.config import ConfigError, TrainingConfig
+from finetune.config import TrainingConfig, fields_with
+from finetune.errors import ConfigError
 
-ALIASES = {"lr": "training.learning_rate", "batch_size": "training.batch_size", "epochs": "training.epochs"}
+ALIASES = {alias: name for name, alias in fields_with("alias").items()}  # lr → training.learning_rate, …
 
 
 def parse_param(spec: str) -> tuple[str, str, list]:
@@ -74,7 +75,7 @@ def main(args) -> int:
     except ImportError:
         raise ConfigError("search: needs optuna (pip install 'finetune[search]')") from None
     from finetune.config import load_recipe
-    from finetune.run import execute
+    from finetune.execute import execute
 
     if args.trials < 1:
         raise ConfigError(f"--trials: got {args.trials}; must be >= 1")

@@ -1,7 +1,8 @@
 """Everything that resumes a run, in one object saved and restored whole.
 
 Counters name their unit: ``optimizer_step`` (updates), ``micro_step`` (micro-batches on this process),
-``epoch``, ``window`` (next window within the epoch), ``items`` (samples or tokens that counted toward the loss).
+``epoch``, ``next_window`` (the window of ``epoch`` to train next), ``items`` (samples or tokens that counted toward
+the loss). The loop advances it in one place (``loop.advance``); everything else reads it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ class TrainState:
     optimizer_step: int = 0         # optimizer updates taken (skipped ones included)
     micro_step: int = 0             # micro-batches run on this process
     epoch: int = 0                  # current epoch
-    window: int = 0                 # next window of the current epoch
+    next_window: int = 0            # the window of `epoch` to train next
     items: int = 0                  # loss items seen, all processes
     samples: int = 0                # samples seen, all processes
     ema_loss: Optional[float] = None
@@ -32,5 +33,8 @@ class TrainState:
         return asdict(self)
 
     def load_state_dict(self, d: dict) -> None:
+        d = dict(d)
+        if "window" in d:  # checkpoints written before the rename
+            d["next_window"] = d.pop("window")
         for k, v in d.items():
             setattr(self, k, v)

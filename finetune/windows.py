@@ -24,6 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from finetune.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Window:
@@ -36,9 +38,12 @@ class Window:
 
     @property
     def sample_hash(self) -> str:
-        """Short hash of the window's membership (order-free): equal windows ⇔ equal hashes."""
-        data = ",".join(map(str, sorted(self.samples))).encode()
-        return hashlib.sha1(data).hexdigest()[:12]
+        return membership_hash(self.samples)
+
+
+def membership_hash(sample_ids) -> str:
+    """Short hash of a window's membership (order-free): equal windows ⇔ equal hashes (history's window_hash)."""
+    return hashlib.sha1(",".join(map(str, sorted(sample_ids))).encode()).hexdigest()[:12]
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
@@ -51,6 +56,27 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int
 
 def windows_per_epoch(n: int, micro_batch: int, accum: int, world: int = 1) -> int:
     return math.ceil(n / (micro_batch * accum * world))
+
+
+def resolve_accumulation(t, processes: int) -> int:
+    """N from ``t.effective_batch_size`` when given (it must split exactly), else ``t.gradient_accumulation_steps``
+    (``t``: a TrainingConfig). With ``batch_size: auto`` the loop starts at N = 1 and shrinks micro-batches."""
+    if t.batch_size == "auto":
+        return 1
+    if t.effective_batch_size is None:
+        return t.gradient_accumulation_steps
+    per_step = t.batch_size * processes
+    if t.effective_batch_size % per_step:
+        raise ConfigError(
+            f"training.effective_batch_size: {t.effective_batch_size} is not a multiple of batch_size × processes "
+            f"= {t.batch_size} × {processes}; pick a batch_size that divides {t.effective_batch_size // processes}")
+    return t.effective_batch_size // per_step
+
+
+def total_optimizer_steps(n_train: int, t, accum: int, processes: int) -> int:
+    """Optimizer steps the run will take: Σ over epochs of ceil(samples / (b·N·W)), capped by max_steps."""
+    steps = t.epochs * windows_per_epoch(n_train, t.batch_size, accum, processes)
+    return min(steps, t.max_steps) if t.max_steps else steps
 
 
 def plan_epoch(
@@ -108,6 +134,26 @@ def token_budget_chunks(members, length_of, max_tokens: int) -> list[tuple]:
     if chunk:
         chunks.append(tuple(chunk))
     return chunks
+
+
+def stream_windows(job, t, accum: int, world: int, rank: int, epoch: int, first: int, pin_memory: bool = False):
+    """Yield (window, its micro-batches for this process, windows in its epoch) from window ``first`` of ``epoch``
+    to the end of the last epoch. Each window's micro-batches are collated ahead, so they can be counted before the
+    first backward. The position comes in as arguments: the stream depends on nothing the loop mutates."""
+    sort = t.sort_within_window if t.sort_within_window is not None else job.length_of is not None
+    for e in range(epoch, t.epochs):
+        windows = plan_epoch(len(job.train_data), t.batch_size, accum, world, rank, t.seed, e, t.shuffle,
+                             sort_key=job.length_of if sort else None, length_of=job.length_of,
+                             max_tokens=t.max_tokens_per_micro_batch)
+        todo = windows[first if e == epoch else 0:]
+        # The loader gets its own generator: iter() would otherwise draw a seed from the global RNG, and a run
+        # resumed mid-epoch would then see different dropout masks than the uninterrupted one.
+        loader = torch.utils.data.DataLoader(
+            job.train_data, batch_sampler=WindowSampler(todo), collate_fn=job.collate_fn, num_workers=t.num_workers,
+            pin_memory=pin_memory, generator=torch.Generator().manual_seed(t.seed + e))
+        batches = iter(loader)
+        for window in todo:
+            yield window, [next(batches) for _ in window.micro_batches], len(windows)
 
 
 class WindowSampler(torch.utils.data.Sampler):

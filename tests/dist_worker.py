@@ -10,7 +10,7 @@ import sys
 import torch
 from accelerate.utils import set_seed
 
-from finetune import loop, test_fine_tuning
+from finetune import distributed, loop, test_fine_tuning
 from finetune.config import load_recipe, task_module
 from tests.helpers import EXACT, MLP, SMALL, flat, pad_collate, regression_data, tiny_gpt2, token_data
 
@@ -57,7 +57,7 @@ def run(name, processes):
             "history": [{k: v for k, v in h.items() if k != "seconds"} for h in result["history"]],
             "val": result["val_history"], "effective": result["effective_batch_size"],
             "processes": result["accelerator"].num_processes, "main": result["accelerator"].is_main_process,
-            "shutdown_at_exit": bool(loop._shutdown_registered)}
+            "shutdown_at_exit": bool(distributed._shutdown_registered)}
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ import json
 import pytest
 import yaml
 
+from finetune.cli import run_main
 from finetune.config import ConfigError, list_recipes, load_recipe
-from finetune.run import main as run_main
 from tests.helpers import ACCELERATE, ROOT, TINY, cli
 
 
@@ -48,7 +48,7 @@ def test_every_recipe_loads_and_validates(name):
 
 def test_effective_batch_size_derives_n():
     cfg = load_recipe("minilm-sentiment", ["training.batch_size=4", "training.effective_batch_size=32"])
-    from finetune.loop import resolve_accumulation
+    from finetune.windows import resolve_accumulation
 
     assert resolve_accumulation(cfg.training, processes=1) == 8
     assert resolve_accumulation(cfg.training, processes=2) == 4

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune import loop
+from finetune import distributed
 from tests import dist_worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,9 +58,9 @@ def test_two_processes_match_one(two_process_results, case):
 def test_shutdown_destroys_the_process_group(tmp_path):
     torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     assert torch.distributed.is_initialized()
-    loop.shutdown()
+    distributed.shutdown()
     assert not torch.distributed.is_initialized()
-    loop.shutdown()  # a second call (explicit, then at exit) is harmless
+    distributed.shutdown()  # a second call (explicit, then at exit) is harmless
 
 
 def test_recipe_under_two_process_config_logs_once(tmp_path):

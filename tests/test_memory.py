@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from finetune import memory, test_fine_tuning
-from finetune.memory import MemoryMonitor, activation_bytes, make_plan
+from finetune import plan as plan_module
+from finetune.memory import MemoryMonitor, activation_bytes
+from finetune.plan import make_plan
 from tests.helpers import ENV, MLP, ROOT, TINY, copy_model, pad_collate, regression_data, rel_diff, tiny_gpt2
 
 
@@ -67,7 +69,8 @@ def test_plan_numbers_and_recommendation():
     assert plan.parameters == n and plan.gradients == 4 * n and plan.optimizer == 8 * n  # adamw: two moments
     assert plan.fits and 64 % plan.micro_batch_size == 0
     assert plan.micro_batch_size * plan.gradient_accumulation_steps == 64
-    budget = (0.7 * memory.GiB - memory.CONTEXT) * memory.HEADROOM - plan.weights - plan.gradients - plan.optimizer
+    budget = (0.7 * memory.GiB - plan_module.CONTEXT) * plan_module.HEADROOM \
+        - plan.weights - plan.gradients - plan.optimizer
     b = plan.micro_batch_size
     assert plan.activations_fixed + b * plan.activations_per_sample <= budget  # the pick fits …
     bigger = next((d for d in range(b + 1, 65) if 64 % d == 0), None)
@@ -111,7 +114,7 @@ def test_auto_micro_batch_needs_effective_batch():
 
 def test_memory_warning_at_85_percent(monkeypatch, capsys):
     used = {"value": 50}
-    monkeypatch.setattr(memory, "device_memory", lambda device: (used["value"], 100, {"mem_rss_mb": 1.0}))
+    monkeypatch.setattr(memory, "device_memory", lambda device: (used["value"], 100, {"mem_rss_mib": 1.0}))
     mon = MemoryMonitor(torch.device("cpu"))
     mon.sample()
     assert "warning: memory" not in capsys.readouterr().err
@@ -125,7 +128,7 @@ def test_memory_warning_at_85_percent(monkeypatch, capsys):
 
 def test_history_records_memory():
     result = test_fine_tuning(MLP(), train_data=regression_data(16), batch_size=4)
-    assert all(h["mem_rss_mb"] > 0 for h in result["history"])
+    assert all(h["mem_rss_mib"] > 0 for h in result["history"])
 
 
 def test_soak_no_rss_growth():
@@ -135,7 +138,7 @@ def test_soak_no_rss_growth():
     proc = psutil.Process()
     result = test_fine_tuning(MLP(), train_data=data, batch_size=2, gradient_accumulation_steps=4,
                               max_steps=750, lr_scheduler="constant")
-    rss = [h["mem_rss_mb"] for h in result["history"]]
+    rss = [h["mem_rss_mib"] for h in result["history"]]
     warm = rss[len(rss) // 10]
     assert max(rss[len(rss) // 10:]) - warm < 50, (warm, max(rss))
     assert result["optimizer_steps"] == 750 and math.isfinite(proc.memory_info().rss)

@@ -13,7 +13,8 @@ import torch
 
 from finetune import checkpoint
 from finetune.config import TrainingConfig
-from finetune.loop import make_accelerator, make_optimizer
+from finetune.distributed import make_accelerator
+from finetune.optim import make_optimizer
 from tests.helpers import ENV, ROOT, RUN, TINY, cli, load_weights, same_bytes
 
 ARGS = ["--recipe", TINY, "--save-every", "3", "--set", "data.limit=200"]  # 23 windows per epoch, 2 epochs
@@ -135,7 +136,7 @@ def test_checkpoints_load_without_pickle(uninterrupted, monkeypatch):
                                       hidden_size=32, num_attention_heads=2, intermediate_size=64)
     model = AutoModelForSequenceClassification.from_config(arch)
     t = TrainingConfig()
-    acc = make_accelerator(t, accum=2)
+    acc = make_accelerator(t)
     opt = make_optimizer(model, t)
     sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=10)
     model, opt = acc.prepare(model, opt)

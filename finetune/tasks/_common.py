@@ -127,6 +127,14 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str) -> torch.nn.Mod
     return get_peft_model(model, lora)
 
 
+def peft_save_hook(cfg, tokenizer=None):
+    """``Job.save`` for a recipe: the adapter (and the merged model with ``peft.merge``) when LoRA is on; None (the
+    loop's default save) otherwise."""
+    if not cfg.peft.enabled:
+        return None
+    return lambda model, directory: save_peft(model, directory, cfg.peft.merge, tokenizer)
+
+
 def save_peft(model, directory, merge: bool, tokenizer=None) -> None:
     """Save the adapter (``adapter_model.safetensors``); with ``merge`` also the merged full model in
     ``model-merged/`` beside it (loadable without peft)."""

@@ -24,8 +24,8 @@ from finetune.tasks._common import (
     apply_peft,
     load_local_table,
     pad_collate,
+    peft_save_hook,
     resolve_model_path,
-    save_peft,
     set_dropout,
     split,
 )
@@ -202,6 +202,5 @@ def build(cfg) -> Job:
         length_of=lambda i: lengths[i],
         val_loss_metrics=lambda loss: {"perplexity": math.exp(min(loss, 50.0))},
         summarize=summarize,
-        save=(lambda mdl, directory: save_peft(mdl, directory, cfg.peft.merge, tokenizer)) if cfg.peft.enabled
-        else None,
+        save=peft_save_hook(cfg, tokenizer),
     )

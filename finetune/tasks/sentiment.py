@@ -20,8 +20,8 @@ from finetune.tasks._common import (
     apply_peft,
     load_local_table,
     load_metric,
+    peft_save_hook,
     resolve_model_path,
-    save_peft,
     set_dropout,
     split,
 )
@@ -145,7 +145,6 @@ def build(cfg) -> Job:
         model=model, train_data=train, val_data=val, tokenizer=tokenizer,
         collate_fn=DataCollatorWithPadding(tokenizer, return_tensors="pt"),
         eval_step=eval_step, compute_metrics=compute_metrics,
-        save=(lambda mdl, directory: save_peft(mdl, directory, cfg.peft.merge, tokenizer)) if cfg.peft.enabled
-        else None,
+        save=peft_save_hook(cfg, tokenizer),
         length_of=lambda i, lengths=[len(x) for x in train["input_ids"]]: lengths[i],
     )

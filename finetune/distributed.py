@@ -1,0 +1,109 @@
+"""Processes and the Accelerator: what this machine can run, the process group, and gradient sync per window.
+
+finetune asks Accelerate only through its documented API. The Accelerator is made with
+``gradient_accumulation_steps=1``: finetune decides itself which micro-batch ends a window and syncs gradients there,
+with ``accelerator.no_sync(model)`` on the window's other micro-batches. (Accelerate's own ``accumulate()`` counts
+micro-steps against a fixed N and divides every loss by N, which is wrong for a short tail window or a token-budget
+split; see ``steps.loss_weight`` for the weight each micro-batch gets instead.)
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from typing import Optional
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType
+
+from finetune.config import TrainingConfig
+from finetune.errors import ConfigError
+
+
+def has_device() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    return torch.cuda.is_available() or bool(mps and mps.is_available()) or \
+        bool(getattr(torch, "xpu", None) and torch.xpu.is_available())
+
+
+def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
+    """Refuse, naming the setting, what this machine cannot run (fail at set-up, not mid-run)."""
+    if tracker not in (None, "none"):
+        import importlib.util
+
+        if importlib.util.find_spec(tracker) is None:
+            raise ConfigError(f"output.tracker: {tracker} is not installed (pip install {tracker}); "
+                              "or set output.tracker=none")
+    if t.mixed_precision == "fp16" and not torch.cuda.is_available():  # Accelerate would silently train in fp32
+        raise ConfigError("training.mixed_precision: fp16 needs a CUDA device; use bf16 or no on this machine")
+    for engine in ("FSDP", "DEEPSPEED"):  # Accelerate's plugins for these refuse to start without a GPU
+        if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true" and not has_device():
+            raise ConfigError(f"accelerate config: {engine.lower()} needs GPUs; on CPU use "
+                              "accelerate_configs/multi_cpu_2.yaml (DDP over gloo)")
+
+
+def distributed_state() -> PartialState:
+    """The process group Accelerate sets up from the launcher's environment. Without an accelerator we ask for the
+    CPU explicitly: several processes then train with gloo DDP (``accelerate launch --multi_gpu`` or torchrun),
+    which ``accelerate launch --cpu --num_processes 2`` does not give (it starts one process)."""
+    state = PartialState(cpu=not has_device())
+    if state.num_processes > 1 and not _shutdown_registered:
+        atexit.register(shutdown)
+        _shutdown_registered.append(True)
+    return state
+
+
+_shutdown_registered: list = []
+
+
+def shutdown() -> None:
+    """Destroy the process group (local, no collective). Runs at exit of every multi-process run: a gloo group
+    left alive while the interpreter finalizes can abort the process (SIGABRT) after training succeeded."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def make_accelerator(t: TrainingConfig, log_with=None, project_dir=None) -> Accelerator:
+    """An Accelerator for this run: ``t.mixed_precision``, N = 1 (finetune places the window's sync itself)."""
+    check_environment(t)
+    kwargs = dict(mixed_precision=t.mixed_precision, log_with=log_with, project_dir=project_dir, cpu=not has_device())
+    try:
+        accelerator = Accelerator(**kwargs)
+    except ValueError as error:
+        if "already been initialized" not in str(error):
+            raise
+        accelerator = None
+    if accelerator is None or not accelerator.sync_gradients:
+        restart_accelerate_state()
+        accelerator = Accelerator(**kwargs)
+    return accelerator
+
+
+def restart_accelerate_state() -> None:
+    """Accelerate keeps process-wide singletons and refuses a second Accelerator with another precision ("restart
+    your runtime"); a loop that used ``accumulate()`` may also leave gradient sync off. A Python-API user, a search
+    or a test suite trains several times in one process, so this one place starts them afresh through Accelerate's
+    own reset — called only when Accelerate refuses, pinned by the accelerate bounds in pyproject, and covered by
+    ``tests/test_loop.py::test_two_precisions_in_one_process``. The process group is kept."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+
+
+def sync_gradients(accelerator: Accelerator, model, sync: bool):
+    """Context for one micro-batch's backward: gradients are all-reduced only on the window's last micro-batch
+    (``sync``); on the others ``accelerator.no_sync(model)`` keeps them local (a no-op with one process)."""
+    return contextlib.nullcontext() if sync else accelerator.no_sync(model)
+
+
+def backward(accelerator: Accelerator, loss: torch.Tensor, sync: bool) -> None:
+    """``accelerator.backward`` (loss scaling for fp16). DeepSpeed's engine keeps its own accumulation boundary and
+    steps inside backward, so it is told explicitly whether this micro-batch ends the window (with N = 1 in its
+    config it does not rescale the loss). Not exercised without GPUs."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=sync)
+    else:
+        accelerator.backward(loss)

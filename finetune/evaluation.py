@@ -1,0 +1,61 @@
+"""Validation: the item-weighted loss over the whole validation set, and the task's metrics."""
+
+from __future__ import annotations
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object, send_to_device
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from finetune.config import TrainingConfig
+from finetune.job import Job
+from finetune.modeling import compute_loss
+from finetune.windows import count_items, is_causal_lm
+
+
+@torch.no_grad()
+def run_eval(job: Job, model, accelerator: Accelerator, t: TrainingConfig, step: int, epoch: int,
+             log_with=None) -> dict:
+    """Evaluate after optimizer step ``step`` (0: before training). The validation set is sharded over processes
+    with no sample repeated; the loss is the mean over every item, and ``job.compute_metrics`` sees every
+    prediction. Returns the record ``{"step", "epoch", "loss", …metrics}``."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    indices = list(range(rank, len(job.val_data), world))
+    loader = DataLoader(job.val_data, batch_sampler=[indices[i:i + t.batch_size]
+                                                     for i in range(0, len(indices), t.batch_size)],
+                        collate_fn=job.collate_fn, num_workers=t.num_workers)
+    counter = job.count_items or (lambda b: count_items(b, t.items, is_causal_lm(model)))
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    items_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    preds, refs = [], []
+    for batch in loader:
+        items = counter(batch)
+        batch = send_to_device(batch, accelerator.device)
+        loss, _, outputs = compute_loss(model, batch, job.loss_fn)
+        if items:
+            loss_sum += loss.double() * items
+            items_sum += items
+        if job.eval_step is not None:
+            p, r = job.eval_step(model, batch, outputs)
+            preds += list(p)
+            refs += list(r)
+    model.train(was_training)
+    if world > 1:
+        loss_sum = accelerator.reduce(loss_sum, "sum")
+        items_sum = accelerator.reduce(items_sum, "sum")
+        preds, refs = gather_object(preds), gather_object(refs)
+    record = {"step": step, "epoch": epoch,
+              "loss": float(loss_sum / items_sum) if float(items_sum) else float("nan")}
+    if job.val_loss_metrics is not None:  # e.g. perplexity = exp(loss)
+        record.update(job.val_loss_metrics(record["loss"]))
+    if job.compute_metrics is not None and preds:
+        record.update(job.compute_metrics(preds, refs))
+    if accelerator.is_main_process:
+        tqdm.write("eval " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in record.items()))
+    if log_with is not None:
+        accelerator.log({f"eval/{k}": v for k, v in record.items() if k not in ("step", "epoch")}, step=step)
+    return record

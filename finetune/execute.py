@@ -1,0 +1,133 @@
+"""Run a validated recipe: pick the output directory, build the task's job, train it through the shared loop, write
+what the run leaves behind. The command line (``finetune.cli``) and the search (``finetune.search``) both call it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from finetune import checkpoint, distributed, loop, outputs
+from finetune.config import RecipeConfig, dump_config, flatten, result_neutral_fields
+from finetune.errors import ConfigError
+from finetune.job import Job
+from finetune.registry import task_module
+from finetune.windows import resolve_accumulation
+
+
+def build_job(cfg: RecipeConfig) -> Job:
+    """Seed, then build the recipe's task (model init of new heads is part of the reproduction)."""
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.training.seed)
+    return task_module(cfg.task).build(cfg)
+
+
+def output_dir_for(cfg: RecipeConfig, resume: Optional[str] = None) -> Path:
+    """The run's output directory; refused (before anything is written) if it would overwrite another run."""
+    if resume is not None and resume != "latest" and not cfg.output.dir:
+        return Path(resume).resolve().parent.parent  # <run>/checkpoints/step-…
+    if resume == "latest" and not cfg.output.dir:
+        raise ConfigError("resume: 'latest' needs --output-dir (the run to continue)")
+    out = Path(cfg.output.dir) if cfg.output.dir else Path("runs") / cfg.name / time.strftime("%Y%m%d-%H%M%S")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output.dir: {out} is a file; give a directory")
+    if resume is None and out.is_dir() and any(out.iterdir()) and not cfg.output.overwrite:
+        raise ConfigError(f"output.dir: {out} already holds files; pick a new directory or set output.overwrite=true")
+    return out
+
+
+def prepare(cfg: RecipeConfig, resume: Optional[str] = None) -> tuple[Path, Optional[Path]]:
+    """Everything checked before a model is built: the output directory (the same on every process), the
+    checkpoint to resume, what this machine can run, and that the effective batch splits. Returns
+    (output directory, checkpoint or None)."""
+    from accelerate.utils import broadcast_object_list
+
+    state = distributed.distributed_state()
+    out_dir = [output_dir_for(cfg, resume) if state.is_main_process else None]
+    if state.num_processes > 1:  # every process writes to the same place (timestamps differ between them)
+        broadcast_object_list(out_dir)
+    out_dir = out_dir[0]
+    resume_from = None
+    if resume is not None:
+        resume_from = checkpoint.find_checkpoint(resume, out_dir)  # refuses a missing / corrupt checkpoint
+        if state.is_main_process:
+            warn_if_result_changes(resume_from, cfg, state.num_processes)
+    distributed.check_environment(cfg.training, cfg.output.tracker)
+    resolve_accumulation(cfg.training, state.num_processes)
+    return out_dir, resume_from
+
+
+def execute(cfg: RecipeConfig, out_dir: Path, resume_from=None, on_eval=None):
+    """Build the recipe's task, train it through the shared loop, write the outputs; return the loop's result."""
+    state = distributed.distributed_state()
+    if not state.is_main_process:
+        quiet_libraries()
+    job = build_job(cfg)
+    loop.check_job(job, cfg.training)
+    config_text = dump_config(cfg)
+    if state.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        outputs.atomic_write_text(out_dir / "config.yaml", config_text)
+    start = time.perf_counter()
+    result = loop.train(job, cfg.training, output_dir=out_dir,
+                        log_with=None if cfg.output.tracker == "none" else cfg.output.tracker,
+                        tracker_config=cfg.to_dict(), save_every=cfg.output.save_every,
+                        keep_checkpoints=cfg.output.keep_checkpoints, resume_from=resume_from,
+                        config_text=config_text, on_eval=on_eval)
+    result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name}
+    result.accelerator.wait_for_everyone()
+    if result.accelerator.is_main_process:
+        write_outputs(cfg, job, result, out_dir)
+    return result
+
+
+def quiet_libraries() -> None:
+    """One process speaks: the others keep quiet about loading and mapping."""
+    import datasets
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
+def write_outputs(cfg: RecipeConfig, job: Job, result, out_dir: Path) -> None:
+    """metrics.json, plots, the model (main process only), and the closing line."""
+    if job.summarize is not None:
+        result.extra_metrics.update(job.summarize(result.model, out_dir))
+    outputs.write_metrics(result, out_dir)
+    if cfg.output.plots and result.history:
+        outputs.write_plots(result.history, out_dir, result.val_history)
+    if cfg.output.save_model:
+        outputs.save_model(result.model, out_dir, job.tokenizer, job.save)
+    final = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.final_metrics.items())
+    pad = f"; padding {1 - result.tokens / result.padded_tokens:.0%}" if result.padded_tokens else ""
+    print(f"done: {result.optimizer_steps} optimizer steps in {result.extra_metrics['train_seconds']} s;"
+          f" {final}{pad}; outputs in {out_dir}", flush=True)
+
+
+def warn_if_result_changes(path: Path, cfg: RecipeConfig, processes: int) -> None:
+    """One line naming the settings that differ from the checkpoint's and change the result (the micro-batch split
+    does not: the effective batch is compared instead)."""
+    import json
+
+    import yaml
+
+    try:
+        old = flatten(yaml.safe_load((path / "config.yaml").read_text()) or {})
+        manifest = json.loads((path / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return
+    new = flatten(cfg.to_dict())
+    neutral = result_neutral_fields() | {"name", "description"}
+    changed = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in sorted(set(old) | set(new))
+               if k not in neutral and old.get(k) != new.get(k)]
+    t = cfg.training
+    effective = t.batch_size * resolve_accumulation(t, processes) * processes
+    if manifest.get("effective_batch_size") not in (None, effective):
+        changed.insert(0, f"effective batch ({manifest['effective_batch_size']} → {effective})")
+    if changed:
+        print("warning: resuming with settings that change the result: " + ", ".join(changed), file=sys.stderr)

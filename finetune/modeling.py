@@ -1,0 +1,40 @@
+"""Running a task's model: its loss on a batch, and activation checkpointing."""
+
+from __future__ import annotations
+
+import torch
+
+from finetune.errors import ConfigError
+
+
+def compute_loss(model, batch, loss_fn=None):
+    """Run the model on ``batch``; return (mean loss, dict of extra 0-d loss terms to log, outputs).
+
+    ``loss_fn(model, batch)`` when given, else ``model(**batch)`` with its ``.loss`` / ``["loss"]``.
+    """
+    out = loss_fn(model, batch) if loss_fn is not None else model(**batch)
+    if isinstance(out, torch.Tensor):
+        return out, {}, None
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if loss is None:
+        raise ConfigError("model: it returned no loss; pass labels in the batch, or give a loss_fn")
+    # other 0-d tensors of a dict output (loss terms such as "kl" or "d_loss") are logged beside the loss
+    extras = {k: v for k, v in out.items() if k != "loss" and isinstance(v, torch.Tensor) and v.dim() == 0} \
+        if isinstance(out, dict) else {}
+    return loss, extras, out
+
+
+def enable_checkpointing(model: torch.nn.Module, hook=None) -> None:
+    """Activation checkpointing: the task's hook, else the HF API (new name first), else a ConfigError."""
+    if hook is not None:
+        hook(model)
+    elif hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        raise ConfigError("training.gradient_checkpointing: this model has no checkpointing support "
+                          "(give the task an enable_checkpointing hook)")
+    # LoRA / frozen embeddings: checkpointed blocks need an input that requires grad to rebuild the graph.
+    if hasattr(model, "enable_input_require_grads") and any(not p.requires_grad for p in model.parameters()):
+        model.enable_input_require_grads()

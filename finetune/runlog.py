@@ -1,0 +1,88 @@
+"""What a run says while it trains: the banner, the progress bar, ``history.jsonl`` and the trackers.
+These only write; the loop owns the state they report."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from tqdm.auto import tqdm
+
+from finetune.config import TrainingConfig
+from finetune.optim import lr_scale
+from finetune.outputs import atomic_write_text
+from finetune.state import TrainState
+from finetune.windows import windows_per_epoch
+
+
+class RunLog:
+    """Where each optimizer step is reported, on the main process only: ``history.jsonl`` (one line per step,
+    flushed), the trackers, and the progress bar (effective batch, EMA loss, lr, ETA, padding share)."""
+
+    def __init__(self, accelerator, out_dir, state: TrainState, total_steps: int, effective: int, log_with,
+                 rewrite: bool = False):
+        self.accelerator, self.state, self.effective, self.log_with = accelerator, state, effective, log_with
+        self.file = None
+        main = accelerator.is_main_process
+        if main and out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            if rewrite:  # resuming: drop lines a killed run wrote after its last checkpoint
+                atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in state.history))
+            self.file = open(out_dir / "history.jsonl", "a")
+        self.bar = tqdm(total=total_steps, initial=state.optimizer_step, disable=not main, unit="step",
+                        dynamic_ncols=True, desc=f"train (batch {effective})",
+                        mininterval=0.5 if sys.stderr.isatty() else 15)
+        self.last = time.perf_counter()
+        self.real = self.padded = 0
+
+    def write(self, record: dict) -> None:
+        """Report one optimizer step (after its evaluation, whose results it carries as val_*)."""
+        now = time.perf_counter()
+        record["seconds"] = round(now - self.last, 6)
+        self.last = now
+        if self.log_with is not None:
+            self.accelerator.log({f"train/{k}": record[k] for k in ("loss", "lr", "grad_norm")}, step=record["step"])
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        self.real += record.get("tokens", 0)
+        self.padded += record.get("padded_tokens", 0)
+        pad = f" padding={1 - self.real / self.padded:.0%}" if self.padded else ""
+        ema = self.state.ema_loss if self.state.ema_loss is not None else float("nan")
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"eff_batch={self.effective} loss={ema:.4f} lr={record['lr']:.2e}{pad}",
+                                 refresh=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.close()  # also on an error, so its message starts on a line of its own
+        if self.file is not None:
+            self.file.close()
+
+
+def banner(n_train: int, t: TrainingConfig, accum: int, world: int, total_steps: int, accelerator) -> str:
+    per_epoch = windows_per_epoch(n_train, t.batch_size, accum, world)
+    effective = t.batch_size * accum * world
+    split = f"{t.batch_size} × {accum}" + (f" × {world} processes" if world > 1 else "")
+    tail = n_train - (per_epoch - 1) * effective
+    tail_text = "every window is full" if tail == effective else \
+        f"the last window of each epoch holds {tail} sample{'s' if tail > 1 else ''}"
+    lines = [
+        "=" * 60, "FINE-TUNING", "=" * 60,
+        f"Training samples: {n_train}",
+        f"Batch size: {t.batch_size}",
+        f"Gradient accumulation steps: {accum}",
+        f"Processes: {world}",
+        f"Effective batch size: {effective} ({split})",
+        f"Optimizer steps: {total_steps} ({per_epoch} per epoch; {tail_text})",
+        f"Optimizer: {t.optimizer}, lr {t.learning_rate * lr_scale(t, effective):g}, schedule {t.lr_scheduler}, "
+        f"warm-up {t.warmup_steps} steps",
+        *([f"LR scaling: {t.scale_lr} from the baseline's batch {t.reference_batch_size} to {effective}: "
+           f"{t.learning_rate:g} × {lr_scale(t, effective):.4g}"] if t.scale_lr != "none" else []),
+        f"Mixed precision: {t.mixed_precision}, device: {accelerator.device}",
+        "=" * 60,
+    ]
+    return "\n".join(lines)

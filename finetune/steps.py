@@ -1,0 +1,136 @@
+"""One window's micro-steps and the optimizer step after them — every line that changes the numbers.
+
+A window's accumulated gradient must be the gradient of the mean loss over all its items (samples or label tokens,
+on every process), whatever the tail, the micro-batch size, the token budget or N. So each micro-batch's mean loss
+is weighted by its share of the window's items, counted over every process before the first backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import send_to_device
+
+from finetune import distributed
+from finetune.config import TrainingConfig
+from finetune.memory import fake_oom_check
+from finetune.modeling import compute_loss
+from finetune.windows import batch_len
+
+
+class NonFiniteError(RuntimeError):
+    """A window produced a non-finite loss or gradient and ``training.on_nonfinite`` is ``stop``."""
+
+
+def loss_weight(items: int, window_items: int, processes: int) -> float:
+    """Factor for one micro-batch's mean loss so that the window's accumulated gradient is the gradient of the
+    mean loss over all the window's items (every process, every micro-batch).
+
+    * ``items / window_items`` — the micro-batch's share. (Accelerate's ``accumulate()`` divides every loss by N
+      instead: right only for N equal micro-batches, so a short tail window or a short micro-batch would be
+      mis-weighted. Our Accelerator has N = 1 and divides by nothing.)
+    * ``× processes`` — DDP / FSDP / DeepSpeed average gradients over processes; the window needs their sum.
+    """
+    return items / window_items * processes
+
+
+def token_counts(batch) -> tuple:
+    """(real, padded) tokens of a text micro-batch from its attention mask; (0, 0) for other batches."""
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if not isinstance(mask, torch.Tensor):
+        return 0, 0
+    return int(mask.sum()), mask.numel()
+
+
+@dataclass
+class WindowResult:
+    """What one window's micro-steps produced: counts over every process, losses of this process."""
+
+    items: int
+    real_tokens: int
+    padded_tokens: int
+    micro_steps: int                           # micro-batches run on this process (placeholders included)
+    loss: torch.Tensor                          # item-weighted mean loss of this process's share
+    extras: dict = field(default_factory=dict)  # other loss terms, weighted the same way
+
+
+def count_window(accelerator, window, micro_batches, counter) -> tuple[list, int, int, int]:
+    """Items per micro-batch of this process, and the window's items / real / padded tokens over every process
+    (one all-reduce, before the first backward)."""
+    counts = [counter(b) if active else 0 for b, active in zip(micro_batches, window.active)]
+    tokens = [token_counts(b) if active else (0, 0) for b, active in zip(micro_batches, window.active)]
+    totals = [sum(counts), sum(r for r, _ in tokens), sum(p for _, p in tokens)]
+    if accelerator.num_processes > 1:
+        totals = accelerator.reduce(torch.tensor(totals, device=accelerator.device), "sum").tolist()
+    window_items, real, padded = (int(x) for x in totals)
+    return counts, window_items, real, padded
+
+
+def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_batches, counter) -> WindowResult:
+    """Forward and backward every micro-batch of one window, each weighted by its share of the window's items;
+    gradients are all-reduced once, on the last micro-batch."""
+    counts, window_items, real, padded = count_window(accelerator, window, micro_batches, counter)
+    device, last = accelerator.device, len(micro_batches) - 1
+    window_loss, window_extras = torch.zeros((), device=device), {}
+    for i, (batch, items) in enumerate(zip(micro_batches, counts)):
+        fake_oom_check(batch_len(batch))  # test hook (FINETUNE_FAKE_OOM_ABOVE); a no-op otherwise
+        with distributed.sync_gradients(accelerator, model, sync=i == last):
+            # The outputs (a language model's logits) are not kept: held, they would stay allocated through this
+            # backward and the next micro-batch's forward.
+            loss, extras = compute_loss(forward_model, send_to_device(batch, device), loss_fn)[:2]
+            # A weight-0 placeholder (or an item-less micro-batch) must add exact zeros, not 0 × NaN.
+            weighted = loss * loss_weight(items, window_items, accelerator.num_processes) if items \
+                else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0
+            distributed.backward(accelerator, weighted, sync=i == last)
+        # The logged loss: the same item-weighted mean, without the process factor. Every term is entered even from
+        # a placeholder (as 0), so that each process sums the same terms over processes.
+        for k in extras:
+            window_extras.setdefault(k, torch.zeros((), device=device))
+        if items:
+            window_loss += loss.detach().float() * (items / window_items)
+            for k, v in extras.items():
+                window_extras[k] += v.detach().float() * (items / window_items)
+    return WindowResult(window_items, real, padded, len(micro_batches), window_loss, window_extras)
+
+
+def optimizer_step(accelerator, optims: list, t: TrainingConfig, step: int, window) -> tuple[list, bool, list]:
+    """Unscale → grad norm → clip → step → scheduler → zero_grad, for each optimizer. ``step`` is the number of
+    the update being taken (for messages).
+
+    Returns (total grad norm before clipping per optimizer, whether the update was skipped, lr per optimizer).
+    """
+    norms = []
+    for i, o in enumerate(optims):
+        # clip_grad_norm_ unscales fp16 gradients first (GradScaler.unscale_, for every optimizer at once), so the
+        # norm and the clip are in true units; with clipping off, max_norm=inf still returns the total norm and
+        # leaves the gradients untouched.
+        max_norm = o.max_grad_norm if o.max_grad_norm is not None else math.inf
+        clip = accelerator.clip_grad_norm_ if i == 0 else torch.nn.utils.clip_grad_norm_
+        norm = clip(o.params, max_norm)
+        norms.append(norm if norm is not None else torch.tensor(float("nan")))
+    norms = torch.stack([torch.as_tensor(n, dtype=torch.float32).cpu() for n in norms]).tolist()  # one host sync
+    lrs = [o.optimizer.param_groups[0]["lr"] for o in optims]
+    if accelerator.scaler is not None:
+        for o in optims:
+            o.optimizer.step()  # GradScaler skips the update on inf/NaN gradients and lowers the scale
+        skipped = any(bool(o.optimizer.step_was_skipped) for o in optims)
+    elif all(math.isfinite(n) for n in norms):
+        for o in optims:
+            o.optimizer.step()
+        skipped = False
+    elif t.on_nonfinite == "skip":
+        skipped = True
+    else:
+        bad = ", ".join(f"{o.name} {n}" for o, n in zip(optims, norms) if not math.isfinite(n))
+        raise NonFiniteError(
+            f"non-finite gradient (norm {bad if len(optims) > 1 else norms[0]}) at optimizer step "
+            f"{step} (epoch {window.epoch}, window {window.index}); set "
+            "training.on_nonfinite=skip to drop such windows")
+    for o in optims:
+        if not skipped:  # a skipped update is not a step of the schedule
+            o.scheduler.step()
+        o.optimizer.zero_grad(set_to_none=True)
+    return norms, skipped, lrs
