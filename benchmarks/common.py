@@ -371,15 +371,18 @@ def _trainer_default_collator(tokenizer):
 def run_finetune(model, data, collate, b: int, n: int, *, lr: float, epochs: int = 1, optimizer: str = "adamw",
                  scheduler: str = "linear", max_grad_norm: Optional[float] = 1.0, shuffle: bool = False,
                  seed: int = 0, lengths: Optional[list] = None, sort: Optional[bool] = False,
-                 max_tokens: Optional[int] = None, name: str = "finetune") -> Run:
+                 max_tokens: Optional[int] = None, packing: bool = False, name: str = "finetune") -> Run:
     """finetune's loop. ``lengths`` (per sample) is what a text task gives the loop (``Job.length_of``);
-    ``sort=None`` keeps the default (sort within windows when lengths are known)."""
+    ``sort=None`` keeps the default (sort within windows when lengths are known); ``packing`` packs each window's
+    samples into rows (causal LMs; samples then need no "idx": windows are identified by the history's hash)."""
     start = time.perf_counter()
     run = Run(name)
+    if packing:
+        data = [without_idx(s) for s in data]
     t = TrainingConfig(batch_size=b, gradient_accumulation_steps=n, learning_rate=lr, epochs=epochs,
                        optimizer=optimizer, weight_decay=0.0, lr_scheduler=scheduler, warmup_steps=0,
                        max_grad_norm=max_grad_norm, seed=seed, shuffle=shuffle, sort_within_window=sort,
-                       max_tokens_per_micro_batch=max_tokens)
+                       max_tokens_per_micro_batch=max_tokens, packing=packing)
     job = Job(model=model, train_data=data, collate_fn=collate,
               length_of=(lambda i: lengths[i]) if lengths is not None else None,
               before_window=lambda state: run.starts.append(clocks()))  # after the window's micro-batches are fetched

@@ -16,18 +16,22 @@ Set-ups:
 * *Trainer group_by_length* / *Trainer batch_rebalance* — its ``train_sampling_strategy`` options that group
   samples by length (the first sorts mega-batches of 50 optimizer steps' samples; the second, new in transformers 5,
   balances each optimizer step's micro-batches by padded cost);
-* *finetune* — its default for text tasks: each window's samples sorted by length before they are cut into
-  micro-batches (``training.sort_within_window``); *finetune + token budget* also cuts micro-batches by a budget of
-  padded tokens (``training.max_tokens_per_micro_batch`` = b × max_length: never more than a static micro-batch).
+* *finetune (packed)* — its default for causal LMs: each window's own samples packed into rows of up to
+  ``max_length`` tokens (first-fit decreasing, ``position_ids`` restarting per sample, no attention mask), ``b`` rows
+  a micro-batch (``training.packing``); the windows, their item counts and so the steps are the unpacked ones;
+* *finetune (sorted windows)* — its default for encoders: each window's samples sorted by length before they are
+  cut into micro-batches (``training.sort_within_window``); *finetune + token budget* also cuts micro-batches by a
+  budget of padded tokens (``training.max_tokens_per_micro_batch`` = b × max_length: never more than a static
+  micro-batch).
 
 Real tokens/s = non-padding tokens ÷ time, from the start of the second optimizer step to the end of the epoch
 (set-up and the warm-up step left out alike; median over interleaved repetitions), on the process's CPU time (one
 torch thread; steady when other jobs share the machine — the JSON also has the wall-clock rate); "epoch s" is the
 wall time of the whole training call.
 "Same steps" is the share of steps whose sample set is that of the same tool without length grouping (same seed):
-the Trainer's random sampler for its options, finetune's unsorted (b·N) × 1 run for finetune — whose sorted and
-budgeted runs are then checked for the same weights (max relative difference after the epoch, fp32; with SGD, as
-the test suite checks, and with the timed AdamW runs). The last line printed is one JSON object.
+the Trainer's random sampler for its options, finetune's unsorted, unpacked (b·N) × 1 run for finetune — whose
+packed, sorted and budgeted runs are then checked for the same weights (max relative difference after the epoch,
+fp32; with SGD, as the test suite checks, and with the timed AdamW runs). The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def workloads(quick: bool) -> dict:
         "GPT-2 causal LM": dict(
             model=gpt2, data=pydoc, b=4 if quick else 8, n=4, lr=2e-3, max_length=128, tokenizer=ptok,
             dynamic=C.clm_collate(ptok), static=C.clm_collate(ptok, pad_to=128),
-            trainer_collate=DataCollatorForLanguageModeling(ptok, mlm=False)),
+            trainer_collate=DataCollatorForLanguageModeling(ptok, mlm=False), causal=True),
     }
 
 
@@ -80,6 +84,9 @@ def setups(w: dict) -> dict:
         "Trainer": trainer("random"),
         "Trainer group_by_length": trainer("group_by_length"),
         "Trainer batch_rebalance": trainer("batch_rebalance"),
+        **({"finetune (packed)": lambda model: C.run_finetune(
+            model, data, C.strip_idx(w["dynamic"]), b, n, lr=lr, shuffle=True, lengths=lengths, packing=True)}
+           if w.get("causal") else {}),
         "finetune (sorted windows)": lambda model: C.run_finetune(
             model, data, C.strip_idx(w["dynamic"]), b, n, lr=lr, shuffle=True, lengths=lengths, sort=None),
         "finetune + token budget": lambda model: C.run_finetune(
@@ -101,7 +108,8 @@ def same_result(w: dict, timed: dict) -> dict:
     data, b, n = w["data"], w["b"], w["n"]
     lengths = C.lengths_of(data)
     collate = C.strip_idx(w["dynamic"])
-    variants = {"finetune (sorted windows)": dict(sort=None),
+    variants = {**({"finetune (packed)": dict(packing=True)} if w.get("causal") else {}),
+                "finetune (sorted windows)": dict(sort=None),
                 "finetune + token budget": dict(sort=True, max_tokens=b * w["max_length"]),
                 "finetune unsorted (control)": dict(sort=False)}
     out = {name: {} for name in variants}
@@ -146,9 +154,10 @@ def main(argv=None) -> dict:
             if name.startswith("Trainer"):  # against the Trainer's random sampler, same seed
                 res[name]["same_steps"] = same_steps(rs[0], runs["Trainer"][0])
         check = same_result(w, runs)
-        for name in ("finetune (sorted windows)", "finetune + token budget"):
+        for name in [k for k in check if k in res]:
             res[name]["same_steps"] = check[name]["same_steps"]
-        ft = res["finetune (sorted windows)"]["tokens_per_s"]
+        default = "finetune (packed)" if "finetune (packed)" in res else "finetune (sorted windows)"
+        ft = res[default]["tokens_per_s"]
         ftb = res["finetune + token budget"]["tokens_per_s"]
         peers = [k for k in res if not k.startswith("finetune")]
         rows = [[name, f"{r['tokens_per_s']:.0f}", f"{r['epoch_s']:.1f}", f"{r['padding']:.0%}",
@@ -156,23 +165,25 @@ def main(argv=None) -> dict:
                  f"{ft / r['tokens_per_s']:.2f}", f"{ftb / r['tokens_per_s']:.2f}"] for name, r in res.items()]
         print(f"## {model_name} (b={w['b']}, N={w['n']}, {len(w['data'])} samples, one epoch)\n")
         print(C.table(["set-up", "real tokens/s", "epoch s", "padding share", "same steps as unsorted",
-                       "finetune ÷", "finetune + budget ÷"], rows))
+                       f"{default} ÷", "finetune + budget ÷"], rows))
         print(f"\nSame result — finetune against its unsorted {w['b'] * w['n']} × 1 run (max relative weight "
               "difference after the epoch, fp32):\n")
         print(C.table(["finetune run", "same windows", "SGD", "AdamW"],
                       [[name, f"{c['same_steps']:.0%}", f"{c['sgd']:.0e}", f"{c['adamw']:.0e}"]
                        for name, c in check.items()]))
         print()
-        worst[model_name] = {"finetune_vs_best_peer": ft / max(res[k]["tokens_per_s"] for k in peers),
+        worst[model_name] = {"finetune_default": default,
+                             "finetune_vs_best_peer": ft / max(res[k]["tokens_per_s"] for k in peers),
                              "finetune_budget_vs_best_peer": ftb / max(res[k]["tokens_per_s"] for k in peers),
                              "finetune_vs_trainer": ft / res["Trainer"]["tokens_per_s"],
                              "finetune_vs_static": ft / res["static padding (hand Accelerate)"]["tokens_per_s"]}
         record["models"][model_name] = {"setups": res, "same_result": check, **worst[model_name]}
     if args.plot:
-        names = list(next(iter(record["models"].values()))["setups"])
+        names = list(dict.fromkeys(n for v in record["models"].values() for n in v["setups"]))
         C.bar_chart(args.plot, "Real tokens/s, one epoch, relative to HF Trainer's (random sampler)",
                     [n.replace(" (", "\n(").replace(" + ", "\n+ ").replace("Trainer ", "Trainer\n") for n in names],
-                    {m: [v["setups"][n]["tokens_per_s"] / v["setups"]["Trainer"]["tokens_per_s"] for n in names]
+                    {m: [v["setups"][n]["tokens_per_s"] / v["setups"]["Trainer"]["tokens_per_s"]
+                         if n in v["setups"] else 0.0 for n in names]
                      for m, v in record["models"].items()}, "× Trainer")
     for key in ("finetune_vs_best_peer", "finetune_budget_vs_best_peer", "finetune_vs_trainer", "finetune_vs_static"):
         record[key] = {m: v[key] for m, v in worst.items()}

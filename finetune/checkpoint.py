@@ -178,9 +178,19 @@ def load_checkpoint(accelerator, path: Path, schedulers=None) -> TrainState:
         scheduler.load_state_dict(saved[name])
     state = TrainState()
     state.load_state_dict(json.loads((path / STATE).read_text()))
-    rank = accelerator.process_index
-    if not (path / f"rng_{rank}.json").is_file():
-        raise ConfigError(f"resume: checkpoint {path} has no random state for process {rank}; "
-                          "resume with the number of processes it was saved with")
-    restore_rng(rank, path)
+    rank, saved_processes = accelerator.process_index, json.loads((path / MANIFEST).read_text()).get("processes")
+    if saved_processes == accelerator.num_processes and (path / f"rng_{rank}.json").is_file():
+        restore_rng(rank, path)  # the same layout: the very random stream the run would have drawn
+    else:  # another layout (elastic resume): no stream to replay; a fresh one per process, keyed on the step
+        reseed_rng(state.optimizer_step, rank)
     return state
+
+
+def reseed_rng(step: int, rank: int) -> None:
+    """Seed python, numpy and torch (all devices) from the optimizer step and the process."""
+    from finetune.tasks._common import step_seed
+
+    seed = step_seed(step, rank)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

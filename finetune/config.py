@@ -97,6 +97,12 @@ class TrainingConfig:
     max_tokens_per_micro_batch: Optional[int] = doc(
         "cut each window into micro-batches of at most this many padded tokens (their size varies; windows and "
         "steps stay the same); null: batch_size samples each", None)
+    packing: Optional[bool] = doc(
+        "causal LMs: pack each window's samples into rows (no padding; the same windows, items and steps); null: "
+        "on where the model keeps packed samples apart (checked at set-up), else sorted windows; true: refuse if "
+        "it can't", None, affects_result=False)
+    pack_length: Optional[int] = doc("tokens per packed row (null: the longest training sample)", None,
+                                     affects_result=False)
     ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9, affects_result=False)
 
 
@@ -284,6 +290,8 @@ def validate_training(t: TrainingConfig, problems: list):
     if t.max_tokens_per_micro_batch is not None:
         need(t.max_tokens_per_micro_batch >= 1, f"training.max_tokens_per_micro_batch: got "
              f"{t.max_tokens_per_micro_batch}; must be an integer >= 1 or null")
+    if t.pack_length is not None:
+        need(t.pack_length >= 2, f"training.pack_length: got {t.pack_length}; must be an integer >= 2 or null")
     if t.eval_every is not None:
         need(t.eval_every >= 1, f"training.eval_every: got {t.eval_every}; must be an integer >= 1 or null")
 

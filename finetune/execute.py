@@ -53,8 +53,12 @@ def prepare(cfg: RecipeConfig, resume: Optional[str] = None) -> tuple[Path, Opti
     resume_from = None
     if resume is not None:
         resume_from = checkpoint.find_checkpoint(resume, out_dir)  # refuses a missing / corrupt checkpoint
+        # every process reads the same files, so every process reaches the same verdict (no one waits on a peer
+        # that refused)
+        notes = check_resume(resume_from, cfg, state.num_processes)
         if state.is_main_process:
-            warn_if_result_changes(resume_from, cfg, state.num_processes)
+            for note in notes:
+                print(note, file=sys.stderr)
     distributed.check_environment(cfg.training, cfg.output.tracker)
     resolve_accumulation(cfg.training, state.num_processes)
     return out_dir, resume_from
@@ -109,9 +113,14 @@ def write_outputs(cfg: RecipeConfig, job: Job, result, out_dir: Path) -> None:
           f" {final}{pad}; outputs in {out_dir}", flush=True)
 
 
-def warn_if_result_changes(path: Path, cfg: RecipeConfig, processes: int) -> None:
-    """One line naming the settings that differ from the checkpoint's and change the result (the micro-batch split
-    does not: the effective batch is compared instead)."""
+def check_resume(path: Path, cfg: RecipeConfig, processes: int) -> list[str]:
+    """Whether the checkpoint at ``path`` can continue with ``cfg`` on ``processes`` processes, and what to say.
+
+    The windows depend on the seed and the effective batch only, so any micro-batch and any number of processes
+    continue the same run as long as ``b × N × processes`` is the checkpoint's effective batch (elastic resume).
+    Another effective batch is refused — unless ``training.scale_lr`` says the run is meant to change batch, and
+    then only at an epoch boundary (mid-epoch the remaining windows would not cover the epoch's samples).
+    Returns lines to print: settings that change the result, and a changed process layout."""
     import json
 
     import yaml
@@ -119,15 +128,32 @@ def warn_if_result_changes(path: Path, cfg: RecipeConfig, processes: int) -> Non
     try:
         old = flatten(yaml.safe_load((path / "config.yaml").read_text()) or {})
         manifest = json.loads((path / "manifest.json").read_text())
+        trainer_state = json.loads((path / checkpoint.STATE).read_text())
     except (OSError, ValueError):
-        return
+        return []
+    t = cfg.training
+    effective = t.batch_size * resolve_accumulation(t, processes) * processes
+    saved_effective, saved_processes = manifest.get("effective_batch_size"), manifest.get("processes")
+    notes = []
+    if saved_effective not in (None, effective):
+        mid_epoch = trainer_state.get("next_window", trainer_state.get("window", 0)) != 0
+        if t.scale_lr == "none" or mid_epoch:
+            why = "mid-epoch the remaining windows would not be the epoch's samples" if t.scale_lr != "none" \
+                else "or set training.scale_lr to change the batch on purpose, at an epoch boundary"
+            raise ConfigError(f"resume: the checkpoint's effective batch is {saved_effective}, this run's "
+                              f"{t.batch_size} × {resolve_accumulation(t, processes)} × {processes} = {effective}; "
+                              f"give a micro-batch and N whose product with the processes is {saved_effective} "
+                              f"({why})")
+        notes.append(f"warning: resuming with another effective batch ({saved_effective} → {effective}): the steps "
+                     "from here are not the baseline's")
     new = flatten(cfg.to_dict())
     neutral = result_neutral_fields() | {"name", "description"}
     changed = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in sorted(set(old) | set(new))
                if k not in neutral and old.get(k) != new.get(k)]
-    t = cfg.training
-    effective = t.batch_size * resolve_accumulation(t, processes) * processes
-    if manifest.get("effective_batch_size") not in (None, effective):
-        changed.insert(0, f"effective batch ({manifest['effective_batch_size']} → {effective})")
     if changed:
-        print("warning: resuming with settings that change the result: " + ", ".join(changed), file=sys.stderr)
+        notes.append("warning: resuming with settings that change the result: " + ", ".join(changed))
+    if saved_processes not in (None, processes):
+        notes.append(f"resume: saved on {saved_processes} process{'es' if saved_processes > 1 else ''}, continuing "
+                     f"on {processes} with the same windows (effective batch {effective}); random draws made per "
+                     "process (dropout) cannot replay the same masks on another layout — the rest is exact")
+    return notes

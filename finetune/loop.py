@@ -31,6 +31,7 @@ from finetune.job import Job
 from finetune.memory import MemoryMonitor, free_memory, is_oom, smaller_micro_batch
 from finetune.modeling import enable_checkpointing
 from finetune.optim import Optim, lr_scale, make_optims
+from finetune.packing import decide_packing
 from finetune.runlog import RunLog, banner
 from finetune.state import TrainState
 from finetune.steps import NonFiniteError, WindowResult, accumulate_window, optimizer_step  # noqa: F401
@@ -58,6 +59,9 @@ class Run:
     log_with: Optional[str] = None
     on_eval: Optional[Callable] = None
     monitor: Optional[MemoryMonitor] = None
+    pack_capacity: Optional[int] = None  # tokens per packed row; None: windows are not packed
+    pack_length_of: Optional[Callable] = None  # sample index → tokens, what packing packs by
+    packing_note: str = ""            # what the banner says about packing
     auto_batch: bool = False          # batch_size: auto — shrink the micro-batch on out-of-memory
 
     @property
@@ -139,7 +143,7 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
     run = setup(job, t, output_dir, accelerator, log_with, save_every, keep_checkpoints, resume_from, config_text,
                 on_eval)
     if run.accelerator.is_main_process and print_banner:
-        print(banner(len(job.train_data), run.t, run.accum, run.world, run.total_steps, run.accelerator), flush=True)
+        print(banner(run), flush=True)
     start_trackers(run, tracker_config)
     with RunLog(run.accelerator, run.out_dir, run.state, run.total_steps, run.effective, log_with,
                 rewrite=resume_from is not None) as log:
@@ -195,12 +199,19 @@ def setup(job: Job, t: TrainingConfig, output_dir=None, accelerator=None, log_wi
     for o, p in zip(optims, prepared):
         o.optimizer = p
     causal = is_causal_lm(model)
+    pack_length_of, packing_note = decide_packing(t.packing, accelerator.unwrap_model(model), job.train_data,
+                                                  job.length_of, job.loss_fn)
+    if t.max_tokens_per_micro_batch and not (job.length_of or pack_length_of):
+        raise ConfigError("training.max_tokens_per_micro_batch: this task gives no sample lengths (Job.length_of)")
     run = Run(job=job, t=t, accelerator=accelerator, model=model,
               forward_model=torch.compile(model, mode=t.compile_mode) if t.compile else model, optims=optims,
               counter=job.count_items or (lambda b: count_items(b, t.items, causal)), state=TrainState(),
               total_steps=total_steps, out_dir=out_dir, save_every=save_every, keep_checkpoints=keep_checkpoints,
               config_text=config_text, log_with=log_with, on_eval=on_eval, monitor=MemoryMonitor(accelerator.device),
-              auto_batch=auto_batch)
+              auto_batch=auto_batch, packing_note=packing_note,
+              pack_length_of=pack_length_of,
+              pack_capacity=(t.pack_length or max(map(pack_length_of, range(len(job.train_data)))))
+              if pack_length_of else None)
     if resume_from is not None:
         run.state = checkpoint.load_checkpoint(accelerator, resume_from, run.schedulers)
     return run
@@ -215,8 +226,6 @@ def check_job(job: Job, t: TrainingConfig) -> None:
         raise ConfigError(f"training.batch_size: {t.batch_size} is larger than the {n_train} training samples")
     if t.sort_within_window and job.length_of is None:
         raise ConfigError("training.sort_within_window: this task gives no sample lengths (Job.length_of)")
-    if t.max_tokens_per_micro_batch and job.length_of is None:
-        raise ConfigError("training.max_tokens_per_micro_batch: this task gives no sample lengths (Job.length_of)")
 
 
 def start_auto_batch(t: TrainingConfig, processes: int) -> TrainingConfig:
@@ -241,7 +250,8 @@ def open_stream(run: Run):
     """The windows from where the state stands (its epoch and next window) to the end of training."""
     a = run.accelerator
     return stream_windows(run.job, run.t, run.accum, a.num_processes, a.process_index, run.state.epoch,
-                          run.state.next_window, pin_memory=a.device.type == "cuda")
+                          run.state.next_window, pin_memory=a.device.type == "cuda", pack_capacity=run.pack_capacity,
+                          pack_length_of=run.pack_length_of)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import time
 
 from tqdm.auto import tqdm
 
-from finetune.config import TrainingConfig
 from finetune.optim import lr_scale
 from finetune.outputs import atomic_write_text
 from finetune.state import TrainState
@@ -63,7 +62,10 @@ class RunLog:
             self.file.close()
 
 
-def banner(n_train: int, t: TrainingConfig, accum: int, world: int, total_steps: int, accelerator) -> str:
+def banner(run) -> str:
+    """What the run will do, said once before the first step (``run``: ``loop.Run``)."""
+    t, accum, world, accelerator = run.t, run.accum, run.world, run.accelerator
+    n_train, total_steps = len(run.job.train_data), run.total_steps
     per_epoch = windows_per_epoch(n_train, t.batch_size, accum, world)
     effective = t.batch_size * accum * world
     split = f"{t.batch_size} × {accum}" + (f" × {world} processes" if world > 1 else "")
@@ -82,7 +84,31 @@ def banner(n_train: int, t: TrainingConfig, accum: int, world: int, total_steps:
         f"warm-up {t.warmup_steps} steps",
         *([f"LR scaling: {t.scale_lr} from the baseline's batch {t.reference_batch_size} to {effective}: "
            f"{t.learning_rate:g} × {lr_scale(t, effective):.4g}"] if t.scale_lr != "none" else []),
+        *([f"Packing: {run.packing_note}" + (f", rows of {run.pack_capacity} tokens" if run.pack_capacity else "")]
+          if run.packing_note else []),
+        *([f"Padding: {padding_share(run):.1%} of the tokens of epoch 0"]
+          if run.job.length_of or run.pack_length_of else []),
         f"Mixed precision: {t.mixed_precision}, device: {accelerator.device}",
         "=" * 60,
     ]
     return "\n".join(lines)
+
+
+def padding_share(run) -> float:
+    """Padded share of the tokens the first epoch's micro-batches will hold, from the plan (every process)."""
+    from finetune.windows import plan_epoch
+
+    t, length_of, real, padded = run.t, run.pack_length_of or run.job.length_of, 0, 0
+    sort = t.sort_within_window if t.sort_within_window is not None else True
+    for rank in range(run.world):
+        for w in plan_epoch(len(run.job.train_data), t.batch_size, run.accum, run.world, rank, t.seed, 0, t.shuffle,
+                            sort_key=length_of if sort else None, length_of=length_of,
+                            max_tokens=t.max_tokens_per_micro_batch, pack_capacity=run.pack_capacity):
+            for mb, active, counts in zip(w.micro_batches, w.active, w.token_counts or [None] * len(w.active)):
+                if not active:
+                    continue
+                if counts is None:
+                    lengths = [length_of(i) for i in mb]
+                    counts = (sum(lengths), len(lengths) * max(lengths))
+                real, padded = real + counts[0], padded + counts[1]
+    return 1 - real / padded if padded else 0.0

@@ -61,7 +61,8 @@ def count_window(accelerator, window, micro_batches, counter) -> tuple[list, int
     """Items per micro-batch of this process, and the window's items / real / padded tokens over every process
     (one all-reduce, before the first backward)."""
     counts = [counter(b) if active else 0 for b, active in zip(micro_batches, window.active)]
-    tokens = [token_counts(b) if active else (0, 0) for b, active in zip(micro_batches, window.active)]
+    tokens = window.token_counts or [token_counts(b) if active else (0, 0)  # packed: known from the plan
+                                     for b, active in zip(micro_batches, window.active)]
     totals = [sum(counts), sum(r for r, _ in tokens), sum(p for _, p in tokens)]
     if accelerator.num_processes > 1:
         totals = accelerator.reduce(torch.tensor(totals, device=accelerator.device), "sum").tolist()

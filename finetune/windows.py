@@ -35,6 +35,9 @@ class Window:
     micro_batches: tuple                # this process's micro-batches: tuples of sample indices
     active: tuple                       # False where the micro-batch is a weight-0 placeholder
     total_micro_batches: int = 0        # real micro-batches of the window over all processes
+    # packed windows: per micro-batch of this process, (real, padded) tokens — its micro-batches are then tuples of
+    # rows, each row a tuple of sample indices (finetune.packing)
+    token_counts: Optional[tuple] = None
 
     @property
     def sample_hash(self) -> str:
@@ -91,34 +94,52 @@ def plan_epoch(
     sort_key: Optional[Callable[[int], int]] = None,
     length_of: Optional[Callable[[int], int]] = None,
     max_tokens: Optional[int] = None,
+    pack_capacity: Optional[int] = None,
 ) -> list[Window]:
     """Every window of one epoch, as seen by process ``rank`` of ``world``.
 
     ``sort_key`` (sample index → length), when given, orders each window's samples by length before they are cut
     into micro-batches: membership is unchanged, padding shrinks. ``max_tokens`` (with ``length_of``) cuts
     micro-batches of varying size, each at most that many padded tokens (``samples × longest``) — a sample longer
-    than the budget goes alone.
+    than the budget goes alone. ``pack_capacity`` (with ``length_of``) packs the window's samples into rows of at
+    most that many tokens and cuts micro-batches of ``micro_batch`` rows (or by ``max_tokens``).
     """
     order = epoch_order(n, seed, epoch, shuffle)
     size = micro_batch * accum * world
     windows = []
     for w, start in enumerate(range(0, n, size)):
         samples = order[start:start + size]
-        members = sorted(samples, key=sort_key) if sort_key is not None else samples
-        chunks = token_budget_chunks(members, length_of, max_tokens) if max_tokens else \
-            [tuple(members[i:i + micro_batch]) for i in range(0, len(members), micro_batch)]
+        if pack_capacity:
+            chunks, counts = packed_micro_batches(samples, length_of, pack_capacity, micro_batch, max_tokens)
+            placeholder = ((samples[0],),)
+        else:
+            members = sorted(samples, key=sort_key) if sort_key is not None else samples
+            chunks = token_budget_chunks(members, length_of, max_tokens) if max_tokens else \
+                [tuple(members[i:i + micro_batch]) for i in range(0, len(members), micro_batch)]
+            counts, placeholder = None, (samples[0],)
         steps = math.ceil(len(chunks) / world)
         mine, active = [], []
         for s in range(steps):
             j = s * world + rank
-            if j < len(chunks):
-                mine.append(chunks[j])
-                active.append(True)
-            else:
-                mine.append((samples[0],))
-                active.append(False)
-        windows.append(Window(epoch, w, tuple(samples), tuple(mine), tuple(active), len(chunks)))
+            mine.append(chunks[j] if j < len(chunks) else placeholder)
+            active.append(j < len(chunks))
+        mine_counts = tuple(counts[s * world + rank] if a else (0, 0) for s, a in enumerate(active)) \
+            if counts else None
+        windows.append(Window(epoch, w, tuple(samples), tuple(mine), tuple(active), len(chunks), mine_counts))
     return windows
+
+
+def packed_micro_batches(samples, length_of, capacity: int, rows_per_batch: int, max_tokens: Optional[int]):
+    """The window's samples packed into rows, cut into micro-batches of rows; with each micro-batch its (real,
+    padded) tokens (padded: rows × the longest row, as ``packing.collate_rows`` pads)."""
+    from finetune.packing import pack_rows
+
+    rows = pack_rows(samples, length_of, capacity)
+    row_len = {row: sum(length_of(i) for i in row) for row in rows}
+    chunks = token_budget_chunks(rows, row_len.__getitem__, max_tokens) if max_tokens else \
+        [tuple(rows[i:i + rows_per_batch]) for i in range(0, len(rows), rows_per_batch)]
+    counts = [(sum(row_len[r] for r in c), len(c) * max(row_len[r] for r in c)) for c in chunks]
+    return chunks, counts
 
 
 def token_budget_chunks(members, length_of, max_tokens: int) -> list[tuple]:
@@ -136,20 +157,26 @@ def token_budget_chunks(members, length_of, max_tokens: int) -> list[tuple]:
     return chunks
 
 
-def stream_windows(job, t, accum: int, world: int, rank: int, epoch: int, first: int, pin_memory: bool = False):
+def stream_windows(job, t, accum: int, world: int, rank: int, epoch: int, first: int, pin_memory: bool = False,
+                   pack_capacity: Optional[int] = None, pack_length_of: Optional[Callable] = None):
     """Yield (window, its micro-batches for this process, windows in its epoch) from window ``first`` of ``epoch``
     to the end of the last epoch. Each window's micro-batches are collated ahead, so they can be counted before the
-    first backward. The position comes in as arguments: the stream depends on nothing the loop mutates."""
+    first backward. The position comes in as arguments: the stream depends on nothing the loop mutates.
+    ``pack_capacity``: pack each window's samples (lengths from ``pack_length_of``) into rows of that many tokens
+    (``finetune.packing``)."""
+    from finetune.packing import PackedRows, collate_rows
+
     sort = t.sort_within_window if t.sort_within_window is not None else job.length_of is not None
+    data, collate = (PackedRows(job.train_data), collate_rows) if pack_capacity else (job.train_data, job.collate_fn)
     for e in range(epoch, t.epochs):
         windows = plan_epoch(len(job.train_data), t.batch_size, accum, world, rank, t.seed, e, t.shuffle,
-                             sort_key=job.length_of if sort else None, length_of=job.length_of,
-                             max_tokens=t.max_tokens_per_micro_batch)
+                             sort_key=job.length_of if sort else None, length_of=pack_length_of or job.length_of,
+                             max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity)
         todo = windows[first if e == epoch else 0:]
         # The loader gets its own generator: iter() would otherwise draw a seed from the global RNG, and a run
         # resumed mid-epoch would then see different dropout masks than the uninterrupted one.
         loader = torch.utils.data.DataLoader(
-            job.train_data, batch_sampler=WindowSampler(todo), collate_fn=job.collate_fn, num_workers=t.num_workers,
+            data, batch_sampler=WindowSampler(todo), collate_fn=collate, num_workers=t.num_workers,
             pin_memory=pin_memory, generator=torch.Generator().manual_seed(t.seed + e))
         batches = iter(loader)
         for window in todo:

@@ -22,10 +22,13 @@ CASES = {
     "mlp_idle_rank": dict(data=lambda: regression_data(41), model=lambda: MLP(), b=2, effective=8, kw={}),
     # padded causal LM: token counts differ per rank and per micro-batch
     "gpt2_tokens": dict(data=lambda: token_data(27), model=lambda: tiny_gpt2(), b=2, effective=8,
-                        kw={"collate_fn": pad_collate}),
+                        kw={"collate_fn": pad_collate, "packing": False}),
+    # packed rows (2 rows a micro-batch): rows and their token counts differ per rank
+    "gpt2_packed": dict(data=lambda: token_data(27, hi=20), model=lambda: tiny_gpt2(), b=2, effective=8,
+                        kw={"collate_fn": pad_collate, "packing": True}),
     # length-sorted windows cut by a token budget: micro-batch sizes and counts vary per window and per rank
     "gpt2_token_budget": dict(data=lambda: token_data(27, hi=20), model=lambda: tiny_gpt2(), b=2, effective=8,
-                              kw={"collate_fn": pad_collate, "sort_within_window": True,
+                              kw={"collate_fn": pad_collate, "sort_within_window": True, "packing": False,
                                   "max_tokens_per_micro_batch": 30,
                                   "length_of": lambda i, d=token_data(27, hi=20): len(d[i]["input_ids"])}),
 }

@@ -1,11 +1,13 @@
-"""Less padding, same steps: length-sorted micro-batches and token budgets inside each window."""
+"""Less padding, same steps: length-sorted micro-batches and token budgets inside each window (packing off: these are
+the unpacked layouts; tests/test_packing.py covers packed rows)."""
 
 import pytest
 
 from finetune import test_fine_tuning
 from tests.helpers import copy_model, pad_collate, rel_diff, tiny_gpt2, token_data
 
-SGD = dict(optimizer="sgd", learning_rate=0.3, max_grad_norm=None, n_epochs=2, seed=3, collate_fn=pad_collate)
+SGD = dict(optimizer="sgd", learning_rate=0.3, max_grad_norm=None, n_epochs=2, seed=3, collate_fn=pad_collate,
+           packing=False)
 
 
 @pytest.fixture(scope="module")

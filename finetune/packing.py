@@ -1,0 +1,156 @@
+"""Packing inside a window: the window's own samples laid end to end in rows, so padding nearly vanishes while the
+window, its item count and its gradient stay the big-batch baseline's.
+
+A row holds whole samples up to ``capacity`` tokens (first-fit decreasing, inside the window only); a micro-batch is
+``batch_size`` rows (or as many as a token budget allows). In a row every sample's ``position_ids`` restart at 0 and
+there is no attention mask: transformers then builds a block-diagonal causal mask from the positions, so no sample
+sees another (it does so only when ``attention_mask`` is None and no KV cache is used — hence ``use_cache=False``
+in every packed batch). The first label of every sample is -100: no token is trained to predict the next sample.
+A causal LM never predicts a row's first label either, so a window's shifted label count is exactly the unpacked one.
+
+    >>> pack_rows([0, 1, 2, 3], lambda i: [5, 3, 4, 2][i], capacity=8)
+    [(0, 1), (2, 3)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from finetune.errors import ConfigError
+
+
+def pack_rows(members, length_of, capacity: int) -> list[tuple]:
+    """First-fit decreasing: rows of whole samples, each at most ``capacity`` tokens (a longer sample gets a row
+    of its own). Deterministic: ties in length keep the members' order."""
+    order = sorted(members, key=lambda i: -length_of(i))
+    rows, room = [], []
+    for i in order:
+        n = length_of(i)
+        r = next((k for k, free in enumerate(room) if n <= free), None)
+        if r is None:
+            rows.append([i])
+            room.append(capacity - n)
+        else:
+            rows[r].append(i)
+            room[r] -= n
+    return [tuple(r) for r in rows]
+
+
+def _tokens(x) -> list:
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
+
+
+def packable_sample(sample) -> bool:
+    """A causal-LM sample packing understands: ``input_ids`` (a token sequence) and optionally token ``labels`` of
+    the same length. Other keys are not packed (the set-up check compares the job's loss with and without them)."""
+    if not isinstance(sample, Mapping) or "input_ids" not in sample:
+        return False
+    ids = sample["input_ids"]
+    if isinstance(ids, torch.Tensor) and ids.dim() != 1:
+        return False
+    labels = sample.get("labels")
+    return labels is None or (not isinstance(labels, (int, float)) and len(_tokens(labels)) == len(_tokens(ids)))
+
+
+class PackedRows(torch.utils.data.Dataset):
+    """A view of a dataset whose items are rows: ``view[(i, j, k)]`` is samples i, j, k laid end to end."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, row: tuple) -> dict:
+        ids, labels, positions = [], [], []
+        for i in row:
+            sample = self.data[i]
+            x = _tokens(sample["input_ids"])
+            y = _tokens(sample["labels"]) if sample.get("labels") is not None else list(x)
+            y[0] = -100  # not trained to predict a sample from the one before it
+            ids += x
+            labels += y
+            positions += range(len(x))
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
+def collate_rows(rows: list) -> dict:
+    """Right-pad packed rows to the longest. The padding is a block of its own (positions restart at 0, labels
+    -100), so it neither sees nor is seen by a sample."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros((len(rows), longest), dtype=torch.long)
+    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+    positions = torch.zeros((len(rows), longest), dtype=torch.long)
+    for k, r in enumerate(rows):
+        n, pad = len(r["input_ids"]), longest - len(r["input_ids"])
+        ids[k, :n] = torch.tensor(r["input_ids"])
+        labels[k, :n] = torch.tensor(r["labels"])
+        positions[k, :n] = torch.tensor(r["position_ids"])
+        positions[k, n:] = torch.arange(pad)
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# set-up: is packing exact for this model?
+
+
+@torch.no_grad()
+def packing_problem(model, data, length_of, loss_fn=None, rtol: float = 1e-4):
+    """On the actual model and the job's own loss path: do two short training samples packed in one row give the
+    logits, and the item-weighted loss, each gives alone? Returns None when they do, else what differs. Catches a
+    model whose attention ignores packed positions and a ``loss_fn`` that drops ``position_ids``."""
+    from finetune.modeling import compute_loss
+    from finetune.windows import count_items
+
+    picks = sorted(range(min(len(data), 64)), key=length_of)[:2]
+    rows = PackedRows([{"input_ids": _tokens(data[i]["input_ids"])[:16]} for i in picks])
+    device = next(model.parameters()).device
+    on = lambda batch: {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}  # noqa: E731
+    packed, alone = on(collate_rows([rows[(0, 1)]])), [on(collate_rows([rows[(k,)]])) for k in (0, 1)]
+    was_training = model.training
+    model.eval()  # dropout off: the comparison must be deterministic
+    try:
+        logits = lambda b: model(**{k: v for k, v in b.items() if k != "labels"}).logits[0].float()  # noqa: E731
+        whole, parts = logits(packed), torch.cat([logits(b) for b in alone])
+        if (whole - parts).abs().max() > rtol * max(1.0, float(parts.abs().max())):
+            return "its attention lets packed samples see each other (it ignores position_ids)"
+        try:
+            items = [count_items(b, causal=True) for b in alone]
+            separate = sum(float(compute_loss(model, b, loss_fn)[0]) * n for b, n in zip(alone, items)) / sum(items)
+            together = float(compute_loss(model, packed, loss_fn)[0])
+        except Exception as error:  # a loss_fn written for padded batches
+            return f"the job's loss_fn cannot take a packed batch ({type(error).__name__}: {error})"
+        if abs(together - separate) > rtol * max(abs(separate), 1e-12):
+            return "the job's loss on a packed row differs from its samples' (does its loss_fn drop position_ids?)"
+        return None
+    finally:
+        model.train(was_training)
+
+
+def decide_packing(requested, model, data, length_of, loss_fn):
+    """Whether this run packs: (sample length function to pack by, or None; the banner's word on it).
+
+    ``requested`` is ``training.packing``: True refuses with one line when packing would not be exact; None packs
+    where it is exact and keeps sorted windows otherwise. Without ``Job.length_of`` the lengths are read from the
+    samples (the Python API's causal LMs pack too)."""
+    if requested is False:
+        return None, "off (training.packing=false)"
+    from finetune.windows import is_causal_lm
+
+    name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
+    if not is_causal_lm(model):
+        reason = "the model is not a causal LM"
+    elif len(data) < 2 or not packable_sample(data[0]):
+        reason = "samples are not token sequences (input_ids, optional token labels)"
+    else:
+        if length_of is None:
+            lengths = [len(_tokens(data[i]["input_ids"])) for i in range(len(data))]
+            length_of = lengths.__getitem__
+        reason = packing_problem(model, data, length_of, loss_fn)
+    if reason is None:
+        return length_of, "on (each window's samples packed in rows; the same windows and steps)"
+    if requested:
+        raise ConfigError(f"training.packing: cannot pack for {name}: {reason}; set training.packing=false")
+    return None, f"off ({name}: {reason}); sorted windows instead"

@@ -1,0 +1,157 @@
+"""Packing inside each window: no padding, the same windows, items and steps as the unpacked big batch."""
+
+import pytest
+import torch
+
+from finetune import ConfigError, test_fine_tuning
+from finetune.packing import PackedRows, collate_rows, pack_rows
+from finetune.windows import count_items, plan_epoch
+from tests.helpers import copy_model, pad_collate, rel_diff, tiny_gpt2, token_data
+
+SGD = dict(optimizer="sgd", learning_rate=0.3, max_grad_norm=None, n_epochs=2, seed=3, collate_fn=pad_collate)
+CAPACITY = 24  # lengths run from 2 to the capacity
+
+
+def tiny_llama(seed=0, vocab=64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=1))
+
+
+@pytest.fixture(scope="module")
+def data():
+    return token_data(37, lo=2, hi=CAPACITY, seed=7)  # windows of 12: the last of each epoch holds 1 sample
+
+
+MODELS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+SPLITS = {"12x1": dict(batch_size=12), "2x6": dict(batch_size=2, gradient_accumulation_steps=6),
+          "1x12-rows-of-30": dict(batch_size=1, gradient_accumulation_steps=12, pack_length=30),
+          "3x4-budget-48": dict(batch_size=3, gradient_accumulation_steps=4, max_tokens_per_micro_batch=48)}
+
+
+@pytest.fixture(scope="module")
+def unpacked_big(data):
+    return {name: test_fine_tuning(make(), train_data=data, batch_size=12, packing=False, **SGD)
+            for name, make in MODELS.items()}
+
+
+@pytest.mark.parametrize("name,split", [("llama", s) for s in SPLITS] + [("gpt2", "2x6")])
+def test_packed_steps_equal_the_unpacked_big_batch(data, unpacked_big, name, split):
+    big = unpacked_big[name]
+    packed = test_fine_tuning(MODELS[name](), train_data=data, packing=True, **SPLITS[split], **SGD)
+    assert rel_diff(packed["model"], big["model"]) <= 1e-5
+    assert [h["window_hash"] for h in packed["history"]] == [h["window_hash"] for h in big["history"]]
+    assert [h["items"] for h in packed["history"]] == [h["items"] for h in big["history"]]
+    assert packed["tokens"] == big["tokens"]
+    assert packed["padded_tokens"] < big["padded_tokens"]
+
+
+def test_packing_is_on_by_default_for_a_causal_lm(data):
+    result = test_fine_tuning(tiny_gpt2(), train_data=data, batch_size=4, gradient_accumulation_steps=3, **SGD)
+    padding = 1 - result["tokens"] / result["padded_tokens"]
+    unpacked = test_fine_tuning(tiny_gpt2(), train_data=data, batch_size=4, gradient_accumulation_steps=3,
+                                packing=False, **SGD)
+    assert padding < 0.5 * (1 - unpacked["tokens"] / unpacked["padded_tokens"])
+
+
+def test_without_first_labels_a_packed_row_would_train_across_samples(data):
+    """Negative control: the first label of every packed sample is -100. Without that, the row counts one item
+    per extra sample — the count would no longer be the unpacked one, and the next sample would be predicted from
+    the previous one."""
+    rows = PackedRows(data)
+    row = rows[(0, 1, 2)]
+    batch = collate_rows([row])
+    unpacked = sum(count_items(pad_collate([data[i]]), causal=True) for i in (0, 1, 2))
+    assert count_items(batch, causal=True) == unpacked
+    leaky = dict(batch, labels=batch["input_ids"].clone())
+    assert count_items(leaky, causal=True) == unpacked + 2
+
+
+def test_rows_hold_whole_samples_within_capacity():
+    lengths = [2, 24, 3, 9, 17, 5, 6, 2, 11, 30]
+    rows = pack_rows(range(10), lengths.__getitem__, capacity=24)
+    assert sorted(i for r in rows for i in r) == list(range(10))
+    assert all(sum(lengths[i] for i in r) <= 24 or len(r) == 1 for r in rows)
+    (w,) = plan_epoch(10, 2, 5, 1, 0, seed=0, epoch=0, length_of=lengths.__getitem__, pack_capacity=24)
+    assert len(w.micro_batches) == -(-len(rows) // 2) and w.token_counts
+    assert sum(real for real, _ in w.token_counts) == sum(lengths)
+
+
+class IgnoresPositions(torch.nn.Module):
+    """A causal LM whose attention ignores packed position_ids (it always passes an attention mask of ones)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = tiny_gpt2()
+        self.config = self.inner.config
+
+    def forward(self, input_ids, labels=None, position_ids=None, use_cache=None, **kw):
+        return self.inner(input_ids=input_ids, labels=labels, attention_mask=torch.ones_like(input_ids),
+                          use_cache=False)
+
+
+IgnoresPositions.__name__ = "IgnoresPositionsForCausalLM"
+
+
+def test_refused_or_avoided_for_a_model_that_lets_samples_see_each_other(data, capsys):
+    with pytest.raises(ConfigError, match="cannot pack for IgnoresPositionsForCausalLM: its attention lets"):
+        test_fine_tuning(IgnoresPositions(), train_data=data, batch_size=4, packing=True, **SGD)
+    result = test_fine_tuning(IgnoresPositions(), train_data=data, batch_size=4, **SGD)  # not asked for: fall back
+    assert "Packing: off (IgnoresPositionsForCausalLM: its attention lets packed samples see each other" in \
+        capsys.readouterr().out
+    assert result["padded_tokens"] > result["tokens"]
+
+
+def test_a_loss_fn_that_drops_positions_is_caught(data):
+    """The set-up check runs the job's own loss path: a loss_fn written for padded batches, which passes no
+    position_ids, would let packed samples see each other."""
+    def drops_positions(model, batch):
+        return model(input_ids=batch["input_ids"], labels=batch["labels"])
+
+    with pytest.raises(ConfigError, match="does its loss_fn drop position_ids"):
+        test_fine_tuning(tiny_gpt2(), train_data=data, batch_size=4, packing=True, loss_fn=drops_positions, **SGD)
+    result = test_fine_tuning(tiny_gpt2(), train_data=data, batch_size=4, packing=True,
+                              loss_fn=lambda model, batch: model(**batch), **SGD)
+    assert result["padded_tokens"] < 1.3 * result["tokens"]
+
+
+def test_encoders_keep_sorted_windows(capsys):
+    from transformers import BertConfig, BertForTokenClassification
+
+    model = BertForTokenClassification(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                  num_attention_heads=2, intermediate_size=32, num_labels=3))
+    data = [{"input_ids": s["input_ids"], "labels": s["input_ids"] % 3} for s in token_data(10)]
+
+    def token_collate(samples):  # right-pads ids and token labels (-100 on padding)
+        batch = pad_collate([{"input_ids": s["input_ids"]} for s in samples])
+        batch["labels"] = torch.full_like(batch["input_ids"], -100)
+        for i, s in enumerate(samples):
+            batch["labels"][i, :len(s["labels"])] = s["labels"]
+        return batch
+
+    kw = {**SGD, "collate_fn": token_collate}
+    with pytest.raises(ConfigError, match="not a causal LM"):
+        test_fine_tuning(copy_model(model), train_data=data, batch_size=5, packing=True, **kw)
+    test_fine_tuning(model, train_data=data, batch_size=5, **kw)
+    assert "Packing: off (BertForTokenClassification: the model is not a causal LM)" in capsys.readouterr().out
+
+
+def test_packing_with_checkpointing_lora_and_bf16(data):
+    from peft import LoraConfig, get_peft_model
+
+    def lora():
+        torch.manual_seed(1)
+        return get_peft_model(tiny_llama(), LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0,
+                                                       target_modules=["q_proj", "v_proj", "gate_proj"]))
+
+    base = lora()
+    big = test_fine_tuning(copy_model(base), train_data=data, batch_size=12, packing=False, **SGD)
+    packed = test_fine_tuning(copy_model(base), train_data=data, batch_size=2, gradient_accumulation_steps=6,
+                              packing=True, gradient_checkpointing=True, **SGD)
+    assert rel_diff(packed["model"], big["model"]) <= 1e-5
+    bf16 = test_fine_tuning(copy_model(base), train_data=data, batch_size=2, gradient_accumulation_steps=6,
+                            packing=True, mixed_precision="bf16", **SGD)
+    assert rel_diff(bf16["model"], big["model"]) <= 1e-2  # bf16 autocast: ~3 significant digits per step
