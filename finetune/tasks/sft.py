@@ -436,9 +436,10 @@ def answer(model, tokenizer, prompts: list, max_new_tokens: int) -> list[str]:
 
 
 def is_main_process() -> bool:
-    from accelerate import PartialState
-
-    return PartialState().is_main_process
+    """Rank 0 of a launched run, or a single process. Read from the launcher's environment (torchrun sets RANK):
+    creating Accelerate's PartialState here, before the loop asks for it with cpu=True, would fix this process's
+    distributed state too early."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 # ---------------------------------------------------------------------------------------------------------------
