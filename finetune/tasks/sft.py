@@ -86,9 +86,8 @@ def validate(cfg, problems: list) -> None:
         problems.append(f"model.chat_template: file {m.chat_template} not found (give a file or the template text)")
     if m.generate_prompts < 0:
         problems.append(f"model.generate_prompts: got {m.generate_prompts}; must be an integer >= 0")
-    for name in ("max_new_tokens",):
-        if getattr(m, name) < 1:
-            problems.append(f"model.{name}: got {getattr(m, name)}; must be an integer >= 1")
+    if m.max_new_tokens < 1:
+        problems.append(f"model.max_new_tokens: got {m.max_new_tokens}; must be an integer >= 1")
     if m.samples_saved < 0:
         problems.append(f"model.samples_saved: got {m.samples_saved}; must be an integer >= 0")
     if d.max_length < 2:
@@ -381,22 +380,28 @@ def load_model(m: ModelConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(m.name_or_path)
+
+    def cannot_load(e):
+        where = "" if Path(path).is_dir() else " (no such local directory; as a hub id it needs the hub)"
+        return ConfigError(f"model.name_or_path: cannot load {m.name_or_path!r}{where}: "
+                           f"{str(e).strip().splitlines()[0][:200]}")
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise cannot_load(e) from None
+    if m.chat_template is not None:
+        template = Path(m.chat_template)
+        tokenizer.chat_template = template.read_text() if "{" not in m.chat_template else m.chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"model.chat_template: the tokenizer of {m.name_or_path} has no chat template; give one "
+                          "(a Jinja file or the template text)")
+    try:
         # fp32 weights whatever the checkpoint's dtype: mixed precision is autocast (training.mixed_precision)
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=m.trust_remote_code,
                                                      dtype=torch.float32)
     except (OSError, ValueError) as e:
-        where = "" if Path(path).is_dir() else " (no such local directory; as a hub id it needs the hub)"
-        raise ConfigError(f"model.name_or_path: cannot load {m.name_or_path!r}{where}: "
-                          f"{str(e).strip().splitlines()[0][:200]}") from None
-    if m.chat_template is not None:
-        path = Path(m.chat_template)
-        tokenizer.chat_template = path.read_text() if "{" not in m.chat_template and path.is_file() \
-            else m.chat_template
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"model.chat_template: the tokenizer of {m.name_or_path} has no chat template; give one "
-                          "(a Jinja file or the template text)")
+        raise cannot_load(e) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if model.config.pad_token_id is None:
