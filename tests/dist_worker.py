@@ -12,8 +12,17 @@ from accelerate.utils import set_seed
 
 from finetune import loop, test_fine_tuning
 from finetune.config import load_recipe, task_module
-from tests.helpers import (EXACT, MLP, SMALL, flat, pad_collate, regression_data, tiny_chat_assets, tiny_gpt2,
-                           token_data)
+from tests.helpers import (
+    EXACT,
+    MLP,
+    SMALL,
+    flat,
+    pad_collate,
+    regression_data,
+    tiny_chat_assets,
+    tiny_gpt2,
+    token_data,
+)
 
 # (name, effective batch split, dataset): tails chosen so the last window splits unevenly over 2 processes
 CASES = {

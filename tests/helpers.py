@@ -118,10 +118,12 @@ EXACT = ["model.dropout=0", "data.limit=22", "training.optimizer=sgd", "training
 # ---------------------------------------------------------------------------------------------------------------
 # a tiny chat model: a 2-layer Llama from a config and a byte-level BPE tokenizer with a ChatML template
 
+import tempfile  # noqa: E402
+
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-TINY_CHAT = Path(os.environ.get("FINETUNE_TEST_ASSETS", Path(__import__("tempfile").gettempdir()) / "finetune-tests"))
-TINY_CHAT = TINY_CHAT / "tiny-chat-v1"
+          "'<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TINY_CHAT = Path(tempfile.gettempdir()) / "finetune-tests" / "tiny-chat-v1"  # shared by the test processes
 
 
 def chat_rows(n=40, seed=0):

@@ -172,7 +172,8 @@ def test_every_data_format_gives_the_same_conversations(tmp_path):
         assert sft.conversations(sft.load_rows(d), d) == expected, name
     # prompt + completion (TRL's columns), plain text or conversational
     single = [{"prompt": "What is 1 plus 1?", "completion": "2."},
-              {"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "assistant", "content": "Hello"}]}]
+              {"prompt": [{"role": "user", "content": "Hi"}],
+               "completion": [{"role": "assistant", "content": "Hello"}]}]
     pd.DataFrame(single[:1]).to_csv(tmp_path / "pc.csv", index=False)
     d.source = str(tmp_path / "pc.csv")
     assert sft.conversations(sft.load_rows(d), d) == [[{"role": "user", "content": "What is 1 plus 1?"},

@@ -30,7 +30,7 @@ from typing import Literal, Optional
 
 import torch
 
-from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
+from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
 from finetune.job import Job
 from finetune.tasks._common import (
     apply_peft,
@@ -56,8 +56,8 @@ class ModelConfig(BaseModelConfig):
     chat_template: Optional[str] = doc("Jinja chat template — a file or the template itself — for a tokenizer "
                                        "without one (null: the tokenizer's own)", None)
     generate_prompts: int = doc("held-out prompts answered greedily at each evaluation for token F1 / exact "
-                                "match (the first N; 0: no generative metric)", 32)
-    max_new_tokens: int = doc("longest generated answer, in tokens", 48)
+                                "match (the first N; 0: no generative metric)", 24)
+    max_new_tokens: int = doc("longest generated answer, in tokens", 32)
     samples_saved: int = doc("prompt / generated / reference triples written to samples.jsonl at the end", 8)
 
 
@@ -86,8 +86,7 @@ def validate(cfg, problems: list) -> None:
         problems.append(f"model.chat_template: file {m.chat_template} not found (give a file or the template text)")
     if m.generate_prompts < 0:
         problems.append(f"model.generate_prompts: got {m.generate_prompts}; must be an integer >= 0")
-    if m.max_new_tokens < 1:
-        problems.append(f"model.max_new_tokens: got {m.max_new_tokens}; must be an integer >= 1")
+    require_at_least_one(m, ["max_new_tokens"], problems, "model")
     if m.samples_saved < 0:
         problems.append(f"model.samples_saved: got {m.samples_saved}; must be an integer >= 0")
     if d.max_length < 2:
