@@ -88,8 +88,6 @@ def gguf_folder(path: Path) -> Path:
 
     from finetune.config import ConfigError
 
-    if importlib.util.find_spec("gguf") is None:
-        raise ConfigError("model.name_or_path: reading a GGUF file needs the gguf package (pip install gguf)")
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
@@ -98,6 +96,8 @@ def gguf_folder(path: Path) -> Path:
     target = CACHE / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
     if (target / "config.json").is_file():
         return target
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError("model.name_or_path: reading a GGUF file needs the gguf package (pip install gguf)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": path.name}
