@@ -185,5 +185,5 @@ def tiny_chat_assets() -> dict:
 
 # The sft recipe on the tiny chat model (call tiny_chat_assets() before loading it).
 SMALL["sft-smollm2"] = [f"model.name_or_path={TINY_CHAT / 'model'}", f"data.source={TINY_CHAT / 'chat.jsonl'}",
-                        "data.val_fraction=0.2", "data.max_length=96", "model.generate_prompts=2",
-                        "model.max_new_tokens=4", "model.samples_saved=2"]
+                        "data.val_fraction=0.2", "data.max_length=96", "data.system_prompt=null",
+                        "model.generate_prompts=2", "model.max_new_tokens=4", "model.samples_saved=2"]
