@@ -294,10 +294,17 @@ def encode(tokenizer, messages: list, train_on: str = "assistant") -> dict:
     Each assistant turn is found by rendering the conversation before it (with the generation prompt) and through
     it: the turn is the text between the two (content and end-of-turn token; trailing whitespace is template glue).
     The text is tokenized piece by piece at those boundaries, so a prompt's tokens are exactly those generation
-    starts from. Raises ValueError when the template does not render a conversation prefix by prefix.
+    starts from. Raises ValueError when the template does not render a conversation turn by turn.
     """
     render = tokenizer.apply_chat_template
     text = render(messages, tokenize=False)
+    last = max(i for i, x in enumerate(messages) if x["role"] == "assistant")
+    reference = messages[last]["content"]
+    if train_on == "all":  # every token: no turn boundaries needed
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt = render(messages[:last], tokenize=False, add_generation_prompt=True)
+        return {"input_ids": ids, "labels": list(ids), "reference": reference,
+                "prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"]}
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -309,28 +316,22 @@ def encode(tokenizer, messages: list, train_on: str = "assistant") -> dict:
             raise ValueError("the chat template does not render this conversation turn by turn (the text before an "
                              "assistant turn changes when the turn is added), so its tokens cannot be found")
         spans.append((len(before), len(before) + len(turn.rstrip())))
-    cuts = [0, *[c for span in spans for c in span], len(text)]
+    # pieces: before the first turn, turn 1, between turns 1 and 2, turn 2, …; what follows the last turn is dropped
+    cuts = [0, *[c for span in spans for c in span]]
     ids, labels, prompt_len = [], [], 0
     for k in range(len(cuts) - 1):
-        if cuts[k] == cuts[k + 1]:
-            continue
         piece = tokenizer(text[cuts[k]:cuts[k + 1]], add_special_tokens=False)["input_ids"]
-        learn = train_on == "all" or k % 2 == 1  # odd pieces are assistant turns
-        if k == 2 * len(spans) - 1:
+        if k == len(cuts) - 2:
             prompt_len = len(ids)  # the last assistant turn starts here
         ids += piece
-        labels += piece if learn else [-100] * len(piece)
-    if train_on != "all":  # nothing to learn after the last assistant turn
-        end = len(labels) - next(i for i, x in enumerate(reversed(labels)) if x != -100)
-        ids, labels = ids[:end], labels[:end]
-    return {"input_ids": ids, "labels": labels, "prompt_ids": ids[:prompt_len],
-            "reference": next(x["content"] for x in reversed(messages) if x["role"] == "assistant")}
+        labels += piece if k % 2 == 1 else [-100] * len(piece)  # odd pieces are assistant turns
+    return {"input_ids": ids, "labels": labels, "prompt_ids": ids[:prompt_len], "reference": reference}
 
 
 def encode_all(tokenizer, convs: list, d: DataConfig) -> tuple[list, int]:
     """(encoded samples no longer than ``data.max_length``, how many were dropped as longer)."""
     out, dropped = [], 0
-    for i, messages in enumerate(convs):
+    for messages in convs:
         try:
             sample = encode(tokenizer, messages, d.train_on)
         except ValueError as e:
