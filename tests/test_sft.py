@@ -21,8 +21,8 @@ import torch
 from accelerate.utils import set_seed
 
 from finetune import loop
+from finetune.cli import run_main
 from finetune.config import ConfigError, load_recipe
-from finetune.run import main as run_main
 from finetune.tasks import sft
 from finetune.tasks._common import resolve_model_path
 from tests.helpers import CHATML, ENV, EXACT, ROOT, RUN, SMALL, chat_rows, cli, tiny_chat_assets

@@ -37,8 +37,8 @@ from finetune.tasks._common import (
     gguf_file,
     load_local_table,
     load_metric,
+    peft_save_hook,
     resolve_model_path,
-    save_peft,
     set_dropout,
     split_samples,
 )
@@ -365,9 +365,13 @@ def collate(pad_id: int):
     return fn
 
 
+MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "position_ids", "use_cache")
+
+
 def loss_fn(model, batch):
-    """The model's mean loss over the batch's label tokens; only its inputs are passed (the batch carries more)."""
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
+    """The model's mean loss over the batch's label tokens. Only the model's inputs are passed (a held-out batch also
+    carries prompts and references); packed rows bring position_ids and no attention mask, and keep them."""
+    return model(**{k: v for k, v in batch.items() if k in MODEL_INPUTS})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -506,6 +510,5 @@ def build(cfg) -> Job:
         length_of=lambda i: lengths[i],
         val_loss_metrics=lambda loss: {"perplexity": math.exp(min(loss, 50.0))},
         summarize=summarize,
-        save=(lambda mdl, directory: save_peft(mdl, directory, cfg.peft.merge, tokenizer)) if cfg.peft.enabled
-        else None,
+        save=peft_save_hook(cfg, tokenizer),
     )
