@@ -25,6 +25,7 @@ under autocast, and on CPU it took 3.3× the plain step's time where this head t
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from typing import Optional
@@ -216,31 +217,36 @@ def enable_chunked_loss(model: torch.nn.Module, chunk_tokens: Optional[int] = No
     if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ValueError(f"chunked loss: chunk_tokens={chunk_tokens!r} must be a positive number of tokens")
     lm = _causal_lm(model)
-    plain = lm.forward  # the class's forward, bound to this instance
-    signature = inspect.signature(plain)
-    var_keyword = next(k for k, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD)
-
-    def forward(self, *args, **kwargs):
-        call = signature.bind(*args, **kwargs).arguments
-        extra = call.pop(var_keyword, {})
-        labels, keep = call.pop("labels", None), call.pop("logits_to_keep", 0)
-        if labels is None or not self.training or not torch.is_grad_enabled() or not _is_zero(keep):
-            return plain(*args, **kwargs)
-        return_dict = extra.pop("return_dict", None)
-        if return_dict is None:
-            return_dict = self.config.return_dict
-        # As the plain forward: every other argument goes to the body, the loss reads its keywords from the same
-        # **kwargs (num_items_in_batch, ignore_index, shift_labels).
-        out = getattr(self, self.base_model_prefix)(**call, **extra)
-        loss = causal_lm_loss(out.last_hidden_state, self.lm_head, labels, chunk_tokens=self._chunked_loss_tokens,
-                              **extra)
-        result = _output_class(out)(loss=loss, logits=None,
-                                    **{k: v for k, v in out.items() if k != "last_hidden_state"})
-        return result if return_dict else result.to_tuple()
-
-    lm.forward = types.MethodType(forward, lm)
+    lm.forward = types.MethodType(_chunked_forward, lm)
     lm._chunked_loss_tokens = chunk_tokens
     return model
+
+
+def _chunked_forward(self, *args, **kwargs):
+    """The forward ``enable_chunked_loss`` installs (a module-level function: a deep copy of the model rebinds it)."""
+    plain = type(self).forward
+    signature, var_keyword = _signature(plain)
+    call = signature.bind(self, *args, **kwargs).arguments
+    call.pop("self")
+    extra = dict(call.pop(var_keyword, {}))
+    labels, keep = call.pop("labels", None), call.pop("logits_to_keep", 0)
+    if labels is None or not self.training or not torch.is_grad_enabled() or not _is_zero(keep):
+        return plain(self, *args, **kwargs)
+    return_dict = extra.pop("return_dict", None)  # as transformers' can_return_tuple
+    if return_dict is None:
+        return_dict = self.config.return_dict
+    # As the plain forward: every other argument goes to the body, and the loss reads its keywords from the same
+    # **kwargs (num_items_in_batch, ignore_index, shift_labels).
+    out = getattr(self, self.base_model_prefix)(**call, **extra)
+    loss = causal_lm_loss(out.last_hidden_state, self.lm_head, labels, chunk_tokens=self._chunked_loss_tokens, **extra)
+    result = _output_class(out)(loss=loss, logits=None, **{k: v for k, v in out.items() if k != "last_hidden_state"})
+    return result if return_dict else result.to_tuple()
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(forward):
+    signature = inspect.signature(forward)
+    return signature, next(k for k, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD)
 
 
 def disable_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
@@ -312,7 +318,7 @@ def _is_zero(logits_to_keep) -> bool:
 
 
 def _is_ours(forward) -> bool:
-    return getattr(getattr(forward, "__func__", None), "__qualname__", "").startswith("enable_chunked_loss.")
+    return getattr(forward, "__func__", None) is _chunked_forward
 
 
 def _autocast(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
