@@ -25,7 +25,6 @@ under autocast, and on CPU it took 3.3× the plain step's time where this head t
 
 from __future__ import annotations
 
-import functools
 import inspect
 import types
 from typing import Optional
@@ -75,10 +74,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             h = _autocast(hidden[rows], hidden.device)
-            logits = F.linear(h, w, b)
-            loss, grad_logits = _cross_entropy_sum(logits, targets[rows], any(wants))
+            loss, grad_logits = _cross_entropy_sum(F.linear(h, w, b), targets[rows], any(wants))
             total += loss
-            del logits  # before the gradient matmuls: one [chunk, vocab] buffer fewer at the chunk's peak
             if wants[0]:
                 grad_h[rows] = grad_logits @ w
             if wants[1]:
@@ -88,6 +85,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_w += grad_logits.T @ h
             if wants[2]:
                 grad_b += grad_logits.sum(0)
+            del grad_logits  # before the next chunk's logits: one [chunk, vocab] buffer at a time in fp32
         ctx.grads = [grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype)]
         ctx.empty = hidden.shape[0] == 0
@@ -112,13 +110,15 @@ def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, grad: bool):
     """(Σ cross_entropy(logits.float(), targets), its gradient w.r.t. ``logits`` in their dtype or None).
 
     The arithmetic of ``log_softmax`` + ``nll_loss`` and their backward (loss = max + log Σ exp(x − max) − x_t,
-    gradient = softmax − one-hot), with one fp32 ``[rows, classes]`` buffer instead of their four.
+    gradient = softmax − one-hot) in one fp32 ``[rows, classes]`` buffer, where they take four: fp32 ``logits`` are
+    overwritten (the caller has no further use for them).
     """
     x = logits.float()
     top = x.amax(1, keepdim=True)
-    e = (x - top).exp_()
+    picked = x.gather(1, targets[:, None])
+    e = x.sub_(top).exp_()
     total = e.sum(1, keepdim=True)
-    loss = (top + total.log() - x.gather(1, targets[:, None])).sum()
+    loss = (top + total.log() - picked).sum()
     if not grad:
         return loss, None
     probs = e.div_(total)
@@ -243,10 +243,15 @@ def _chunked_forward(self, *args, **kwargs):
     return result if return_dict else result.to_tuple()
 
 
-@functools.lru_cache(maxsize=None)
-def _signature(forward):
-    signature = inspect.signature(forward)
-    return signature, next(k for k, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD)
+def _signature(forward) -> tuple:
+    """(signature of a model class's forward, the name of its ``**kwargs``), computed once per class."""
+    if forward not in _SIGNATURES:
+        signature = inspect.signature(forward)
+        _SIGNATURES[forward] = signature, next(k for k, p in signature.parameters.items() if p.kind is p.VAR_KEYWORD)
+    return _SIGNATURES[forward]
+
+
+_SIGNATURES: dict = {}
 
 
 def disable_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
