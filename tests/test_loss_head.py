@@ -261,7 +261,7 @@ def test_loop_accumulation_stays_exact_with_the_chunked_head():
     """(b, N) = (b·N, 1) with the chunked head, and both equal to the plain head's run: padded token batches, 17
     samples in windows of 6 (a tail window of 2 + 2 + 1)."""
     data = token_data(17, vocab=VOCAB)
-    settings = dict(collate_fn=pad_collate, optimizer="sgd", learning_rate=0.5, max_grad_norm=None, n_epochs=2,
+    settings = dict(collate_fn=pad_collate, optimizer="sgd", learning_rate=0.5, max_grad_norm=None, n_epochs=1,
                     seed=3)
     plain_model = tiny_gpt2(vocab=VOCAB)
     chunked_model = enable_chunked_loss(copy_model(plain_model), chunk_tokens=5)
