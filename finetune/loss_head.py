@@ -267,8 +267,8 @@ _SIGNATURES: dict = {}
 def disable_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
     """Undo ``enable_chunked_loss``: the model's own forward again (its logits, its loss). Returns ``model``."""
     lm = _causal_lm(model)
-    if "_chunked_loss_tokens" not in vars(lm):
-        raise ValueError(f"chunked loss: {type(lm).__name__} does not have it enabled")
+    if lm is None or "_chunked_loss_tokens" not in vars(lm):
+        raise ValueError(f"chunked loss: {type(lm or model).__name__} does not have it enabled (or is wrapped)")
     if not _is_ours(lm.forward):
         raise ValueError(f"chunked loss: the forward of {type(lm).__name__} was wrapped after enable_chunked_loss "
                          "(by accelerator.prepare?); disable it on a fresh model instead")
@@ -277,7 +277,10 @@ def disable_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def chunked_loss_enabled(model: torch.nn.Module) -> bool:
-    """True when ``enable_chunked_loss`` was applied to ``model`` (or the causal LM inside it)."""
+    """True when ``enable_chunked_loss`` was applied to ``model`` (or the causal LM inside it, through DDP, compile
+    and peft wrappers)."""
+    while isinstance(getattr(model, "module", None) or getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = getattr(model, "module", None) or model._orig_mod
     lm = _causal_lm(model)
     return lm is not None and "_chunked_loss_tokens" in vars(lm)
 
