@@ -97,6 +97,13 @@ class TrainingConfig:
     max_tokens_per_micro_batch: Optional[int] = doc(
         "cut each window into micro-batches of at most this many padded tokens (their size varies; windows and "
         "steps stay the same); null: batch_size samples each", None)
+    chunked_loss: Optional[bool] = doc(
+        "causal LMs: compute the loss head in chunks of tokens, never holding the [tokens, vocab] logits or their "
+        "gradient (the same loss and gradients to fp32 rounding); null: on where the model is supported; true: "
+        "refuse if not", None, affects_result=False)
+    activation_offloading: bool = doc(
+        "keep the activations saved for backward in (pinned) host memory instead of on the GPU (CUDA only; "
+        "combines with gradient_checkpointing)", False, affects_result=False)
     packing: Optional[bool] = doc(
         "causal LMs: pack each window's samples into rows (no padding; the same windows, items and steps); null: "
         "on where the model keeps packed samples apart (checked at set-up), else sorted windows; true: refuse if "

@@ -38,6 +38,9 @@ def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
                               "or set output.tracker=none")
     if t.mixed_precision == "fp16" and not torch.cuda.is_available():  # Accelerate would silently train in fp32
         raise ConfigError("training.mixed_precision: fp16 needs a CUDA device; use bf16 or no on this machine")
+    if t.activation_offloading and not torch.cuda.is_available():
+        raise ConfigError("training.activation_offloading: moves activations from GPU to host memory and needs CUDA; "
+                          "on this machine there is no device memory to save")
     for engine in ("FSDP", "DEEPSPEED"):  # Accelerate's plugins for these refuse to start without a GPU
         if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true" and not has_device():
             raise ConfigError(f"accelerate config: {engine.lower()} needs GPUs; on CPU use "

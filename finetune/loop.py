@@ -29,7 +29,7 @@ from finetune.errors import ConfigError
 from finetune.evaluation import run_eval
 from finetune.job import Job
 from finetune.memory import MemoryMonitor, free_memory, is_oom, smaller_micro_batch
-from finetune.modeling import enable_checkpointing
+from finetune.modeling import enable_checkpointing, enable_chunked_head
 from finetune.optim import Optim, lr_scale, make_optims
 from finetune.packing import decide_packing
 from finetune.runlog import RunLog, banner
@@ -62,6 +62,7 @@ class Run:
     pack_capacity: Optional[int] = None  # tokens per packed row; None: windows are not packed
     pack_length_of: Optional[Callable] = None  # sample index → tokens, what packing packs by
     packing_note: str = ""            # what the banner says about packing
+    head_note: str = ""               # what the banner says about the loss head
     auto_batch: bool = False          # batch_size: auto — shrink the micro-batch on out-of-memory
 
     @property
@@ -191,6 +192,8 @@ def setup(job: Job, t: TrainingConfig, output_dir=None, accelerator=None, log_wi
     model.train()  # from_pretrained returns a model in eval mode: dropout would silently stay off
     if t.gradient_checkpointing:
         enable_checkpointing(model, job.enable_checkpointing)
+    head_note = enable_chunked_head(model, t.chunked_loss) if job.loss_fn is None or t.chunked_loss else \
+        "plain (the job computes its own loss)"
     # Schedulers are not passed to accelerator.prepare: a prepared scheduler steps num_processes times per
     # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
     # process, so each raw scheduler is stepped exactly once per optimizer step.
@@ -208,7 +211,7 @@ def setup(job: Job, t: TrainingConfig, output_dir=None, accelerator=None, log_wi
               counter=job.count_items or (lambda b: count_items(b, t.items, causal)), state=TrainState(),
               total_steps=total_steps, out_dir=out_dir, save_every=save_every, keep_checkpoints=keep_checkpoints,
               config_text=config_text, log_with=log_with, on_eval=on_eval, monitor=MemoryMonitor(accelerator.device),
-              auto_batch=auto_batch, packing_note=packing_note,
+              auto_batch=auto_batch, packing_note=packing_note, head_note=head_note,
               pack_length_of=pack_length_of,
               pack_capacity=(t.pack_length or max(map(pack_length_of, range(len(job.train_data)))))
               if pack_length_of else None)
@@ -265,7 +268,7 @@ def accumulate_or_shrink(run: Run, window, micro_batches) -> Optional[WindowResu
     rng = torch.get_rng_state()
     try:
         return accumulate_window(run.accelerator, run.model, run.forward_model, run.job.loss_fn, window,
-                                 micro_batches, run.counter)
+                                 micro_batches, run.counter, offload=run.t.activation_offloading)
     except Exception as error:
         if not (run.auto_batch and is_oom(error)):
             raise

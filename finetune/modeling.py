@@ -38,3 +38,31 @@ def enable_checkpointing(model: torch.nn.Module, hook=None) -> None:
     # LoRA / frozen embeddings: checkpointed blocks need an input that requires grad to rebuild the graph.
     if hasattr(model, "enable_input_require_grads") and any(not p.requires_grad for p in model.parameters()):
         model.enable_input_require_grads()
+
+
+def enable_chunked_head(model: torch.nn.Module, requested) -> str:
+    """``training.chunked_loss``: the exact chunked loss head (``finetune.loss_head``) on a supported causal LM.
+    Returns the banner's word on it. Must run before ``accelerator.prepare`` (Accelerate wraps forward in autocast;
+    the head sits beneath)."""
+    from finetune.loss_head import chunked_loss_enabled, enable_chunked_loss, unsupported_reason
+    from finetune.windows import is_causal_lm
+
+    if chunked_loss_enabled(model):
+        return "chunked (enabled on the model given)"
+    if requested is False:
+        return "plain (training.chunked_loss=false)"
+    reason = "the model is not a causal LM" if not is_causal_lm(model) else unsupported_reason(model)
+    if reason is None:
+        enable_chunked_loss(model)
+        return "chunked (no [tokens, vocab] logits held)"
+    if requested:
+        raise ConfigError(f"training.chunked_loss: {reason}; set training.chunked_loss=false")
+    return f"plain ({reason})" if is_causal_lm(model) else ""  # nothing to say for other models
+
+
+def offload_activations(enabled: bool):
+    """``training.activation_offloading``: the tensors autograd saves for backward go to pinned host memory and come
+    back when backward needs them (torch's ``save_on_cpu``)."""
+    import contextlib
+
+    return torch.autograd.graph.save_on_cpu(pin_memory=True) if enabled else contextlib.nullcontext()

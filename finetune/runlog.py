@@ -84,6 +84,7 @@ def banner(run) -> str:
         f"warm-up {t.warmup_steps} steps",
         *([f"LR scaling: {t.scale_lr} from the baseline's batch {t.reference_batch_size} to {effective}: "
            f"{t.learning_rate:g} × {lr_scale(t, effective):.4g}"] if t.scale_lr != "none" else []),
+        *([f"Loss head: {run.head_note}"] if run.head_note else []),
         *([f"Packing: {run.packing_note}" + (f", rows of {run.pack_capacity} tokens" if run.pack_capacity else "")]
           if run.packing_note else []),
         *([f"Padding: {padding_share(run):.1%} of the tokens of epoch 0"]

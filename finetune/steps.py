@@ -17,7 +17,7 @@ from accelerate.utils import send_to_device
 from finetune import distributed
 from finetune.config import TrainingConfig
 from finetune.memory import fake_oom_check
-from finetune.modeling import compute_loss
+from finetune.modeling import compute_loss, offload_activations
 from finetune.windows import batch_len
 
 
@@ -70,9 +70,11 @@ def count_window(accelerator, window, micro_batches, counter) -> tuple[list, int
     return counts, window_items, real, padded
 
 
-def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_batches, counter) -> WindowResult:
+def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_batches, counter,
+                      offload: bool = False) -> WindowResult:
     """Forward and backward every micro-batch of one window, each weighted by its share of the window's items;
-    gradients are all-reduced once, on the last micro-batch."""
+    gradients are all-reduced once, on the last micro-batch. ``offload``: activations saved for backward wait in
+    host memory."""
     counts, window_items, real, padded = count_window(accelerator, window, micro_batches, counter)
     device, last = accelerator.device, len(micro_batches) - 1
     window_loss, window_extras = torch.zeros((), device=device), {}
@@ -81,7 +83,8 @@ def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_
         with distributed.sync_gradients(accelerator, model, sync=i == last):
             # The outputs (a language model's logits) are not kept: held, they would stay allocated through this
             # backward and the next micro-batch's forward.
-            loss, extras = compute_loss(forward_model, send_to_device(batch, device), loss_fn)[:2]
+            with offload_activations(offload):
+                loss, extras = compute_loss(forward_model, send_to_device(batch, device), loss_fn)[:2]
             # A weight-0 placeholder (or an item-less micro-batch) must add exact zeros, not 0 × NaN.
             weighted = loss * loss_weight(items, window_items, accelerator.num_processes) if items \
                 else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0

@@ -268,9 +268,30 @@ def test_loop_accumulation_stays_exact_with_the_chunked_head():
     small = test_fine_tuning(copy_model(chunked_model), train_data=data, batch_size=2, gradient_accumulation_steps=3,
                              **settings)
     big = test_fine_tuning(copy_model(chunked_model), train_data=data, batch_size=6, **settings)
-    plain = test_fine_tuning(copy_model(plain_model), train_data=data, batch_size=6, **settings)
+    plain = test_fine_tuning(copy_model(plain_model), train_data=data, batch_size=6, chunked_loss=False, **settings)
     assert chunked_loss_enabled(small["model"])
     assert rel_diff(small["model"], big["model"]) <= 1e-5
     assert rel_diff(big["model"], plain["model"]) <= 1e-5
     assert small["grad_norm_history"] == pytest.approx(plain["grad_norm_history"], rel=1e-5)
     assert small["loss_history"] == pytest.approx(plain["loss_history"], rel=1e-5)
+
+
+def test_the_loop_turns_the_head_on_for_supported_causal_lms(capsys):
+    """On by default where supported (the banner says so), off on request, refused with one line where asked for
+    and impossible; the runs agree to fp32 rounding."""
+    data = token_data(12, vocab=VOCAB)
+    settings = dict(collate_fn=pad_collate, optimizer="sgd", learning_rate=0.5, max_grad_norm=None, batch_size=4,
+                    gradient_accumulation_steps=3, seed=3)
+    model = tiny_gpt2(vocab=VOCAB)
+    chunked = test_fine_tuning(copy_model(model), train_data=data, **settings)
+    assert chunked_loss_enabled(chunked["model"]) and "Loss head: chunked" in capsys.readouterr().out
+    plain = test_fine_tuning(copy_model(model), train_data=data, chunked_loss=False, **settings)
+    assert not chunked_loss_enabled(plain["model"]) and "Loss head: plain" in capsys.readouterr().out
+    assert rel_diff(chunked["model"], plain["model"]) <= 1e-5
+    from finetune import ConfigError
+    from tests.helpers import MLP, regression_data
+
+    with pytest.raises(ConfigError, match="training.chunked_loss: .*not a causal LM"):
+        test_fine_tuning(MLP(), train_data=regression_data(8), batch_size=4, chunked_loss=True)
+    with pytest.raises(ConfigError, match="training.activation_offloading: .*needs CUDA"):
+        test_fine_tuning(MLP(), train_data=regression_data(8), batch_size=4, activation_offloading=True)
