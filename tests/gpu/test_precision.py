@@ -50,14 +50,16 @@ def accelerator_for(precision: str) -> Accelerator:
 
 
 def train(model, data, b: int, n: int, precision: str, collate=None, count_items=None, before_window=None,
-          after_step=None, **training):
+          after_step=None, accelerator=None, **training):
+    """The loop on ``b`` × ``n`` windows: SGD at a constant lr without clipping, two epochs, unless ``training``
+    says otherwise."""
     t = TrainingConfig(batch_size=b, gradient_accumulation_steps=n, mixed_precision=precision, **{
         "optimizer": "sgd", "learning_rate": 0.2, "max_grad_norm": None, "epochs": 2, "seed": 3,
         "lr_scheduler": "constant", **training})
     set_seed(t.seed)
     job = Job(model=model, train_data=data, collate_fn=collate, count_items=count_items,
               before_window=before_window, after_step=after_step)
-    return loop.train(job, t, accelerator=accelerator_for(precision), print_banner=False)
+    return loop.train(job, t, accelerator=accelerator or accelerator_for(precision), print_banner=False)
 
 
 class Overflowing(MLP):
@@ -78,21 +80,18 @@ def test_fp16_overflowing_window_is_skipped_and_the_schedule_waits(figures):
     torch.manual_seed(0)
     model = Overflowing()
     weights, scales = [], []
-    acc = {}
+    accelerator = accelerator_for("fp16")
 
     def before_window(state):
         model.factor = 1e12 if state.optimizer_step == poisoned else 1.0
 
     def after_step(state, unwrapped):
         weights.append(flat(unwrapped))
-        scales.append(acc["accelerator"].scaler.get_scale())
+        scales.append(accelerator.scaler.get_scale())
 
-    restart_accelerate_state()
-    acc["accelerator"] = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=INIT_SCALE)])
-    t = TrainingConfig(batch_size=4, gradient_accumulation_steps=2, mixed_precision="fp16", optimizer="sgd",
-                       learning_rate=0.05, lr_scheduler="linear", max_grad_norm=1.0, shuffle=False, epochs=1)
-    result = loop.train(Job(model=model, train_data=regression_data(48), before_window=before_window,
-                            after_step=after_step), t, accelerator=acc["accelerator"], print_banner=False)
+    result = train(model, regression_data(48), 4, 2, "fp16", before_window=before_window, after_step=after_step,
+                   accelerator=accelerator, learning_rate=0.05, lr_scheduler="linear", max_grad_norm=1.0,
+                   shuffle=False, epochs=1)
     history = result.history
     skipped = [h["skipped"] for h in history]
     total = result.total_steps
