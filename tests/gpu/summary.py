@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-WIDTH = 118  # characters a line of the summary may take before its figures wrap
+WIDTH = 140  # characters a line of the summary may take before its figures wrap
 _results: list = []  # (nodeid, outcome, seconds, figures or reason), in the order the tests ran
 
 
@@ -81,7 +81,7 @@ def format_summary(results: list, header: str, width: int = WIDTH) -> list[str]:
     """The summary's lines: a header, one line per test (its figures wrapped under it when long), a total."""
     label = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR", "xfail": "XFAIL"}
     names = [short_name(nodeid) for nodeid, *_ in results]
-    name_width = min(max(map(len, names), default=0), 52)
+    name_width = min(max(map(len, names), default=0), 60)
     lines = [" GPU summary ".center(width, "="), header]
     for name, (_, outcome, seconds, details) in zip(names, results):
         head = f"{label.get(outcome, outcome.upper()):<5} {seconds:6.1f}s  {name:<{name_width}}  "

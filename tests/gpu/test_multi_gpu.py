@@ -60,7 +60,7 @@ def ddp_results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", DDP_CASES)
-def test_ddp_on_two_gpus_matches_one_gpu(ddp_results, case, figures, ieee_fp32):
+def test_ddp_matches_one_gpu(ddp_results, case, figures, ieee_fp32):
     """``accelerate launch`` with accelerate_configs/multi_gpu.yaml (``--multi_gpu --num_processes 2``) against the
     same case on one GPU in this process: weights ≤ 1e-5 (fp32), the same windows, losses and grad norms ≤ 1e-5."""
     two = ddp_results[case]
@@ -87,7 +87,7 @@ def one_gpu_recipe(tmp_path_factory):
     return history(out)
 
 
-@pytest.mark.parametrize("config", ["fsdp.yaml", "deepspeed_zero2.yaml"])
+@pytest.mark.parametrize("config", ["fsdp.yaml", "deepspeed_zero2.yaml"], ids=["fsdp", "deepspeed_zero2"])
 def test_sharded_config_trains_a_recipe(config, one_gpu_recipe, tmp_path, figures):
     """The shipped FSDP (full shard) and DeepSpeed ZeRO-2 configs on 2 GPUs run three optimizer steps of
     minilm-sentiment: each step holds the effective batch (32 samples) and the one-GPU run's window; the first

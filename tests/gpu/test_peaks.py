@@ -54,7 +54,7 @@ PLAN_CASES = {"minilm": _minilm, "gpt2": _gpt2, "smollm2": _smollm2}
 
 
 @pytest.mark.parametrize("name", list(PLAN_CASES))
-def test_planner_predicts_the_measured_step_peak(name, figures, clean_cuda):
+def test_planner_predicts_the_step_peak(name, figures, clean_cuda):
     """``make_plan`` (measuring activations on this GPU, with its kernels) predicts the peak of a steady optimizer
     step within ±10 % of ``torch.cuda.max_memory_allocated``. N = 2: from the second micro-batch on, the forward runs
     while the accumulated gradients are held, as the plan's sum assumes."""

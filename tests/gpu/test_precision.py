@@ -72,7 +72,7 @@ class Overflowing(MLP):
         return {"loss": super().forward(x, y)["loss"] * self.factor}
 
 
-def test_fp16_overflowing_window_is_skipped_and_the_schedule_waits(figures):
+def test_fp16_overflow_is_skipped_and_the_schedule_waits(figures):
     """The third window's gradient overflows: the GradScaler skips its update and halves its scale, the scheduler
     does not advance (the fourth step runs at the third's lr), the history says ``skipped``, and the fourth window
     trains."""
@@ -126,9 +126,9 @@ def _gpt2_case():
 CASES = {"mlp": _mlp_case, "gpt2": _gpt2_case}
 
 
-@pytest.mark.parametrize("precision", ["no", "fp16", "bf16"])
+@pytest.mark.parametrize("precision", ["no", "fp16", "bf16"], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_accumulated_steps_match_the_big_batch(case, precision, figures, ieee_fp32):
+def test_accumulation_matches_the_big_batch(case, precision, figures, ieee_fp32):
     """(b, N) and (b·N, 1) on CUDA, two epochs with a short last window (and short micro-batches), SGD without
     clipping so that any mis-weighting shows; the mis-weighted control must miss by more than the bound."""
     if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
