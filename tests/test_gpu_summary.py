@@ -68,3 +68,10 @@ def test_no_summary_when_no_gpu_test_ran(tmp_path):
     proc = run_fake(tmp_path, "-m", "not gpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "GPU summary" not in proc.stdout
+
+
+def test_one_line_when_every_gpu_test_skipped_for_one_reason(tmp_path):
+    proc = run_fake(tmp_path, "-k", "chunked_head or not_on_the_gpu")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "GPU summary: 1 skipped, needs finetune.loss_head" in proc.stdout
+    assert " GPU summary " not in proc.stdout

@@ -1,5 +1,6 @@
 """The one-screen summary that ends a GPU run (``make test-gpu``): one line per ``gpu`` test — pass / fail / skip,
-seconds, and the figures the test recorded (tolerances reached, peaks measured against predicted, …).
+seconds, and the figures the test recorded (tolerances reached, peaks measured against predicted, …). When every
+GPU test skipped for one reason (no CUDA device), that one line instead.
 
 A test records a figure with the ``figures`` fixture, before it asserts on it, so that a failing line still shows
 what was measured::
@@ -113,6 +114,10 @@ def _wrap(head: str, details: str, width: int) -> list[str]:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     if not _results:  # no gpu test was selected (the default run deselects them)
+        return
+    reasons = {details for _, outcome, _, details in _results if outcome == "skipped"}
+    if len(reasons) == 1 and all(outcome == "skipped" for _, outcome, _, _ in _results):  # e.g. no CUDA: one line
+        terminalreporter.write_line(f"GPU summary: {len(_results)} skipped, {reasons.pop()}")
         return
     width = min(WIDTH, max(shutil.get_terminal_size((WIDTH, 24)).columns, 80))
     for line in format_summary(_results, device_line(), width):
