@@ -90,7 +90,7 @@ def test_chunked_loss_head_lowers_the_step_peak(figures, clean_cuda):
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                          max_position_embeddings=length, tie_word_embeddings=False))
     data = causal_lm_data(b * 4, length, vocab)
-    plain, result = train_and_measure(copy.deepcopy(model), data, causal_lm_collate, b, 2)
+    plain, result = train_and_measure(copy.deepcopy(model), data, causal_lm_collate, b, 2, chunked_loss=False)
     assert not loss_head.chunked_loss_enabled(result.model), \
         "the loop turned the chunked head on by itself: give the plain run the setting that turns it off"
     del result
