@@ -9,9 +9,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from finetune.config import TrainingConfig
+from finetune.items import count_items, is_causal_lm
 from finetune.job import Job
 from finetune.modeling import compute_loss
-from finetune.windows import count_items, is_causal_lm
 
 
 @torch.no_grad()

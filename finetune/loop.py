@@ -27,6 +27,7 @@ from finetune import checkpoint, distributed
 from finetune.config import TrainingConfig, flatten
 from finetune.errors import ConfigError
 from finetune.evaluation import run_eval
+from finetune.items import count_items, is_causal_lm
 from finetune.job import Job
 from finetune.memory import MemoryMonitor, free_memory, is_oom, smaller_micro_batch
 from finetune.modeling import enable_checkpointing, enable_chunked_head
@@ -35,7 +36,7 @@ from finetune.packing import decide_packing
 from finetune.runlog import RunLog, banner
 from finetune.state import TrainState
 from finetune.steps import NonFiniteError, WindowResult, accumulate_window, optimizer_step  # noqa: F401
-from finetune.windows import count_items, is_causal_lm, resolve_accumulation, stream_windows, total_optimizer_steps
+from finetune.windows import resolve_accumulation, stream_windows, total_optimizer_steps
 
 
 @dataclass

@@ -101,8 +101,8 @@ def packing_problem(model, data, length_of, loss_fn=None, rtol: float = 1e-4):
     """On the actual model and the job's own loss path: do two short training samples packed in one row give the
     logits, and the item-weighted loss, each gives alone? Returns None when they do, else what differs. Catches a
     model whose attention ignores packed positions and a ``loss_fn`` that drops ``position_ids``."""
+    from finetune.items import count_items
     from finetune.modeling import compute_loss
-    from finetune.windows import count_items
 
     picks = sorted(range(min(len(data), 64)), key=length_of)[:2]
     rows = PackedRows([{"input_ids": _tokens(data[i]["input_ids"])[:16]} for i in picks])
@@ -137,7 +137,7 @@ def decide_packing(requested, model, data, length_of, loss_fn):
     samples (the Python API's causal LMs pack too)."""
     if requested is False:
         return None, "off (training.packing=false)"
-    from finetune.windows import is_causal_lm
+    from finetune.items import is_causal_lm
 
     name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
     if not is_causal_lm(model):

@@ -111,7 +111,7 @@ def make_plan(model, batches: list, gpu: str, effective: int, optimizer: str = "
     dtype = {"bf16": torch.bfloat16, "fp16": torch.bfloat16 if not torch.cuda.is_available() else torch.float16}.get(
         precision)  # fp16 and bf16 save the same 2-byte activations; on CPU bf16 stands in for fp16
 
-    from finetune.windows import batch_len
+    from finetune.items import batch_len
 
     (b1, x1), (b2, x2) = [(batch_len(b), b) for b in batches]
     a1, a2 = activation_bytes(model, x1, loss_fn, dtype), activation_bytes(model, x2, loss_fn, dtype)

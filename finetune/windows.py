@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from finetune.errors import ConfigError
+from finetune.items import batch_len, count_items, is_causal_lm  # noqa: F401  (re-exported: the loop counts here)
+from finetune.packing import PackedRows, collate_rows, pack_rows
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,6 @@ def plan_epoch(
 def packed_micro_batches(samples, length_of, capacity: int, rows_per_batch: int, max_tokens: Optional[int]):
     """The window's samples packed into rows, cut into micro-batches of rows; with each micro-batch its (real,
     padded) tokens (padded: rows × the longest row, as ``packing.collate_rows`` pads)."""
-    from finetune.packing import pack_rows
-
     rows = pack_rows(samples, length_of, capacity)
     row_len = {row: sum(length_of(i) for i in row) for row in rows}
     chunks = token_budget_chunks(rows, row_len.__getitem__, max_tokens) if max_tokens else \
@@ -164,8 +163,6 @@ def stream_windows(job, t, accum: int, world: int, rank: int, epoch: int, first:
     first backward. The position comes in as arguments: the stream depends on nothing the loop mutates.
     ``pack_capacity``: pack each window's samples (lengths from ``pack_length_of``) into rows of that many tokens
     (``finetune.packing``)."""
-    from finetune.packing import PackedRows, collate_rows
-
     sort = t.sort_within_window if t.sort_within_window is not None else job.length_of is not None
     data, collate = (PackedRows(job.train_data), collate_rows) if pack_capacity else (job.train_data, job.collate_fn)
     for e in range(epoch, t.epochs):
@@ -195,57 +192,3 @@ class WindowSampler(torch.utils.data.Sampler):
 
     def __len__(self):
         return sum(len(w.micro_batches) for w in self.windows)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# items: what a micro-batch's mean loss averages over
-
-
-def is_causal_lm(model) -> bool:
-    """True for HF causal LMs (their loss shifts labels by one), looking through DDP / compile / peft wrappers."""
-    seen = set()
-    while model is not None and id(model) not in seen:
-        seen.add(id(model))
-        name = type(model).__name__
-        if name.endswith(("ForCausalLM", "LMHeadModel")):
-            return True
-        model = next((getattr(model, a) for a in ("module", "_orig_mod", "base_model", "model")
-                      if isinstance(getattr(model, a, None), torch.nn.Module)), None)
-    return False
-
-
-def count_items(batch, mode: str = "auto", causal: bool = False) -> int:
-    """How many items the micro-batch's mean loss averages over.
-
-    ``samples``: the batch's leading dimension. ``tokens``: labels that are not -100. ``shifted_tokens``: the same
-    after the one-position shift a causal LM applies (the first label of every row is never predicted).
-    ``auto``: token labels (2-D or more) → tokens, shifted when ``causal``; otherwise samples.
-    """
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if mode == "auto":
-        if isinstance(labels, torch.Tensor) and labels.dim() >= 2:
-            mode = "shifted_tokens" if causal else "tokens"
-        else:
-            mode = "samples"
-    if mode == "samples":
-        return batch_len(batch)
-    if not isinstance(labels, torch.Tensor):
-        raise ValueError(f"training.items={mode!r} needs a 'labels' tensor in every batch")
-    if mode == "shifted_tokens":
-        labels = labels[..., 1:]
-    return int((labels != -100).sum())
-
-
-def batch_len(batch) -> int:
-    """Leading dimension of the first tensor found in a (nested) batch."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        batch = list(batch.values())
-    if isinstance(batch, (list, tuple)):
-        for v in batch:
-            try:
-                return batch_len(v)
-            except ValueError:
-                pass
-    raise ValueError("cannot find a tensor in the batch to count its samples")
