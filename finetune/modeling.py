@@ -45,7 +45,7 @@ def enable_chunked_head(model: torch.nn.Module, requested) -> str:
     Returns the banner's word on it. Must run before ``accelerator.prepare`` (Accelerate wraps forward in autocast;
     the head sits beneath)."""
     from finetune.loss_head import chunked_loss_enabled, enable_chunked_loss, unsupported_reason
-    from finetune.windows import is_causal_lm
+    from finetune.items import is_causal_lm
 
     if chunked_loss_enabled(model):
         return "chunked (enabled on the model given)"
