@@ -34,7 +34,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml Makefile
 setup: $(VENV)/.installed
 
 run: setup
-	$(BIN)/accelerate launch --config_file $(ACCELERATE_CONFIG) finetune/run.py --recipe $(RECIPE) $(ARGS)
+	$(BIN)/accelerate launch -q --config_file $(ACCELERATE_CONFIG) finetune/run.py --recipe $(RECIPE) $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q

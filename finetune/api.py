@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 from finetune.config import RecipeConfig, TrainingConfig, build_section, fields_with, validate_training
@@ -100,6 +101,7 @@ def test_fine_tuning(
 
     if train_data is None:
         raise ConfigError("train_data: required (a torch Dataset, a datasets.Dataset or a list of dicts)")
+    check_arguments(model, train_data, val_data, loss_fn, collate_fn)
     given = {k: v for k, v in locals().items() if k in _passed}
     given.update(more)
     t = _training_config(config, given)
@@ -120,6 +122,39 @@ def test_fine_tuning(
 test_fine_tuning.__test__ = False  # not a pytest test, whatever module imports it
 # the keywords that are not training fields (the model, data, hooks and switches of the call itself)
 _API_ARGUMENTS = {*inspect.signature(test_fine_tuning).parameters, *_HOOKS} - {"more", "_passed"}
+
+
+def check_arguments(model, train_data, val_data, loss_fn=None, collate_fn=None) -> None:
+    """Refuse, naming the argument, what the loop cannot use — rather than a TypeError from collate or backward."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model: got {type(model).__name__}; expected a torch.nn.Module")
+    for name, data in (("train_data", train_data), ("val_data", val_data)):
+        if data is None:
+            continue
+        try:
+            n = len(data)
+        except TypeError:
+            raise ConfigError(f"{name}: got {type(data).__name__}; expected a torch Dataset, a datasets.Dataset or a "
+                              "list of dicts") from None
+        if n == 0:
+            raise ConfigError(f"{name}: empty" + ("; give samples, or None for no validation" if name == "val_data"
+                                                  else ""))
+        if collate_fn is not None:
+            continue
+        first = data[0]
+        if not isinstance(first, Mapping):
+            if loss_fn is None:
+                raise ConfigError(f"{name}: samples are {type(first).__name__}s; model(**batch) needs dict samples "
+                                  "(or give a loss_fn(model, batch))")
+            continue
+        if isinstance(data, (list, tuple)):
+            odd = next((i for i, x in enumerate(data) if not isinstance(x, Mapping) or x.keys() != first.keys()), None)
+            if odd is not None:
+                got = sorted(data[odd]) if isinstance(data[odd], Mapping) else type(data[odd]).__name__
+                raise ConfigError(f"{name}: sample {odd} has {got}, sample 0 has {sorted(first)}; every sample needs "
+                                  "the same keys (or give a collate_fn)")
 
 
 def _training_config(config, given: dict) -> TrainingConfig:

@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from finetune.errors import ConfigError
-from finetune.outputs import atomic_write_text, fsync_dir
+from finetune import distributed
+from finetune.errors import ConfigError, WriteError
+from finetune.outputs import atomic_write_text, disk_full, fsync_dir
 from finetune.state import TrainState
 
 LATEST = "latest"
@@ -83,22 +84,29 @@ def restore_rng(rank: int, directory: Path) -> None:
 
 def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, config_text: str = "", keep: int = 2,
                     meta: dict | None = None) -> Path:
-    """Save everything that resumes the run after ``state.optimizer_step``; every process must call it."""
+    """Save everything that resumes the run after ``state.optimizer_step``; every process must call it.
+
+    Raises:
+        WriteError: on every process, when a process could not write its part (a full disk); the partial
+            checkpoint is removed and ``latest`` still names the previous one.
+    """
     root = Path(run_dir) / "checkpoints"
     name = f"step-{state.optimizer_step:06d}"
     final = root / name
     tmp = root / f".tmp-{name}"
     main = accelerator.is_main_process
-    if main:
+
+    def start():
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)  # model (safetensors), optimizer, scaler, RNG
-    capture_rng(accelerator.process_index, tmp)
-    _fault("save", state.optimizer_step)  # test hook: dies here, mid-write, when asked to
-    accelerator.wait_for_everyone()
-    if main:
+
+    def write_shards():  # model (safetensors), optimizer, scaler, RNG: each process its part
+        accelerator.save_state(str(tmp), safe_serialization=True)
+        capture_rng(accelerator.process_index, tmp)
+        _fault("save", state.optimizer_step)  # test hook: dies here, mid-write, when asked to
+
+    def seal():
         (tmp / STATE).write_text(json.dumps(state.state_dict()))
         if schedulers:  # JSON, not a pickle: loading it runs no code
             (tmp / SCHEDULER).write_text(json.dumps({k: s.state_dict() for k, s in schedulers.items()}))
@@ -120,10 +128,33 @@ def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, co
         atomic_write_text(root / LATEST, name + "\n")  # the pointer moves last
         for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+
+    # Each phase ends with every process agreeing that it wrote its part (a barrier that also carries a failure).
+    try:
+        distributed.agree(lambda: _written(start, root, name), main_only=True)
+        distributed.agree(lambda: _written(write_shards, root, name))
+        distributed.agree(lambda: _written(seal, root, name), main_only=True)
+    except WriteError:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; latest still names the previous checkpoint
+        raise
     if torch.cuda.is_available():  # saving churns the allocator; give fragmented blocks back
         torch.cuda.empty_cache()
     return final
+
+
+def _written(write, root: Path, name: str) -> None:
+    """``write()``; a full disk becomes one WriteError naming the checkpoint and its directory."""
+    try:
+        write()
+    except Exception as error:
+        if not disk_full(error, root):
+            raise
+        latest = root / LATEST
+        previous = latest.read_text().strip() if latest.is_file() else None
+        raise WriteError(f"output.dir: no space left on device in {root}: checkpoint {name} not written; "
+                         + (f"{previous} is still the latest" if previous else "there is no earlier checkpoint")) \
+            from None
 
 
 def _fault(point: str, step: int) -> None:
@@ -137,19 +168,52 @@ def _fault(point: str, step: int) -> None:
 
 
 def find_checkpoint(spec: str, run_dir) -> Path:
-    """``latest`` → the newest complete checkpoint of ``run_dir``; otherwise a checkpoint directory."""
-    if spec == LATEST:
-        pointer = Path(run_dir) / "checkpoints" / LATEST
-        if not pointer.is_file():
-            raise ConfigError(f"resume: no checkpoint in {run_dir} (no checkpoints/{LATEST}); "
-                              "train with --save-every K first, or give a checkpoint path")
-        path = pointer.parent / pointer.read_text().strip()
-    else:
+    """``latest`` → the newest complete checkpoint of ``run_dir``; otherwise a checkpoint directory. A ``latest``
+    that names a missing or damaged checkpoint is refused naming the newest intact one."""
+    if spec != LATEST:
         path = Path(spec)
-    if not path.is_dir():
-        raise ConfigError(f"resume: checkpoint {path} not found")
-    verify(path)
+        if not path.is_dir():
+            raise ConfigError(f"resume: checkpoint {path} not found")
+        verify(path)
+        return path
+    pointer = Path(run_dir) / "checkpoints" / LATEST
+    if not pointer.is_file():
+        raise ConfigError(f"resume: no checkpoint in {run_dir} (no checkpoints/{LATEST}); "
+                          "train with --save-every K first, or give a checkpoint path")
+    path = pointer.parent / pointer.read_text().strip()
+    try:
+        if not path.is_dir():
+            raise ConfigError(f"resume: checkpoints/{LATEST} names {path}, which is missing")
+        verify(path)
+    except ConfigError as error:
+        intact = newest_intact(pointer.parent)
+        hint = f"the newest intact one is {intact} (--resume {intact})" if intact else \
+            f"no intact checkpoint is left in {pointer.parent}"
+        raise ConfigError(f"{error.problems[0]}; {hint}") from None
     return path
+
+
+def newest_intact(root: Path):
+    """The newest checkpoint under ``root`` that matches its manifest, or None."""
+    for path in sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True):
+        try:
+            verify(path)
+            return path
+        except ConfigError:
+            continue
+    return None
+
+
+def saved_step(path: Path) -> int:
+    """The optimizer step a (verified) checkpoint was saved after."""
+    return int(json.loads((path / MANIFEST).read_text())["step"])
+
+
+def require_random_state(path: Path, rank: int) -> None:
+    """Refuse a checkpoint without process ``rank``'s random state (it was saved with fewer processes)."""
+    if not (path / f"rng_{rank}.json").is_file():
+        raise ConfigError(f"resume: checkpoint {path} has no random state for process {rank}; "
+                          "resume with the number of processes it was saved with")
 
 
 def verify(path: Path) -> dict:

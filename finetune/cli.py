@@ -1,6 +1,7 @@
 """The ``finetune`` command (also ``python -m finetune`` and ``accelerate launch finetune/run.py``).
 
     finetune run --recipe minilm-sentiment [...]     train (the flags below; finetune/run.py takes the same)
+    finetune run --processes 2 --recipe R [...]       the same with 2 processes on this machine (finetune.launch)
     finetune ls                                       the recipes, one a line
     finetune validate RECIPE [--set k=v ...]          load + validate, every problem listed
     finetune plan --recipe R --gpu 8GiB               memory plan: micro-batch, N, checkpointing
@@ -8,13 +9,15 @@
     finetune plot RUN                                 redraw a run's PNGs from its history
     finetune search --recipe R --trials K --param lr=loguniform:1e-5:1e-3 ...   optuna search
 
-Bad input ends with one line ``error: <field>: <what is allowed>`` and exit code 2, before anything is written.
+Bad input ends with one line ``error: <field>: <what is allowed>`` and exit code 2, before anything is written
+(with several processes, from the main one only).
 The ``run`` flags are generated from the recipe schema (``config.doc(..., flag=...)``): one source per field.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -49,6 +52,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-amp", action="store_true", help="mixed precision: fp16 on CUDA, bf16 otherwise")
     p.add_argument("--resume", metavar="latest|PATH",
                    help="continue a run: 'latest' checkpoint of --output-dir, or a checkpoint directory")
+    p.add_argument("--processes", type=int, metavar="N",
+                   help="train with N processes on this machine (DDP; gloo on CPU), checked before they start")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any recipe field (repeatable), e.g. --set training.warmup_steps=10")
 
@@ -74,15 +79,27 @@ def overrides_from_args(args) -> list[str]:
 
 
 def cmd_run(args) -> int:
+    from finetune import distributed, runlock
     from finetune.execute import execute, prepare
+    from finetune.launch import check_processes, launch, launched_processes
 
     if args.list_recipes:
         return cmd_ls(args)
     if not args.recipe:
         raise ConfigError("--recipe: required (one of: " + ", ".join(n for n, _ in list_recipes()) + ")")
-    cfg = load_recipe(args.recipe, overrides_from_args(args))
-    out_dir, resume_from = prepare(cfg, args.resume)
-    execute(cfg, out_dir, resume_from)
+    check_processes(args.processes)
+
+    def load():
+        return load_recipe(args.recipe, overrides_from_args(args))
+
+    cfg = load() if launched_processes() == 1 else distributed.agree(load)  # launched: every process stops alike
+    if (args.processes or 1) > 1 and launched_processes() == 1:  # start the processes, then each runs the rest
+        return launch(cfg, args.resume, args.argv, args.processes)
+    try:
+        out_dir, resume_from = prepare(cfg, args.resume)  # takes the run directory's lock (main process)
+        execute(cfg, out_dir, resume_from)
+    finally:
+        runlock.release_all()
     return 0
 
 
@@ -100,7 +117,7 @@ def cmd_validate(args) -> int:
     cfg = load_recipe(args.recipe, args.set)
     t = cfg.training
     batch = f"effective batch {t.effective_batch_size}" if t.effective_batch_size else \
-        f"N {t.gradient_accumulation_steps}"
+        f"N {t.gradient_accumulation_steps or 1}"
     print(f"{cfg.name}: ok (task {cfg.task}; micro-batch {t.batch_size}, {batch}, {t.epochs} epochs, "
           f"{t.optimizer} lr {t.learning_rate:g})")
     return 0
@@ -121,6 +138,8 @@ def cmd_plot(args) -> int:
 
     run = Path(args.run)
     history = outputs.read_history(run, "plot")
+    if not history:
+        raise ConfigError(f"plot: {run / 'history.jsonl'} holds no optimizer steps yet")
     for path in outputs.write_plots(history, run, outputs.read_metrics(run).get("val_history", [])):
         print(path)
     return 0
@@ -169,23 +188,45 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
 
 
 def main(argv=None, prog: str = "finetune") -> int:
-    """Parse and run one command; a ConfigError is printed as one line per problem and exits 2."""
+    """Parse and run one command; a ConfigError is printed as one line per problem and exits 2. With several
+    processes only the main one prints, and a refusal they agreed on (``distributed.agree``) ends them together."""
+    from finetune.errors import WriteError
+    from finetune.outputs import disk_full
     from finetune.steps import NonFiniteError
 
     parser = build_parser(prog)
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
         return args.func(args)
     except ConfigError as e:
-        for problem in e.problems:
-            print(f"error: {problem}", file=sys.stderr)
-        return 2
-    except NonFiniteError as e:  # the run diverged: say where; the last checkpoint is intact
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return _stop(e.problems, 2, together=getattr(e, "agreed", False))
+    except WriteError as e:  # a full disk: said with the directory; the previous checkpoint is intact
+        return _stop(e.problems, 1, together=getattr(e, "agreed", False))
+    except NonFiniteError as e:  # the run diverged: say where; the last checkpoint is intact. Every process
+        return _stop([str(e)], 1, together=True)  # raises it at the same step (the grad norm is global)
+    except OSError as e:
+        if not disk_full(e):
+            raise
+        where = f" writing {e.filename}" if e.filename else ""
+        return _stop([f"output.dir: no space left on device{where}"], 1)
+
+
+def _stop(problems: list, code: int, together: bool = False) -> int:
+    """Print ``problems`` (main process only); with ``together``, wait for the run's other processes, which stop
+    for the same reason, so that none is killed by its launcher before the main process has said why."""
+    if os.environ.get("RANK", "0") == "0":
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+    if together and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from finetune import distributed
+
+        distributed.wait_for_everyone()
+    return code
 
 
 def run_main(argv=None) -> int:

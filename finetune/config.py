@@ -16,6 +16,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
@@ -47,8 +48,9 @@ class TrainingConfig:
         "micro-batch: samples per process per forward/backward; auto: the largest that fits (needs "
         "effective_batch_size; on out-of-memory the same window is retried with a smaller one)", 8,
         flag="--batch-size", affects_result=False)
-    gradient_accumulation_steps: int = doc("N: micro-batches per process per optimizer step", 1,
-                                           flag="--grad-accum-steps", affects_result=False)
+    gradient_accumulation_steps: Optional[int] = doc(
+        "N: micro-batches per process per optimizer step (null: derived from effective_batch_size, else 1)", None,
+        flag="--grad-accum-steps", affects_result=False)
     effective_batch_size: Optional[int] = doc(
         "samples per optimizer step over all processes; when set, N = this / (batch_size × processes), exact", None,
         flag="--effective-batch-size", affects_result=False)
@@ -272,8 +274,9 @@ def validate_training(t: TrainingConfig, problems: list):
              "training.batch_size: auto needs training.effective_batch_size (the window the micro-batches split)")
     else:
         need(t.batch_size >= 1, f"training.batch_size: got {t.batch_size}; must be an integer >= 1 or auto")
-    need(t.gradient_accumulation_steps >= 1,
-         f"training.gradient_accumulation_steps: got {t.gradient_accumulation_steps}; must be an integer >= 1")
+    if t.gradient_accumulation_steps is not None:
+        need(t.gradient_accumulation_steps >= 1, f"training.gradient_accumulation_steps: got "
+             f"{t.gradient_accumulation_steps}; must be an integer >= 1 or null")
     if t.effective_batch_size is not None:
         need(t.effective_batch_size >= 1,
              f"training.effective_batch_size: got {t.effective_batch_size}; must be an integer >= 1")
@@ -294,6 +297,7 @@ def validate_training(t: TrainingConfig, problems: list):
          f"training.betas: got {t.betas}; must be two numbers in [0, 1)")
     need(0 <= t.ema_beta < 1, f"training.ema_beta: got {t.ema_beta}; must be in [0, 1)")
     need(t.num_workers >= 0, f"training.num_workers: got {t.num_workers}; must be an integer >= 0")
+    need(0 <= t.seed < 2**32, f"training.seed: got {t.seed}; must be an integer in [0, 2**32 - 1]")
     if t.max_tokens_per_micro_batch is not None:
         need(t.max_tokens_per_micro_batch >= 1, f"training.max_tokens_per_micro_batch: got "
              f"{t.max_tokens_per_micro_batch}; must be an integer >= 1 or null")
@@ -315,6 +319,8 @@ def _validate_ranges(cfg: RecipeConfig, problems: list):
         need(0 <= m.dropout < 1, f"model.dropout: got {m.dropout}; must be in [0, 1) or null")
     if hasattr(d, "val_fraction"):
         need(0 <= d.val_fraction < 1, f"data.val_fraction: got {d.val_fraction}; must be in [0, 1)")
+    if hasattr(d, "split_seed"):
+        need(0 <= d.split_seed < 2**32, f"data.split_seed: got {d.split_seed}; must be an integer in [0, 2**32 - 1]")
     p = cfg.peft
     if p.enabled:
         need(p.r >= 1, f"peft.r: got {p.r}; must be an integer >= 1")
@@ -387,16 +393,51 @@ def config_from_dict(raw: dict, name: str = "custom") -> RecipeConfig:
     return cfg
 
 
-def load_recipe(name_or_path: str, overrides=None) -> RecipeConfig:
-    """Load ``recipes/<name>.yaml`` (or a path), apply ``section.key=value`` overrides, validate."""
-    path = recipe_path(name_or_path)
+class _RecipeLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last one, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then a key: an override, on purpose
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, typing.Hashable) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (lines {seen[key]} and {line}); keep one",
+                        key_node.start_mark)
+                if isinstance(key, typing.Hashable):
+                    seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path) -> Any:
+    """The YAML document in ``path`` (duplicate keys refused); ConfigError naming the file and the line."""
     try:
-        raw = yaml.safe_load(path.read_text())
+        return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_RecipeLoader)
+    except UnicodeDecodeError:
+        raise ConfigError(f"recipe: {path} is not a text file (not UTF-8); give a YAML recipe") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"recipe: {path} is not valid YAML{where}") from None
-    raw = apply_overrides(raw if isinstance(raw, dict) else {}, overrides)
+        problem = getattr(e, "problem", None)
+        why = f": {problem}" if problem and "given twice" in problem else ""
+        raise ConfigError(f"recipe: {path} is not valid YAML{where}{why}") from None
+
+
+def load_recipe(name_or_path: str, overrides=None) -> RecipeConfig:
+    """Load ``recipes/<name>.yaml`` (or a path), apply ``section.key=value`` overrides, validate."""
+    path = recipe_path(name_or_path)
+    raw = read_yaml(path)
+    if raw is None:
+        raise ConfigError(f"recipe: {path} is empty; a recipe is a YAML mapping of task, model, data, training, "
+                          "output")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"recipe: {path} holds a YAML {type(raw).__name__}; a recipe is a mapping of task, model, "
+                          "data, training, output")
+    raw = apply_overrides(raw, overrides)
     return config_from_dict(raw, name=path.stem)
 
 

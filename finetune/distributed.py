@@ -12,14 +12,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType
 
 from finetune.config import TrainingConfig
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, WriteError
 
 
 def has_device() -> bool:
@@ -59,6 +59,45 @@ def distributed_state() -> PartialState:
 
 
 _shutdown_registered: list = []
+
+
+def agree(check: Callable, main_only: bool = False):
+    """Run ``check()`` on every process and agree on its verdict: when it raises ConfigError (or WriteError) on any
+    process, every process raises that error (the lowest refusing rank's), marked ``agreed``. Without this a refusal
+    on one process leaves the others waiting in their next collective, and they die with gloo's "Connection closed
+    by peer".
+
+    Returns ``check()``'s result on this process; with ``main_only``, ``check`` runs on the main process only and
+    every process gets its result (e.g. an output directory named by the main process's clock).
+
+    A collective: every process calls it at the same point. With one process it is ``check()``.
+    """
+    from accelerate.utils import gather_object
+
+    state = distributed_state()
+    if state.num_processes == 1:
+        return check()
+    value, refusal = None, None
+    if state.is_main_process or not main_only:
+        try:
+            value = check()
+        except (ConfigError, WriteError) as error:
+            refusal = (type(error), error.problems)
+    verdicts = gather_object([(value if main_only else None, refusal)])
+    refusal = next((r for _, r in verdicts if r), None)
+    if refusal:
+        kind, problems = refusal
+        error = kind(problems)
+        error.agreed = True  # every process raises it here: the command line waits for all before exiting
+        raise error
+    return verdicts[0][0] if main_only else value
+
+
+def wait_for_everyone() -> None:
+    """A barrier over the run's processes (none with one process)."""
+    state = distributed_state()
+    if state.num_processes > 1:
+        state.wait_for_everyone()
 
 
 def shutdown() -> None:

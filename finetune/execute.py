@@ -4,17 +4,18 @@ what the run leaves behind. The command line (``finetune.cli``) and the search (
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from finetune import checkpoint, distributed, loop, outputs
+from finetune import checkpoint, distributed, loop, outputs, runlock
 from finetune.config import RecipeConfig, dump_config, flatten, result_neutral_fields
 from finetune.errors import ConfigError
 from finetune.job import Job
 from finetune.registry import task_module
-from finetune.windows import resolve_accumulation
+from finetune.windows import resolve_accumulation, total_optimizer_steps
 
 
 def build_job(cfg: RecipeConfig) -> Job:
@@ -26,7 +27,7 @@ def build_job(cfg: RecipeConfig) -> Job:
 
 
 def output_dir_for(cfg: RecipeConfig, resume: Optional[str] = None) -> Path:
-    """The run's output directory; refused (before anything is written) if it would overwrite another run."""
+    """The run's output directory (its path; ``claim_output_dir`` checks and locks it)."""
     if resume is not None and resume != "latest" and not cfg.output.dir:
         return Path(resume).resolve().parent.parent  # <run>/checkpoints/step-…
     if resume == "latest" and not cfg.output.dir:
@@ -34,34 +35,61 @@ def output_dir_for(cfg: RecipeConfig, resume: Optional[str] = None) -> Path:
     out = Path(cfg.output.dir) if cfg.output.dir else Path("runs") / cfg.name / time.strftime("%Y%m%d-%H%M%S")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output.dir: {out} is a file; give a directory")
-    if resume is None and out.is_dir() and any(out.iterdir()) and not cfg.output.overwrite:
+    return out
+
+
+def claim_output_dir(cfg: RecipeConfig, resume: Optional[str] = None) -> Path:
+    """The run's output directory, locked by this process for the run (``runlock``); refused, before anything is
+    written, when another run holds it or it already holds another run's files."""
+    out = output_dir_for(cfg, resume)
+    runlock.acquire(out)
+    if resume is None and not cfg.output.overwrite and any(p.name != runlock.LOCK for p in out.iterdir()):
+        runlock.release(out)
         raise ConfigError(f"output.dir: {out} already holds files; pick a new directory or set output.overwrite=true")
     return out
 
 
-def prepare(cfg: RecipeConfig, resume: Optional[str] = None) -> tuple[Path, Optional[Path]]:
-    """Everything checked before a model is built: the output directory (the same on every process), the
-    checkpoint to resume, what this machine can run, and that the effective batch splits. Returns
-    (output directory, checkpoint or None)."""
-    from accelerate.utils import broadcast_object_list
-
-    state = distributed.distributed_state()
-    out_dir = [output_dir_for(cfg, resume) if state.is_main_process else None]
-    if state.num_processes > 1:  # every process writes to the same place (timestamps differ between them)
-        broadcast_object_list(out_dir)
-    out_dir = out_dir[0]
+def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes: int, rank: int):
+    """What every process checks before a model is built: the checkpoint to resume (and its random state for
+    ``rank``), what this machine can run, and that the effective batch splits over ``processes``. Returns the
+    checkpoint, or None."""
     resume_from = None
     if resume is not None:
         resume_from = checkpoint.find_checkpoint(resume, out_dir)  # refuses a missing / corrupt checkpoint
         # every process reads the same files, so every process reaches the same verdict (no one waits on a peer
         # that refused)
-        notes = check_resume(resume_from, cfg, state.num_processes)
-        if state.is_main_process:
+        notes = check_resume(resume_from, cfg, processes)
+        if rank == 0:
             for note in notes:
                 print(note, file=sys.stderr)
     distributed.check_environment(cfg.training, cfg.output.tracker)
-    resolve_accumulation(cfg.training, state.num_processes)
+    if cfg.training.batch_size == "auto":
+        loop.start_auto_batch(cfg.training, processes)  # refuses several processes
+    resolve_accumulation(cfg.training, processes)
+    return resume_from
+
+
+def prepare(cfg: RecipeConfig, resume: Optional[str] = None) -> tuple[Path, Optional[Path]]:
+    """Everything checked before a model is built: the output directory (named and locked by the main process, the
+    same on every process), the checkpoint to resume, what this machine can run, and that the effective batch
+    splits. A refusal on any process stops every process with the same error. Returns (output directory,
+    checkpoint or None); the lock is held until ``runlock.release_all()`` (or exit)."""
+    state = distributed.distributed_state()
+    out_dir = distributed.agree(lambda: claim_output_dir(cfg, resume), main_only=True)
+    resume_from = distributed.agree(lambda: check_run(cfg, resume, out_dir, state.num_processes,
+                                                      state.process_index))
     return out_dir, resume_from
+
+
+def check_before_launch(cfg: RecipeConfig, resume: Optional[str], processes: int) -> Path:
+    """``finetune run --processes N`` checks here what ``prepare`` checks, for N processes, before it starts them;
+    returns the output directory. The lock is only tried: the workers' main process takes it for the run."""
+    out_dir = claim_output_dir(cfg, resume)
+    try:
+        check_run(cfg, resume, out_dir, processes, rank=0)
+    finally:
+        runlock.release(out_dir)
+    return out_dir
 
 
 def execute(cfg: RecipeConfig, out_dir: Path, resume_from=None, on_eval=None):
@@ -69,9 +97,10 @@ def execute(cfg: RecipeConfig, out_dir: Path, resume_from=None, on_eval=None):
     state = distributed.distributed_state()
     if not state.is_main_process:
         quiet_libraries()
-    job = build_job(cfg)
-    loop.check_job(job, cfg.training)
-    config_text = dump_config(cfg)
+    job, steps = distributed.agree(lambda: build_checked(cfg, out_dir, resume_from, state.num_processes))
+    if state.is_main_process:
+        warn_about_schedule(cfg.training, steps)
+    config_text = dump_config(as_run(cfg, state.num_processes))
     if state.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         outputs.atomic_write_text(out_dir / "config.yaml", config_text)
@@ -86,6 +115,38 @@ def execute(cfg: RecipeConfig, out_dir: Path, resume_from=None, on_eval=None):
     if result.accelerator.is_main_process:
         write_outputs(cfg, job, result, out_dir)
     return result
+
+
+def build_checked(cfg: RecipeConfig, out_dir: Path, resume_from, processes: int) -> tuple[Job, int]:
+    """The job, checked against the settings (data they can't use; a resumed run that is already complete), and
+    the number of optimizer steps the run takes."""
+    job = build_job(cfg)
+    loop.check_job(job, cfg.training)
+    t = loop.start_auto_batch(cfg.training, processes) if cfg.training.batch_size == "auto" else cfg.training
+    steps = total_optimizer_steps(len(job.train_data), t, resolve_accumulation(t, processes), processes)
+    if resume_from is not None:
+        done = checkpoint.saved_step(resume_from)
+        if done >= steps:
+            raise ConfigError(f"resume: the run in {out_dir} is complete ({done} of {steps} optimizer steps); nothing "
+                              "to do (raise training.epochs or --max-steps to train further)")
+    return job, steps
+
+
+def as_run(cfg: RecipeConfig, processes: int) -> RecipeConfig:
+    """The recipe as the run uses it, for its ``config.yaml``: N is the one derived from the effective batch."""
+    t = cfg.training
+    if t.batch_size == "auto":
+        return cfg
+    return dataclasses.replace(cfg, training=dataclasses.replace(
+        t, gradient_accumulation_steps=resolve_accumulation(t, processes)))
+
+
+def warn_about_schedule(t, steps: int) -> None:
+    """One line when the warm-up does not end before the run does (the learning rate never reaches its peak)."""
+    if t.warmup_steps and t.warmup_steps >= steps and t.lr_scheduler != "constant":
+        print(f"warning: training.warmup_steps: {t.warmup_steps} is not below the run's {steps} optimizer steps; "
+              f"the learning rate never reaches training.learning_rate ({t.learning_rate:g})", file=sys.stderr,
+              flush=True)
 
 
 def quiet_libraries() -> None:

@@ -237,7 +237,7 @@ def start_auto_batch(t: TrainingConfig, processes: int) -> TrainingConfig:
     if processes > 1:
         raise ConfigError("training.batch_size: auto runs on one process (an out-of-memory error on one rank "
                           "would leave the others waiting); give a number with several processes")
-    return dataclasses.replace(t, batch_size=t.effective_batch_size, gradient_accumulation_steps=1)
+    return dataclasses.replace(t, batch_size=t.effective_batch_size, gradient_accumulation_steps=None)  # N derived
 
 
 def start_trackers(run: Run, tracker_config: Optional[dict]) -> None:

@@ -13,11 +13,18 @@ def compute_loss(model, batch, loss_fn=None):
     ``loss_fn(model, batch)`` when given, else ``model(**batch)`` with its ``.loss`` / ``["loss"]``.
     """
     out = loss_fn(model, batch) if loss_fn is not None else model(**batch)
+    loss = out if isinstance(out, torch.Tensor) else \
+        out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    who = "loss_fn" if loss_fn is not None else "model"
+    if loss is None:
+        raise ConfigError(f"{who}: it returned no loss; pass labels in the batch, or give a loss_fn")
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"{who}: its loss is a {type(loss).__name__}; expected a tensor")
+    if torch.is_grad_enabled() and not loss.requires_grad:
+        raise ConfigError(f"{who}: its loss has no gradient (computed under no_grad, detached, or from frozen "
+                          "parameters only)")
     if isinstance(out, torch.Tensor):
         return out, {}, None
-    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
-    if loss is None:
-        raise ConfigError("model: it returned no loss; pass labels in the batch, or give a loss_fn")
     # other 0-d tensors of a dict output (loss terms such as "kl" or "d_loss") are logged beside the loss
     extras = {k: v for k, v in out.items() if k != "loss" and isinstance(v, torch.Tensor) and v.dim() == 0} \
         if isinstance(out, dict) else {}
@@ -44,8 +51,8 @@ def enable_chunked_head(model: torch.nn.Module, requested) -> str:
     """``training.chunked_loss``: the exact chunked loss head (``finetune.loss_head``) on a supported causal LM.
     Returns the banner's word on it. Must run before ``accelerator.prepare`` (Accelerate wraps forward in autocast;
     the head sits beneath)."""
-    from finetune.loss_head import chunked_loss_enabled, enable_chunked_loss, unsupported_reason
     from finetune.items import is_causal_lm
+    from finetune.loss_head import chunked_loss_enabled, enable_chunked_loss, unsupported_reason
 
     if chunked_loss_enabled(model):
         return "chunked (enabled on the model given)"

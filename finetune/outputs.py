@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,20 +33,62 @@ def atomic_write_text(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def disk_full(error: BaseException, directory=None) -> bool:
+    """Whether ``error`` (or what caused it) is a full disk: ENOSPC / EDQUOT, the same said in words (safetensors),
+    or torch's zip writer failing ("unexpected pos …", "file write failed": it drops the errno) while
+    ``directory``'s disk has no room left."""
+    e = error
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    torn = isinstance(error, RuntimeError) and ("unexpected pos" in str(error) or "file write failed" in str(error))
+    if torn and directory is not None:
+        try:
+            return shutil.disk_usage(directory).free < 1 << 20
+        except OSError:
+            return False
+    return False
+
+
 def read_history(run_dir, command: str = "run") -> list[dict]:
     """The records of a run's ``history.jsonl`` (one per optimizer step); ConfigError naming ``command`` when there
-    is none."""
+    is none or a line is not a record."""
     from finetune.errors import ConfigError
 
     path = Path(run_dir) / "history.jsonl"
     if not path.is_file():
         raise ConfigError(f"{command}: {run_dir} is not a run directory (no history.jsonl)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ConfigError(f"{command}: {path} line {number} is not a step record (JSON with a step)")
+        records.append(record)
+    return records
 
 
 def read_metrics(run_dir) -> dict:
+    """A run's ``metrics.json`` ({} when there is none); ConfigError when it is not a JSON object."""
+    from finetune.errors import ConfigError
+
     path = Path(run_dir) / "metrics.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        metrics = json.loads(path.read_text(errors="replace"))
+    except ValueError:
+        metrics = None
+    if not isinstance(metrics, dict):
+        raise ConfigError(f"metrics: {path} is not a JSON object")
+    return metrics
 
 
 def summary(result: dict) -> dict:

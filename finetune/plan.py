@@ -36,7 +36,10 @@ def parse_gpu(spec: str) -> int:
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gib|gb|g)?", key)
     if not m:
         raise ConfigError(f"--gpu: got {spec!r}; give a size like 8GiB or one of: {', '.join(sorted(GPUS))}")
-    return int(float(m.group(1)) * GiB)
+    size = int(float(m.group(1)) * GiB)
+    if size <= 0:
+        raise ConfigError(f"--gpu: got {spec!r}; give the card's memory, more than 0")
+    return size
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -134,7 +137,14 @@ def make_plan(model, batches: list, gpu: str, effective: int, optimizer: str = "
     if b == 0 and per_sample_ck < per_sample:
         b, ck = pick(per_sample_ck), True
     fits = b > 0
-    if not fits:
+    if not fits and gpu_bytes <= CONTEXT:
+        note = (f"does not fit: {gpu_bytes / GiB:.1f} GiB is no more than the {CONTEXT / GiB:.1f} GiB the CUDA context "
+                "takes before any tensor")
+    elif not fits and budget > 0:
+        note = (f"does not fit: one sample's activations ({min(per_sample, per_sample_ck) / GiB:.2f} GiB, with "
+                f"checkpointing if it helps) exceed the {budget / GiB:.2f} GiB left after weights, gradients and "
+                "optimizer state — use a shorter sequence, LoRA (peft.enabled), or a bigger card")
+    elif not fits:
         note = ("does not fit: weights + gradients + optimizer state alone take "
                 f"{(weights + gradients + opt) / GiB:.1f} GiB — use LoRA (peft.enabled), FSDP or DeepSpeed "
                 "(accelerate_configs/), or a bigger card")
@@ -168,9 +178,14 @@ def plan_recipe(cfg, gpu: str, processes: int = 1) -> Plan:
     from finetune.modeling import enable_checkpointing
     from finetune.windows import resolve_accumulation
 
+    parse_gpu(gpu)  # before building the model
     job = build_job(cfg)
     t = cfg.training
     effective = t.effective_batch_size or (t.batch_size * resolve_accumulation(t, processes) * processes)
+    n_train = len(job.train_data)
+    if effective > n_train:  # every window would be the whole set: a micro-batch above it is never used
+        raise ConfigError(f"training.effective_batch_size: {effective} is larger than the {n_train} training "
+                          f"samples; plan for at most {n_train} (one optimizer step per epoch)")
     batches, seq = longest_batches(job, sizes=(2, 4))
     return make_plan(job.model, batches, gpu, effective, t.optimizer, t.momentum, t.mixed_precision, job.loss_fn,
                      lambda m: enable_checkpointing(m, job.enable_checkpointing), seq, processes)

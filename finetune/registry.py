@@ -30,6 +30,8 @@ def available_tasks() -> list[str]:
 
 def task_module(name: str):
     """Import ``finetune.tasks.<name>``; ConfigError naming the field when there is no such task."""
+    if name is None:
+        raise ConfigError(f"task: missing; give one of: {', '.join(available_tasks())}")
     if not isinstance(name, str) or not name.isidentifier() or name not in available_tasks():
         raise ConfigError(f"task: got {name!r}; allowed: {', '.join(available_tasks())}")
     return importlib.import_module(f"finetune.tasks.{name}")
@@ -51,6 +53,8 @@ def recipe_path(name_or_path: str) -> Path:
     """A recipe name (``minilm-sentiment``) or a YAML path → the file; ConfigError when there is none."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or os.sep in name_or_path:
+        if path.is_dir():
+            raise ConfigError(f"recipe: {name_or_path} is a directory; give a YAML file or a recipe name")
         if not path.is_file():
             raise ConfigError(f"recipe: file {name_or_path} not found")
         return path

@@ -1,4 +1,5 @@
-"""Train a recipe: ``accelerate launch finetune/run.py --recipe minilm-sentiment [--batch-size 8 ...]``.
+"""Train a recipe: ``accelerate launch -q finetune/run.py --recipe minilm-sentiment [--batch-size 8 ...]`` (``-q``:
+a bad input is the script's one ``error:`` line, without the launcher's traceback).
 
 The same as ``finetune run``: see ``finetune/cli.py`` for the flags and ``finetune/execute.py`` for what a run does.
 """

@@ -57,6 +57,34 @@ def suggest(trial, field: str, kind: str, values: list):
     return trial.suggest_float(field, values[0], values[1], log=kind == "loguniform")
 
 
+def reported_metrics(cfg) -> list:
+    """The validation metrics ``cfg`` reports: its job built once and the untrained model evaluated on a few
+    validation samples (seconds, where a trial takes minutes). Empty without a validation set."""
+    import warnings
+
+    import torch
+
+    from finetune.execute import build_job
+    from finetune.modeling import compute_loss
+
+    job = build_job(cfg)
+    if job.val_data is None or len(job.val_data) == 0:
+        return []
+    batch = (job.collate_fn or torch.utils.data.default_collate)([job.val_data[i]
+                                                                   for i in range(min(4, len(job.val_data)))])
+    model = job.model.eval()
+    names = ["loss"]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # metrics of four samples from an untrained model may be degenerate
+        loss, _, outputs = compute_loss(model, batch, job.loss_fn)
+        if job.val_loss_metrics is not None:
+            names += list(job.val_loss_metrics(float(loss)))
+        if job.eval_step is not None and job.compute_metrics is not None:
+            preds, refs = job.eval_step(model, batch, outputs)
+            names += list(job.compute_metrics(list(preds), list(refs)))
+    return names
+
+
 def add_arguments(p) -> None:
     p.add_argument("--recipe", required=True, help="recipe name or YAML path")
     p.add_argument("--trials", type=int, default=10, help="number of trials")
@@ -83,6 +111,11 @@ def main(args) -> int:
     if not params:
         raise ConfigError("--param: give at least one, e.g. --param lr=loguniform:1e-5:1e-3")
     base = load_recipe(args.recipe, args.set)  # validates the fixed part once, before any trial
+    if args.metric != "loss":
+        reported = reported_metrics(base)
+        if args.metric not in reported:
+            raise ConfigError(f"--metric: the recipe reports no validation {args.metric!r}; it reports "
+                              + (", ".join(reported) if reported else "nothing (it has no validation set)"))
     direction = args.direction or ("maximize" if args.metric in ("accuracy", "pearson", "f1") else "minimize")
     root = Path(args.output_dir or Path("runs") / f"{base.name}-search")
     if root.is_dir() and any(root.iterdir()):

@@ -63,18 +63,25 @@ def windows_per_epoch(n: int, micro_batch: int, accum: int, world: int = 1) -> i
 
 
 def resolve_accumulation(t, processes: int) -> int:
-    """N from ``t.effective_batch_size`` when given (it must split exactly), else ``t.gradient_accumulation_steps``
-    (``t``: a TrainingConfig). With ``batch_size: auto`` the loop starts at N = 1 and shrinks micro-batches."""
+    """N from ``t.effective_batch_size`` when given (it must split exactly, and agree with an N given beside it),
+    else ``t.gradient_accumulation_steps`` (1 when null) (``t``: a TrainingConfig). With ``batch_size: auto`` the
+    loop starts at N = 1 and shrinks micro-batches."""
     if t.batch_size == "auto":
         return 1
     if t.effective_batch_size is None:
-        return t.gradient_accumulation_steps
+        return t.gradient_accumulation_steps or 1
     per_step = t.batch_size * processes
     if t.effective_batch_size % per_step:
         raise ConfigError(
             f"training.effective_batch_size: {t.effective_batch_size} is not a multiple of batch_size × processes "
             f"= {t.batch_size} × {processes}; pick a batch_size that divides {t.effective_batch_size // processes}")
-    return t.effective_batch_size // per_step
+    n = t.effective_batch_size // per_step
+    if t.gradient_accumulation_steps not in (None, n):
+        raise ConfigError(
+            f"training.gradient_accumulation_steps: {t.gradient_accumulation_steps} contradicts "
+            f"training.effective_batch_size {t.effective_batch_size}, which makes N = {n} with batch_size "
+            f"{t.batch_size} on {processes} process{'es' if processes > 1 else ''}; give one of them")
+    return n
 
 
 def total_optimizer_steps(n_train: int, t, accum: int, processes: int) -> int:

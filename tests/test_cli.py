@@ -1,11 +1,13 @@
 """The CLI as a user runs it: `accelerate launch finetune/run.py --recipe …`, its outputs and its errors."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from finetune.cli import run_main
+from finetune.cli import main, run_main
 from finetune.config import ConfigError, list_recipes, load_recipe
 from tests.helpers import ACCELERATE, ROOT, TINY, cli
 
@@ -43,7 +45,7 @@ def test_every_recipe_loads_and_validates(name):
     cfg = load_recipe(name)
     assert cfg.name == name and cfg.description
     text = (ROOT / "recipes" / f"{name}.yaml").read_text()
-    assert text.startswith("# accelerate launch finetune/run.py --recipe " + name)
+    assert text.startswith("# accelerate launch -q finetune/run.py --recipe " + name)  # -q: an error is one line
 
 
 def test_effective_batch_size_derives_n():
@@ -69,13 +71,32 @@ def test_mixed_precision_no_survives_yaml(tmp_path):
         load_recipe("clm-lion-long", ["training.mixed_precision=yes"])
 
 
-def _data_file(tmp_path, name, text):
-    path = tmp_path / name
-    path.write_text(text)
-    return str(path)
+# files the bad-input cases name as {tmp}/<name>
+FILES = {
+    "empty.csv": "",
+    "bad.jsonl": '{"text": "good", "label": 1}\n{"text": "bad", "label": \n',
+    "labels.csv": "text,label\ngood,1\nbad,7\n",
+    "nolabel.csv": "text,polarity\ngood,1\nbad,0\n",
+    "badyaml.yaml": "task: sentiment\ntraining: [unclosed\n",
+    "badtask.yaml": "task: nope\n",
+    "one.csv": "text,label\ngood,1\n",
+    "nan.csv": "text,label\ngood,1\nbad,\nfine,0\n",
+    "strings.csv": "text,label\ngood,pos\nbad,neg\n",
+    "notext.csv": "text,label\ngood,1\n,0\nfine,0\n",
+    "header.csv": "text,label\n",
+    "latin1.csv": b"text,label\ncaf\xe9,1\nbad,0\n",
+    "garbage.csv": bytes(range(256)) * 8,
+    "binary.yaml": bytes(range(256)) * 8,
+    "empty.yaml": "",
+    "list.yaml": "- task: sentiment\n- task: clm\n",
+    "twice.yaml": "task: sentiment\ntraining:\n  batch_size: 4\n  batch_size: 8\n",
+    "dir/": None,
+    "emptyrun/history.jsonl": "",
+    "badrun/history.jsonl": '{"step": 1, "loss": 0.5, "lr": 0.1, "grad_norm": 1.0}\n{"step": 2, "loss": \n',
+}
 
-
-# (arguments, expected message); "{tmp}" is replaced by the test's temporary directory
+# (arguments, expected message); "{tmp}" is replaced by the test's temporary directory. Arguments starting with a
+# command (plan, plot, search) go to `finetune`, the others to `finetune run`.
 BAD = [
     (["--recipe", "nope"], "recipe: unknown recipe 'nope'"),
     (["--recipe", "{tmp}/missing.yaml"], "recipe: file"),
@@ -102,57 +123,105 @@ BAD = [
     (["--recipe", TINY, "--batch-size", "500"], "training.batch_size: 500 is larger than the 120 training samples"),
     (["--recipe", TINY, "--set", "data.source={tmp}/empty.csv"], "data.source: file {tmp}/empty.csv is empty"),
     (["--recipe", TINY, "--set", "data.source={tmp}/bad.jsonl"], "data.source: cannot read {tmp}/bad.jsonl"),
-    (["--recipe", TINY, "--set", "data.source={tmp}/labels.csv"], "data.label_field: labels must be integers in"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/labels.csv"],
+     "data.label_field: data row 2 has label 7; labels must be integers in [0, 1]"),
     (["--recipe", TINY, "--set", "data.source={tmp}/nolabel.csv"], "data.label_field: no column 'label'"),
     (["--recipe", TINY, "--mixed-precision", "fp16"], "training.mixed_precision: fp16 needs a CUDA device"),
     (["--recipe", TINY, "--resume", "latest"], "resume: no checkpoint in"),
     (["--recipe", TINY, "--resume", "{tmp}/nowhere/checkpoints/step-000004"], "resume: checkpoint"),
     (["--recipe", "{tmp}/badyaml.yaml"], "recipe: {tmp}/badyaml.yaml is not valid YAML"),
     (["--recipe", "{tmp}/badtask.yaml"], "task: got 'nope'; allowed:"),
+    # inputs that crashed with a traceback
+    (["--recipe", TINY, "--set", "data.source={tmp}/one.csv"], "data.val_fraction: 0.1 of 1 sample leaves none"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/nan.csv"], "data.label_field: data row 2 has label None"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/strings.csv"], "data.label_field: data row 1 has label 'pos'"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/notext.csv"], "data.text_field: data row 2 has no text"),
+    (["--recipe", TINY, "--seed", "-1"], "training.seed: got -1; must be an integer in [0, 2**32 - 1]"),
+    (["--recipe", TINY, "--seed", str(2**32)], f"training.seed: got {2**32}"),
+    (["--recipe", TINY, "--set", "model.name_or_path={tmp}/nomodel"],
+     "model.name_or_path: cannot load {tmp}/nomodel: no such directory"),
+    (["--recipe", TINY, "--output-dir", "/proc/finetune-test/run"], "output.dir: cannot write /proc/finetune-test"),
+    (["--recipe", TINY, "--output-dir", "{tmp}/one.csv/run"], "output.dir: cannot write {tmp}/one.csv/run"),
+    (["--recipe", "{tmp}/binary.yaml"], "recipe: {tmp}/binary.yaml is not a text file"),
+    (["plot", "{tmp}/emptyrun"], "plot: {tmp}/emptyrun/history.jsonl holds no optimizer steps"),
+    (["plot", "{tmp}/badrun"], "plot: {tmp}/badrun/history.jsonl line 2 is not a step record"),
+    # silent misconfiguration
+    (["--recipe", TINY, "--grad-accum-steps", "3", "--set", "training.effective_batch_size=8"],
+     "training.gradient_accumulation_steps: 3 contradicts training.effective_batch_size 8, which makes N = 2"),
+    (["--recipe", "{tmp}/twice.yaml"], "key 'batch_size' is given twice (lines 3 and 4)"),
+    (["plan", "--recipe", TINY, "--gpu", "t4", "--set", "training.effective_batch_size=100000000", "--set",
+      "training.gradient_accumulation_steps=null"],
+     "training.effective_batch_size: 100000000 is larger than the 120 training samples"),
+    (["plan", "--recipe", TINY, "--gpu", "0GiB"], "--gpu: got '0GiB'"),
+    (["search", "--recipe", TINY, "--trials", "1", "--param", "lr=loguniform:1e-4:1e-3", "--metric", "f1score",
+      "--output-dir", "{tmp}/out"], "--metric: the recipe reports no validation 'f1score'; it reports loss, accuracy"),
+    # messages that misled
+    (["--recipe", "{tmp}/empty.yaml"], "recipe: {tmp}/empty.yaml is empty"),
+    (["--recipe", "{tmp}/list.yaml"], "recipe: {tmp}/list.yaml holds a YAML list"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/garbage.csv"],
+     "data.source: cannot read {tmp}/garbage.csv: Error tokenizing"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/latin1.csv"],
+     "data.source: cannot read {tmp}/latin1.csv: not UTF-8 text (byte 0xe9"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/header.csv"], "data.source: {tmp}/header.csv holds no data rows"),
+    (["--recipe", TINY, "--set", "data.source={tmp}/dir"], "data.source: {tmp}/dir is a directory"),
+    (["--recipe", "{tmp}/dir/"], "recipe: {tmp}/dir/ is a directory"),
 ]
 
+# These run as their own process: config, argparse, data and resume errors through the plain script, and one
+# through the README's `accelerate launch -q` (its exit code is 1: the launcher's, whatever the script's); the rest
+# call main() in this process.
+IN_A_PROCESS = {0: "accelerate", 17: "python", 20: "python", 22: "python", 24: "python", 26: "python"}
+ACCELERATE_Q = (ACCELERATE, "launch", "-q", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no")
 
-# these run as their own process (config, argparse, data and resume errors); the rest call main() in this process
-IN_A_PROCESS = {0, 17, 20, 22, 24, 26}
+
+def _files(root):
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 @pytest.mark.parametrize("index,args,message", [(i, *case) for i, case in enumerate(BAD)],
                          ids=[f"{i:02d}-" + m.split(":")[0] for i, (_, m) in enumerate(BAD)])
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, index, args, message):
-    _data_file(tmp_path, "empty.csv", "")
-    _data_file(tmp_path, "bad.jsonl", '{"text": "good", "label": 1}\n{"text": "bad", "label": \n')
-    _data_file(tmp_path, "labels.csv", "text,label\ngood,1\nbad,7\n")
-    _data_file(tmp_path, "nolabel.csv", "text,polarity\ngood,1\nbad,0\n")
-    _data_file(tmp_path, "badyaml.yaml", "task: sentiment\ntraining: [unclosed\n")
-    _data_file(tmp_path, "badtask.yaml", "task: nope\n")
-    if "data.source={tmp}" in " ".join(args) or "resume" in " ".join(args):
-        args = [*args, "--set", "data.limit=1000"] if "resume" not in " ".join(args) else args
+    for name, content in FILES.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if content is None:
+            path.mkdir(exist_ok=True)
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+    command = args[0] if not args[0].startswith("-") else "run"
+    if command == "run" and ("data.source={tmp}" in " ".join(args)):
+        args = [*args, "--set", "data.limit=1000"]
+    if command == "run" and "--output-dir" not in args:
+        args = [*args, "--output-dir", "{tmp}/out"]
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     message = message.replace("{tmp}", str(tmp_path))
     out = tmp_path / "out"
     if "latest" in args:  # an existing run without checkpoints: its files must survive
         out.mkdir()
         (out / "history.jsonl").write_text("keep me\n")
+    before = _files(tmp_path)
     if index in IN_A_PROCESS:  # as a user runs it: the exit code and stderr of a real process
-        proc = cli(*args, "--output-dir", str(out))
+        proc = cli(*args, launcher=ACCELERATE_Q if IN_A_PROCESS[index] == "accelerate" else (sys.executable,))
         code, stderr = proc.returncode, proc.stderr
         assert len(stderr.strip().splitlines()) == 1, stderr[-2000:]  # nothing else: no log, no progress bar
     else:  # the same entry point in this process (an exception escaping main() fails the test)
         capsys.readouterr()
         try:
-            code = run_main([*args, "--output-dir", str(out)])
+            code = run_main(args) if command == "run" else main(args)
         except SystemExit as e:  # argparse
             code = e.code
         stderr = capsys.readouterr().err
-    assert code == 2, stderr[-2000:]
+    assert code == (1 if IN_A_PROCESS.get(index) == "accelerate" else 2), stderr[-2000:]
     lines = [x for x in stderr.strip().splitlines() if x.startswith("error: ")]
     assert len(lines) == 1 and message in lines[0], stderr[-2000:]
-    assert "Traceback" not in stderr
-    if "latest" in args:
-        assert [p.name for p in out.iterdir()] == ["history.jsonl"]
-        assert (out / "history.jsonl").read_text() == "keep me\n"
-    else:
-        assert not out.exists()
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) <= 3, stderr[-2000:]
+    assert _files(tmp_path) == before  # nothing written, nothing changed
+    output_dir = args[args.index("--output-dir") + 1] if "--output-dir" in args else None
+    assert "latest" in args or output_dir is None or not Path(output_dir).exists()
+    assert not (tmp_path / "out").exists() or "latest" in args
 
 
 def test_existing_run_is_not_overwritten(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import math
 import os
 import shutil
 from pathlib import Path
@@ -125,6 +126,32 @@ def gguf_folder(path: Path) -> Path:
     return target
 
 
+def from_pretrained(cls, path: str, field: str = "model.name_or_path", **kwargs):
+    """``cls.from_pretrained(path, **kwargs)``; a model that cannot be loaded (no such directory or hub id, not a
+    model) is one line naming ``field`` instead of transformers' traceback."""
+    from finetune.config import ConfigError
+
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:  # transformers' "not found" is an OSError, "not a model" a ValueError
+        local = Path(path).expanduser().is_absolute() or path.startswith((".", "~"))
+        reason = "no such directory" if local and not Path(path).expanduser().exists() else \
+            (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ConfigError(f"{field}: cannot load {path}: {reason}") from None
+
+
+def check_data_source(source: str, builtin: str, problems: list) -> None:
+    """One ``data.source`` line when ``source`` is neither the task's built-in data set nor a file."""
+    if source == builtin:
+        return
+    if Path(source).is_dir():
+        problems.append(f"data.source: {source} is a directory; give a data file, or '{builtin}'")
+    elif not Path(source).is_file():
+        problems.append(f"data.source: file {source} not found; use '{builtin}' or a data file")
+
+
 def pad_collate(pad_id: int = 0):
     """A collate_fn that right-pads each micro-batch to its own longest sample. Without a per-sample ``labels`` (a
     causal LM) the labels are the input ids with -100 on padding; a per-sample class label is stacked."""
@@ -161,13 +188,33 @@ def load_local_table(path, builders: dict, kwargs=None):
     datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
     datasets.disable_progress_bars()
     try:
-        return datasets.load_dataset(builders[ext], data_files=str(path), split="train", **(kwargs or {}).get(ext, {}))
+        table = datasets.load_dataset(builders[ext], data_files=str(path), split="train",
+                                      **(kwargs or {}).get(ext, {}))
     except Exception as e:  # datasets raises many types for a malformed file
-        raise ConfigError(f"data.source: cannot read {path}: {str(e).splitlines()[0][:200]}") from None
+        if "corresponds to no data" in str(e):  # its words for a file with a header and no rows
+            raise ConfigError(f"data.source: {path} holds no data rows") from None
+        raise ConfigError(f"data.source: cannot read {path}: {_unreadable(e)}") from None
     finally:
         datasets.utils.logging.set_verbosity(verbosity)
         if bars:
             datasets.enable_progress_bars()
+    if len(table) == 0:
+        raise ConfigError(f"data.source: {path} holds no data rows")
+    return table
+
+
+def _unreadable(error: Exception) -> str:
+    """Why datasets could not read a file, in words: the cause under its "An error occurred while generating the
+    dataset", or a file that is not UTF-8 text."""
+    chain, e = [], error
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, UnicodeDecodeError):
+            return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at byte {e.start}); save it as UTF-8"
+    words = next((str(e) for e in chain if str(e) and type(e).__name__ != "DatasetGenerationError"), str(error))
+    return (words.strip().splitlines() or [type(error).__name__])[0][:200]
 
 
 def set_dropout(model: torch.nn.Module, p) -> None:
@@ -194,6 +241,13 @@ def set_dropout(model: torch.nn.Module, p) -> None:
 def split(dataset, val_fraction: float, seed: int, limit=None):
     """Seeded train/validation split of a 🤗 Dataset; ``limit`` keeps the first N of each part."""
     if val_fraction > 0:
+        n = len(dataset)
+        n_val = math.ceil(val_fraction * n)  # how datasets rounds a fractional test_size
+        if n - n_val < 1:
+            from finetune.config import ConfigError
+
+            raise ConfigError(f"data.val_fraction: {val_fraction} of {n} sample{'s' if n > 1 else ''} leaves none "
+                              "to train on; give more data or set data.val_fraction=0")
         parts = dataset.train_test_split(test_size=val_fraction, seed=seed, shuffle=True)
         train, val = parts["train"], parts["test"]
     else:

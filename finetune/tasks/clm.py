@@ -22,6 +22,8 @@ from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
 from finetune.job import Job
 from finetune.tasks._common import (
     apply_peft,
+    check_data_source,
+    from_pretrained,
     load_local_table,
     pad_collate,
     peft_save_hook,
@@ -62,8 +64,7 @@ def validate(cfg, problems: list) -> None:
         problems.append("model.config: needs model_type (e.g. gpt2, llama)")
     if d.seq_len < 2:
         problems.append(f"data.seq_len: got {d.seq_len}; must be >= 2")
-    if d.source != "pydoc" and not Path(d.source).is_file():
-        problems.append(f"data.source: file {d.source} not found; use 'pydoc' or a data file")
+    check_data_source(d.source, "pydoc", problems)
 
 
 def pydoc_paragraphs(min_chars: int = 40) -> list[str]:
@@ -117,8 +118,8 @@ def build_model(m: ModelConfig, tokenizer):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if m.name_or_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(m.name_or_path),
-                                                     trust_remote_code=m.trust_remote_code, **(m.config or {}))
+        model = from_pretrained(AutoModelForCausalLM, resolve_model_path(m.name_or_path),
+                                trust_remote_code=m.trust_remote_code, **(m.config or {}))
     else:
         fields = dict(m.config)
         arch = AutoConfig.for_model(fields.pop("model_type"), vocab_size=len(tokenizer),
@@ -139,8 +140,9 @@ def build(cfg) -> Job:
     if m.tokenizer or m.name_or_path:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(m.tokenizer or m.name_or_path),
-                                                  trust_remote_code=m.trust_remote_code)
+        tokenizer = from_pretrained(AutoTokenizer, resolve_model_path(m.tokenizer or m.name_or_path),
+                                    "model.tokenizer" if m.tokenizer else "model.name_or_path",
+                                    trust_remote_code=m.trust_remote_code)
     else:
         tokenizer = train_tokenizer(list(train_texts["text"]), m.vocab_size)
     if tokenizer.pad_token is None:

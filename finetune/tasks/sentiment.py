@@ -8,16 +8,17 @@ and a label column works too (``data.source: path/to/file.csv``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
-
-import numpy as np
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
 from finetune.job import Job
 from finetune.tasks._common import (
     apply_peft,
+    check_data_source,
+    from_pretrained,
     load_local_table,
     load_metric,
     peft_save_hook,
@@ -55,8 +56,7 @@ def validate(cfg, problems: list) -> None:
         problems.append(f"model.num_labels: got {cfg.model.num_labels}; must be >= 2 for classification")
     if cfg.data.max_length < 2:
         problems.append(f"data.max_length: got {cfg.data.max_length}; must be >= 2")
-    if cfg.data.source != "vader" and not Path(cfg.data.source).is_file():
-        problems.append(f"data.source: file {cfg.data.source} not found; use 'vader' or a data file")
+    check_data_source(cfg.data.source, "vader", problems)
 
 
 def vader_ratings():
@@ -85,21 +85,37 @@ def load_table(source: str):
                                      "parquet": "parquet"}, {"tsv": {"delimiter": "\t"}})
 
 
+def check_columns(table, text_field: str, label_field: str, regression: bool, num_labels: int) -> None:
+    """Refuse, naming the first bad data row, a text that is missing or a label the model cannot take: a missing
+    or non-finite number, a string, a class outside [0, num_labels)."""
+    for i, text in enumerate(table[text_field]):
+        if not isinstance(text, str):
+            raise ConfigError(f"data.text_field: data row {i + 1} has no text (got {text!r})")
+    for i, label in enumerate(table[label_field]):
+        number = isinstance(label, (int, float)) and not isinstance(label, bool)
+        if regression and not (number and math.isfinite(label)):
+            raise ConfigError(f"data.label_field: data row {i + 1} has label {label!r}; regression labels must be "
+                              "finite numbers")
+        if not regression and not (number and float(label).is_integer() and 0 <= label < num_labels):
+            raise ConfigError(f"data.label_field: data row {i + 1} has label {label!r}; labels must be integers in "
+                              f"[0, {num_labels - 1}] (model.num_labels = {num_labels})")
+
+
 def build(cfg) -> Job:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
     m, d = cfg.model, cfg.data
     path = resolve_model_path(m.name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+    tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code=m.trust_remote_code)
     if m.config is not None:
         from transformers import AutoConfig
 
-        arch = AutoConfig.from_pretrained(path, num_labels=m.num_labels, trust_remote_code=m.trust_remote_code,
-                                          **m.config)
+        arch = from_pretrained(AutoConfig, path, num_labels=m.num_labels, trust_remote_code=m.trust_remote_code,
+                               **m.config)
         model = AutoModelForSequenceClassification.from_config(arch, trust_remote_code=m.trust_remote_code)
     else:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=m.num_labels, trust_remote_code=m.trust_remote_code)
+        model = from_pretrained(AutoModelForSequenceClassification, path, num_labels=m.num_labels,
+                                trust_remote_code=m.trust_remote_code)
     model.config.problem_type = "regression" if d.target == "valence" else "single_label_classification"
     set_dropout(model, m.dropout)
     model = apply_peft(model, cfg.peft, "SEQ_CLS")
@@ -111,17 +127,11 @@ def build(cfg) -> Job:
         if f not in table.column_names:
             raise ConfigError(f"data.{'text' if f == d.text_field else 'label'}_field: no column {f!r} in "
                               f"{d.source}; columns: {', '.join(table.column_names)}")
-    labels = np.asarray(table[label_field])
-    if regression:
-        if labels.dtype.kind not in "iuf" or not np.isfinite(labels.astype(float)).all():
-            raise ConfigError("data.label_field: regression labels must be finite numbers")
-    elif labels.dtype.kind not in "iu" or labels.min() < 0 or labels.max() >= m.num_labels:
-        raise ConfigError(f"data.label_field: labels must be integers in [0, {m.num_labels - 1}] "
-                          f"(model.num_labels = {m.num_labels}); found {labels.min()}..{labels.max()}")
+    check_columns(table, d.text_field, label_field, regression, m.num_labels)
 
     def tokenize(batch):
         enc = tokenizer(batch[d.text_field], truncation=True, max_length=d.max_length)
-        enc["labels"] = [float(x) for x in batch[label_field]] if regression else batch[label_field]
+        enc["labels"] = [float(x) if regression else int(x) for x in batch[label_field]]
         return enc
 
     table = table.map(tokenize, batched=True, remove_columns=table.column_names, desc="tokenize")
