@@ -209,13 +209,6 @@ def saved_step(path: Path) -> int:
     return int(json.loads((path / MANIFEST).read_text())["step"])
 
 
-def require_random_state(path: Path, rank: int) -> None:
-    """Refuse a checkpoint without process ``rank``'s random state (it was saved with fewer processes)."""
-    if not (path / f"rng_{rank}.json").is_file():
-        raise ConfigError(f"resume: checkpoint {path} has no random state for process {rank}; "
-                          "resume with the number of processes it was saved with")
-
-
 def verify(path: Path) -> dict:
     """Refuse a partial or corrupt checkpoint: every file of the manifest present, with its size and hash."""
     try:
