@@ -71,6 +71,8 @@ def overrides_from_args(args) -> list[str]:
         raise ConfigError("--effective-batch-size: give it or --grad-accum-steps, not both")
     if args.grad_accum_steps is not None:  # an explicit N replaces the recipe's effective batch
         out.append("training.effective_batch_size=null")
+    if args.effective_batch_size is not None:  # and an explicit effective batch the recipe's N
+        out.append("training.gradient_accumulation_steps=null")
     if args.use_amp and args.mixed_precision is None:
         import torch
 

@@ -50,7 +50,9 @@ def _kill(pids):
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    deadline = time.time() + 30
+    # a SIGKILLed process in the middle of an fsync (a checkpoint) exits only when the disk answers: on a loaded
+    # machine that can take a while, and its lock is held until then
+    deadline = time.time() + 180
     while time.time() < deadline and any(Path(f"/proc/{p}").exists() and "Z" not in _state(p) for p in pids):
         time.sleep(0.1)
 
