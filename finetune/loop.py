@@ -216,6 +216,8 @@ def setup(job: Job, t: TrainingConfig, output_dir=None, accelerator=None, log_wi
               pack_length_of=pack_length_of,
               pack_capacity=(t.pack_length or max(map(pack_length_of, range(len(job.train_data)))))
               if pack_length_of else None)
+    if auto_batch:
+        run.t = planned_micro_batch(run)
     if resume_from is not None:
         run.state = checkpoint.load_checkpoint(accelerator, resume_from, run.schedulers)
     return run
@@ -238,6 +240,28 @@ def start_auto_batch(t: TrainingConfig, processes: int) -> TrainingConfig:
         raise ConfigError("training.batch_size: auto runs on one process (an out-of-memory error on one rank "
                           "would leave the others waiting); give a number with several processes")
     return dataclasses.replace(t, batch_size=t.effective_batch_size, gradient_accumulation_steps=None)  # N derived
+
+
+def planned_micro_batch(run: Run) -> TrainingConfig:
+    """``batch_size: auto`` starts from the planner's prediction (``step_memory.auto_profile``, measured on this model
+    in this run's settings): the largest micro-batch dividing the window whose step is predicted to fit the device.
+    An out-of-memory error still shrinks it (``shrink_micro_batch``)."""
+    from accelerate.utils import send_to_device
+
+    from finetune.step_memory import auto_profile, device_budget, longest_batches, tensor_bytes
+
+    device = run.accelerator.device
+    batches = [send_to_device(b, device) for b in longest_batches(run.job, sizes=(1, 2))[0]]
+    window = run.t.batch_size  # start_auto_batch: the whole per-process window
+    profile = auto_profile(run.model, batches, run.t, run.job.loss_fn, up_to=window)
+    budget = device_budget(device, held=tensor_bytes(run.model.parameters()))
+    b = profile.largest_micro_batch(window, budget)
+    peak = profile.step_peak(max(b, 1), window // max(b, 1))
+    if run.accelerator.is_main_process:
+        print(f"batch_size auto: micro-batch {max(b, 1)} × {window // max(b, 1)}, predicted step peak "
+              f"{peak / 2**30:.2f} of {budget / 2**30:.2f} GiB free on {device}"
+              + ("" if b else " (even one sample is predicted not to fit: trying it)"), flush=True)
+    return dataclasses.replace(run.t, batch_size=max(b, 1))
 
 
 def start_trackers(run: Run, tracker_config: Optional[dict]) -> None:

@@ -67,6 +67,75 @@ class _null:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# measuring a peak
+
+
+class PeakMeter:
+    """Bytes allocated inside the block on ``device``: ``peak`` (the most at any moment) and ``net`` (still allocated
+    at the end), both relative to the start. CUDA: the caching allocator's counters; CPU: the profiler's record of
+    every allocation and free, in order (deterministic, unlike the process's RSS, which also holds the allocator's
+    cache and the libraries)."""
+
+    def __init__(self, device=None):
+        self.cuda = torch.device(device or "cpu").type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            from torch.profiler import ProfilerActivity, profile
+
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's own start/stop lines: read at first use
+            self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.start
+            self.net = torch.cuda.memory_allocated() - self.start
+            return
+        self.prof.__exit__(*exc)
+        import json
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            self.prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+        deltas = sorted((e["ts"], e["args"].get("Ev Idx", 0), e["args"]["Bytes"]) for e in events
+                        if e.get("name") == "[memory]" and e["args"].get("Device Type", 0) == 0)
+        now = peak = 0
+        for *_, nbytes in deltas:
+            now += nbytes
+            peak = max(peak, now)
+        self.peak, self.net = peak, now
+
+
+def offload_to_host(device) -> object:
+    """Activation offloading as it acts on device memory: on CUDA torch's ``save_on_cpu`` itself; on a CPU (where
+    the planner measures for a card it does not have) saved tensors leave torch's allocator for NumPy's and come back
+    as a fresh tensor when backward needs them — the allocations ``save_on_cpu`` makes and frees on the device."""
+    if torch.device(device).type == "cuda":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+    def pack(t):
+        t = t.detach()
+        raw = t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+        return t.dtype, raw.contiguous().numpy().copy()
+
+    def unpack(packed):
+        dtype, array = packed
+        return torch.from_numpy(array).clone().view(dtype)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # monitoring
 
 

@@ -1,22 +1,25 @@
-"""``finetune plan --recipe R --gpu 8GiB``: will the baseline fit on my card, and with what micro-batch?
+"""``finetune plan --recipe R --gpu 8GiB``: will the baseline fit on my card, and with what?
 
-It builds the recipe's model on this machine, counts parameters, gradients and optimizer state, and runs real
-micro-batches forward and backward to measure the activations saved for backward per sample (unique storages,
-parameters excluded) with and without checkpointing, under the recipe's precision. Then it picks the largest
-micro-batch that fits and divides the effective batch, and N for that effective batch.
+The planner predicts the **peak of one optimizer step** — the most bytes allocated at any moment — for each
+combination of the memory settings (``step_memory.Profile``: weights, gradients, the optimizer's state and step,
+and the micro-batch's measured peak: saved activations, the loss head, backward's temporaries), and recommends the
+cheapest that fits the card: the settings are tried in the order of what they cost (``COST``), each with the largest
+micro-batch that divides the window and fits. It builds the recipe's model on this machine and measures its
+micro-batches of the longest training samples rather than guessing.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
-from typing import Optional
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
 
 import torch
 
 from finetune.errors import ConfigError
-from finetune.memory import GiB, activation_bytes
+from finetune.memory import GiB, PeakMeter
+from finetune.step_memory import HEADROOM, Profile, Setting, longest_batches, measure
 
 # memory of common cards (bytes); "8GiB" / "12GB" / "24" also work
 GPUS = {
@@ -25,7 +28,6 @@ GPUS = {
     "a10g": 24, "l4": 24, "l40s": 48, "a100-40gb": 40, "a100-80gb": 80, "a100": 80, "h100": 80, "h100-80gb": 80,
 }
 CONTEXT = 0.6 * GiB   # CUDA context, cuBLAS workspaces and the allocator's slack, reserved before any tensor
-HEADROOM = 0.9        # plan to use at most 90 % of what is left (fragmentation)
 
 
 def parse_gpu(spec: str) -> int:
@@ -42,6 +44,26 @@ def parse_gpu(spec: str) -> int:
     return size
 
 
+def budget_for(gpu_bytes: float) -> float:
+    """Bytes of tensors a card of ``gpu_bytes`` can hold: what the context leaves, less the headroom."""
+    return (gpu_bytes - CONTEXT) * HEADROOM
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what each setting costs
+
+
+# What each setting costs, in the order the planner tries them (cheapest first). LoRA comes last: it trains other
+# weights, so it is no longer the baseline's step.
+COST = {
+    "plain": "no extra compute",
+    "chunked loss": "the same FLOPs (the loss head runs in chunks; exact)",
+    "checkpointing": "recomputes each block's forward in backward (about 1/3 more compute)",
+    "offloading": "copies saved activations to host memory and back (PCIe traffic, partly overlapped)",
+    "LoRA": "trains adapters only: a different run from a full fine-tune baseline",
+}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the plan
 
@@ -52,11 +74,10 @@ class Plan:
     gpu_bytes: int
     parameters: int
     trainable_parameters: int
-    weights: int                   # bytes
+    weights: int                   # bytes, of the recommended setting (LoRA adds adapters)
     gradients: int
     optimizer: int
-    activations_per_sample: int
-    activations_per_sample_checkpointed: int
+    activations_per_sample: int    # saved for backward, recommended setting
     activations_fixed: int
     sequence_length: Optional[int]
     precision: str
@@ -64,116 +85,198 @@ class Plan:
     micro_batch_size: int          # 0: does not fit
     gradient_accumulation_steps: int
     gradient_checkpointing: bool
+    chunked_loss: bool
+    activation_offloading: bool
+    lora: bool
+    step_peak: int                 # predicted, at the recommendation (or at micro-batch 1 of the last setting tried)
     fits: bool
     note: str
+    settings: list = field(default_factory=list)   # every setting tried: label, largest micro-batch, its peak
+    profiles: list = field(default_factory=list, repr=False)
+
+    def predict(self, micro_batch: int, accumulation: int, setting: Optional[Setting] = None) -> int:
+        """Predicted step peak of ``micro_batch`` × ``accumulation`` under ``setting`` (default: the recommended)."""
+        return self.profile(setting).step_peak(micro_batch, accumulation)
+
+    def profile(self, setting: Optional[Setting] = None) -> Profile:
+        want = setting or Setting(self.gradient_checkpointing, self.chunked_loss, self.activation_offloading,
+                                  self.lora)
+        return next(p for p in self.profiles if p.setting == want)
 
     def table(self) -> str:
-        gib = lambda b: f"{b / GiB:8.2f} GiB"  # noqa: E731
-        b = max(self.micro_batch_size, 1)
-        act = self.activations_per_sample_checkpointed if self.gradient_checkpointing else self.activations_per_sample
-        rows = [
-            ("weights", self.weights, f"{self.parameters / 1e6:.1f} M parameters"),
-            ("gradients", self.gradients, f"{self.trainable_parameters / 1e6:.1f} M trainable, fp32"),
-            ("optimizer state", self.optimizer, ""),
-            ("activations / sample", self.activations_per_sample,
-             f"saved for backward at {self.sequence_length or '-'} tokens, {self.precision}"),
-            ("  with checkpointing", self.activations_per_sample_checkpointed, ""),
-            (f"activations × {b}", self.activations_fixed + act * b, "micro-batch"),
-            ("CUDA context + slack", int(CONTEXT), "reserved before any tensor"),
-        ]
-        total = self.weights + self.gradients + self.optimizer + self.activations_fixed + act * b + int(CONTEXT)
-        lines = [f"{'component':<24}{'memory':>12}  note", "-" * 72]
-        lines += [f"{name:<24}{gib(v):>12}  {note}" for name, v, note in rows]
-        lines += ["-" * 72, f"{'total':<24}{gib(total):>12}  of {gib(self.gpu_bytes).strip()} ({self.gpu})", ""]
+        gib = lambda v: f"{v / GiB:8.2f} GiB"  # noqa: E731
+        p, b = self.profile(), max(self.micro_batch_size, 1)
+        n = self.gradient_accumulation_steps or self.effective_batch_size
+        above = self.step_peak - p.weights - p.gradients - p.optimizer_state - p.buckets
+        saved = min(p.part(p.saved, b), max(above, 0))
+        rows = [("weights", p.weights, f"{p.parameters / 1e6:.1f} M parameters"),
+                ("gradients", p.gradients, f"{p.trainable / 1e6:.1f} M trainable"),
+                ("optimizer state", p.optimizer_state, ""),
+                (f"saved activations × {b}", saved,
+                 f"kept for backward, {self.sequence_length or '-'} tokens a sample, {self.precision}"),
+                ("loss head, temporaries", max(above - saved, 0), "the rest: logits, backward, optimizer step")]
+        if p.buckets:
+            rows.insert(3, ("DDP gradient buckets", p.buckets, "a copy of the gradients per process"))
+        lines = [f"{'component':<28}{'memory':>12}  note", "-" * 76]
+        lines += [f"{name:<28}{gib(v):>12}  {note}" for name, v, note in rows]
+        lines += ["-" * 76,
+                  f"{'step peak':<28}{gib(self.step_peak):>12}  predicted at {b} × {n}, {p.setting.label}",
+                  f"{'CUDA context + slack':<28}{gib(CONTEXT):>12}  reserved before any tensor",
+                  f"{'total':<28}{gib(self.step_peak + CONTEXT):>12}  of {gib(self.gpu_bytes).strip()} ({self.gpu})",
+                  "", f"{'setting':<44}{'largest micro-batch':>20}{'step peak there':>18}", "-" * 82]
+        lines += [f"{s['setting']:<44}{s['micro_batch'] or 'none':>20}{gib(s['step_peak']):>18}"
+                  for s in self.settings]
+        lines.append("")
         if self.fits:
-            ck = ", gradient checkpointing on" if self.gradient_checkpointing else ""
+            flags = " ".join(p.setting.flags())
             lines.append(f"recommendation: --batch-size {self.micro_batch_size} --grad-accum-steps "
-                         f"{self.gradient_accumulation_steps} (effective batch {self.effective_batch_size}){ck}")
+                         f"{self.gradient_accumulation_steps} {flags} (effective batch {self.effective_batch_size})")
         lines.append(self.note)
         return "\n".join(lines)
 
 
-def optimizer_bytes(trainable: int, optimizer: str, momentum: float = 0.0) -> int:
-    """fp32 state: AdamW keeps two moments, Lion one, SGD one buffer only with momentum."""
-    slots = {"adamw": 2, "lion": 1, "sgd": 1 if momentum else 0}[optimizer]
-    return slots * trainable * 4
+def rank(setting: Setting) -> int:
+    """Where ``setting`` stands in ``COST`` (the head's chunking costs nothing)."""
+    return 4 if setting.lora else 2 * setting.offload + setting.checkpointing
 
 
-def make_plan(model, batches: list, gpu: str, effective: int, optimizer: str = "adamw", momentum: float = 0.0,
-              precision: str = "no", loss_fn=None, enable_checkpointing=None, sequence_length=None,
-              processes: int = 1) -> Plan:
-    """Measure and recommend. ``batches``: two micro-batches of different sizes (samples), same sequence length."""
+def measuring_order(can_chunk: bool, can_checkpoint: bool) -> list[Setting]:
+    """Every setting to weigh, in the order they can be measured on one model: checkpointing is only ever switched
+    on, so the settings without it come first. Offloading keeps the chunked head when there is one."""
+    heads = [False, True] if can_chunk else [False]
+    out = [Setting(chunked_loss=h) for h in heads] + [Setting(chunked_loss=can_chunk, offload=True)]
+    if can_checkpoint:
+        out += [Setting(checkpointing=True, chunked_loss=h) for h in heads]
+        out.append(Setting(checkpointing=True, chunked_loss=can_chunk, offload=True))
+    return out
+
+
+def switch(model, setting: Setting, enable_checkpointing: Optional[Callable]) -> None:
+    """Put ``model`` in ``setting`` (checkpointing is only ever switched on: see ``measuring_order``)."""
+    from finetune.loss_head import chunked_loss_enabled, disable_chunked_loss, enable_chunked_loss
+
+    if setting.chunked_loss and not chunked_loss_enabled(model):
+        enable_chunked_loss(model)
+    elif not setting.chunked_loss and chunked_loss_enabled(model):
+        disable_chunked_loss(model)
+    if setting.checkpointing and not getattr(model, "_planned_checkpointing", False):
+        enable_checkpointing(model)
+        model._planned_checkpointing = True
+
+
+def make_plan(model, batches: list, gpu: str, effective: int, training=None, loss_fn=None,
+              enable_checkpointing: Optional[Callable] = None, sequence_length: Optional[int] = None,
+              processes: int = 1, lora_model: Optional[Callable] = None, every_setting: bool = False) -> Plan:
+    """Measure the settings until the cheapest that fits ``gpu`` is known; recommend it with its micro-batch.
+
+    ``batches``: two micro-batches of different sizes (samples), same sequence length, on the model's device.
+    ``training``: the recipe's TrainingConfig (optimizer, precision, whether the chunked head may be used).
+    ``enable_checkpointing(model)``: switches checkpointing on (None: not available). ``lora_model()``: a fresh
+    LoRA model of the recipe, tried only when nothing that trains every weight fits (None: not offered).
+    ``every_setting``: measure them all (``Plan.predict`` then answers for any), not only until the pick is known.
+    """
+    from finetune.config import TrainingConfig
+    from finetune.items import is_causal_lm
+    from finetune.loss_head import unsupported_reason
+
+    t = training or TrainingConfig()
     gpu_bytes = parse_gpu(gpu)
-    params = list(model.parameters())
-    n_params = sum(p.numel() for p in params)
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    weights = sum(p.numel() * p.element_size() for p in params) + sum(b.numel() * b.element_size()
-                                                                       for b in model.buffers())
-    gradients = trainable * 4
-    opt = optimizer_bytes(trainable, optimizer, momentum)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.bfloat16 if not torch.cuda.is_available() else torch.float16}.get(
-        precision)  # fp16 and bf16 save the same 2-byte activations; on CPU bf16 stands in for fp16
-
-    from finetune.items import batch_len
-
-    (b1, x1), (b2, x2) = [(batch_len(b), b) for b in batches]
-    a1, a2 = activation_bytes(model, x1, loss_fn, dtype), activation_bytes(model, x2, loss_fn, dtype)
-    per_sample = max((a2 - a1) // max(b2 - b1, 1), 1)
-    fixed = max(a1 - per_sample * b1, 0)
-    per_sample_ck = per_sample
-    if enable_checkpointing is not None:
-        try:
-            enable_checkpointing(model)
-            c1, c2 = activation_bytes(model, x1, loss_fn, dtype), activation_bytes(model, x2, loss_fn, dtype)
-            per_sample_ck = max((c2 - c1) // max(b2 - b1, 1), 1)
-        except ConfigError:
-            pass
-
-    budget = (gpu_bytes - CONTEXT) * HEADROOM - weights - gradients - opt - fixed
+    budget = budget_for(gpu_bytes)
     per_process = effective // processes
-    divisors = [d for d in range(per_process, 0, -1) if per_process % d == 0]
-    pick = lambda per: next((d for d in divisors if d * per <= budget), 0)  # noqa: E731
-    b, ck = pick(per_sample), False
-    if b == 0 and per_sample_ck < per_sample:
-        b, ck = pick(per_sample_ck), True
-    fits = b > 0
-    if not fits and gpu_bytes <= CONTEXT:
-        note = (f"does not fit: {gpu_bytes / GiB:.1f} GiB is no more than the {CONTEXT / GiB:.1f} GiB the CUDA context "
-                "takes before any tensor")
-    elif not fits and budget > 0:
-        note = (f"does not fit: one sample's activations ({min(per_sample, per_sample_ck) / GiB:.2f} GiB, with "
-                f"checkpointing if it helps) exceed the {budget / GiB:.2f} GiB left after weights, gradients and "
-                "optimizer state — use a shorter sequence, LoRA (peft.enabled), or a bigger card")
-    elif not fits:
-        note = ("does not fit: weights + gradients + optimizer state alone take "
-                f"{(weights + gradients + opt) / GiB:.1f} GiB — use LoRA (peft.enabled), FSDP or DeepSpeed "
-                "(accelerate_configs/), or a bigger card")
-    elif b == per_process:
-        note = "the whole effective batch fits in one micro-batch: no accumulation needed"
-    else:
-        note = f"accumulating {per_process // b} micro-batches of {b} takes the same steps as one batch of {effective}"
-    return Plan(gpu=gpu, gpu_bytes=gpu_bytes, parameters=n_params, trainable_parameters=trainable, weights=weights,
-                gradients=gradients, optimizer=opt, activations_per_sample=per_sample,
-                activations_per_sample_checkpointed=per_sample_ck, activations_fixed=fixed,
-                sequence_length=sequence_length, precision=precision, effective_batch_size=effective,
+    can_chunk = bool(is_causal_lm(model) and unsupported_reason(model) is None and (loss_fn is None or t.chunked_loss))
+    fits = lambda p: p.largest_micro_batch(per_process, budget) > 0  # noqa: E731
+    # with the chunked head available, the settings without it are measured only to show what it saves
+    pick = lambda: min((p for p in profiles if fits(p) and p.setting.chunked_loss == can_chunk),  # noqa: E731
+                       key=lambda p: rank(p.setting), default=None)
+    order = measuring_order(can_chunk, enable_checkpointing is not None)
+    profiles = []
+    for i, setting in enumerate(order):
+        chosen = pick()
+        if chosen and not every_setting and all(rank(s) >= rank(chosen.setting) for s in order[i:]):
+            break
+        try:
+            switch(model, setting, enable_checkpointing)
+        except ConfigError:  # no checkpointing support after all
+            break
+        profiles.append(measure(model, batches, setting, t, loss_fn, processes, per_process))
+    can_lora = lora_model is not None and not any("lora_" in name for name, _ in model.named_parameters())
+    if pick() is None and can_lora:
+        lora = lora_model().to(next(model.parameters()).device)
+        setting = Setting(checkpointing=any(p.setting.checkpointing for p in profiles), chunked_loss=can_chunk,
+                          lora=True)
+        switch(lora, setting, enable_checkpointing)
+        profiles.append(measure(lora, batches, setting, t, loss_fn, processes, per_process))
+    return finish_plan(gpu, gpu_bytes, budget, effective, per_process, t, sequence_length, profiles, pick())
+
+
+def finish_plan(gpu, gpu_bytes, budget, effective, per_process, t, sequence_length, profiles,
+                chosen: Optional[Profile]) -> Plan:
+    def at_largest(p: Profile) -> tuple[int, int]:
+        b = p.largest_micro_batch(per_process, budget)
+        return b, p.step_peak(b or 1, per_process // (b or 1))
+
+    last = chosen or profiles[-1]
+    b, peak = at_largest(last)
+    s = last.setting
+    return Plan(gpu=gpu, gpu_bytes=gpu_bytes, parameters=last.parameters, trainable_parameters=last.trainable,
+                weights=last.weights, gradients=last.gradients, optimizer=last.optimizer_state,
+                activations_per_sample=last.saved[1], activations_fixed=last.saved[0],
+                sequence_length=sequence_length, precision=t.mixed_precision, effective_batch_size=effective,
                 micro_batch_size=b, gradient_accumulation_steps=per_process // b if b else 0,
-                gradient_checkpointing=ck, fits=fits, note=note)
+                gradient_checkpointing=s.checkpointing, chunked_loss=s.chunked_loss, activation_offloading=s.offload,
+                lora=s.lora, step_peak=peak, fits=chosen is not None,
+                note=explain(chosen, profiles, gpu_bytes, budget, per_process, effective),
+                settings=[{"setting": p.setting.label, "micro_batch": at_largest(p)[0], "step_peak": at_largest(p)[1]}
+                          for p in profiles], profiles=profiles)
 
 
-def longest_batches(job, sizes=(1, 2)) -> tuple[list, Optional[int]]:
-    """Two micro-batches made of the longest training samples (the worst case), and their sequence length."""
-    n = len(job.train_data)
-    order = sorted(range(n), key=job.length_of, reverse=True) if job.length_of else list(range(n))
-    collate = job.collate_fn or torch.utils.data.default_collate
-    batches = []
-    for size in sizes:
-        idx = order[:1] * size if job.length_of else order[:size]  # same length: repeat the longest sample
-        batches.append(collate([job.train_data[i] for i in idx]))
-    seq = job.length_of(order[0]) if job.length_of else None
-    return batches, seq
+def explain(chosen: Optional[Profile], profiles: list, gpu_bytes: int, budget: float, per_process: int,
+            effective: int) -> str:
+    """Why this recommendation: what the cheaper settings would have needed."""
+    if gpu_bytes <= CONTEXT:
+        return (f"does not fit: {gpu_bytes / GiB:.1f} GiB is no more than the {CONTEXT / GiB:.1f} GiB the CUDA "
+                "context takes before any tensor")
+    short = [f"{p.setting.label} needs {p.step_peak(1, per_process) / GiB:.2f} GiB at 1 sample" for p in profiles
+             if not p.largest_micro_batch(per_process, budget)]
+    room = f"{budget / GiB:.2f} GiB for tensors"
+    if chosen is None:
+        fixed = min(p.weights + p.gradients + p.optimizer_state for p in profiles)
+        hint = "use a shorter sequence, FSDP or DeepSpeed (accelerate_configs/), or a bigger card" if fixed < budget \
+            else "weights, gradients and optimizer state alone do not fit: FSDP or DeepSpeed (accelerate_configs/)" \
+            " or a bigger card"
+        return f"does not fit ({room}): " + "; ".join(short) + f" — {hint}"
+    b = chosen.largest_micro_batch(per_process, budget)
+    label = chosen.setting.label
+    why = f"why: {label} is the cheapest setting that fits ({room}); " + ("; ".join(short) + ". " if short else "") \
+        + "Cost: " + "; ".join(f"{x}: {COST[x]}" for x in label.split(" + "))
+    if b == per_process:
+        return why + ". The whole window fits in one micro-batch: no accumulation needed"
+    return why + f". {per_process // b} micro-batches of {b} take the same steps as one batch of {effective}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command
+def training_peak(job, t) -> tuple[int, object]:
+    """(the most bytes allocated at any moment of ``loop.train(job, t)``, weights included; its TrainResult). With
+    ``t.max_steps`` ≥ 2 that is the peak of a steady optimizer step (the optimizer's state exists from the first on),
+    which is what ``finetune plan`` predicts. A model on the CPU that trains on a GPU comes to it inside the run."""
+    from finetune import loop
+
+    device = next(job.model.parameters()).device
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    held = 0 if device.type == "cuda" and next(job.model.parameters()).device.type != "cuda" else \
+        sum(x.numel() * x.element_size() for x in list(job.model.parameters()) + list(job.model.buffers()))
+    with PeakMeter(device) as meter:
+        result = loop.train(job, t, print_banner=False)
+    return held + meter.peak, result
+
+
 
 
 def plan_recipe(cfg, gpu: str, processes: int = 1) -> Plan:
+    import dataclasses
+
     from finetune.execute import build_job
     from finetune.modeling import enable_checkpointing
     from finetune.windows import resolve_accumulation
@@ -186,9 +289,12 @@ def plan_recipe(cfg, gpu: str, processes: int = 1) -> Plan:
     if effective > n_train:  # every window would be the whole set: a micro-batch above it is never used
         raise ConfigError(f"training.effective_batch_size: {effective} is larger than the {n_train} training "
                           f"samples; plan for at most {n_train} (one optimizer step per epoch)")
-    batches, seq = longest_batches(job, sizes=(2, 4))
-    return make_plan(job.model, batches, gpu, effective, t.optimizer, t.momentum, t.mixed_precision, job.loss_fn,
-                     lambda m: enable_checkpointing(m, job.enable_checkpointing), seq, processes)
+    batches, seq = longest_batches(job, sizes=(1, 2))
+    lora = None
+    if hasattr(cfg, "peft") and not cfg.peft.enabled:
+        lora = lambda: build_job(dataclasses.replace(cfg, peft=dataclasses.replace(cfg.peft, enabled=True))).model  # noqa: E731
+    return make_plan(job.model, batches, gpu, effective, t, job.loss_fn,
+                     lambda m: enable_checkpointing(m, job.enable_checkpointing), seq, processes, lora)
 
 
 def add_arguments(p) -> None:
@@ -206,5 +312,10 @@ def main(args) -> int:
     if args.processes < 1:
         raise ConfigError(f"--processes: got {args.processes}; must be >= 1")
     plan = plan_recipe(cfg, args.gpu, args.processes)
-    print(json.dumps(asdict(plan)) if args.json else plan.table())
+    if args.json:
+        record = asdict(plan)
+        record.pop("profiles")
+        print(json.dumps(record))
+    else:
+        print(plan.table())
     return 0 if plan.fits else 1

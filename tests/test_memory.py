@@ -62,22 +62,123 @@ def test_activation_estimate_within_10_percent(name):
         assert abs(predicted - measured) <= 0.10 * measured, (b, predicted, measured)
 
 
+def logits_heavy_llama(tie=False):
+    """A causal LM whose loss head dominates the step (vocabulary 2 048 at 64 tokens), as SmolLM2's does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                        tie_word_embeddings=tie))
+
+
+def fixed_data(n, vocab, length=64):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(1, vocab, (length,), generator=g)} for _ in range(n)]
+
+
+SETTINGS = {"plain": {}, "checkpointing": {"gradient_checkpointing": True}, "chunked loss": {"chunked_loss": True},
+            "checkpointing + chunked loss": {"gradient_checkpointing": True, "chunked_loss": True}}
+
+
+def every_setting_plan(model, data, effective, gpu="80GiB", **kw):
+    from finetune.config import TrainingConfig
+    from finetune.modeling import enable_checkpointing
+
+    t = TrainingConfig(packing=False, **kw)
+    return make_plan(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])], gpu, effective, t,
+                     enable_checkpointing=enable_checkpointing, every_setting=True)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2-tied"])
+def test_step_peak_within_10_percent_of_the_loop(name):
+    """The planner's step peak against the most bytes the CPU allocator held during the loop's real steps
+    (``plan.training_peak``: two AdamW steps, the second steady), for every setting, with and without
+    accumulation. The negative control: today's components without the loss head and backward's temporaries
+    (weights + gradients + optimizer state + saved activations) miss the plain run by more than 10 %."""
+    from finetune.config import TrainingConfig
+    from finetune.job import Job
+    from finetune.step_memory import Setting
+
+    model = logits_heavy_llama() if name == "llama" else tiny_gpt2(vocab=2048)
+    data = fixed_data(32, 2048, 64 if name == "llama" else 32)
+    plan = every_setting_plan(model, data, effective=8)
+    for label, flags in SETTINGS.items():
+        setting = Setting(checkpointing=flags.get("gradient_checkpointing", False),
+                          chunked_loss=flags.get("chunked_loss", False))
+        for b, n in [(4, 2), (8, 1)]:
+            t = TrainingConfig(batch_size=b, gradient_accumulation_steps=n, max_steps=2, shuffle=False,
+                               learning_rate=1e-5, packing=False, chunked_loss=flags.get("chunked_loss", False),
+                               gradient_checkpointing=flags.get("gradient_checkpointing", False))
+            measured, _ = plan_module.training_peak(Job(model=copy_model(model), train_data=data[:2 * b * n],
+                                                   collate_fn=pad_collate), t)
+            predicted = plan.predict(b, n, setting)
+            assert abs(predicted / measured - 1) <= 0.10, (label, b, n, predicted, measured)
+            if label == "plain" and n == 2:
+                p = plan.profile(setting)
+                components = p.weights + p.gradients + p.optimizer_state + p.part(p.saved, b)
+                assert components < 0.9 * measured, (components, measured)
+
+
+def card_for(step_peak: float) -> str:
+    """The card size whose budget is just above ``step_peak`` bytes of tensors."""
+    return f"{(step_peak * 1.0001 / plan_module.HEADROOM + plan_module.CONTEXT) / memory.GiB:.9f}GiB"
+
+
 def test_plan_numbers_and_recommendation():
-    model, batch = gpt2()
-    n = sum(p.numel() for p in model.parameters())
-    plan = make_plan(model, [batch(2), batch(4)], "0.7GiB", effective=64)
-    assert plan.parameters == n and plan.gradients == 4 * n and plan.optimizer == 8 * n  # adamw: two moments
-    assert plan.fits and 64 % plan.micro_batch_size == 0
-    assert plan.micro_batch_size * plan.gradient_accumulation_steps == 64
-    budget = (0.7 * memory.GiB - plan_module.CONTEXT) * plan_module.HEADROOM \
-        - plan.weights - plan.gradients - plan.optimizer
-    b = plan.micro_batch_size
-    assert plan.activations_fixed + b * plan.activations_per_sample <= budget  # the pick fits …
-    bigger = next((d for d in range(b + 1, 65) if 64 % d == 0), None)
-    if bigger:  # … and the next divisor would not
-        assert plan.activations_fixed + bigger * plan.activations_per_sample > budget
-    assert "recommendation: --batch-size" in plan.table()
-    assert not make_plan(model, [batch(2), batch(4)], "0.5GiB", effective=64).fits  # less than the context
+    model, data = logits_heavy_llama(), fixed_data(16, 2048)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    reference = every_setting_plan(model, data, effective=16)
+    assert reference.parameters == n and reference.gradients == 4 * n
+    assert 8 * n <= reference.optimizer <= 8 * n + 8 * len(params)  # AdamW: two moments (and a step counter each)
+    # a card that holds the chunked head's step at 4 × 4 but not at 8 × 2: the pick is the largest that fits
+    chunked = reference.profile(reference.profiles[1].setting)
+    assert chunked.setting.label == "chunked loss"
+    plan = make_plan(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])],
+                     card_for(chunked.step_peak(4, 4)), effective=16)
+    assert plan.fits and plan.chunked_loss and not plan.gradient_checkpointing
+    assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (4, 4)
+    assert plan.step_peak == pytest.approx(chunked.step_peak(4, 4), rel=0.02)
+    assert "recommendation: --batch-size 4 --grad-accum-steps 4" in plan.table()
+    assert [s["setting"] for s in plan.settings] == ["plain", "chunked loss"]  # nothing dearer was needed
+    assert not make_plan(model, [pad_collate(data[:1]), pad_collate(data[:2])], "0.5GiB", effective=16).fits
+
+
+def test_plan_turns_on_what_it_must_and_says_why():
+    """A card too small for the chunked head at one sample: the next cheapest setting that fits is recommended
+    (checkpointing, which costs compute, before offloading, which costs transfers); a card too small for any
+    full fine-tune gets LoRA, said to change the run."""
+    from finetune.step_memory import Setting
+    from finetune.tasks._common import apply_peft
+
+    model, data = logits_heavy_llama(), fixed_data(16, 2048, 64)
+    reference = every_setting_plan(model, data, effective=16)
+    chunked, both = (reference.profile(Setting(chunked_loss=True)),
+                     reference.profile(Setting(checkpointing=True, chunked_loss=True)))
+    assert both.step_peak(1, 16) < chunked.step_peak(1, 16)
+    from finetune.modeling import enable_checkpointing
+
+    batches = [pad_collate(data[:1]), pad_collate(data[:2])]
+    between = (both.step_peak(1, 16) + chunked.step_peak(1, 16)) / 2  # fits the first at 1 sample, not the second
+    plan = make_plan(copy_model(model), batches, card_for(between), effective=16,
+                     enable_checkpointing=enable_checkpointing)
+    assert plan.fits and plan.gradient_checkpointing and plan.chunked_loss and not plan.activation_offloading
+    table = plan.table()
+    assert "--set training.gradient_checkpointing=true" in table
+    assert "why: checkpointing + chunked loss is the cheapest setting that fits" in table
+    assert "chunked loss needs" in table and "recomputes each block's forward" in table
+
+    class Lora:
+        r, alpha, dropout, target_modules, modules_to_save, enabled = 8, 16, 0.0, None, None, True
+
+    lora = lambda: apply_peft(copy_model(model), Lora, "CAUSAL_LM")  # noqa: E731
+    full = min(p.weights + p.gradients + p.optimizer_state for p in reference.profiles)
+    plan = make_plan(copy_model(model), batches, card_for(full * 0.6), effective=16,
+                     enable_checkpointing=enable_checkpointing, lora_model=lora)
+    assert plan.fits and plan.lora, plan.table()
+    assert plan.trainable_parameters < plan.parameters / 10
+    assert "--set peft.enabled=true" in plan.table() and "a different run from a full fine-tune" in plan.table()
 
 
 def test_plan_cli_json(tmp_path):
@@ -86,7 +187,7 @@ def test_plan_cli_json(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("parameters", "gradients", "optimizer", "activations_per_sample", "micro_batch_size",
-                "gradient_accumulation_steps", "sequence_length"):
+                "gradient_accumulation_steps", "sequence_length", "step_peak", "settings"):
         assert key in plan
     assert 2 <= plan["sequence_length"] <= 16  # the longest training sample, truncated at data.max_length 16
     assert plan["micro_batch_size"] * plan["gradient_accumulation_steps"] == plan["effective_batch_size"]
@@ -103,6 +204,27 @@ def test_auto_micro_batch_under_injected_limit_reaches_the_same_weights(monkeypa
     assert auto["history"][-1]["micro_batch_size"] == 4  # 12 → 6 → 4: the largest divisor of 12 under the limit
     assert [h["window_hash"] for h in auto["history"]] == [h["window_hash"] for h in fits["history"]]
     assert auto["effective_batch_size"] == 12
+
+
+def test_auto_micro_batch_starts_from_the_plan(monkeypatch, capsys):
+    """``batch_size: auto`` starts at the largest micro-batch whose predicted step fits the device (here a budget
+    between the predicted steps of 4 × 3 and 6 × 2): no out-of-memory retry, and the same weights as a run at 12."""
+    from finetune import step_memory
+    from finetune.config import TrainingConfig
+
+    model, data = logits_heavy_llama(), fixed_data(24, 2048)
+    kw = dict(optimizer="sgd", learning_rate=0.1, max_grad_norm=None, n_epochs=1, seed=1, chunked_loss=False,
+              packing=False, collate_fn=pad_collate)
+    profile = step_memory.auto_profile(copy_model(model).train(), [pad_collate(data[:1]), pad_collate(data[:2])],
+                                TrainingConfig(optimizer="sgd"))
+    budget = (profile.step_peak(4, 3) + profile.step_peak(6, 2)) / 2
+    assert profile.step_peak(4, 3) < budget < profile.step_peak(6, 2)
+    monkeypatch.setattr(step_memory, "device_budget", lambda device, held: budget)
+    auto = test_fine_tuning(copy_model(model), train_data=data, batch_size="auto", effective_batch_size=12, **kw)
+    assert "batch_size auto: micro-batch 4 × 3" in capsys.readouterr().out
+    assert [h["micro_batch_size"] for h in auto["history"]] == [4, 4]
+    fixed = test_fine_tuning(copy_model(model), train_data=data, batch_size=12, **kw)
+    assert rel_diff(auto["model"], fixed["model"]) <= 1e-5
 
 
 def test_auto_micro_batch_needs_effective_batch():

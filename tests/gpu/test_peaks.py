@@ -26,14 +26,11 @@ pytestmark = GPU
 MiB = 2 ** 20
 
 
-def predicted_step_peak(plan, micro_batch: int) -> int:
-    """The plan's prediction of a step's peak at ``micro_batch`` samples: the sum of today's ``Plan`` fields —
-    ``weights + gradients + optimizer`` (fp32 gradients, the optimizer's state) ``+ activations_fixed +
-    activations_per_sample × micro_batch`` (what autograd saves for backward). This test compares that sum; once
-    ``Plan`` has ``step_peak`` (issue 16: the whole step, the loss head's peak and backward's temporaries included),
-    it compares that field instead, by returning ``plan.step_peak`` here."""
-    return (plan.weights + plan.gradients + plan.optimizer + plan.activations_fixed
-            + plan.activations_per_sample * micro_batch)
+def predicted_step_peak(plan, micro_batch: int, accumulation: int) -> int:
+    """The plan's step peak at ``micro_batch`` × ``accumulation`` in the setting it recommends (the loop's defaults:
+    the chunked head on a causal LM): weights, gradients, optimizer state and the micro-batch's measured peak — saved
+    activations, the loss head, backward's temporaries (``finetune.plan``)."""
+    return plan.predict(micro_batch, accumulation)
 
 
 def _minilm():
@@ -67,7 +64,7 @@ def test_planner_predicts_the_step_peak(name, figures, clean_cuda):
     del planned, batches
     release()
     measured, _ = train_and_measure(model, data, collate, b, n)
-    predicted = predicted_step_peak(plan, b)
+    predicted = predicted_step_peak(plan, b, n)
     fixed = plan.weights + plan.gradients + plan.optimizer
     error = predicted / measured - 1
     figures("predicted", f"{predicted / MiB:.0f} MiB")

@@ -1,0 +1,245 @@
+"""A step's memory as a function of the micro-batch, measured on the model itself: what ``finetune plan``
+(``finetune.plan``) recommends from and what ``batch_size: auto`` starts from.
+
+For one setting (checkpointing, the chunked loss head, offloading, LoRA) a ``Profile`` holds the fixed bytes
+(weights, gradients, the optimizer's state and step) and the micro-step's peak as lines in the micro-batch, measured
+with the allocator's record (``memory.PeakMeter``) at small micro-batches of the longest samples:
+
+    step peak = weights + optimizer state + max(first micro-batch, gradients + later micro-batch,
+                                                gradients + optimizer step)   (+ DDP's gradient buckets)
+
+The first micro-batch of a window runs without gradients; every later one with the window's gradients held. The
+micro-step's peak holds what autograd saves for backward, the loss head's logits (or one chunk) and their gradient,
+and backward's temporaries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from finetune.memory import PeakMeter, SavedTensors, offload_to_host
+
+HEADROOM = 0.9        # plan to use at most 90 % of what is free (fragmentation)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One combination of the memory settings."""
+
+    checkpointing: bool = False
+    chunked_loss: bool = False
+    offload: bool = False
+    lora: bool = False
+
+    @property
+    def label(self) -> str:
+        parts = [name for name, on in (("LoRA", self.lora), ("checkpointing", self.checkpointing),
+                                       ("chunked loss", self.chunked_loss), ("offloading", self.offload)) if on]
+        return " + ".join(parts) or "plain"
+
+    def flags(self) -> list[str]:
+        """The run flags that select this setting."""
+        out = [f"--set training.gradient_checkpointing={str(self.checkpointing).lower()}"]
+        if self.offload:
+            out.append("--set training.activation_offloading=true")
+        if self.lora:
+            out.append("--set peft.enabled=true")
+        return out
+
+
+def linear(a1: int, b1: int, a2: int, b2: int) -> tuple[int, int]:
+    """(fixed, per sample) of a quantity measured as a1 at b1 samples and a2 at b2."""
+    per = max((a2 - a1) // max(b2 - b1, 1), 0)
+    return max(a1 - per * b1, 0), per
+
+
+@dataclass
+class Profile:
+    """What one setting measured: the fixed bytes and the micro-step's peak as (fixed, per sample)."""
+
+    setting: Setting
+    parameters: int
+    trainable: int
+    weights: int
+    gradients: int
+    optimizer_state: int
+    optimizer_step: int         # peak of the optimizer step above weights + gradients (its state and temporaries)
+    buckets: int                # DDP's gradient buckets (several processes), allocated once
+    saved: tuple                # what autograd saves for backward
+    first: tuple                # micro-step peak above its start, no gradients held (a window's first micro-batch)
+    later: tuple                # the same with the window's gradients held (every later micro-batch)
+
+    def part(self, which: tuple, b: int) -> int:
+        return which[0] + which[1] * b
+
+    def step_peak(self, b: int, n: int) -> int:
+        """Predicted peak of an optimizer step of ``n`` micro-batches of ``b`` samples."""
+        # Without gradients the peak sits where activations and the gradients made so far add up most; as b grows
+        # it moves to where activations alone peak, as with gradients held: the larger of the two lines.
+        micro = max(self.part(self.first, b), self.part(self.later, b))
+        if n > 1:
+            micro = max(micro, self.gradients + self.part(self.later, b))
+        return self.weights + self.buckets + max(self.optimizer_state + micro, self.gradients + self.optimizer_step)
+
+    def largest_micro_batch(self, per_process: int, budget: float) -> int:
+        """The largest divisor of the per-process window whose step fits ``budget`` (0: none does)."""
+        return next((d for d in range(per_process, 0, -1)
+                     if per_process % d == 0 and self.step_peak(d, per_process // d) <= budget), 0)
+
+
+def micro_step(model, batch, loss_fn, autocast_dtype, offload: bool, device) -> tuple[int, int]:
+    """(peak bytes above the start, bytes saved for backward) of one forward and backward of ``batch``; gradients
+    accumulate into whatever ``.grad`` holds."""
+    from finetune.modeling import compute_loss
+
+    autocast = torch.autocast(torch.device(device).type, dtype=autocast_dtype) if autocast_dtype is not None \
+        else contextlib.nullcontext()
+    with PeakMeter(device) as meter:
+        with SavedTensors(model) as saved, (offload_to_host(device) if offload else contextlib.nullcontext()), \
+                autocast:
+            loss = compute_loss(model, batch, loss_fn)[0]  # the outputs (logits) go now, as in the loop
+        loss.float().backward()
+        del loss
+    return meter.peak, saved.bytes
+
+
+def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None, offload: bool = False,
+                        up_to: int = 0) -> dict:
+    """The micro-step's peak (without gradients, then with them held) and saved bytes, as lines in the micro-batch.
+
+    Measured at the two sizes of ``batches``, then at doubled sizes (up to ``up_to`` samples) while the peak grows
+    slower than what autograd saves: at small micro-batches a fixed buffer (an embedding's gradient, the logits'
+    chunk) can set the peak, and a line through those points would miss where activations take over. The random
+    state is restored afterwards (dropout draws here must not shift the run's); gradients are cleared."""
+    from finetune.items import batch_len
+
+    device = next(model.parameters()).device
+    model.train()
+    sizes, first, later, saved = [], [], [], []
+
+    def at(batch):
+        sizes.append(batch_len(batch))
+        model.zero_grad(set_to_none=True)
+        peak, kept = micro_step(model, batch, loss_fn, autocast_dtype, offload, device)
+        first.append(peak)
+        saved.append(kept)
+        later.append(micro_step(model, batch, loss_fn, autocast_dtype, offload, device)[0])
+
+    def fit(values):
+        return linear(values[-2], sizes[-2], values[-1], sizes[-1])
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        for batch in batches:
+            at(batch)
+        batch = batches[-1]
+        while fit(later)[1] < 0.9 * fit(saved)[1] and 2 * sizes[-1] <= up_to:
+            batch = doubled(batch)
+            if batch is None:
+                break
+            at(batch)
+    model.zero_grad(set_to_none=True)
+    return {"first": fit(first), "later": fit(later), "saved": fit(saved)}
+
+
+def doubled(batch):
+    """``batch`` twice over (its tensors concatenated along the samples), or None when it is not a dict of tensors
+    that share a leading sample dimension."""
+    from finetune.items import batch_len
+
+    n = batch_len(batch)
+    if not isinstance(batch, dict) or not n:
+        return None
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
+            out[key] = torch.cat([value, value])
+        elif isinstance(value, torch.Tensor) and value.dim():
+            return None
+        else:
+            out[key] = value
+    return out
+
+
+def optimizer_step_bytes(model, t) -> tuple[int, int]:
+    """(state bytes, peak bytes above weights + gradients) of the recipe's optimizer's first step (its state is
+    created there; later steps hold it and make the same temporaries). Changes the weights: a planning model only."""
+    from finetune.optim import make_optimizer
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = make_optimizer(params, t)
+    with PeakMeter(params[0].device) as meter:
+        optimizer.step()
+    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))
+    model.zero_grad(set_to_none=True)
+    return state, meter.peak
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measure(model, batches, setting: Setting, t, loss_fn=None, processes: int = 1, up_to: int = 0) -> Profile:
+    """A Profile of ``setting`` on ``model`` (already switched to it)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    gradients = tensor_bytes(trainable)
+    state, step = optimizer_step_bytes(model, t)
+    micro = profile_micro_steps(model, batches, loss_fn, autocast_dtype(t.mixed_precision), setting.offload, up_to)
+    return Profile(setting=setting, parameters=sum(p.numel() for p in model.parameters()),
+                   trainable=sum(p.numel() for p in trainable),
+                   weights=tensor_bytes(model.parameters()) + tensor_bytes(model.buffers()),
+                   gradients=gradients, optimizer_state=state, optimizer_step=step,
+                   buckets=gradients if processes > 1 else 0, **micro)
+
+
+def autocast_dtype(precision: str):
+    """fp16 and bf16 save the same 2-byte activations; on a CPU bf16 stands in for fp16."""
+    if precision == "bf16" or (precision == "fp16" and not torch.cuda.is_available()):
+        return torch.bfloat16
+    return torch.float16 if precision == "fp16" else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# batch_size: auto
+
+
+def auto_profile(model, batches: list, t, loss_fn=None, up_to: int = 0) -> Profile:
+    """The Profile ``batch_size: auto`` picks its micro-batch from: measured on the run's own model in its own
+    settings (offloading as ``t`` says). The optimizer step is left out: it does not depend on the micro-batch, and
+    its state does not exist yet, so it is sized from the gradients (AdamW: two moments)."""
+    micro = profile_micro_steps(model, batches, loss_fn, autocast_dtype(t.mixed_precision), t.activation_offloading,
+                                up_to)
+    gradients = tensor_bytes(p for p in model.parameters() if p.requires_grad)
+    slots = {"adamw": 2, "lion": 1, "sgd": 1 if t.momentum else 0}[t.optimizer]
+    return Profile(setting=Setting(), parameters=0, trainable=0, weights=tensor_bytes(model.parameters()),
+                   gradients=gradients, optimizer_state=slots * gradients, optimizer_step=0, buckets=0, **micro)
+
+
+def device_budget(device: torch.device, held: int) -> float:
+    """Bytes this run's tensors may reach on ``device``: what is free plus what it already holds (``held``), less
+    the headroom. CUDA: the driver's free memory and the allocator's cache; CPU: the system's available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return (free + torch.cuda.memory_reserved(device)) * HEADROOM
+    import psutil
+
+    return (psutil.virtual_memory().available + held) * HEADROOM
+
+
+def longest_batches(job, sizes=(1, 2)) -> tuple[list, Optional[int]]:
+    """Two micro-batches made of the longest training samples (the worst case), and their sequence length."""
+    n = len(job.train_data)
+    order = sorted(range(n), key=job.length_of, reverse=True) if job.length_of else list(range(n))
+    collate = job.collate_fn or torch.utils.data.default_collate
+    batches = []
+    for size in sizes:
+        idx = order[:1] * size if job.length_of else order[:size]  # same length: repeat the longest sample
+        batches.append(collate([job.train_data[i] for i in idx]))
+    seq = job.length_of(order[0]) if job.length_of else None
+    return batches, seq
