@@ -101,6 +101,19 @@ def tiny_gpt2(dtype, seed: int = 0):
     return model
 
 
+def tiny_llama(dtype, seed: int = 0):
+    """A 2-layer, 32-wide LlamaForCausalLM (the SmolLM2 / Llama family), its loss kept in fp64 as ``tiny_gpt2``'s."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                         pad_token_id=0)).to(dtype)
+    if dtype == torch.float64:
+        model.loss_function = causal_lm_loss
+    return model
+
+
 def tiny_bert_classifier(seed: int = 0):
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -123,6 +136,7 @@ def cases(dtype) -> dict:
                                              pad_collate, 4, 2, 0.5),
         "GPT-2, padded lengths 2–12, N = 3": (tiny_gpt2(dtype), token_data(29), pad_collate, 2, 3, 0.5),
         "GPT-2, padded lengths 2–12, N = 1": (tiny_gpt2(dtype), token_data(29), pad_collate, 6, 1, 0.5),
+        "Llama, padded lengths 2–12, N = 3": (tiny_llama(dtype), token_data(29), pad_collate, 2, 3, 0.5),
     }
 
 
@@ -207,7 +221,7 @@ def main(argv=None) -> dict:
         floor = 1e-17
         C.bar_chart(args.plot, "Distance to the big-batch run after one epoch (fp64; 0 drawn at 1e-17)",
                     ["MLP\ntail window 16/16/5", "BERT classifier\ntail window 4/3", "GPT-2, padded\nN = 3",
-                     "GPT-2, padded\nN = 1"],
+                     "GPT-2, padded\nN = 1", "Llama, padded\nN = 3"],
                     {t: [max(row[t]["weights"], floor) for row in main_res.values()] for t in TOOLS},
                     "max |w − w_ref| / max |w_ref|", log=True)
     record["finetune_max"] = max(row["finetune"]["weights"] for row in main_res.values())
