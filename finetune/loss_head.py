@@ -279,10 +279,24 @@ def disable_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
 def chunked_loss_enabled(model: torch.nn.Module) -> bool:
     """True when ``enable_chunked_loss`` was applied to ``model`` (or the causal LM inside it, through DDP, compile
     and peft wrappers)."""
+    lm = _causal_lm(_unwrapped(model))
+    return lm is not None and "_chunked_loss_tokens" in vars(lm)
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
     while isinstance(getattr(model, "module", None) or getattr(model, "_orig_mod", None), torch.nn.Module):
         model = getattr(model, "module", None) or model._orig_mod
-    lm = _causal_lm(model)
-    return lm is not None and "_chunked_loss_tokens" in vars(lm)
+    return model
+
+
+def chunk_size(model: torch.nn.Module) -> int:
+    """Tokens per chunk of the head ``enable_chunked_loss`` put on ``model`` (0: none): its buffers grow with a
+    micro-batch's tokens up to one chunk, then stay."""
+    if not chunked_loss_enabled(model):
+        return 0
+    lm = _causal_lm(_unwrapped(model))
+    return lm._chunked_loss_tokens or default_chunk_tokens(lm.config.vocab_size)
 
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:

@@ -220,7 +220,8 @@ def finish_plan(gpu, gpu_bytes, budget, effective, per_process, t, sequence_leng
     s = last.setting
     return Plan(gpu=gpu, gpu_bytes=gpu_bytes, parameters=last.parameters, trainable_parameters=last.trainable,
                 weights=last.weights, gradients=last.gradients, optimizer=last.optimizer_state,
-                activations_per_sample=last.saved[1], activations_fixed=last.saved[0],
+                activations_per_sample=last.per_sample(last.saved)[1],
+                activations_fixed=last.per_sample(last.saved)[0],
                 sequence_length=sequence_length, precision=t.mixed_precision, effective_batch_size=effective,
                 micro_batch_size=b, gradient_accumulation_steps=per_process // b if b else 0,
                 gradient_checkpointing=s.checkpointing, chunked_loss=s.chunked_loss, activation_offloading=s.offload,

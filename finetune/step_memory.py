@@ -57,9 +57,19 @@ def linear(a1: int, b1: int, a2: int, b2: int) -> tuple[int, int]:
     return max(a1 - per * b1, 0), per
 
 
+def at_size(points: list, b: int) -> int:
+    """A quantity measured at ``points`` ([samples, bytes], by size) at ``b`` samples: on the segment that holds b,
+    else on the nearest end segment extended (measured sizes bracket where the slope changes)."""
+    i = next((k for k in range(1, len(points) - 1) if b <= points[k][0]), len(points) - 1)
+    (b1, a1), (b2, a2) = points[i - 1], points[i]
+    fixed, per = linear(a1, b1, a2, b2)
+    return fixed + per * b
+
+
 @dataclass
 class Profile:
-    """What one setting measured: the fixed bytes and the micro-step's peak as (fixed, per sample)."""
+    """What one setting measured: the fixed bytes, and the micro-step's peak and saved bytes at the micro-batch
+    sizes measured ([samples, bytes] points, ``at_size`` between and beyond them)."""
 
     setting: Setting
     parameters: int
@@ -69,12 +79,17 @@ class Profile:
     optimizer_state: int
     optimizer_step: int         # peak of the optimizer step above weights + gradients (its state and temporaries)
     buckets: int                # DDP's gradient buckets (several processes), allocated once
-    saved: tuple                # what autograd saves for backward
-    first: tuple                # micro-step peak above its start, no gradients held (a window's first micro-batch)
-    later: tuple                # the same with the window's gradients held (every later micro-batch)
+    saved: list                 # what autograd saves for backward
+    first: list                 # micro-step peak above its start, no gradients held (a window's first micro-batch)
+    later: list                 # the same with the window's gradients held (every later micro-batch)
 
-    def part(self, which: tuple, b: int) -> int:
-        return which[0] + which[1] * b
+    def part(self, which: list, b: int) -> int:
+        return at_size(which, b)
+
+    def per_sample(self, which: list) -> tuple[int, int]:
+        """(fixed, per sample) of ``which`` on its largest measured segment."""
+        (b1, a1), (b2, a2) = which[-2:]
+        return linear(a1, b1, a2, b2)
 
     def step_peak(self, b: int, n: int) -> int:
         """Predicted peak of an optimizer step of ``n`` micro-batches of ``b`` samples."""
@@ -109,40 +124,50 @@ def micro_step(model, batch, loss_fn, autocast_dtype, offload: bool, device) -> 
 
 def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None, offload: bool = False,
                         up_to: int = 0) -> dict:
-    """The micro-step's peak (without gradients, then with them held) and saved bytes, as lines in the micro-batch.
+    """The micro-step's peak (without gradients, then with them held) and saved bytes at micro-batch sizes.
 
-    Measured at the two sizes of ``batches``, then at doubled sizes (up to ``up_to`` samples) while the peak grows
-    slower than what autograd saves: at small micro-batches a fixed buffer (an embedding's gradient, the logits'
-    chunk) can set the peak, and a line through those points would miss where activations take over. The random
-    state is restored afterwards (dropout draws here must not shift the run's); gradients are cleared."""
+    Measured at the two sizes of ``batches``, then at doubled sizes (up to ``up_to`` samples) while the line would
+    mislead: while the peak grows slower than what autograd saves (a fixed buffer — an embedding's gradient — sets
+    the peak at small micro-batches, and activations take over later), and while the chunked loss head's chunk is
+    not yet full (its buffer grows with the tokens up to one chunk, then stays). The random state is restored
+    afterwards (dropout draws here must not shift the run's); gradients are cleared."""
     from finetune.items import batch_len
+    from finetune.loss_head import chunk_size
 
     device = next(model.parameters()).device
     model.train()
-    sizes, first, later, saved = [], [], [], []
+    first, later, saved = [], [], []
+    chunk = chunk_size(model)
 
     def at(batch):
-        sizes.append(batch_len(batch))
+        b = batch_len(batch)
         model.zero_grad(set_to_none=True)
         peak, kept = micro_step(model, batch, loss_fn, autocast_dtype, offload, device)
-        first.append(peak)
-        saved.append(kept)
-        later.append(micro_step(model, batch, loss_fn, autocast_dtype, offload, device)[0])
+        first.append([b, peak])
+        saved.append([b, kept])
+        later.append([b, micro_step(model, batch, loss_fn, autocast_dtype, offload, device)[0]])
+        return tokens_in(batch)
 
-    def fit(values):
-        return linear(values[-2], sizes[-2], values[-1], sizes[-1])
+    def slope(points):
+        return linear(points[-2][1], points[-2][0], points[-1][1], points[-1][0])[1]
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         for batch in batches:
-            at(batch)
+            tokens = at(batch)
         batch = batches[-1]
-        while fit(later)[1] < 0.9 * fit(saved)[1] and 2 * sizes[-1] <= up_to:
+        while (slope(later) < 0.9 * slope(saved) or tokens < chunk) and 2 * later[-1][0] <= up_to:
             batch = doubled(batch)
             if batch is None:
                 break
-            at(batch)
+            tokens = at(batch)
     model.zero_grad(set_to_none=True)
-    return {"first": fit(first), "later": fit(later), "saved": fit(saved)}
+    return {"first": first, "later": later, "saved": saved}
+
+
+def tokens_in(batch) -> int:
+    """Tokens of a causal LM's micro-batch (its input_ids), 0 for other batches."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    return ids.numel() if isinstance(ids, torch.Tensor) else 0
 
 
 def doubled(batch):
