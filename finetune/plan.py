@@ -44,6 +44,11 @@ def parse_gpu(spec: str) -> int:
     return size
 
 
+def size(nbytes: float) -> str:
+    """Bytes for people: GiB from 1 GiB up, MiB below."""
+    return f"{nbytes / GiB:.2f} GiB" if abs(nbytes) >= GiB else f"{nbytes / 2**20:.1f} MiB"
+
+
 def budget_for(gpu_bytes: float) -> float:
     """Bytes of tensors a card of ``gpu_bytes`` can hold: what the context leaves, less the headroom."""
     return (gpu_bytes - CONTEXT) * HEADROOM
@@ -104,27 +109,27 @@ class Plan:
         return next(p for p in self.profiles if p.setting == want)
 
     def table(self) -> str:
-        gib = lambda v: f"{v / GiB:8.2f} GiB"  # noqa: E731
         p, b = self.profile(), max(self.micro_batch_size, 1)
         n = self.gradient_accumulation_steps or self.effective_batch_size
         above = self.step_peak - p.weights - p.gradients - p.optimizer_state - p.buckets
         saved = min(p.part(p.saved, b), max(above, 0))
-        rows = [("weights", p.weights, f"{p.parameters / 1e6:.1f} M parameters"),
-                ("gradients", p.gradients, f"{p.trainable / 1e6:.1f} M trainable"),
+        rows = [("weights", p.weights, f"{p.parameters / 1e6:.2f} M parameters"),
+                ("gradients", p.gradients, f"{p.trainable / 1e6:.2f} M trainable"),
                 ("optimizer state", p.optimizer_state, ""),
                 (f"saved activations × {b}", saved,
-                 f"kept for backward, {self.sequence_length or '-'} tokens a sample, {self.precision}"),
+                 f"kept for backward, {self.sequence_length or '-'} tokens a sample, "
+                 f"{'fp32' if self.precision == 'no' else self.precision}"),
                 ("loss head, temporaries", max(above - saved, 0), "the rest: logits, backward, optimizer step")]
         if p.buckets:
             rows.insert(3, ("DDP gradient buckets", p.buckets, "a copy of the gradients per process"))
         lines = [f"{'component':<28}{'memory':>12}  note", "-" * 76]
-        lines += [f"{name:<28}{gib(v):>12}  {note}" for name, v, note in rows]
+        lines += [f"{name:<28}{size(v):>12}  {note}" for name, v, note in rows]
         lines += ["-" * 76,
-                  f"{'step peak':<28}{gib(self.step_peak):>12}  predicted at {b} × {n}, {p.setting.label}",
-                  f"{'CUDA context + slack':<28}{gib(CONTEXT):>12}  reserved before any tensor",
-                  f"{'total':<28}{gib(self.step_peak + CONTEXT):>12}  of {gib(self.gpu_bytes).strip()} ({self.gpu})",
+                  f"{'step peak':<28}{size(self.step_peak):>12}  predicted at {b} × {n}, {p.setting.label}",
+                  f"{'CUDA context + slack':<28}{size(CONTEXT):>12}  reserved before any tensor",
+                  f"{'total':<28}{size(self.step_peak + CONTEXT):>12}  of {size(self.gpu_bytes)} ({self.gpu})",
                   "", f"{'setting':<44}{'largest micro-batch':>20}{'step peak there':>18}", "-" * 82]
-        lines += [f"{s['setting']:<44}{s['micro_batch'] or 'none':>20}{gib(s['step_peak']):>18}"
+        lines += [f"{s['setting']:<44}{s['micro_batch'] or 'none':>20}{size(s['step_peak']):>18}"
                   for s in self.settings]
         lines.append("")
         if self.fits:
@@ -237,9 +242,9 @@ def explain(chosen: Optional[Profile], profiles: list, gpu_bytes: int, budget: f
     if gpu_bytes <= CONTEXT:
         return (f"does not fit: {gpu_bytes / GiB:.1f} GiB is no more than the {CONTEXT / GiB:.1f} GiB the CUDA "
                 "context takes before any tensor")
-    short = [f"{p.setting.label} needs {p.step_peak(1, per_process) / GiB:.2f} GiB at 1 sample" for p in profiles
+    short = [f"{p.setting.label} needs {size(p.step_peak(1, per_process))} at 1 sample" for p in profiles
              if not p.largest_micro_batch(per_process, budget)]
-    room = f"{budget / GiB:.2f} GiB for tensors"
+    room = f"{size(budget)} for tensors"
     if chosen is None:
         fixed = min(p.weights + p.gradients + p.optimizer_state for p in profiles)
         hint = "use a shorter sequence, FSDP or DeepSpeed (accelerate_configs/), or a bigger card" if fixed < budget \
@@ -248,8 +253,8 @@ def explain(chosen: Optional[Profile], profiles: list, gpu_bytes: int, budget: f
         return f"does not fit ({room}): " + "; ".join(short) + f" — {hint}"
     b = chosen.largest_micro_batch(per_process, budget)
     label = chosen.setting.label
-    why = f"why: {label} is the cheapest setting that fits ({room}); " + ("; ".join(short) + ". " if short else "") \
-        + "Cost: " + "; ".join(f"{x}: {COST[x]}" for x in label.split(" + "))
+    why = f"why: {label} is the cheapest setting that fits ({room})" + "".join(f"; {x}" for x in short) \
+        + ". Cost: " + "; ".join(f"{x}: {COST[x]}" for x in label.split(" + "))
     if b == per_process:
         return why + ". The whole window fits in one micro-batch: no accumulation needed"
     return why + f". {per_process // b} micro-batches of {b} take the same steps as one batch of {effective}"
