@@ -2,8 +2,8 @@
 (``finetune.plan``) recommends from and what ``batch_size: auto`` starts from.
 
 For one setting (checkpointing, the chunked loss head, offloading, LoRA) a ``Profile`` holds the fixed bytes
-(weights, gradients, the optimizer's state and step) and the micro-step's peak as lines in the micro-batch, measured
-with the allocator's record (``memory.PeakMeter``) at small micro-batches of the longest samples:
+(weights, gradients, the optimizer's state and step) and the micro-step's peak at a few micro-batch sizes, measured
+with the allocator's record (``memory.PeakMeter``) on the longest samples and joined by straight lines:
 
     step peak = weights + optimizer state + max(first micro-batch, gradients + later micro-batch,
                                                 gradients + optimizer step)   (+ DDP's gradient buckets)
