@@ -128,9 +128,9 @@ def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None,
 
     Measured at the two sizes of ``batches``, then at doubled sizes (up to ``up_to`` samples) while the line would
     mislead: while the peak grows slower than what autograd saves (a fixed buffer — an embedding's gradient — sets
-    the peak at small micro-batches, and activations take over later), and while the chunked loss head's chunk is
-    not yet full (its buffer grows with the tokens up to one chunk, then stays). The random state is restored
-    afterwards (dropout draws here must not shift the run's); gradients are cleared."""
+    the peak at small micro-batches, and activations take over later), and until a micro-batch holds more than one
+    chunk of the chunked loss head (its buffer grows with the tokens up to one chunk, then stays). The random state
+    is restored afterwards (dropout draws here must not shift the run's); gradients are cleared."""
     from finetune.items import batch_len
     from finetune.loss_head import chunk_size
 
@@ -155,7 +155,7 @@ def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None,
         for batch in batches:
             tokens = at(batch)
         batch = batches[-1]
-        while (slope(later) < 0.9 * slope(saved) or tokens < chunk) and 2 * later[-1][0] <= up_to:
+        while (slope(later) < 0.9 * slope(saved) or tokens <= chunk) and 2 * later[-1][0] <= up_to:
             batch = doubled(batch)
             if batch is None:
                 break

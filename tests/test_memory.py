@@ -1,5 +1,6 @@
 """The memory plan against an independent measurement, auto micro-batch under an injected limit, monitoring."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -118,6 +119,27 @@ def test_step_peak_within_10_percent_of_the_loop(name):
                 p = plan.profile(setting)
                 components = p.weights + p.gradients + p.optimizer_state + p.part(p.saved, b)
                 assert components < 0.9 * measured, (components, measured)
+
+
+def test_step_peak_past_one_chunk_of_the_loss_head():
+    """The chunked head's buffer grows with the tokens up to one chunk, then stays: measured only at 1 and 2
+    samples (a chunk is 4 samples), a line would overestimate 8 × 64 tokens by more than 10 % — the profile keeps
+    measuring until a micro-batch holds more than a chunk (here: 8 samples)."""
+    from finetune.config import TrainingConfig
+    from finetune.job import Job
+    from finetune.loss_head import enable_chunked_loss
+    from finetune.step_memory import auto_profile
+
+    model, data = enable_chunked_loss(logits_heavy_llama(), chunk_tokens=256), fixed_data(32, 2048)
+    t = TrainingConfig(batch_size=8, gradient_accumulation_steps=2, max_steps=2, shuffle=False, learning_rate=1e-5,
+                       packing=False)
+    profile = auto_profile(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])], t, up_to=8)
+    assert [b for b, _ in profile.later] == [1, 2, 4, 8]  # measured past one chunk
+    measured, _ = plan_module.training_peak(Job(model=copy_model(model), train_data=data, collate_fn=pad_collate), t)
+    # auto_profile sizes AdamW's state from the gradients; the loop's fused AdamW adds a step counter per tensor
+    assert abs(profile.step_peak(8, 2) / measured - 1) <= 0.10, (profile.step_peak(8, 2), measured)
+    two_points = dataclasses.replace(profile, later=profile.later[:2], first=profile.first[:2])
+    assert two_points.step_peak(8, 2) > 1.10 * measured  # the control: a line through 1 and 2 samples misses
 
 
 def card_for(step_peak: float) -> str:
