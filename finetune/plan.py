@@ -128,7 +128,7 @@ class Plan:
                   f"{'step peak':<28}{size(self.step_peak):>12}  predicted at {b} × {n}, {p.setting.label}",
                   f"{'CUDA context + slack':<28}{size(CONTEXT):>12}  reserved before any tensor",
                   f"{'total':<28}{size(self.step_peak + CONTEXT):>12}  of {size(self.gpu_bytes)} ({self.gpu})",
-                  "", f"{'setting':<44}{'largest micro-batch':>20}{'step peak there':>18}", "-" * 82]
+                  "", f"{'setting':<44}{'largest micro-batch':>20}{'step peak there':>18}  (none: at 1)", "-" * 96]
         lines += [f"{s['setting']:<44}{s['micro_batch'] or 'none':>20}{size(s['step_peak']):>18}"
                   for s in self.settings]
         lines.append("")
