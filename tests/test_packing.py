@@ -80,6 +80,24 @@ def test_rows_hold_whole_samples_within_capacity():
     assert sum(real for real, _ in w.token_counts) == sum(lengths)
 
 
+def test_the_last_micro_batch_is_packed_again_short_and_even():
+    """First fit leaves the last micro-batch's rows part-empty and uneven, and a micro-batch is padded to its
+    longest row: packed again they pad less (never more), in as many micro-batches, with every sample once."""
+    g = torch.Generator().manual_seed(0)
+    fills = lambda rows, lengths: [sum(lengths[i] for i in r) for r in rows]  # noqa: E731
+    padded = lambda f: sum(len(f[k:k + 4]) * max(f[k:k + 4]) for k in range(0, len(f), 4))  # noqa: E731
+    saved = []
+    for _ in range(40):  # windows of 24 samples of 2 to 24 tokens, micro-batches of 4 rows of 24
+        lengths = torch.randint(2, CAPACITY + 1, (24,), generator=g).tolist()
+        plain = pack_rows(range(24), lengths.__getitem__, CAPACITY)
+        even = pack_rows(range(24), lengths.__getitem__, CAPACITY, rows_per_batch=4)
+        assert sorted(i for r in even for i in r) == list(range(24))
+        assert max(fills(even, lengths)) <= CAPACITY
+        assert -(-len(even) // 4) == -(-len(plain) // 4)
+        saved.append(padded(fills(plain, lengths)) - padded(fills(even, lengths)))
+    assert min(saved) >= 0 and sum(saved) > 0
+
+
 class IgnoresPositions(torch.nn.Module):
     """A causal LM whose attention ignores packed position_ids (it always passes an attention mask of ones)."""
 
