@@ -9,9 +9,10 @@ Workloads (each set-up trains one epoch over the same samples, same micro-batch 
 * **GPT-2 causal LM** (the clm-pydoc recipe's model) on Python-docs paragraphs, one a sample, cut at 128 tokens
   (4–128, median 38): a realistic length spread;
 * **SmolLM2 chat** — the sft-smollm2 recipe's data (stdlib-qa questions with its system prompt, rendered with
-  SmolLM2's chat template, the loss on the assistant's tokens only; 39–125 tokens, median 52), its LoRA adapters, b
-  and N: SmolLM2-135M-Instruct from its GGUF file (a small subset: it trains ~100 real tokens/s on one thread), or
-  with ``--quick`` a 2-layer Llama (64 wide) from a config with SmolLM2's tokenizer. The Trainer pads the same
+  SmolLM2's chat template, the loss on the assistant's tokens only; its first 640 training conversations are 39–125
+  tokens, median 52), its LoRA adapters, b and N: SmolLM2-135M-Instruct from its GGUF file on the first 32 (it trains
+  ~100 real tokens/s on one thread), or with ``--quick`` a 2-layer Llama (64 wide) from a config with SmolLM2's
+  tokenizer on the first 128. The Trainer pads the same
   tokenized samples with ``DataCollatorForSeq2Seq`` (labels padded with -100).
 
 Set-ups:
