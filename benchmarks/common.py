@@ -137,6 +137,59 @@ def clm_collate(tokenizer, pad_to: Optional[int] = None):
     return static
 
 
+def smollm2(tiny: bool = False, seed: int = 0):
+    """(model, tokenizer) as the sft-smollm2 recipe builds them: SmolLM2-135M-Instruct from its GGUF file in fp32,
+    with the recipe's LoRA adapters (only they train). ``tiny``: a 2-layer Llama (64 wide) from a config instead,
+    with the same tokenizer, chat template and LoRA — the chat workload at a fraction of the cost."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from finetune.config import load_recipe
+    from finetune.tasks import sft
+    from finetune.tasks._common import apply_peft, resolve_model_path
+
+    cfg = load_recipe("sft-smollm2")
+    torch.manual_seed(seed)
+    if tiny:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.name_or_path))
+        model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id))
+    else:
+        model, tokenizer = sft.load_model(cfg.model)
+    return apply_peft(model, cfg.peft, "CAUSAL_LM"), tokenizer
+
+
+def chat_samples(tokenizer, n: int) -> list:
+    """The sft-smollm2 recipe's first ``n`` training conversations (stdlib-qa, its system prompt; longer than its
+    ``max_length`` dropped) rendered with the tokenizer's chat template: dicts of input_ids and labels (the
+    assistant's tokens; -100 elsewhere), as the sft task encodes them."""
+    from finetune.config import load_recipe
+    from finetune.tasks import sft
+    from finetune.tasks._common import split_samples
+
+    d = load_recipe("sft-smollm2", [f"data.limit={n}"]).data
+    train, _ = split_samples(sft.conversations(sft.load_rows(d), d), d.val_fraction, d.split_seed, d.limit)
+    samples, _ = sft.encode_all(tokenizer, train, d)
+    return [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
+
+
+def chat_collate(pad_id: int, pad_to: Optional[int] = None):
+    """The sft task's collate (right-pad ids, labels -100 on padding) without its generation fields; ``pad_to``:
+    static padding to that length instead."""
+    from finetune.tasks.sft import MODEL_INPUTS, collate
+
+    pad = collate(pad_id)
+    filler = {"input_ids": [pad_id] * pad_to, "labels": [-100] * pad_to} if pad_to else None
+
+    def fn(samples):  # static: a full-length dummy row sets the length, then is dropped
+        rows = [{**s, "prompt_ids": [], "reference": ""} for s in [*samples, *([filler] if filler else [])]]
+        return {k: v[:len(samples)] for k, v in pad(rows).items() if k in MODEL_INPUTS}
+
+    return fn
+
+
 def with_idx(samples) -> list:
     """Each sample gets its index as "idx", so that a run can tell which samples shared a step."""
     return [{**s, "idx": i} for i, s in enumerate(samples)]
@@ -371,10 +424,12 @@ def _trainer_default_collator(tokenizer):
 def run_finetune(model, data, collate, b: int, n: int, *, lr: float, epochs: int = 1, optimizer: str = "adamw",
                  scheduler: str = "linear", max_grad_norm: Optional[float] = 1.0, shuffle: bool = False,
                  seed: int = 0, lengths: Optional[list] = None, sort: Optional[bool] = False,
-                 max_tokens: Optional[int] = None, packing: bool = False, name: str = "finetune") -> Run:
+                 max_tokens: Optional[int] = None, packing: bool = False, chunked_loss: Optional[bool] = None,
+                 name: str = "finetune") -> Run:
     """finetune's loop. ``lengths`` (per sample) is what a text task gives the loop (``Job.length_of``);
     ``sort=None`` keeps the default (sort within windows when lengths are known); ``packing`` packs each window's
-    samples into rows (causal LMs; samples then need no "idx": windows are identified by the history's hash)."""
+    samples into rows (causal LMs; samples then need no "idx": windows are identified by the history's hash);
+    ``chunked_loss`` is ``training.chunked_loss`` (None: the default, on for supported causal LMs)."""
     start = time.perf_counter()
     run = Run(name)
     if packing:
@@ -382,7 +437,7 @@ def run_finetune(model, data, collate, b: int, n: int, *, lr: float, epochs: int
     t = TrainingConfig(batch_size=b, gradient_accumulation_steps=n, learning_rate=lr, epochs=epochs,
                        optimizer=optimizer, weight_decay=0.0, lr_scheduler=scheduler, warmup_steps=0,
                        max_grad_norm=max_grad_norm, seed=seed, shuffle=shuffle, sort_within_window=sort,
-                       max_tokens_per_micro_batch=max_tokens, packing=packing)
+                       max_tokens_per_micro_batch=max_tokens, packing=packing, chunked_loss=chunked_loss)
     job = Job(model=model, train_data=data, collate_fn=collate,
               length_of=(lambda i: lengths[i]) if lengths is not None else None,
               before_window=lambda state: run.starts.append(clocks()))  # after the window's micro-batches are fetched
@@ -437,11 +492,12 @@ def median(xs) -> float:
 
 
 def flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().flatten().double().cpu() for p in model.parameters()])
+    """The trainable parameters (a LoRA model's adapters; every parameter of the others), flattened."""
+    return torch.cat([p.detach().flatten().double().cpu() for p in model.parameters() if p.requires_grad])
 
 
 def rel_diff(a, b) -> float:
-    """max |a − b| / max |b| over all parameters — the measure the test suite uses."""
+    """max |a − b| / max |b| over the trainable parameters — the measure the test suite uses."""
     a = a if isinstance(a, torch.Tensor) else flat(a)
     b = b if isinstance(b, torch.Tensor) else flat(b)
     return float((a - b).abs().max() / b.abs().max())

@@ -2,11 +2,13 @@
 window, its item count and its gradient stay the big-batch baseline's.
 
 A row holds whole samples up to ``capacity`` tokens (first-fit decreasing, inside the window only); a micro-batch is
-``batch_size`` rows (or as many as a token budget allows). In a row every sample's ``position_ids`` restart at 0 and
-there is no attention mask: transformers then builds a block-diagonal causal mask from the positions, so no sample
-sees another (it does so only when ``attention_mask`` is None and no KV cache is used — hence ``use_cache=False``
-in every packed batch). The first label of every sample is -100: no token is trained to predict the next sample.
-A causal LM never predicts a row's first label either, so a window's shifted label count is exactly the unpacked one.
+``batch_size`` rows (or as many as a token budget allows), padded to its longest row. First fit fills the rows of
+every micro-batch but the last, whose rows are then packed again as short and even as the samples allow. In a row
+every sample's ``position_ids`` restart at 0 and there is no attention mask: transformers then builds a
+block-diagonal causal mask from the positions, so no sample sees another (it does so only when ``attention_mask``
+is None and no KV cache is used — hence ``use_cache=False`` in every packed batch). The first label of every sample
+is -100: no token is trained to predict the next sample. A causal LM never predicts a row's first label either, so a
+window's shifted label count is exactly the unpacked one.
 
     >>> pack_rows([0, 1, 2, 3], lambda i: [5, 3, 4, 2][i], capacity=8)
     [(0, 1), (2, 3)]
@@ -15,15 +17,17 @@ A causal LM never predicts a row's first label either, so a window's shifted lab
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Optional
 
 import torch
 
 from finetune.errors import ConfigError
 
 
-def pack_rows(members, length_of, capacity: int) -> list[tuple]:
-    """First-fit decreasing: rows of whole samples, each at most ``capacity`` tokens (a longer sample gets a row
-    of its own). Deterministic: ties in length keep the members' order."""
+def pack_rows(members, length_of, capacity: int, rows_per_batch: Optional[int] = None) -> list[tuple]:
+    """Rows of whole samples, each at most ``capacity`` tokens (a longer sample gets a row of its own), by first-fit
+    decreasing, fullest first. With ``rows_per_batch`` (the rows of a full micro-batch), the last micro-batch's rows
+    are made short and even (:func:`even_last_batch`). Deterministic: ties in length keep the members' order."""
     order = sorted(members, key=lambda i: -length_of(i))
     rows, room = [], []
     for i in order:
@@ -35,7 +39,57 @@ def pack_rows(members, length_of, capacity: int) -> list[tuple]:
         else:
             rows[r].append(i)
             room[r] -= n
+    rows = fullest_first(rows, length_of)
+    if rows_per_batch and len(rows) > 1:
+        rows = even_last_batch(order, length_of, capacity, rows, rows_per_batch)
     return [tuple(r) for r in rows]
+
+
+def even_last_batch(order, length_of, capacity: int, rows: list, per_batch: int) -> list:
+    """``rows`` (first fit of ``order``, fullest first) packed again so that the last micro-batch wastes less.
+
+    A micro-batch is padded to its longest row, and first fit leaves the last micro-batch's rows part-empty and
+    uneven. So keep its number of rows r and find (by bisection) the narrowest width w at which first fit still
+    places the window into the full micro-batches' rows of ``capacity`` plus r rows of w. Kept only when it pads
+    less. Samples only move between rows of the same window: the step does not change."""
+    full = (len(rows) - 1) // per_batch * per_batch
+    tail = len(rows) - full
+    spill = sum(map(length_of, order)) - full * capacity  # tokens the full micro-batches cannot hold
+    lo, hi, best = max(1, -(-spill // tail)), capacity, None
+    while lo <= hi:
+        width = (lo + hi) // 2
+        fitted = first_fit(order, length_of, [capacity] * full + [width] * tail)
+        if fitted is None:
+            lo = width + 1
+        else:
+            best, hi = fitted, width - 1
+    if best is None:
+        return rows
+    best = fullest_first([r for r in best if r], length_of)
+    return best if padded_tokens(best, length_of, per_batch) < padded_tokens(rows, length_of, per_batch) else rows
+
+
+def fullest_first(rows: list, length_of) -> list:
+    return sorted(rows, key=lambda row: -sum(map(length_of, row)))
+
+
+def padded_tokens(rows: list, length_of, per_batch: int) -> int:
+    """Tokens of ``rows`` (fullest first) cut into micro-batches of ``per_batch``, each padded to its longest."""
+    fills = [sum(map(length_of, r)) for r in rows]
+    return sum(len(fills[k:k + per_batch]) * fills[k] for k in range(0, len(fills), per_batch))
+
+
+def first_fit(order, length_of, sizes: list) -> Optional[list]:
+    """Each sample of ``order`` into the first row with room, rows of the given ``sizes``; None if one fits nowhere."""
+    rows, room = [[] for _ in sizes], list(sizes)
+    for i in order:
+        n = length_of(i)
+        r = next((k for k, free in enumerate(room) if n <= free), None)
+        if r is None:
+            return None
+        rows[r].append(i)
+        room[r] -= n
+    return rows
 
 
 def _tokens(x) -> list:

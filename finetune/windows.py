@@ -140,7 +140,8 @@ def plan_epoch(
 def packed_micro_batches(samples, length_of, capacity: int, rows_per_batch: int, max_tokens: Optional[int]):
     """The window's samples packed into rows, cut into micro-batches of rows; with each micro-batch its (real,
     padded) tokens (padded: rows × the longest row, as ``packing.collate_rows`` pads)."""
-    rows = pack_rows(samples, length_of, capacity)
+    full_batch = max_tokens // capacity if max_tokens else rows_per_batch  # rows of a full micro-batch
+    rows = pack_rows(samples, length_of, capacity, full_batch)
     row_len = {row: sum(length_of(i) for i in row) for row in rows}
     chunks = token_budget_chunks(rows, row_len.__getitem__, max_tokens) if max_tokens else \
         [tuple(rows[i:i + rows_per_batch]) for i in range(0, len(rows), rows_per_batch)]
