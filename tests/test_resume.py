@@ -43,7 +43,7 @@ def _kill_at(step, out):
     return proc.returncode
 
 
-@pytest.mark.parametrize("epoch", [0, 1])
+@pytest.mark.parametrize("epoch", [0, pytest.param(1, marks=pytest.mark.slow)])  # epoch 1: make test-all
 def test_sigkill_at_random_step_then_resume_is_bit_identical(uninterrupted, tmp_path, epoch):
     total = len((uninterrupted / "history.jsonl").read_text().splitlines())
     per_epoch = total // 2

@@ -156,10 +156,11 @@ def test_transformer_recipe_runs_through_the_cli(tmp_path, recipe):
 
 
 def test_long_sequence_lion_amp_compile_recipe(tmp_path):
-    """Seed 004 as a recipe: the banner shows the 2 × 16 split and the bar the EMA loss."""
+    """Seed 004 as a recipe: the banner shows the 2 × 16 split and the bar the EMA loss. Without the recipe's
+    torch.compile (a minute of compiling on a CPU; compiled = eager: test_loop.py::test_compile_matches_eager)."""
     out = tmp_path / "run"
     proc = cli("--recipe", "clm-lion-long", "--max-steps", "1", "--set", "data.limit=150", "--output-dir", str(out),
-               "--set", "model.sample_tokens=4")
+               "--set", "model.sample_tokens=4", "--set", "training.compile=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Effective batch size: 32 (2 × 16)" in proc.stdout
     assert "Optimizer: lion" in proc.stdout and "Mixed precision: bf16" in proc.stdout
