@@ -10,6 +10,7 @@ micro-batches of the longest training samples rather than guessing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -19,7 +20,7 @@ import torch
 
 from finetune.errors import ConfigError
 from finetune.memory import GiB, PeakMeter
-from finetune.step_memory import HEADROOM, Profile, Setting, longest_batches, measure
+from finetune.step_memory import HEADROOM, Profile, Setting, longest_batches, measure, without_saved
 
 # memory of common cards (bytes); "8GiB" / "12GB" / "24" also work
 GPUS = {
@@ -204,6 +205,9 @@ def make_plan(model, batches: list, gpu: str, effective: int, training=None, los
         except ConfigError:  # no checkpointing support after all
             break
         profiles.append(measure(model, batches, setting, t, loss_fn, processes, per_process))
+        if setting.offload:
+            base = next(p for p in profiles if p.setting == dataclasses.replace(setting, offload=False))
+            profiles[-1].floor = without_saved(base)
     can_lora = lora_model is not None and not any("lora_" in name for name, _ in model.named_parameters())
     if pick() is None and can_lora:
         lora = lora_model().to(next(model.parameters()).device)

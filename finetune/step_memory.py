@@ -82,9 +82,17 @@ class Profile:
     saved: list                 # what autograd saves for backward
     first: list                 # micro-step peak above its start, no gradients held (a window's first micro-batch)
     later: list                 # the same with the window's gradients held (every later micro-batch)
+    floor: Optional[dict] = None  # offloading: the same setting's first / later without it, less what it saved
 
     def part(self, which: list, b: int) -> int:
         return at_size(which, b)
+
+    def micro(self, mode: str, b: int) -> int:
+        """The micro-step's peak (``mode``: "first" or "later") at ``b`` samples. With offloading, never below what
+        stays on the device without the saved tensors: at the small micro-batches measured a fixed buffer can hide
+        how the rest grows."""
+        value = at_size(getattr(self, mode), b)
+        return max(value, at_size(self.floor[mode], b)) if self.floor else value
 
     def per_sample(self, which: list) -> tuple[int, int]:
         """(fixed, per sample) of ``which`` on its largest measured segment."""
@@ -95,15 +103,22 @@ class Profile:
         """Predicted peak of an optimizer step of ``n`` micro-batches of ``b`` samples."""
         # Without gradients the peak sits where activations and the gradients made so far add up most; as b grows
         # it moves to where activations alone peak, as with gradients held: the larger of the two lines.
-        micro = max(self.part(self.first, b), self.part(self.later, b))
+        micro = max(self.micro("first", b), self.micro("later", b))
         if n > 1:
-            micro = max(micro, self.gradients + self.part(self.later, b))
+            micro = max(micro, self.gradients + self.micro("later", b))
         return self.weights + self.buckets + max(self.optimizer_state + micro, self.gradients + self.optimizer_step)
 
     def largest_micro_batch(self, per_process: int, budget: float) -> int:
         """The largest divisor of the per-process window whose step fits ``budget`` (0: none does)."""
         return next((d for d in range(per_process, 0, -1)
                      if per_process % d == 0 and self.step_peak(d, per_process // d) <= budget), 0)
+
+
+def without_saved(profile: Profile) -> dict:
+    """``profile``'s micro-step peaks less what autograd saved at the same sizes: the floor of the same setting
+    with offloading (the saved tensors leave the device, the rest stays)."""
+    saved = dict(map(tuple, profile.saved))
+    return {mode: [[b, max(peak - saved[b], 0)] for b, peak in getattr(profile, mode)] for mode in ("first", "later")}
 
 
 def micro_step(model, batch, loss_fn, autocast_dtype, offload: bool, device) -> tuple[int, int]:
