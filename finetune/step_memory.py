@@ -265,8 +265,10 @@ def device_budget(device: torch.device, held: int) -> float:
     """Bytes this run's tensors may reach on ``device``: what is free plus what it already holds (``held``), less
     the headroom. CUDA: the driver's free memory and the allocator's cache; CPU: the system's available RAM."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return (free + torch.cuda.memory_reserved(device)) * HEADROOM
+        free, total = torch.cuda.mem_get_info(device)
+        # a process capped with set_per_process_memory_fraction gets no more than its share of the card
+        cap = torch.cuda.get_per_process_memory_fraction(device) * total
+        return min(free + torch.cuda.memory_reserved(device), cap) * HEADROOM
     import psutil
 
     return (psutil.virtual_memory().available + held) * HEADROOM

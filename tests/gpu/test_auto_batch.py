@@ -42,10 +42,11 @@ def fits(model, data, batch_size) -> bool:
 
 def test_auto_micro_batch_under_a_real_memory_cap(figures, clean_cuda, capsys):
     """Cap the process at the midpoint between the measured needs of micro-batches 4 and 8 (a GPT-2 at 512 tokens,
-    ~100 MiB of activations a sample). ``auto`` starts from the whole window (32) and shrinks through its divisors
-    on each real out-of-memory error; the micro-batch it keeps must be the largest that fits — the next divisor up,
-    given explicitly, runs out of memory under the same cap — and its run must equal the run with that micro-batch
-    given explicitly: the same windows (hashes) and the same weights (≤ 1e-5, fp32)."""
+    ~100 MiB of activations a sample). ``auto`` starts from the planner's prediction under the cap and shrinks
+    through the window's divisors on each real out-of-memory error; the micro-batch it keeps must be the largest
+    that fits — the next divisor up, given explicitly, runs out of memory under the same cap — and its run must
+    equal the run with that micro-batch given explicitly: the same windows (hashes) and the same weights (≤ 1e-5,
+    fp32)."""
     model = gpt2(n_layer=4, vocab=VOCAB, positions=LENGTH)
     data = causal_lm_data(2 * EFFECTIVE, LENGTH, VOCAB)
     need = {b: train_and_measure(copy.deepcopy(model), data, causal_lm_collate, b, EFFECTIVE // b,
@@ -58,7 +59,9 @@ def test_auto_micro_batch_under_a_real_memory_cap(figures, clean_cuda, capsys):
     try:
         auto = run(copy.deepcopy(model), data, "auto")
         kept = auto.history[-1]["micro_batch_size"]
-        tries = re.findall(r"out of memory at micro-batch (\d+):", capsys.readouterr().out)
+        printed = capsys.readouterr().out
+        tries = re.findall(r"out of memory at micro-batch (\d+):", printed)
+        planned = re.search(r"batch_size auto: micro-batch (\d+) ×", printed)
         release()
         explicit = run(copy.deepcopy(model), data, kept)
         release()
@@ -68,13 +71,14 @@ def test_auto_micro_batch_under_a_real_memory_cap(figures, clean_cuda, capsys):
         torch.cuda.set_per_process_memory_fraction(1.0)
     figures("need 4 / 8", f"{need[4] / 2 ** 20:.0f} / {need[8] / 2 ** 20:.0f} MiB")
     figures("cap", f"{cap / 2 ** 20:.0f} MiB")
-    figures("tried", " → ".join([*tries, str(kept)]))
+    figures("planned, tried", " → ".join([planned.group(1) if planned else "?", *tries, str(kept)]))
     figures("next divisor up", f"{bigger} {'fits' if bigger_fits else 'runs out of memory'}")
     weights = rel_diff(flat(auto.model), flat(explicit.model))
     figures("weights vs explicit", weights, "≤ 1e-05")
 
     assert 1 < kept < EFFECTIVE, f"the cap did not bite (kept {kept}): the calibration above is off"
-    assert tries and int(tries[0]) == EFFECTIVE  # it started from the whole window and met a real OOM
+    assert planned, "batch_size auto printed no planned micro-batch"
+    assert int(planned.group(1)) >= kept and (tries or int(planned.group(1)) == kept)  # shrunk only on a real OOM
     assert bigger_fits is False, f"micro-batch {bigger} fits under the cap: auto stopped too small at {kept}"
     assert all(h["micro_batch_size"] == kept for h in auto.history)
     assert auto.effective_batch_size == explicit.effective_batch_size == EFFECTIVE
