@@ -49,9 +49,6 @@ MB = 2 ** 20
 SEQ = 128
 
 
-Meter = PeakMeter  # the allocator's record on a CPU, max_memory_allocated on CUDA (finetune.memory)
-
-
 def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -95,12 +92,6 @@ def workloads(n: int) -> dict:
     texts = C.pydoc_samples(mtok, n, seq_len=SEQ)  # Python-docs paragraphs, in MiniLM's tokens, with a class label
     cls = fixed_length([{**s, "labels": i % 2} for i, s in enumerate(texts)], mtok)
     return {"MiniLM": (minilm, cls, default_data_collator), "GPT-2": (gpt2, text_blocks(ptok, n, SEQ), clm_collate)}
-
-
-def adamw_state_bytes(model) -> int:
-    """AdamW's two moments and its per-tensor step counter, for the trainable parameters."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    return sum(2 * p.numel() * p.element_size() + 4 for p in trainable)
 
 
 def training(b: int, n: int, steps: int, checkpointing: bool = False, chunked=None) -> TrainingConfig:
@@ -151,7 +142,7 @@ def step_peak(model, data, collate, b: int, n: int, checkpointing: bool = False,
             peak, result = training_peak(job, training(b, n, 2, checkpointing, chunked))
         return peak, result["history"]
     held = 0 if C.DEVICE.type == "cuda" else param_bytes(model)
-    with Meter(C.DEVICE) as meter:
+    with PeakMeter(C.DEVICE) as meter:
         accelerate_steps(model, data, collate, b, n, 2)
     return held + meter.peak, None
 
@@ -170,7 +161,7 @@ def activation_bytes(model, data, collate, b: int, checkpointing: bool = False) 
     if checkpointing:
         enable_checkpointing(model)
     batch = {k: v.to(C.DEVICE) for k, v in collate(data[:b]).items()}
-    with Meter(C.DEVICE) as m:
+    with PeakMeter(C.DEVICE) as m:
         out = model(**batch)
     del out
     return m.net

@@ -187,3 +187,34 @@ def tiny_chat_assets() -> dict:
 SMALL["sft-smollm2"] = [f"model.name_or_path={TINY_CHAT / 'model'}", f"data.source={TINY_CHAT / 'chat.jsonl'}",
                         "data.val_fraction=0.2", "data.max_length=96", "data.system_prompt=null",
                         "model.generate_prompts=2", "model.max_new_tokens=4", "model.samples_saved=2"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# comparing and cutting runs
+
+import shutil  # noqa: E402
+
+
+def assert_same_history(two: list, one: list) -> None:
+    """Two histories of the same steps (e.g. 2 processes and 1): the same windows exactly, the same numbers to 1e-5
+    (timings aside)."""
+    import pytest
+
+    assert len(two) == len(one)
+    for h2, h1 in zip(two, one):
+        for key in ("step", "epoch", "window", "items", "samples", "micro_batches", "window_hash", "skipped"):
+            assert h2[key] == h1[key], key
+        for key in ("loss", "grad_norm", "lr"):
+            assert h2[key] == pytest.approx(h1[key], rel=1e-5), key
+
+
+def checkpoint_copy(run, out, step: int):
+    """A copy of the run directory ``run`` at ``out`` whose newest checkpoint is the one after ``step`` optimizer
+    steps (the later ones removed, ``latest`` pointing at it)."""
+    shutil.copytree(run, out)
+    for p in (out / "checkpoints").glob("step-*"):
+        if int(p.name.split("-")[1]) > step:
+            shutil.rmtree(p)
+    (out / "checkpoints" / "latest").write_text(f"step-{step:06d}\n")
+    return out
+

@@ -11,6 +11,7 @@ import torch
 
 from finetune import distributed
 from tests import dist_worker
+from tests.helpers import assert_same_history
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")
@@ -45,12 +46,7 @@ def test_two_processes_match_one(two_process_results, case):
     assert float((w2 - w1).abs().max() / w1.abs().max()) <= 1e-5
     assert two["lr"] == one["lr"]
     # history.jsonl is the same for any number of processes (timings aside)
-    assert len(two["history"]) == len(one["history"])
-    for h2, h1 in zip(two["history"], one["history"]):
-        for key in ("step", "epoch", "window", "items", "samples", "micro_batches", "window_hash", "skipped"):
-            assert h2[key] == h1[key], key
-        for key in ("loss", "grad_norm", "lr"):
-            assert h2[key] == pytest.approx(h1[key], rel=1e-5), key
+    assert_same_history(two["history"], one["history"])
     # validation: every sample once, same loss
     assert [v["loss"] for v in two["val"]] == pytest.approx([v["loss"] for v in one["val"]], rel=1e-5)
 

@@ -2,7 +2,6 @@
 as long as micro-batch × N × processes is the checkpoint's effective batch."""
 
 import json
-import shutil
 import signal
 import subprocess
 import time
@@ -11,7 +10,7 @@ import psutil
 import pytest
 
 from finetune.compare import compare_runs
-from tests.helpers import ACCELERATE, ENV, ROOT, RUN, TINY, cli
+from tests.helpers import ACCELERATE, ENV, ROOT, RUN, TINY, checkpoint_copy, cli
 
 CONFIG = str(ROOT / "accelerate_configs" / "multi_cpu_2.yaml")
 # dropout off: per-process random draws are the one thing another layout cannot replay. 64 samples, effective
@@ -44,12 +43,7 @@ def two_processes(tmp_path_factory):
 
 def _resume_copy(run, tmp_path, step):
     """A copy of ``run`` whose newest checkpoint is the one after ``step`` optimizer steps."""
-    out = tmp_path / "resumed"
-    shutil.copytree(run, out)
-    for p in (out / "checkpoints").glob("step-*"):
-        if int(p.name.split("-")[1]) > step:
-            shutil.rmtree(p)
-    (out / "checkpoints" / "latest").write_text(f"step-{step:06d}\n")
+    out = checkpoint_copy(run, tmp_path / "resumed", step)
     (out / "metrics.json").unlink()
     return out
 

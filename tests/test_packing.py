@@ -18,6 +18,7 @@ from tests.helpers import (
     ENV,
     ROOT,
     SMALL,
+    checkpoint_copy,
     cli,
     copy_model,
     pad_collate,
@@ -224,12 +225,7 @@ def packed_run(tmp_path_factory):
 def killed_copy(run, tmp_path, step):
     """``run`` as a kill between step ``step``'s checkpoint and the next would leave it: the checkpoints up to
     ``step``, one history line more, no model and no metrics."""
-    out = tmp_path / "killed"
-    shutil.copytree(run, out)
-    for p in (out / "checkpoints").glob("step-*"):
-        if int(p.name.split("-")[1]) > step:
-            shutil.rmtree(p)
-    (out / "checkpoints" / "latest").write_text(f"step-{step:06d}\n")
+    out = checkpoint_copy(run, tmp_path / "killed", step)
     history = out / "history.jsonl"
     history.write_text("".join(history.read_text().splitlines(keepends=True)[:step + 1]))
     for p in out.glob("model*"):

@@ -17,7 +17,7 @@ import torch
 
 from tests import dist_worker, helpers
 from tests.gpu.common import GPU, rel_diff
-from tests.helpers import ACCELERATE, ROOT, RUN
+from tests.helpers import ACCELERATE, ROOT, RUN, assert_same_history
 
 CONFIGS = ROOT / "accelerate_configs"
 ENV = {**helpers.ENV, "NVIDIA_TF32_OVERRIDE": "0"}  # no TF32 in any library of the launched processes
@@ -70,12 +70,7 @@ def test_ddp_matches_one_gpu(ddp_results, case, figures, ieee_fp32):
     assert two["processes"] == 2 and one["processes"] == 1
     assert two["effective"] == one["effective"]
     assert weights <= 1e-5, weights
-    assert len(two["history"]) == len(one["history"])
-    for h2, h1 in zip(two["history"], one["history"]):
-        for key in ("step", "epoch", "window", "items", "samples", "micro_batches", "window_hash", "skipped"):
-            assert h2[key] == h1[key], key
-        for key in ("loss", "grad_norm", "lr"):
-            assert h2[key] == pytest.approx(h1[key], rel=1e-5), key
+    assert_same_history(two["history"], one["history"])
 
 
 @pytest.fixture(scope="module")
