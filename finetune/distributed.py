@@ -100,6 +100,19 @@ def wait_for_everyone() -> None:
         state.wait_for_everyone()
 
 
+def settle() -> None:
+    """The barrier that ends a multi-process run that succeeded: after it no collective is in flight.
+
+    gloo's worker threads drop a finished collective's tensors only after the caller's ``wait()`` has returned, and
+    dropping a tensor made in Python (an ``accelerator.reduce`` or ``gather_object`` buffer) takes the GIL. If that
+    happens while the interpreter finalizes, the process aborts ("terminate called without an active exception",
+    SIGABRT) after the run succeeded, and the launcher reports a failure. A gloo barrier waits for all work queued
+    or running before it, and a worker drops its work before it takes the next one: once every process has passed
+    it, nothing is left to drop. Only the success path calls it: a process that failed must not wait for the others.
+    """
+    wait_for_everyone()
+
+
 def shutdown() -> None:
     """Destroy the process group (local, no collective). Runs at exit of every multi-process run: a gloo group
     left alive while the interpreter finalizes can abort the process (SIGABRT) after training succeeded."""

@@ -111,7 +111,6 @@ def execute(cfg: RecipeConfig, out_dir: Path, resume_from=None, on_eval=None):
                         keep_checkpoints=cfg.output.keep_checkpoints, resume_from=resume_from,
                         config_text=config_text, on_eval=on_eval)
     result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name}
-    result.accelerator.wait_for_everyone()
     if result.accelerator.is_main_process:
         write_outputs(cfg, job, result, out_dir)
     return result

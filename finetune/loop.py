@@ -390,6 +390,7 @@ def finish(run: Run, log_with=None) -> TrainResult:
     if log_with is not None:  # not accelerator.end_training(): it also tears down the process group
         for tracker in run.accelerator.trackers:
             tracker.finish()
+    distributed.settle()
     return TrainResult(model=run.accelerator.unwrap_model(run.model), accelerator=run.accelerator, state=run.state,
                        effective_batch_size=run.effective, gradient_accumulation_steps=run.accum,
                        total_steps=run.total_steps)

@@ -54,6 +54,25 @@ CUSTOM = {
 }
 
 
+COLLECTIVES = ("barrier", "all_reduce", "all_gather", "all_gather_object", "gather_object", "broadcast",
+               "broadcast_object_list", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def record_collectives() -> list:
+    """The names of the torch.distributed calls this process makes from Python, in order."""
+    calls = []
+
+    def recorded(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    for name in COLLECTIVES:
+        setattr(torch.distributed, name, recorded(name, getattr(torch.distributed, name)))
+    return calls
+
+
 def run(name, processes):
     if name in CUSTOM:
         if name.startswith("sft"):
@@ -79,7 +98,11 @@ def run(name, processes):
 
 if __name__ == "__main__":
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else [*CASES, *CUSTOM]
-    out = {name: run(name, processes=int(sys.argv[2])) for name in names}
+    calls = record_collectives()
+    out = {}
+    for name in names:
+        out[name] = run(name, processes=int(sys.argv[2]))
+        out[name]["collectives"], calls[:] = list(calls), []
     if all(v["main"] for v in out.values()):
         with open(sys.argv[1], "w") as f:
             json.dump(out, f)

@@ -49,6 +49,9 @@ def test_two_processes_match_one(two_process_results, case):
     assert_same_history(two["history"], one["history"])
     # validation: every sample once, same loss
     assert [v["loss"] for v in two["val"]] == pytest.approx([v["loss"] for v in one["val"]], rel=1e-5)
+    # the run ends with a barrier, after its last reduce / gather (see distributed.settle)
+    assert two["collectives"][-1] == "barrier"
+    assert {"all_reduce", "all_gather_object"} <= set(two["collectives"])  # the recorder saw the others too
 
 
 def test_shutdown_destroys_the_process_group(tmp_path):
