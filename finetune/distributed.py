@@ -154,6 +154,23 @@ def sync_gradients(accelerator: Accelerator, model, sync: bool):
     return contextlib.nullcontext() if sync else accelerator.no_sync(model)
 
 
+def configure_deepspeed(accelerator: Accelerator, micro_batch: int) -> None:
+    """Before ``accelerator.prepare`` under DeepSpeed. DeepSpeed sizes its engine from the micro-batch, which
+    Accelerate reads off a prepared DataLoader; finetune prepares none (its windows are its own), so it says it
+    here. DeepSpeed must not accumulate as well: finetune tells it where each window ends (``backward``), and a
+    DeepSpeed N > 1 would divide every loss by N once more."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    plugin = accelerator.deepspeed_plugin
+    if plugin.is_auto("train_micro_batch_size_per_gpu"):
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
+    steps = plugin.get_value("gradient_accumulation_steps")
+    if steps not in (None, "auto", 1):
+        raise ConfigError(f"deepspeed config: gradient_accumulation_steps is {steps}; set it to 1 or auto "
+                          "(finetune accumulates each window itself: training.gradient_accumulation_steps or "
+                          "training.effective_batch_size)")
+
+
 def backward(accelerator: Accelerator, loss: torch.Tensor, sync: bool) -> None:
     """``accelerator.backward`` (loss scaling for fp16). DeepSpeed's engine keeps its own accumulation boundary and
     steps inside backward, so it is told explicitly whether this micro-batch ends the window (with N = 1 in its

@@ -49,17 +49,18 @@ def claim_output_dir(cfg: RecipeConfig, resume: Optional[str] = None) -> Path:
     return out
 
 
-def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes: int, rank: int):
+def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes: int, rank: int,
+              speak: bool = True):
     """What every process checks before a model is built: the checkpoint to resume (and its random state for
     ``rank``), what this machine can run, and that the effective batch splits over ``processes``. Returns the
-    checkpoint, or None."""
+    checkpoint, or None. With ``speak``, rank 0 prints the notes on resuming (e.g. a new effective split)."""
     resume_from = None
     if resume is not None:
         resume_from = checkpoint.find_checkpoint(resume, out_dir)  # refuses a missing / corrupt checkpoint
         # every process reads the same files, so every process reaches the same verdict (no one waits on a peer
         # that refused)
         notes = check_resume(resume_from, cfg, processes)
-        if rank == 0:
+        if speak and rank == 0:
             for note in notes:
                 print(note, file=sys.stderr)
     distributed.check_environment(cfg.training, cfg.output.tracker)
@@ -86,7 +87,7 @@ def check_before_launch(cfg: RecipeConfig, resume: Optional[str], processes: int
     returns the output directory. The lock is only tried: the workers' main process takes it for the run."""
     out_dir = claim_output_dir(cfg, resume)
     try:
-        check_run(cfg, resume, out_dir, processes, rank=0)
+        check_run(cfg, resume, out_dir, processes, rank=0, speak=False)  # the launched processes say the notes
     finally:
         runlock.release(out_dir)
     return out_dir

@@ -199,6 +199,7 @@ def setup(job: Job, t: TrainingConfig, output_dir=None, accelerator=None, log_wi
     # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
     # process, so each raw scheduler is stepped exactly once per optimizer step.
     optims = make_optims(model, job.param_groups, t, total_steps, lr_scale(t, t.batch_size * accum * processes))
+    distributed.configure_deepspeed(accelerator, t.batch_size)
     model, *prepared = accelerator.prepare(model, *[o.optimizer for o in optims])
     for o, p in zip(optims, prepared):
         o.optimizer = p

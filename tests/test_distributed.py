@@ -104,3 +104,24 @@ def test_fsdp_and_deepspeed_refused_without_gpu(tmp_path):
     assert "error: accelerate config: fsdp needs GPUs" in proc.stderr
     assert "LOAD REPORT" not in proc.stderr  # refused before the model was built
     assert not (tmp_path / "o").exists()
+
+
+def test_deepspeed_is_told_the_micro_batch_and_not_to_accumulate():
+    """finetune prepares no DataLoader, which is where Accelerate reads DeepSpeed's micro-batch from."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
+
+    from finetune.errors import ConfigError
+
+    plugin = DeepSpeedPlugin(zero_stage=2)
+    assert plugin.is_auto("train_micro_batch_size_per_gpu")  # what accelerate.prepare refuses without a DataLoader
+    distributed.configure_deepspeed(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                                                    deepspeed_plugin=plugin), micro_batch=3)
+    assert plugin.get_value("train_micro_batch_size_per_gpu") == 3
+    distributed.configure_deepspeed(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU), micro_batch=3)
+
+    accumulating = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=4)
+    with pytest.raises(ConfigError, match="^deepspeed config: gradient_accumulation_steps is 4; set it to 1 or auto"):
+        distributed.configure_deepspeed(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                                                        deepspeed_plugin=accumulating), micro_batch=3)

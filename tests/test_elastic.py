@@ -64,11 +64,11 @@ def test_another_micro_batch_on_the_same_process(one_process, tmp_path):
 
 
 def test_one_process_to_two(one_process, tmp_path):
+    """Through ``finetune run --processes 2``, which checks the resume before it starts the two processes."""
     out = _resume_copy(one_process, tmp_path, step=11)  # mid-epoch 1
-    proc = launch2("--batch-size", "2", "--output-dir", str(out), "--resume", "latest")
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    notes = [x for x in err.splitlines() if x.startswith("resume: saved on 1 process, continuing on 2")]
+    proc = cli("--processes", "2", *COMMON, "--batch-size", "2", "--output-dir", str(out), "--resume", "latest")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [x for x in proc.stderr.splitlines() if x.startswith("resume: saved on 1 process, continuing on 2")]
     assert len(notes) == 1 and "dropout" in notes[0]  # said once (main process), with what is not replayed
     _assert_equivalent(out, one_process)
 
