@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import time
 from typing import Callable, Optional
 
 import torch
@@ -101,23 +102,28 @@ def wait_for_everyone() -> None:
 
 
 def settle() -> None:
-    """The barrier that ends a multi-process run that succeeded: after it no collective is in flight.
-
-    gloo's worker threads drop a finished collective's tensors only after the caller's ``wait()`` has returned, and
-    dropping a tensor made in Python (an ``accelerator.reduce`` or ``gather_object`` buffer) takes the GIL. If that
-    happens while the interpreter finalizes, the process aborts ("terminate called without an active exception",
-    SIGABRT) after the run succeeded, and the launcher reports a failure. A gloo barrier waits for all work queued
-    or running before it, and a worker drops its work before it takes the next one: once every process has passed
-    it, nothing is left to drop. Only the success path calls it: a process that failed must not wait for the others.
-    """
+    """The barrier that ends a multi-process run that succeeded: a gloo barrier waits for every collective queued
+    before it, so no process leaves (and closes its connections) while another still has one in flight. Only the
+    success path calls it: a process that failed must not wait for the others."""
     wait_for_everyone()
 
 
 def shutdown() -> None:
-    """Destroy the process group (local, no collective). Runs at exit of every multi-process run: a gloo group
-    left alive while the interpreter finalizes can abort the process (SIGABRT) after training succeeded."""
+    """Destroy the process group (local, no collective), then give gloo's worker threads the GIL and the CPU for a
+    moment. Runs at exit of every multi-process run, while the interpreter is still whole.
+
+    A gloo worker drops a finished collective's tensors only after the caller's ``wait()`` has returned, and
+    dropping a tensor made in Python (an ``accelerator.reduce`` or ``gather_object`` buffer) takes the GIL. If the
+    interpreter is finalizing by then, the process aborts ("terminate called without an active exception",
+    SIGABRT) after the run succeeded, and the launcher reports a failure. Neither destroying the group (its
+    threads live on while anything references it) nor a barrier (it waits for the work to finish, not to be
+    dropped) prevents that; the drop needs microseconds of CPU, which a loaded machine may give it late."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+        time.sleep(GLOO_GRACE_SECONDS)
+
+
+GLOO_GRACE_SECONDS = 0.25
 
 
 def make_accelerator(t: TrainingConfig, log_with=None, project_dir=None) -> Accelerator:
