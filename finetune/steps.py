@@ -113,15 +113,17 @@ def optimizer_step(accelerator, optims: list, t: TrainingConfig, step: int, wind
         # leaves the gradients untouched.
         max_norm = o.max_grad_norm if o.max_grad_norm is not None else math.inf
         clip = accelerator.clip_grad_norm_ if i == 0 else torch.nn.utils.clip_grad_norm_
-        norm = clip(o.params, max_norm)
-        norms.append(norm if norm is not None else torch.tensor(float("nan")))
-    norms = torch.stack([torch.as_tensor(n, dtype=torch.float32).cpu() for n in norms]).tolist()  # one host sync
+        norms.append(clip(o.params, max_norm))
+    # DeepSpeed's engine reports no norm when it does not clip: unknown (NaN in the history), not non-finite
+    known = [n is not None for n in norms]
+    norms = torch.stack([torch.as_tensor(n if k else math.nan, dtype=torch.float32).cpu()
+                         for n, k in zip(norms, known)]).tolist()  # one host sync
     lrs = [o.optimizer.param_groups[0]["lr"] for o in optims]
     if accelerator.scaler is not None:
         for o in optims:
             o.optimizer.step()  # GradScaler skips the update on inf/NaN gradients and lowers the scale
         skipped = any(bool(o.optimizer.step_was_skipped) for o in optims)
-    elif all(math.isfinite(n) for n in norms):
+    elif all(math.isfinite(n) for n, k in zip(norms, known) if k):
         for o in optims:
             o.optimizer.step()
         skipped = False

@@ -186,6 +186,28 @@ def test_nonfinite_stop_and_skip():
     assert all(torch.isfinite(p).all() for p in result["model"].parameters())
 
 
+def test_an_unknown_grad_norm_is_not_non_finite():
+    """DeepSpeed's engine reports no norm (None) when it does not clip: the step is taken and the norm logged as NaN;
+    a real NaN norm still stops the run (the control)."""
+    from types import SimpleNamespace
+
+    model = MLP()
+    model(**{"x": torch.ones(4, 6), "y": torch.zeros(4)})["loss"].backward()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    window = Window(0, 0, (0,), ((0,),), (True,), 1)
+    optim = Optim("model", opt, sched, list(model.parameters()), None)
+    before = [p.detach().clone() for p in model.parameters()]
+    unknown = SimpleNamespace(clip_grad_norm_=lambda params, max_norm: None, scaler=None)
+    norms, skipped, _ = optimizer_step(unknown, [optim], TrainingConfig(optimizer="sgd"), 1, window)
+    assert math.isnan(norms[0]) and not skipped
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the update was taken
+    model(**{"x": torch.ones(4, 6), "y": torch.zeros(4)})["loss"].backward()
+    nan = SimpleNamespace(clip_grad_norm_=lambda params, max_norm: torch.tensor(float("nan")), scaler=None)
+    with pytest.raises(RuntimeError, match="non-finite gradient"):
+        optimizer_step(nan, [optim], TrainingConfig(optimizer="sgd"), 2, window)
+
+
 def test_history_file_and_metrics(tmp_path):
     result = test_fine_tuning(MLP(), train_data=regression_data(30), val_data=regression_data(10, seed=1),
                               batch_size=4, gradient_accumulation_steps=2, n_epochs=2, output_dir=str(tmp_path))
