@@ -101,11 +101,7 @@ def wait_for_everyone() -> None:
         state.wait_for_everyone()
 
 
-def settle() -> None:
-    """The barrier that ends a multi-process run that succeeded: a gloo barrier waits for every collective queued
-    before it, so no process leaves (and closes its connections) while another still has one in flight. Only the
-    success path calls it: a process that failed must not wait for the others."""
-    wait_for_everyone()
+GLOO_GRACE_SECONDS = 0.25
 
 
 def shutdown() -> None:
@@ -121,9 +117,6 @@ def shutdown() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         time.sleep(GLOO_GRACE_SECONDS)
-
-
-GLOO_GRACE_SECONDS = 0.25
 
 
 def make_accelerator(t: TrainingConfig, log_with=None, project_dir=None) -> Accelerator:

@@ -199,7 +199,7 @@ def setup(job: Job, t: TrainingConfig, output_dir=None, accelerator=None, log_wi
     # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
     # process, so each raw scheduler is stepped exactly once per optimizer step.
     optims = make_optims(model, job.param_groups, t, total_steps, lr_scale(t, t.batch_size * accum * processes))
-    distributed.configure_deepspeed(accelerator, t.batch_size)
+    distributed.agree(lambda: distributed.configure_deepspeed(accelerator, t.batch_size))  # every process refuses
     model, *prepared = accelerator.prepare(model, *[o.optimizer for o in optims])
     for o, p in zip(optims, prepared):
         o.optimizer = p
@@ -391,7 +391,9 @@ def finish(run: Run, log_with=None) -> TrainResult:
     if log_with is not None:  # not accelerator.end_training(): it also tears down the process group
         for tracker in run.accelerator.trackers:
             tracker.finish()
-    distributed.settle()
+    # only a run that succeeded waits here: no process leaves (closing its connections) while another still has a
+    # collective in flight; a process that failed must not wait for the others
+    distributed.wait_for_everyone()
     return TrainResult(model=run.accelerator.unwrap_model(run.model), accelerator=run.accelerator, state=run.state,
                        effective_batch_size=run.effective, gradient_accumulation_steps=run.accum,
                        total_steps=run.total_steps)

@@ -49,7 +49,7 @@ def test_two_processes_match_one(two_process_results, case):
     assert_same_history(two["history"], one["history"])
     # validation: every sample once, same loss
     assert [v["loss"] for v in two["val"]] == pytest.approx([v["loss"] for v in one["val"]], rel=1e-5)
-    # the run ends with a barrier, after its last reduce / gather (see distributed.settle)
+    # the run ends with a barrier, after its last reduce / gather (loop.finish)
     assert two["collectives"][-1] == "barrier"
     assert {"all_reduce", "all_gather_object"} <= set(two["collectives"])  # the recorder saw the others too
 
