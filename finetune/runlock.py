@@ -37,7 +37,7 @@ def acquire(directory: Path) -> Path:
     created = [p for p in (directory, *directory.parents) if not p.exists()][::-1]
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = _lock(directory / LOCK)
+        fd = try_lock(directory / LOCK)
     except OSError as e:
         _remove_created(created)
         reason = "a file is in the way" if isinstance(e, (NotADirectoryError, FileExistsError)) else \
@@ -54,7 +54,7 @@ def acquire(directory: Path) -> Path:
     return directory
 
 
-def _lock(path: Path):
+def try_lock(path: Path):
     """An open descriptor of ``path`` holding its exclusive lock, or None when another process holds it."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -123,7 +123,10 @@ import tempfile  # noqa: E402
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}"
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-TINY_CHAT = Path(tempfile.gettempdir()) / "finetune-tests" / "tiny-chat-v1"  # shared by the test processes
+# The test run's own folder (tests/conftest.py makes it before any test or worker starts and removes it at the end;
+# a process started outside the suite gets a fresh one): nothing in it outlives the run.
+ASSETS = Path(os.environ.get("FINETUNE_TEST_ASSETS") or tempfile.mkdtemp(prefix="finetune-tests-"))
+TINY_CHAT = ASSETS / "tiny-chat-v1"
 
 
 def chat_rows(n=40, seed=0):
@@ -148,39 +151,84 @@ def chat_rows(n=40, seed=0):
 
 def tiny_chat_assets() -> dict:
     """``{"model": dir, "data": jsonl}``: a 2-layer Llama (hidden 32) with its tokenizer and ChatML template, and 40
-    chat rows. Made once per version under ``TINY_CHAT`` (several processes may race: each builds its own copy and
-    the first rename wins)."""
-    import json
-    import shutil
+    chat rows, in ``TINY_CHAT``. Built once through ``finetune.cache`` (rank 0 builds inside a process group, the
+    folder counts only with its manifest), so it is a collective there: every rank calls it at the same point."""
+    from finetune import cache
 
-    if not (TINY_CHAT / "chat.jsonl").is_file():
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-        tmp = TINY_CHAT.with_name(f".{TINY_CHAT.name}.{os.getpid()}")
-        rows = chat_rows()
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        texts = [m["content"] for r in rows for m in r["messages"]] + ["system user assistant"]
-        tok.train_from_iterator(texts, trainers.BpeTrainer(
-            vocab_size=320, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>")
-        tokenizer.chat_template = CHATML
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
-        model.save_pretrained(tmp / "model")
-        tokenizer.save_pretrained(tmp / "model")
-        (tmp / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        try:
-            os.replace(tmp, TINY_CHAT)
-        except OSError:  # another process made them first
-            shutil.rmtree(tmp, ignore_errors=True)
+    cache.folder(TINY_CHAT, write_tiny_chat, "tiny chat model")
     return {"model": str(TINY_CHAT / "model"), "data": str(TINY_CHAT / "chat.jsonl")}
+
+
+def write_tiny_chat(out: Path) -> None:
+    """Write the tiny chat model, its tokenizer and the chat rows into ``out``."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    rows = chat_rows()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [m["content"] for r in rows for m in r["messages"]] + ["system user assistant"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>")
+    tokenizer.chat_template = CHATML
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
+    model.save_pretrained(out / "model", is_main_process=True)  # cache.folder builds on rank 0 only
+    tokenizer.save_pretrained(out / "model")
+    (out / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def write_tiny_gguf(path: Path) -> Path:
+    """A GGUF file of a 2-layer Llama (hidden 16, fp32 tensors) with a byte-level BPE tokenizer and a chat template,
+    written with the ``gguf`` package: what ``finetune.tasks._common.gguf_folder`` converts, in a second."""
+    import gguf
+    import numpy as np
+
+    vocab, hidden, inner, layers, heads, kv_heads = 64, 16, 32, 2, 2, 1
+    tokens = ["<pad>", "<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(ord("a"), ord("a") + vocab - 4)] + ["ab"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(64)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inner)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_chat_template(CHATML)
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
+    kv = hidden // heads * kv_heads
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                       f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv, hidden),
+                       f"blk.{i}.attn_v.weight": (kv, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                       f"blk.{i}.ffn_gate.weight": (inner, hidden), f"blk.{i}.ffn_up.weight": (inner, hidden),
+                       f"blk.{i}.ffn_down.weight": (hidden, inner)})
+    for name, shape in shapes.items():
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 # The sft recipe on the tiny chat model (call tiny_chat_assets() before loading it).

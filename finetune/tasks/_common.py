@@ -6,15 +6,14 @@ import hashlib
 import importlib
 import importlib.util
 import math
-import os
-import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from finetune import cache
+
 METRICS_DIR = Path(__file__).resolve().parent.parent / "metrics"
-CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -94,11 +93,14 @@ def gguf_folder(path: Path) -> Path:
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
     digest.update(transformers.__version__.encode())
-    target = CACHE / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
-    if (target / "config.json").is_file():
-        return target
-    if importlib.util.find_spec("gguf") is None:
+    if importlib.util.find_spec("gguf") is None:  # checked on every process: rank 0 alone builds the folder
         raise ConfigError("model.name_or_path: reading a GGUF file needs the gguf package (pip install gguf)")
+    return cache.folder(cache.root() / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}",
+                        lambda tmp: convert_gguf(path, tmp), "converted GGUF model")
+
+
+def convert_gguf(path: Path, out: Path) -> None:
+    """Write the GGUF file's model as fp32 safetensors, with its tokenizer and chat template, into ``out``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": path.name}
@@ -116,14 +118,11 @@ def gguf_folder(path: Path) -> Path:
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.replace(tmp, target)
-    except OSError:  # another process converted it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    # The process that builds a cache writes it (cache.folder picks rank 0 inside a process group).
+    model.save_pretrained(out, is_main_process=True)
+    tokenizer.save_pretrained(out)
+    if not (out / "config.json").is_file() or not any(out.glob("*.safetensors")):  # never cache a model without weights
+        raise RuntimeError(f"save_pretrained wrote no config or weights into {out}")
 
 
 def from_pretrained(cls, path: str, field: str = "model.name_or_path", **kwargs):

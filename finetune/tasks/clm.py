@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from finetune import cache
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
 from finetune.job import Job
 from finetune.tasks._common import (
@@ -31,8 +31,6 @@ from finetune.tasks._common import (
     set_dropout,
     split,
 )
-
-CACHE = Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
 
 
 @dataclass
@@ -96,8 +94,8 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     from transformers import PreTrainedTokenizerFast
 
     digest = hashlib.sha256(("\x00".join(texts) + f"|{vocab_size}").encode()).hexdigest()[:16]
-    path = CACHE / "tokenizers" / f"bpe-{vocab_size}-{digest}"
-    if not (path / "tokenizer.json").is_file():
+
+    def build(out: Path) -> None:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         tok = Tokenizer(models.BPE())
@@ -106,10 +104,9 @@ def train_tokenizer(texts: list[str], vocab_size: int):
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
         tok.train_from_iterator(texts, trainer)
-        path.mkdir(parents=True, exist_ok=True)
-        tmp = path / f".tokenizer.json.{os.getpid()}"
-        tok.save(str(tmp))
-        os.replace(tmp, path / "tokenizer.json")
+        tok.save(str(out / "tokenizer.json"))
+
+    path = cache.folder(cache.root() / "tokenizers" / f"bpe-{vocab_size}-{digest}", build, "trained tokenizer")
     return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"), eos_token="<|endoftext|>",
                                    bos_token="<|endoftext|>", pad_token="<pad>")
 
@@ -170,18 +167,16 @@ def build(cfg) -> Job:
         key = hashlib.sha256("|".join([texts_hash, tokenizer.backend_tokenizer.to_str()
                                        if getattr(tokenizer, "is_fast", False) else tokenizer.name_or_path,
                                        str(d.seq_len), str(d.packing)]).encode()).hexdigest()[:16]
-        path = CACHE / "datasets" / f"clm-{key}"
-        if (path / "dataset_info.json").is_file():
-            import datasets
+        import datasets
 
-            return datasets.load_from_disk(str(path))
-        table = table.map(tokenize, batched=True, remove_columns=table.column_names, desc="tokenize")
-        table = table.remove_columns([c for c in table.column_names if c != "input_ids"])
-        table = table.map(pack, batched=True, batch_size=1000, desc="pack") if d.packing else table
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        table.save_to_disk(str(tmp))
-        os.replace(tmp, path) if not path.exists() else None
-        return table
+        def build(out: Path) -> None:
+            tokens = table.map(tokenize, batched=True, remove_columns=table.column_names, desc="tokenize")
+            tokens = tokens.remove_columns([c for c in tokens.column_names if c != "input_ids"])
+            tokens = tokens.map(pack, batched=True, batch_size=1000, desc="pack") if d.packing else tokens
+            tokens.save_to_disk(str(out))
+
+        return datasets.load_from_disk(str(cache.folder(cache.root() / "datasets" / f"clm-{key}", build,
+                                                        "tokenized data set")))
 
     train, val = prepare(train_texts), prepare(val_texts)
     lengths = [len(x) for x in train["input_ids"]]
