@@ -8,7 +8,7 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 RECIPE     ?= minilm-sentiment
 ARGS       ?=
-# accelerate_configs/single_gpu.yaml etc. on a GPU machine (see README)
+# accelerate_configs/single_gpu.yaml etc. on a GPU machine (see docs/distributed.md)
 ACCELERATE_CONFIG ?= accelerate_configs/single_cpu.yaml
 BIN        := $(VENV)/bin
 
