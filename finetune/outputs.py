@@ -155,13 +155,15 @@ def write_plots(history: list, out_dir, val_history=()) -> list:
 
 
 def save_model(model: torch.nn.Module, out_dir, tokenizer=None, save_hook=None) -> Path:
-    """save_pretrained for HF / peft models, else safetensors of the state dict (``model.safetensors``)."""
+    """save_pretrained for HF / peft models, else safetensors of the state dict (``model.safetensors``). Called on
+    the main process only, which is the process that writes (transformers writes on global rank 0 alone inside a
+    process group; the main process is rank 0)."""
     target = Path(out_dir) / "model"
     target.mkdir(parents=True, exist_ok=True)
     if save_hook is not None:
         save_hook(model, target)
     elif hasattr(model, "save_pretrained"):
-        model.save_pretrained(target, safe_serialization=True)
+        model.save_pretrained(target, safe_serialization=True, is_main_process=True)
     else:
         from safetensors.torch import save_model as save_safetensors
 

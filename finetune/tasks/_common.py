@@ -290,13 +290,12 @@ def peft_save_hook(cfg, tokenizer=None):
 
 def save_peft(model, directory, merge: bool, tokenizer=None) -> None:
     """Save the adapter (``adapter_model.safetensors``); with ``merge`` also the merged full model in
-    ``model-merged/`` beside it (loadable without peft)."""
-    from pathlib import Path
-
-    model.save_pretrained(directory)
+    ``model-merged/`` beside it (loadable without peft). Called on the main process only (``outputs.save_model``),
+    the one that writes."""
+    model.save_pretrained(directory, is_main_process=True)
     if merge:
         target = Path(directory).parent / "model-merged"
-        model.merge_and_unload(safe_merge=True).save_pretrained(target)
+        model.merge_and_unload(safe_merge=True).save_pretrained(target, is_main_process=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(target)
 
