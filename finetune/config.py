@@ -1,8 +1,9 @@
 """The recipe schema: typed sections, YAML loading, dotted overrides, validation that reports every problem at once.
 
-A recipe is a YAML file with a ``task`` (a module under ``finetune/tasks``) and four sections. ``training`` and
-``output`` are shared by every task; ``model`` and ``data`` are declared by the task module itself (its
-``ModelConfig`` and ``DataConfig`` dataclasses), so unknown keys are errors everywhere.
+A recipe is a YAML file with a ``task`` (a module under ``finetune/tasks``, any importable module, or a ``.py`` file
+beside the recipe; see ``finetune.registry``) and four sections. ``training`` and ``output`` are shared by every
+task; ``model`` and ``data`` are declared by the task module itself (its ``ModelConfig`` and ``DataConfig``
+dataclasses), so unknown keys are errors everywhere.
 
     >>> cfg = load_recipe("minilm-sentiment", ["training.batch_size=16"])
     >>> cfg.training.batch_size
@@ -22,7 +23,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from finetune.errors import ConfigError
-from finetune.registry import list_recipes, recipe_path, task_module  # noqa: F401  (re-exported)
+from finetune.registry import list_recipes, recipe_path, resolve_task, task_module  # noqa: F401  (re-exported)
 
 
 def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, alias: Optional[str] = None,
@@ -365,17 +366,19 @@ def apply_overrides(raw: dict, overrides) -> dict:
     return raw
 
 
-def config_from_dict(raw: dict, name: str = "custom") -> RecipeConfig:
-    """Validate a recipe mapping; ConfigError lists every problem."""
+def config_from_dict(raw: dict, name: str = "custom", folder: Optional[Path] = None) -> RecipeConfig:
+    """Validate a recipe mapping; ConfigError lists every problem. A ``task`` file given by a relative path is taken
+    from ``folder`` (the recipe's; else the working directory) and kept as its absolute path."""
     if not isinstance(raw, dict):
         raise ConfigError("recipe: must be a YAML mapping with task, model, data, training, output")
     problems = []
     extra = set(raw) - {"task", "name", "description", "model", "data", "training", "output", "peft"}
     problems += [f"{k}: unknown top-level key; allowed: task, description, model, data, training, output, peft"
                  for k in sorted(extra)]
-    module = task_module(raw.get("task"))
+    task = resolve_task(raw.get("task"), folder)
+    module = task_module(task)
     cfg = RecipeConfig(
-        task=raw["task"],
+        task=task,
         model=build_section(module.ModelConfig, raw.get("model"), "model", problems),
         data=build_section(module.DataConfig, raw.get("data"), "data", problems),
         training=build_section(TrainingConfig, raw.get("training"), "training", problems),
@@ -438,7 +441,7 @@ def load_recipe(name_or_path: str, overrides=None) -> RecipeConfig:
         raise ConfigError(f"recipe: {path} holds a YAML {type(raw).__name__}; a recipe is a mapping of task, model, "
                           "data, training, output")
     raw = apply_overrides(raw, overrides)
-    return config_from_dict(raw, name=path.stem)
+    return config_from_dict(raw, name=path.stem, folder=path.parent)
 
 
 def dump_config(cfg: RecipeConfig) -> str:
