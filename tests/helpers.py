@@ -6,18 +6,8 @@ import copy
 
 import torch
 
+from finetune.compare import flat, rel_diff  # noqa: F401  (the suite's measure: every parameter)
 from finetune.data import pad_collate as _pad_collate
-
-
-def flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().flatten().double() for p in model.parameters()])
-
-
-def rel_diff(a, b) -> float:
-    """max |a − b| / max |b| over all parameters (a, b: models or flat tensors)."""
-    a = a if isinstance(a, torch.Tensor) else flat(a)
-    b = b if isinstance(b, torch.Tensor) else flat(b)
-    return float((a - b).abs().max() / b.abs().max())
 
 
 class MLP(torch.nn.Module):
