@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
-from finetune.job import Job
 from finetune.data import split_samples
 from finetune.evaluation import load_metric
+from finetune.job import Job
 from finetune.modeling import set_dropout
 from finetune.windows import step_seed
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
-from finetune.job import Job
 from finetune.data import check_data_source, load_local_table, split
 from finetune.evaluation import load_metric
 from finetune.hf_models import apply_peft, from_pretrained, peft_save_hook, resolve_model_path
+from finetune.job import Job
 from finetune.modeling import set_dropout
 
 

@@ -31,10 +31,10 @@ from typing import Literal, Optional
 import torch
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
-from finetune.job import Job
 from finetune.data import load_local_table, split_samples
 from finetune.evaluation import load_metric
 from finetune.hf_models import apply_peft, gguf_file, peft_save_hook, resolve_model_path
+from finetune.job import Job
 from finetune.modeling import set_dropout
 
 ROLES = ("system", "user", "assistant")
