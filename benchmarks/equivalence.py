@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 import torch  # noqa: E402
 
-from finetune.tasks._common import pad_collate as _pad_collate  # noqa: E402
+from finetune.data import pad_collate as _pad_collate  # noqa: E402
 
 pad_collate = _pad_collate(0)  # right-pad; class labels stacked, a causal LM's padded labels -100
 

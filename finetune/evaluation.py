@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, send_to_device
@@ -12,6 +14,8 @@ from finetune.config import TrainingConfig
 from finetune.items import count_items, is_causal_lm
 from finetune.job import Job
 from finetune.modeling import compute_loss
+
+METRICS_DIR = Path(__file__).resolve().parent / "metrics"
 
 
 @torch.no_grad()
@@ -59,3 +63,10 @@ def run_eval(job: Job, model, accelerator: Accelerator, t: TrainingConfig, step:
     if log_with is not None:
         accelerator.log({f"eval/{k}": v for k, v in record.items() if k not in ("step", "epoch")}, step=step)
     return record
+
+
+def load_metric(name: str):
+    """A metric from ``finetune/metrics/<name>/<name>.py`` through ``evaluate`` (no hub access)."""
+    import evaluate
+
+    return evaluate.load(str(METRICS_DIR / name))

@@ -1,4 +1,4 @@
-"""Running a task's model: its loss on a batch, and activation checkpointing."""
+"""Running a task's model: its loss on a batch, its dropout, and activation checkpointing."""
 
 from __future__ import annotations
 
@@ -29,6 +29,27 @@ def compute_loss(model, batch, loss_fn=None):
     extras = {k: v for k, v in out.items() if k != "loss" and isinstance(v, torch.Tensor) and v.dim() == 0} \
         if isinstance(out, dict) else {}
     return loss, extras, out
+
+
+def set_dropout(model: torch.nn.Module, p) -> None:
+    """Set every dropout probability of ``model`` to ``p`` (``None`` keeps the model's own).
+
+    Covers ``nn.Dropout*`` modules, float ``*dropout*`` attributes that attention reads directly
+    (``nn.MultiheadAttention.dropout``, HF's ``attention_dropout`` copied from the config at init) and the float
+    ``*dropout*`` fields of an HF config. ``p = 0`` is what an exact reproduction check needs."""
+    if p is None:
+        return
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = p
+        for key, value in vars(m).items():
+            if "dropout" in key and isinstance(value, float):
+                setattr(m, key, float(p))
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "to_dict"):
+            for key, value in cfg.to_dict().items():
+                if "dropout" in key and isinstance(value, float):
+                    setattr(cfg, key, p)
 
 
 def enable_checkpointing(model: torch.nn.Module, hook=None) -> None:

@@ -58,6 +58,16 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int
     return torch.randperm(n, generator=g).tolist()
 
 
+def step_seed(*keys: int) -> int:
+    """One 63-bit seed from integer keys (e.g. training seed, optimizer step, sample index): the seed of a random
+    draw that must not depend on how a window is split into micro-batches."""
+    h = 0x9E3779B97F4A7C15
+    for k in keys:
+        h = (h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
 def windows_per_epoch(n: int, micro_batch: int, accum: int, world: int = 1) -> int:
     return math.ceil(n / (micro_batch * accum * world))
 

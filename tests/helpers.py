@@ -6,18 +6,8 @@ import copy
 
 import torch
 
-from finetune.tasks._common import pad_collate as _pad_collate
-
-
-def flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().flatten().double() for p in model.parameters()])
-
-
-def rel_diff(a, b) -> float:
-    """max |a − b| / max |b| over all parameters (a, b: models or flat tensors)."""
-    a = a if isinstance(a, torch.Tensor) else flat(a)
-    b = b if isinstance(b, torch.Tensor) else flat(b)
-    return float((a - b).abs().max() / b.abs().max())
+from finetune.compare import flat, rel_diff  # noqa: F401  (the suite's measure: every parameter)
+from finetune.data import pad_collate as _pad_collate
 
 
 class MLP(torch.nn.Module):
@@ -188,7 +178,7 @@ def write_tiny_chat(out: Path) -> None:
 
 def write_tiny_gguf(path: Path) -> Path:
     """A GGUF file of a 2-layer Llama (hidden 16, fp32 tensors) with a byte-level BPE tokenizer and a chat template,
-    written with the ``gguf`` package: what ``finetune.tasks._common.gguf_folder`` converts, in a second."""
+    written with the ``gguf`` package: what ``finetune.hf_models.gguf_folder`` converts, in a second."""
     import gguf
     import numpy as np
 

@@ -1,5 +1,5 @@
-"""The shape the code keeps: no import cycles inside the package, tasks below the loop, no writes into Accelerate's
-objects, one place that advances the run's state."""
+"""The shape the code keeps: no import cycles inside the package, tasks below the loop, core code that imports no
+task, no writes into Accelerate's objects, one place that advances the run's state."""
 
 import ast
 
@@ -69,6 +69,21 @@ def test_tasks_never_import_the_loop_or_the_command_line():
     for m, deps in graph.items():
         if m.startswith("finetune.tasks"):
             assert not deps & upper, (m, deps & upper)
+
+
+def core_imports_of_tasks(graph: dict) -> list:
+    """(core module, task module) for every import of finetune.tasks outside it: what every task shares lives in
+    core modules (finetune.data, finetune.hf_models, …), and tasks are found by name (finetune.registry)."""
+    return sorted((m, d) for m, deps in graph.items() if not m.startswith("finetune.tasks")
+                  for d in deps if d.startswith("finetune.tasks"))
+
+
+def test_core_never_imports_a_task():
+    graph = _graph()
+    assert not core_imports_of_tasks(graph), core_imports_of_tasks(graph)
+    # negative control: a lazy import of a task helper in core code (as checkpoint.py once took step_seed) is found
+    graph["finetune.checkpoint"] = graph["finetune.checkpoint"] | {"finetune.tasks.sft"}
+    assert core_imports_of_tasks(graph) == [("finetune.checkpoint", "finetune.tasks.sft")]
 
 
 def test_no_writes_to_accelerate_objects():

@@ -171,8 +171,8 @@ def test_plan_turns_on_what_it_must_and_says_why():
     """A card too small for the chunked head at one sample: the next cheapest setting that fits is recommended
     (checkpointing, which costs compute, before offloading, which costs transfers); a card too small for any
     full fine-tune gets LoRA, said to change the run."""
+    from finetune.hf_models import apply_peft
     from finetune.step_memory import Setting
-    from finetune.tasks._common import apply_peft
 
     model, data = logits_heavy_llama(), fixed_data(16, 2048, 64)
     reference = every_setting_plan(model, data, effective=16)

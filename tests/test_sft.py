@@ -23,8 +23,8 @@ from accelerate.utils import set_seed
 from finetune import loop
 from finetune.cli import run_main
 from finetune.config import ConfigError, load_recipe
+from finetune.hf_models import resolve_model_path
 from finetune.tasks import sft
-from finetune.tasks._common import resolve_model_path
 from tests.helpers import CHATML, ENV, EXACT, ROOT, RUN, SMALL, chat_rows, cli, tiny_chat_assets
 
 RECIPE = "sft-smollm2"

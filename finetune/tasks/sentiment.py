@@ -14,18 +14,11 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
+from finetune.data import check_data_source, load_local_table, split
+from finetune.evaluation import load_metric
+from finetune.hf_models import apply_peft, from_pretrained, peft_save_hook, resolve_model_path
 from finetune.job import Job
-from finetune.tasks._common import (
-    apply_peft,
-    check_data_source,
-    from_pretrained,
-    load_local_table,
-    load_metric,
-    peft_save_hook,
-    resolve_model_path,
-    set_dropout,
-    split,
-)
+from finetune.modeling import set_dropout
 
 
 @dataclass

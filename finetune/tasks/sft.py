@@ -31,17 +31,11 @@ from typing import Literal, Optional
 import torch
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
+from finetune.data import load_local_table, split_samples
+from finetune.evaluation import load_metric
+from finetune.hf_models import apply_peft, gguf_file, peft_save_hook, resolve_model_path
 from finetune.job import Job
-from finetune.tasks._common import (
-    apply_peft,
-    gguf_file,
-    load_local_table,
-    load_metric,
-    peft_save_hook,
-    resolve_model_path,
-    set_dropout,
-    split_samples,
-)
+from finetune.modeling import set_dropout
 
 ROLES = ("system", "user", "assistant")
 FILE_TYPES = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}

@@ -39,8 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
+from finetune.data import split_samples
+from finetune.evaluation import load_metric
 from finetune.job import Job
-from finetune.tasks._common import load_metric, set_dropout, split_samples, step_seed
+from finetune.modeling import set_dropout
+from finetune.windows import step_seed
 
 SIDE = 16
 

@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from finetune.config import BaseDataConfig, BaseModelConfig, doc, require_at_least_one
+from finetune.data import split_samples
+from finetune.evaluation import load_metric
 from finetune.job import Job
-from finetune.tasks._common import load_metric, set_dropout, split_samples
+from finetune.modeling import set_dropout
 
 SPEED_SCALE = 100.0  # px/s; the model regresses speed / SPEED_SCALE
 

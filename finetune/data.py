@@ -1,0 +1,114 @@
+"""Data for tasks: a seeded train/validation split, local data files read as tables, and padding collation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from finetune.errors import ConfigError
+
+
+def split(dataset, val_fraction: float, seed: int, limit=None):
+    """Seeded train/validation split of a 🤗 Dataset; ``limit`` keeps the first N of each part."""
+    if val_fraction > 0:
+        n = len(dataset)
+        n_val = math.ceil(val_fraction * n)  # how datasets rounds a fractional test_size
+        if n - n_val < 1:
+            raise ConfigError(f"data.val_fraction: {val_fraction} of {n} sample{'s' if n > 1 else ''} leaves none "
+                              "to train on; give more data or set data.val_fraction=0")
+        parts = dataset.train_test_split(test_size=val_fraction, seed=seed, shuffle=True)
+        train, val = parts["train"], parts["test"]
+    else:
+        train, val = dataset, None
+    if limit is not None:
+        train = train.select(range(min(limit, len(train))))
+        val = val.select(range(min(limit, len(val)))) if val is not None else None
+    return train, val
+
+
+def split_samples(samples: list, val_fraction: float, seed: int, limit=None):
+    """Seeded train/validation split of a list of samples (for data a task generates itself); ``limit`` keeps the
+    first N of each part. Returns (train, val or None)."""
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = round(len(samples) * val_fraction)
+    val = [samples[i] for i in order[:n_val]] or None
+    train = [samples[i] for i in order[n_val:]]
+    if limit is not None:
+        train = train[:limit]
+        val = val[:limit] if val is not None else None
+    return train, val
+
+
+def load_local_table(path, builders: dict, kwargs=None):
+    """A local data file through ``datasets.load_dataset`` (``builders``: file extension → builder name). A bad file
+    is one ``data.source`` line: datasets' own error log and progress bar are silenced while it reads."""
+    import datasets
+
+    path = Path(path)
+    ext = path.suffix.lower().lstrip(".")
+    if ext not in builders:
+        raise ConfigError(f"data.source: unsupported file type .{ext}; use {', '.join(builders)}")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"data.source: file {path} is empty")
+    verbosity, bars = datasets.utils.logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_dataset(builders[ext], data_files=str(path), split="train",
+                                      **(kwargs or {}).get(ext, {}))
+    except Exception as e:  # datasets raises many types for a malformed file
+        if "corresponds to no data" in str(e):  # its words for a file with a header and no rows
+            raise ConfigError(f"data.source: {path} holds no data rows") from None
+        raise ConfigError(f"data.source: cannot read {path}: {_unreadable(e)}") from None
+    finally:
+        datasets.utils.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+    if len(table) == 0:
+        raise ConfigError(f"data.source: {path} holds no data rows")
+    return table
+
+
+def _unreadable(error: Exception) -> str:
+    """Why datasets could not read a file, in words: the cause under its "An error occurred while generating the
+    dataset", or a file that is not UTF-8 text."""
+    chain, e = [], error
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if isinstance(e, UnicodeDecodeError):
+            return f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at byte {e.start}); save it as UTF-8"
+    words = next((str(e) for e in chain if str(e) and type(e).__name__ != "DatasetGenerationError"), str(error))
+    return (words.strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def check_data_source(source: str, builtin: str, problems: list) -> None:
+    """One ``data.source`` line when ``source`` is neither the task's built-in data set nor a file."""
+    if source == builtin:
+        return
+    if Path(source).is_dir():
+        problems.append(f"data.source: {source} is a directory; give a data file, or '{builtin}'")
+    elif not Path(source).is_file():
+        problems.append(f"data.source: file {source} not found; use '{builtin}' or a data file")
+
+
+def pad_collate(pad_id: int = 0):
+    """A collate_fn that right-pads each micro-batch to its own longest sample. Without a per-sample ``labels`` (a
+    causal LM) the labels are the input ids with -100 on padding; a per-sample class label is stacked."""
+
+    def collate(samples):
+        longest = max(len(s["input_ids"]) for s in samples)
+        ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(samples), longest), dtype=torch.long)
+        for i, s in enumerate(samples):
+            n = len(s["input_ids"])
+            ids[i, :n] = torch.as_tensor(s["input_ids"])
+            mask[i, :n] = 1
+        labels = torch.tensor([s["labels"] for s in samples]) if "labels" in samples[0] else \
+            ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return collate
