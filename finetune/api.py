@@ -97,7 +97,7 @@ def test_fine_tuning(
     """
     from accelerate.utils import set_seed
 
-    from finetune import loop, outputs
+    from finetune import distributed, loop, outputs
 
     if train_data is None:
         raise ConfigError("train_data: required (a torch Dataset, a datasets.Dataset or a list of dicts)")
@@ -114,7 +114,7 @@ def test_fine_tuning(
         log_with = "wandb" if use_wandb is True else use_wandb
     result = loop.train(job, t, output_dir=output_dir, log_with=log_with,
                         tracker_config=dataclasses.asdict(t))
-    if output_dir is not None and result["accelerator"].is_main_process:
+    if output_dir is not None and distributed.is_main_process():
         outputs.write_metrics(result, output_dir)
     return result
 

@@ -17,7 +17,6 @@ The ``run`` flags are generated from the recipe schema (``config.doc(..., flag=.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -221,12 +220,13 @@ def main(argv=None, prog: str = "finetune") -> int:
 def _stop(problems: list, code: int, together: bool = False) -> int:
     """Print ``problems`` (main process only); with ``together``, wait for the run's other processes, which stop
     for the same reason, so that none is killed by its launcher before the main process has said why."""
-    if os.environ.get("RANK", "0") == "0":
+    from finetune import distributed
+    from finetune.launch import launched_processes
+
+    if distributed.is_main_process():
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr, flush=True)
-    if together and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from finetune import distributed
-
+    if together and launched_processes() > 1:
         distributed.wait_for_everyone()
     return code
 
