@@ -73,9 +73,9 @@ def overrides_from_args(args) -> list[str]:
     if args.effective_batch_size is not None:  # and an explicit effective batch the recipe's N
         out.append("training.gradient_accumulation_steps=null")
     if args.use_amp and args.mixed_precision is None:
-        import torch
+        from finetune.distributed import amp_precision
 
-        out.append(f"training.mixed_precision={'fp16' if torch.cuda.is_available() else 'bf16'}")
+        out.append(f"training.mixed_precision={amp_precision()}")
     return out + list(args.set)
 
 

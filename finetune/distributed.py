@@ -29,6 +29,12 @@ def has_device() -> bool:
         bool(getattr(torch, "xpu", None) and torch.xpu.is_available())
 
 
+def amp_precision() -> str:
+    """What ``use_amp`` (``test_fine_tuning``, ``finetune run --use-amp``) means on this machine: fp16 on CUDA (with
+    loss scaling), bf16 elsewhere (CPU autocast has no fp16; ``check_environment`` refuses it)."""
+    return "fp16" if torch.cuda.is_available() else "bf16"
+
+
 def is_main_process() -> bool:
     """Whether this process speaks for the run: rank 0 of a launched run, or the only process.
 
