@@ -11,6 +11,13 @@ ARGS       ?=
 # accelerate_configs/single_gpu.yaml etc. on a GPU machine (see docs/distributed.md)
 ACCELERATE_CONFIG ?= accelerate_configs/single_cpu.yaml
 BIN        := $(VENV)/bin
+# accelerate launch picks the threads of a CPU process itself when OMP_NUM_THREADS is unset (the physical cores over
+# the processes on this machine) and then prints a notice on every start, even with -q; a config file cannot hold
+# the number. The same number, worked out here for use_cpu configs and passed on, keeps the first screen quiet.
+CPU_THREADS_FLAG = $(shell $(BIN)/python -c "import os, psutil, yaml; c = yaml.safe_load(open('$(ACCELERATE_CONFIG)')); \
+	local = max(c.get('num_processes', 1) // c.get('num_machines', 1), 1); \
+	threads = max((psutil.cpu_count(logical=False) or 1) // local, 1); \
+	print(f'--num_cpu_threads_per_process {threads}' if c.get('use_cpu') and not os.environ.get('OMP_NUM_THREADS') else '')")
 
 export HF_HUB_OFFLINE ?= 1
 export HF_UPDATE_DOWNLOAD_COUNTS ?= 0
@@ -34,7 +41,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml Makefile
 setup: $(VENV)/.installed
 
 run: setup
-	$(BIN)/accelerate launch -q --config_file $(ACCELERATE_CONFIG) finetune/run.py --recipe $(RECIPE) $(ARGS)
+	$(BIN)/accelerate launch -q $(CPU_THREADS_FLAG) --config_file $(ACCELERATE_CONFIG) finetune/run.py --recipe $(RECIPE) $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -9,60 +9,25 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
+import difflib
 import inspect
+import textwrap
+import typing
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from finetune.config import RecipeConfig, TrainingConfig, build_section, fields_with, validate_training
 from finetune.errors import ConfigError
 from finetune.job import Job
 
-# Job hooks accepted as keywords; every other keyword is a TrainingConfig field (or its alias, e.g. n_epochs).
+# Job hooks accepted as keywords; every other keyword is a TrainingConfig field or its alias (n_epochs, lr).
 _HOOKS = ("count_items", "eval_step", "compute_metrics", "param_groups", "before_window", "after_step",
           "enable_checkpointing", "length_of")
 
 
-def _explicit_kwargs(fn):
-    """Let ``fn`` know which keyword arguments the caller passed (config values fill only the others)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return fn(*args, _passed=frozenset(kwargs), **kwargs)
-
-    return wrapper
-
-
-@_explicit_kwargs
-def test_fine_tuning(
-    model,
-    config=None,
-    train_data=None,
-    val_data=None,
-    *,
-    n_epochs: int = 1,
-    batch_size: int = 8,
-    gradient_accumulation_steps: int = 1,
-    learning_rate: float = 5e-5,
-    optimizer: str = "adamw",
-    weight_decay: float = 0.0,
-    lr_scheduler: str = "linear",
-    warmup_steps: int = 0,
-    max_grad_norm: Optional[float] = 1.0,
-    use_amp: bool = False,
-    mixed_precision: Optional[str] = None,
-    gradient_checkpointing: bool = False,
-    compile: bool = False,
-    shuffle: bool = True,
-    seed: int = 42,
-    collate_fn: Optional[Callable] = None,
-    loss_fn: Optional[Callable] = None,
-    max_steps: Optional[int] = None,
-    use_wandb: Any = False,
-    output_dir: Optional[str] = None,
-    _passed: frozenset = frozenset(),
-    **more,
-) -> dict:
+def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, collate_fn: Optional[Callable] = None,
+                     loss_fn: Optional[Callable] = None, use_amp: bool = False, use_wandb=False,
+                     output_dir: Optional[str] = None, **training) -> dict:
     """Fine-tune ``model`` with exact gradient accumulation and return what happened.
 
     Every optimizer step equals the step of one batch of ``batch_size × gradient_accumulation_steps × processes``
@@ -73,17 +38,14 @@ def test_fine_tuning(
         config: optional dict (``test_fine_tuning`` keywords or ``TrainingConfig`` fields, flat or under
             ``"training"``), a ``TrainingConfig`` or a ``RecipeConfig``; explicit keyword arguments override it.
         train_data, val_data: a torch Dataset of dict samples, a 🤗 ``datasets.Dataset`` or a list of dicts.
-        n_epochs, batch_size, gradient_accumulation_steps, learning_rate, optimizer (adamw|sgd|lion),
-        weight_decay, lr_scheduler (a ``transformers.get_scheduler`` name), warmup_steps (optimizer steps),
-        max_grad_norm (None: no clipping), max_steps (optimizer steps), seed, shuffle: as in ``TrainingConfig``.
-        use_amp: mixed precision — fp16 on CUDA, bf16 elsewhere; ``mixed_precision`` ("no"/"fp16"/"bf16") wins.
-        gradient_checkpointing, compile: memory / speed switches.
         collate_fn: list of samples → batch. loss_fn: ``loss_fn(model, batch)`` → mean loss over the batch.
+        use_amp: mixed precision — fp16 on CUDA, bf16 elsewhere; a ``mixed_precision`` of fp16 or bf16 wins.
         use_wandb: True (wandb) or a tracker name ("tensorboard", "mlflow") logged through Accelerate.
         output_dir: where ``history.jsonl`` and ``metrics.json`` go (nothing is written when None).
-        **more: other ``TrainingConfig`` fields (``items``, ``on_nonfinite``, ``eval_every``, …) and the
-            ``Job`` hooks ``count_items``, ``eval_step``, ``compute_metrics``, ``param_groups``,
-            ``before_window``, ``enable_checkpointing``, ``length_of`` (see ``finetune.job.Job``).
+        **training: the training keywords listed below (``TrainingConfig``'s fields, with its defaults: a keyword
+            not given takes ``config``'s value, else that default), and the ``Job`` hooks ``count_items``,
+            ``eval_step``, ``compute_metrics``, ``param_groups``, ``before_window``, ``after_step``,
+            ``enable_checkpointing``, ``length_of`` (see ``finetune.job.Job``).
 
     Returns:
         ``finetune.loop.TrainResult``, read as a dict or by attribute: ``grad_norm_history``, ``loss_history``,
@@ -93,19 +55,17 @@ def test_fine_tuning(
         ``history.jsonl`` records) and ``model`` (trained in place, unwrapped).
 
     Raises:
-        ConfigError: a bad argument, naming it and what is allowed.
+        ConfigError: a bad argument, naming it and what is allowed; an unknown keyword, naming the closest one.
     """
     from accelerate.utils import set_seed
 
-    from finetune import loop, outputs
+    from finetune import distributed, loop, outputs
 
     if train_data is None:
         raise ConfigError("train_data: required (a torch Dataset, a datasets.Dataset or a list of dicts)")
     check_arguments(model, train_data, val_data, loss_fn, collate_fn)
-    given = {k: v for k, v in locals().items() if k in _passed}
-    given.update(more)
-    t = _training_config(config, given)
-    hooks = {k: more.pop(k) for k in _HOOKS if k in more}
+    hooks = {k: training.pop(k) for k in _HOOKS if k in training}
+    t = _training_config(config, training, use_amp)
     set_seed(t.seed)
     job = Job(model=model, train_data=_as_dataset(train_data), val_data=_as_dataset(val_data),
               collate_fn=collate_fn, loss_fn=loss_fn, **hooks)
@@ -114,14 +74,48 @@ def test_fine_tuning(
         log_with = "wandb" if use_wandb is True else use_wandb
     result = loop.train(job, t, output_dir=output_dir, log_with=log_with,
                         tracker_config=dataclasses.asdict(t))
-    if output_dir is not None and result["accelerator"].is_main_process:
+    if output_dir is not None and distributed.is_main_process():
         outputs.write_metrics(result, output_dir)
     return result
 
 
 test_fine_tuning.__test__ = False  # not a pytest test, whatever module imports it
-# the keywords that are not training fields (the model, data, hooks and switches of the call itself)
-_API_ARGUMENTS = {*inspect.signature(test_fine_tuning).parameters, *_HOOKS} - {"more", "_passed"}
+_CALL = inspect.signature(test_fine_tuning)
+# the call's own keywords: the model, the data and the switches that are not training fields
+_OWN = tuple(_CALL.parameters)[:-1]
+
+
+def _aliases() -> dict:
+    """``n_epochs`` → ``epochs``, ``lr`` → ``learning_rate``: the schema's other names for training fields."""
+    return {alias: name.split(".", 1)[1] for name, alias in fields_with("alias").items()
+            if name.startswith("training.")}
+
+
+def _training_keywords() -> list:
+    """The training keywords as ``inspect.Parameter`` s, each with the schema's type and default."""
+    hints = typing.get_type_hints(TrainingConfig)
+    defaults = TrainingConfig()
+    return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, f.name),
+                              annotation=hints[f.name]) for f in dataclasses.fields(TrainingConfig)]
+
+
+def _training_keywords_doc() -> str:
+    """The docstring's list of training keywords, written from the schema: name, alias, default, help."""
+    aliases = {name: alias for alias, name in _aliases().items()}
+    lines = ["", "    Training keywords (``TrainingConfig``; the unit is in each description):"]
+    for f, p in zip(dataclasses.fields(TrainingConfig), _training_keywords()):
+        alias = f" (or {aliases[f.name]})" if f.name in aliases else ""
+        lines += textwrap.wrap(f"{f.name}{alias} = {p.default!r}: {f.metadata['help']}", width=116,
+                               initial_indent=" " * 8, subsequent_indent=" " * 12)
+    return "\n".join(lines) + "\n"
+
+
+# help(test_fine_tuning) and editors show every training keyword with the schema's default: one place says it
+test_fine_tuning.__signature__ = _CALL.replace(parameters=[
+    *list(_CALL.parameters.values())[:-1], *_training_keywords(),
+    inspect.Parameter("hooks_and_aliases", inspect.Parameter.VAR_KEYWORD)])
+if test_fine_tuning.__doc__:  # None under python -OO
+    test_fine_tuning.__doc__ += _training_keywords_doc()
 
 
 def check_arguments(model, train_data, val_data, loss_fn=None, collate_fn=None) -> None:
@@ -157,7 +151,17 @@ def check_arguments(model, train_data, val_data, loss_fn=None, collate_fn=None) 
                                   "the same keys (or give a collate_fn)")
 
 
-def _training_config(config, given: dict) -> TrainingConfig:
+def _unknown_keyword(key: str, allowed) -> ConfigError:
+    """One line naming the keyword and the closest allowed one (the full list is in ``help(test_fine_tuning)``)."""
+    key = str(key)
+    shown = key if len(key) <= 40 else key[:37] + "..."
+    close = difflib.get_close_matches(key, list(allowed), n=1)
+    hint = f"did you mean {close[0]}?" if close else "help(test_fine_tuning) lists the keywords"
+    return ConfigError(f"training.{shown}: not a test_fine_tuning keyword; {hint}")
+
+
+def _training_config(config, given: dict, use_amp: bool = False) -> TrainingConfig:
+    """The run's ``TrainingConfig``: ``config``'s values, the keywords ``given`` over them, ``use_amp`` resolved."""
     if isinstance(config, RecipeConfig):
         base = dataclasses.asdict(config.training)
     elif isinstance(config, TrainingConfig):
@@ -168,21 +172,22 @@ def _training_config(config, given: dict) -> TrainingConfig:
         base = {}
     else:
         raise ConfigError(f"config: got {type(config).__name__}; expected a dict, TrainingConfig or RecipeConfig")
-    renamed = {alias: name.split(".", 1)[1] for name, alias in fields_with("alias").items()
-               if name.startswith("training.")}
+    renamed = _aliases()
     fields = {f.name for f in dataclasses.fields(TrainingConfig)}
     raw = {}
     for key, value in {**base, **given}.items():
-        key = renamed.get(key, key)
-        if key in fields or key not in _API_ARGUMENTS:  # an unknown keyword is reported by build_section
-            raw[key] = value
+        name = renamed.get(key, key)
+        if name in fields:
+            raw[name] = value
+        elif key not in (*_OWN, *_HOOKS):  # a config dict may hold the call's own keywords; they are not fields
+            raise _unknown_keyword(key, [*fields, *renamed, *_OWN, *_HOOKS])
     if given.get("mixed_precision") is None and "mixed_precision" in raw and raw["mixed_precision"] is None:
         del raw["mixed_precision"]
-    if given.get("use_amp") or (base.get("use_amp") and "mixed_precision" not in given):
+    if use_amp or (base.get("use_amp") and "mixed_precision" not in given):
         if raw.get("mixed_precision") in (None, "no"):
-            import torch
+            from finetune.distributed import amp_precision
 
-            raw["mixed_precision"] = "fp16" if torch.cuda.is_available() else "bf16"
+            raw["mixed_precision"] = amp_precision()
     problems = []
     t = build_section(TrainingConfig, raw, "training", problems)
     if problems:

@@ -95,7 +95,7 @@ def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, co
     name = f"step-{state.optimizer_step:06d}"
     final = root / name
     tmp = root / f".tmp-{name}"
-    main = accelerator.is_main_process
+    main = distributed.is_main_process()
 
     def start():
         if tmp.exists():

@@ -17,7 +17,6 @@ The ``run`` flags are generated from the recipe schema (``config.doc(..., flag=.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -74,9 +73,9 @@ def overrides_from_args(args) -> list[str]:
     if args.effective_batch_size is not None:  # and an explicit effective batch the recipe's N
         out.append("training.gradient_accumulation_steps=null")
     if args.use_amp and args.mixed_precision is None:
-        import torch
+        from finetune.distributed import amp_precision
 
-        out.append(f"training.mixed_precision={'fp16' if torch.cuda.is_available() else 'bf16'}")
+        out.append(f"training.mixed_precision={amp_precision()}")
     return out + list(args.set)
 
 
@@ -221,12 +220,13 @@ def main(argv=None, prog: str = "finetune") -> int:
 def _stop(problems: list, code: int, together: bool = False) -> int:
     """Print ``problems`` (main process only); with ``together``, wait for the run's other processes, which stop
     for the same reason, so that none is killed by its launcher before the main process has said why."""
-    if os.environ.get("RANK", "0") == "0":
+    from finetune import distributed
+    from finetune.launch import launched_processes
+
+    if distributed.is_main_process():
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr, flush=True)
-    if together and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from finetune import distributed
-
+    if together and launched_processes() > 1:
         distributed.wait_for_everyone()
     return code
 

@@ -29,6 +29,22 @@ def has_device() -> bool:
         bool(getattr(torch, "xpu", None) and torch.xpu.is_available())
 
 
+def amp_precision() -> str:
+    """What ``use_amp`` (``test_fine_tuning``, ``finetune run --use-amp``) means on this machine: fp16 on CUDA (with
+    loss scaling), bf16 elsewhere (CPU autocast has no fp16; ``check_environment`` refuses it)."""
+    return "fp16" if torch.cuda.is_available() else "bf16"
+
+
+def is_main_process() -> bool:
+    """Whether this process speaks for the run: rank 0 of a launched run, or the only process.
+
+    Read from the launcher's environment: ``accelerate launch`` (torchrun underneath, for every multi-process config
+    here), torchrun and ``finetune run --processes`` set ``RANK``, from which the process group takes this process's
+    rank, so the answer is Accelerate's ``is_main_process``. Asking creates nothing, so it holds before the process
+    group exists too: in a refusal before set-up, or in a task's ``build``."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
     """Refuse, naming the setting, what this machine cannot run (fail at set-up, not mid-run)."""
     if tracker not in (None, "none"):
@@ -79,7 +95,7 @@ def agree(check: Callable, main_only: bool = False):
     if state.num_processes == 1:
         return check()
     value, refusal = None, None
-    if state.is_main_process or not main_only:
+    if is_main_process() or not main_only:
         try:
             value = check()
         except (ConfigError, WriteError) as error:

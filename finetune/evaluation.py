@@ -10,6 +10,7 @@ from accelerate.utils import gather_object, send_to_device
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from finetune import distributed
 from finetune.config import TrainingConfig
 from finetune.items import count_items, is_causal_lm
 from finetune.job import Job
@@ -57,7 +58,7 @@ def run_eval(job: Job, model, accelerator: Accelerator, t: TrainingConfig, step:
         record.update(job.val_loss_metrics(record["loss"]))
     if job.compute_metrics is not None and preds:
         record.update(job.compute_metrics(preds, refs))
-    if accelerator.is_main_process:
+    if distributed.is_main_process():
         tqdm.write("eval " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                       for k, v in record.items()))
     if log_with is not None:

@@ -96,13 +96,13 @@ def check_before_launch(cfg: RecipeConfig, resume: Optional[str], processes: int
 def execute(cfg: RecipeConfig, out_dir: Path, resume_from=None, on_eval=None):
     """Build the recipe's task, train it through the shared loop, write the outputs; return the loop's result."""
     state = distributed.distributed_state()
-    if not state.is_main_process:
+    if not distributed.is_main_process():
         quiet_libraries()
     job, steps = distributed.agree(lambda: build_checked(cfg, out_dir, resume_from, state.num_processes))
-    if state.is_main_process:
+    if distributed.is_main_process():
         warn_about_schedule(cfg.training, steps)
     config_text = dump_config(as_run(cfg, state.num_processes))
-    if state.is_main_process:
+    if distributed.is_main_process():
         out_dir.mkdir(parents=True, exist_ok=True)
         outputs.atomic_write_text(out_dir / "config.yaml", config_text)
     start = time.perf_counter()
@@ -112,7 +112,7 @@ def execute(cfg: RecipeConfig, out_dir: Path, resume_from=None, on_eval=None):
                         keep_checkpoints=cfg.output.keep_checkpoints, resume_from=resume_from,
                         config_text=config_text, on_eval=on_eval)
     result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name}
-    if result.accelerator.is_main_process:
+    if distributed.is_main_process():
         write_outputs(cfg, job, result, out_dir)
     return result
 

@@ -144,7 +144,7 @@ def train(job: Job, t: TrainingConfig, output_dir: Optional[str] = None, acceler
     """
     run = setup(job, t, output_dir, accelerator, log_with, save_every, keep_checkpoints, resume_from, config_text,
                 on_eval)
-    if run.accelerator.is_main_process and print_banner:
+    if distributed.is_main_process() and print_banner:
         print(banner(run), flush=True)
     start_trackers(run, tracker_config)
     with RunLog(run.accelerator, run.out_dir, run.state, run.total_steps, run.effective, log_with,
@@ -258,7 +258,7 @@ def planned_micro_batch(run: Run) -> TrainingConfig:
     budget = device_budget(device, held=tensor_bytes(run.model.parameters()))
     b = profile.largest_micro_batch(window, budget)
     peak = profile.step_peak(max(b, 1), window // max(b, 1))
-    if run.accelerator.is_main_process:
+    if distributed.is_main_process():
         print(f"batch_size auto: micro-batch {max(b, 1)} × {window // max(b, 1)}, predicted step peak "
               f"{peak / 2**30:.2f} of {budget / 2**30:.2f} GiB free on {device}"
               + ("" if b else " (even one sample is predicted not to fit: trying it)"), flush=True)
@@ -311,7 +311,7 @@ def shrink_micro_batch(run: Run, window) -> None:
     smaller = smaller_micro_batch(run.t.batch_size, per_process)
     if smaller == 0:
         raise ConfigError("training.batch_size: auto found no micro-batch that fits (1 sample does not)")
-    if run.accelerator.is_main_process:
+    if distributed.is_main_process():
         from tqdm.auto import tqdm
 
         tqdm.write(f"out of memory at micro-batch {run.t.batch_size}: window {window.index} again with "

@@ -9,6 +9,7 @@ import time
 
 from tqdm.auto import tqdm
 
+from finetune import distributed
 from finetune.optim import lr_scale
 from finetune.outputs import atomic_write_text
 from finetune.state import TrainState
@@ -23,7 +24,7 @@ class RunLog:
                  rewrite: bool = False):
         self.accelerator, self.state, self.effective, self.log_with = accelerator, state, effective, log_with
         self.file = None
-        main = accelerator.is_main_process
+        main = distributed.is_main_process()
         if main and out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             if rewrite:  # resuming: drop lines a killed run wrote after its last checkpoint

@@ -89,6 +89,8 @@ def run(name, processes):
         result = test_fine_tuning(model, train_data=case["data"](), val_data=case["data"]()[:9],
                                   batch_size=case["b"], gradient_accumulation_steps=n, optimizer="sgd",
                                   learning_rate=0.3, max_grad_norm=None, n_epochs=2, seed=11, **case["kw"])
+    # the launcher's RANK, which the package asks, names the same main process as Accelerate
+    assert distributed.is_main_process() == result["accelerator"].is_main_process
     return {"weights": flat(result["model"]).tolist(), "lr": result["lr_history"],
             "history": [{k: v for k, v in h.items() if k != "seconds"} for h in result["history"]],
             "val": result["val_history"], "effective": result["effective_batch_size"],

@@ -113,3 +113,27 @@ def test_one_place_advances_the_state():
                 for t in flat:
                     if isinstance(t, ast.Attribute) and t.attr in counters and ast.unparse(t.value) == "state":
                         assert (path.name, fn.name) == ("loop.py", "advance"), f"{path.name}:{fn.name} sets {t.attr}"
+
+
+def main_process_questions(tree) -> list:
+    """Where code asks "am I the main process?" other than through ``distributed.is_main_process()``: an
+    ``is_main_process`` attribute of Accelerate's objects, or the launcher's ``RANK`` read directly."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("is_main_process", "is_local_main_process") \
+                and ast.unparse(node.value) != "distributed":
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and node.value == "RANK":
+            found.append(f"{node.lineno}: RANK")
+    return found
+
+
+def test_one_way_to_ask_for_the_main_process():
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "distributed.py":  # where is_main_process() reads RANK
+            assert not main_process_questions(ast.parse(path.read_text())), path.name
+    # negative control: the other ways the package once asked are found; the one way is not
+    assert main_process_questions(ast.parse('main = os.environ.get("RANK", "0") == "0"'))
+    assert main_process_questions(ast.parse("if run.accelerator.is_main_process: pass"))
+    assert main_process_questions(ast.parse("if state.is_main_process: pass"))
+    assert not main_process_questions(ast.parse("if distributed.is_main_process(): pass"))

@@ -240,6 +240,64 @@ def test_api_bad_arguments_name_the_field(kw, field):
         test_fine_tuning(MLP(), train_data=regression_data(8), **kw)
 
 
+@pytest.mark.parametrize("kw,closest", [
+    ({"learnig_rate": 1e-3}, "learning_rate"),
+    ({"num_epochs": 2}, "n_epochs"),
+    ({"grad_accum_steps": 2}, "gradient_accumulation_steps"),
+    ({"train_dataset": []}, "train_data"),
+    ({"nonsense": 1}, None),
+    ({"very_" * 60 + "long": 1}, None),
+])
+def test_an_unknown_keyword_is_one_short_line_naming_the_closest(kw, closest):
+    """Not the schema's 36 field names in one 531-character line: the keyword, and the valid name it is closest to."""
+    with pytest.raises(ConfigError) as refused:
+        test_fine_tuning(MLP(), train_data=regression_data(8), **kw)
+    message = str(refused.value)
+    assert "\n" not in message and len(message) <= 200, message
+    assert message.startswith(f"training.{next(iter(kw))[:30]}"), message
+    assert message.endswith(f"did you mean {closest}?") if closest else "did you mean" not in message, message
+
+
+def test_an_unknown_key_in_the_config_dict_is_refused_alike():
+    with pytest.raises(ConfigError, match=r"^training\.n_epoch: .*did you mean n_epochs\?$"):
+        test_fine_tuning(MLP(), {"training": {"n_epoch": 2}}, train_data=regression_data(8))
+    # negative control: the aliases and the call's own keywords are accepted, in the dict as well as as keywords
+    result = test_fine_tuning(MLP(), {"n_epochs": 1, "lr": 0.5, "use_amp": False, "output_dir": None},
+                              train_data=regression_data(8), lr=0.25, lr_scheduler="constant", batch_size=4)
+    assert result["optimizer_steps"] == 2 and result["lr_history"][0] == 0.25
+
+
+def test_keyword_defaults_and_their_docs_come_from_the_schema():
+    import dataclasses
+    import inspect
+
+    from finetune.api import _training_config
+
+    params, doc = inspect.signature(test_fine_tuning).parameters, test_fine_tuning.__doc__
+    schema = TrainingConfig()
+    for f in dataclasses.fields(TrainingConfig):
+        assert params[f.name].default == getattr(schema, f.name), f.name
+        assert f"\n        {f.name} " in doc, f.name
+    assert "learning_rate (or lr) = 5e-05: peak learning rate" in doc and "epochs (or n_epochs) = 1" in doc
+    own = {"model", "config", "train_data", "val_data", "collate_fn", "loss_fn", "use_amp", "use_wandb", "output_dir"}
+    assert set(params) == own | {f.name for f in dataclasses.fields(TrainingConfig)} | {"hooks_and_aliases"}
+    assert _training_config(None, {}) == schema  # a keyword not given takes the schema's default
+
+
+def test_use_amp_is_decided_in_one_place(monkeypatch):
+    """``test_fine_tuning(use_amp=True)`` and ``finetune run --use-amp`` both ask ``distributed.amp_precision``."""
+    from finetune import distributed
+    from finetune.api import _training_config
+    from finetune.cli import build_parser, overrides_from_args
+
+    monkeypatch.setattr(distributed, "amp_precision", lambda: "fp16")  # what a CUDA machine answers
+    assert _training_config(None, {}, use_amp=True).mixed_precision == "fp16"
+    args = build_parser().parse_args(["run", "--recipe", "minilm-sentiment", "--use-amp"])
+    assert "training.mixed_precision=fp16" in overrides_from_args(args)
+    monkeypatch.undo()
+    assert distributed.amp_precision() == ("fp16" if torch.cuda.is_available() else "bf16")
+
+
 def test_not_collected_by_pytest():
     assert test_fine_tuning.__test__ is False
 

@@ -94,6 +94,46 @@ def check_columns(table, text_field: str, label_field: str, regression: bool, nu
                               f"[0, {num_labels - 1}] (model.num_labels = {num_labels})")
 
 
+def load_classifier(path: str, **kwargs):
+    """The pretrained encoder at ``path`` under a new classification head (``from_pretrained`` with ``kwargs``).
+
+    transformers reports every weight the checkpoint lacks in a LOAD REPORT table. The head's weights are meant to be
+    new here, so a report that names only them is not shown; one that names anything else — a weight of the
+    encoder missing, a checkpoint weight left unused, a shape that does not fit — is shown whole, as transformers
+    wrote it."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    held = []
+
+    def hold_report(record) -> bool:  # keeps the report back until the load says what it is about
+        if "LOAD REPORT" in record.getMessage():
+            held.append(record)
+            return False
+        return True
+
+    logger = hf_logging.get_logger("transformers.modeling_utils")
+    logger.addFilter(hold_report)
+    model = info = None
+    try:
+        model, info = from_pretrained(AutoModelForSequenceClassification, path, output_loading_info=True, **kwargs)
+    finally:  # a failed load (a shape mismatch) shows the report too: its error refers to it
+        logger.removeFilter(hold_report)
+        if model is None or not only_the_head_is_new(model, info):
+            for record in held:
+                logger.handle(record)
+    return model
+
+
+def only_the_head_is_new(model, info: dict) -> bool:
+    """Whether ``from_pretrained``'s loading info (``output_loading_info=True``) says only that weights outside the
+    encoder (``model.base_model_prefix``: the task head) were missing from the checkpoint."""
+    encoder = getattr(model, "base_model_prefix", "")
+    if not encoder or info["unexpected_keys"] or info["mismatched_keys"] or info["error_msgs"]:
+        return False
+    return not any(key == encoder or key.startswith(encoder + ".") for key in info["missing_keys"])
+
+
 def build(cfg) -> Job:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
@@ -107,8 +147,7 @@ def build(cfg) -> Job:
                                **m.config)
         model = AutoModelForSequenceClassification.from_config(arch, trust_remote_code=m.trust_remote_code)
     else:
-        model = from_pretrained(AutoModelForSequenceClassification, path, num_labels=m.num_labels,
-                                trust_remote_code=m.trust_remote_code)
+        model = load_classifier(path, num_labels=m.num_labels, trust_remote_code=m.trust_remote_code)
     model.config.problem_type = "regression" if d.target == "valence" else "single_label_classification"
     set_dropout(model, m.dropout)
     model = apply_peft(model, cfg.peft, "SEQ_CLS")

@@ -30,6 +30,7 @@ from typing import Literal, Optional
 
 import torch
 
+from finetune import distributed
 from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
 from finetune.data import load_local_table, split_samples
 from finetune.evaluation import load_metric
@@ -438,13 +439,6 @@ def answer(model, tokenizer, prompts: list, max_new_tokens: int) -> list[str]:
     return [tokenizer.decode(row[longest:], skip_special_tokens=True).strip() for row in out]
 
 
-def is_main_process() -> bool:
-    """Rank 0 of a launched run, or a single process. Read from the launcher's environment (torchrun sets RANK):
-    creating Accelerate's PartialState here, before the loop asks for it with cpu=True, would fix this process's
-    distributed state too early."""
-    return os.environ.get("RANK", "0") == "0"
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # the job
 
@@ -463,7 +457,7 @@ def build(cfg) -> Job:
         raise ConfigError(f"data.max_length: every training conversation is longer than {d.max_length} tokens")
     for i, sample in enumerate(val):
         sample["generate"] = i < m.generate_prompts
-    if is_main_process():
+    if distributed.is_main_process():
         dropped = dropped_train + dropped_val
         print(f"sft: {len(convs)} conversations from {d.source}: {len(train)} train, {len(val)} held out; "
               f"{dropped} longer than data.max_length={d.max_length} tokens dropped"
