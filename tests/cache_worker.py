@@ -13,7 +13,6 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from finetune import cache

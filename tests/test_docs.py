@@ -73,7 +73,8 @@ def test_readme_stays_a_first_screen():
 
 def test_the_link_check_catches_a_planted_break(tmp_path):
     """Negative control: a missing file, a wrong anchor and a heading inside a code block are all reported."""
-    (tmp_path / "other.md").write_text("# Memory: will it fit?\n\n## `finetune plan`\n\n```bash\n# not a heading\n```\n")
+    (tmp_path / "other.md").write_text(
+        "# Memory: will it fit?\n\n## `finetune plan`\n\n```bash\n# not a heading\n```\n")
     page = tmp_path / "page.md"
     page.write_text("[ok](other.md#memory-will-it-fit) [ok](other.md#finetune-plan) [web](https://example.com)\n"
                     "[gone](missing.md) [bad](other.md#memory) [fenced](other.md#not-a-heading)\n"
