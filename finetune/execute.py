@@ -125,7 +125,7 @@ def build_checked(cfg: RecipeConfig, out_dir: Path, resume_from, processes: int)
     t = loop.start_auto_batch(cfg.training, processes) if cfg.training.batch_size == "auto" else cfg.training
     steps = total_optimizer_steps(len(job.train_data), t, resolve_accumulation(t, processes), processes)
     if resume_from is not None:
-        done = checkpoint.saved_step(resume_from)
+        done = checkpoint.read(resume_from).step
         if done >= steps:
             raise ConfigError(f"resume: the run in {out_dir} is complete ({done} of {steps} optimizer steps); nothing "
                               "to do (raise training.epochs or --max-steps to train further)")
@@ -182,39 +182,30 @@ def check_resume(path: Path, cfg: RecipeConfig, processes: int) -> list[str]:
     Another effective batch is refused — unless ``training.scale_lr`` says the run is meant to change batch, and
     then only at an epoch boundary (mid-epoch the remaining windows would not cover the epoch's samples).
     Returns lines to print: settings that change the result, and a changed process layout."""
-    import json
-
-    import yaml
-
-    try:
-        old = flatten(yaml.safe_load((path / "config.yaml").read_text()) or {})
-        manifest = json.loads((path / "manifest.json").read_text())
-        trainer_state = json.loads((path / checkpoint.STATE).read_text())
-    except (OSError, ValueError):
-        return []
+    saved = checkpoint.read(path)
     t = cfg.training
     effective = t.batch_size * resolve_accumulation(t, processes) * processes
-    saved_effective, saved_processes = manifest.get("effective_batch_size"), manifest.get("processes")
     notes = []
-    if saved_effective not in (None, effective):
-        mid_epoch = trainer_state.get("next_window", trainer_state.get("window", 0)) != 0
+    if saved.effective_batch_size not in (None, effective):
+        mid_epoch = saved.state.next_window != 0
         if t.scale_lr == "none" or mid_epoch:
             why = "mid-epoch the remaining windows would not be the epoch's samples" if t.scale_lr != "none" \
                 else "or set training.scale_lr to change the batch on purpose, at an epoch boundary"
-            raise ConfigError(f"resume: the checkpoint's effective batch is {saved_effective}, this run's "
+            raise ConfigError(f"resume: the checkpoint's effective batch is {saved.effective_batch_size}, this run's "
                               f"{t.batch_size} × {resolve_accumulation(t, processes)} × {processes} = {effective}; "
-                              f"give a micro-batch and N whose product with the processes is {saved_effective} "
-                              f"({why})")
-        notes.append(f"warning: resuming with another effective batch ({saved_effective} → {effective}): the steps "
-                     "from here are not the baseline's")
+                              f"give a micro-batch and N whose product with the processes is "
+                              f"{saved.effective_batch_size} ({why})")
+        notes.append(f"warning: resuming with another effective batch ({saved.effective_batch_size} → {effective}): "
+                     "the steps from here are not the baseline's")
     new = flatten(cfg.to_dict())
     neutral = result_neutral_fields() | {"name", "description"}
+    old = saved.settings
     changed = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in sorted(set(old) | set(new))
                if k not in neutral and old.get(k) != new.get(k)]
     if changed:
         notes.append("warning: resuming with settings that change the result: " + ", ".join(changed))
-    if saved_processes not in (None, processes):
-        notes.append(f"resume: saved on {saved_processes} process{'es' if saved_processes > 1 else ''}, continuing "
+    if saved.processes not in (None, processes):
+        notes.append(f"resume: saved on {saved.processes} process{'es' if saved.processes > 1 else ''}, continuing "
                      f"on {processes} with the same windows (effective batch {effective}); random draws made per "
                      "process (dropout) cannot replay the same masks on another layout — the rest is exact")
     return notes
