@@ -26,6 +26,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import yaml
 
 from finetune import distributed
 from finetune.config import flatten
@@ -86,9 +87,10 @@ def restore_rng(rank: int, directory: Path) -> None:
 # save
 
 
-def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, config_text: str = "", keep: int = 2,
-                    meta: dict | None = None) -> Path:
-    """Save everything that resumes the run after ``state.optimizer_step``; every process must call it.
+def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, settings: dict | None = None,
+                    keep: int = 2, meta: dict | None = None) -> Path:
+    """Save everything that resumes the run after ``state.optimizer_step``, with the run's ``settings`` (its
+    config.yaml, which a resumed run is compared with) and ``meta`` (manifest entries); every process must call it.
 
     Raises:
         WriteError: on every process, when a process could not write its part (a full disk); the partial
@@ -114,7 +116,7 @@ def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, co
         (tmp / STATE).write_text(json.dumps(state.state_dict()))
         if schedulers:  # JSON, not a pickle: loading it runs no code
             (tmp / SCHEDULER).write_text(json.dumps({k: s.state_dict() for k, s in schedulers.items()}))
-        (tmp / CONFIG).write_text(config_text)
+        (tmp / CONFIG).write_text(yaml.safe_dump(settings or {}, sort_keys=False))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         for p in files:
             with open(p, "rb") as f:
@@ -241,8 +243,6 @@ def read(path: Path) -> Saved:
     Raises:
         ConfigError: when one of them does not parse.
     """
-    import yaml
-
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         state = TrainState.from_dict(json.loads((path / STATE).read_text()))
