@@ -1,4 +1,4 @@
-"""The shared training loop: set up → per window: accumulate → optimizer step → after the step → finish.
+"""The shared training loop: set up → per window: accumulate → optimizer step → record → advance → finish.
 
 Every optimizer step is the step the baseline took with one batch of ``micro_batch × N × processes`` samples:
 
@@ -9,8 +9,9 @@ Every optimizer step is the step the baseline took with one batch of ``micro_bat
 * gradients are all-reduced once per window, on its last micro-batch (``accelerator.no_sync`` on the others);
 * unscale (fp16) → grad norm → clip → step → scheduler, once per optimizer step (``steps.optimizer_step``).
 
-``train()`` reads top to bottom; the state of the run (``TrainState``) is advanced in one place, ``advance()``,
-and everything else only reads it. ``RunLog`` only writes.
+``train()`` reads top to bottom. The state of the run (``TrainState``) has one writer, ``advance()``: each step's
+record is built whole (its evaluation and its time included) and handed to it; everything else only reads the
+state. ``RunLog`` only writes.
 """
 
 from __future__ import annotations
@@ -146,13 +147,12 @@ def train(job: Job, t: TrainingConfig, output: Optional[Outputs] = None, shape: 
         print_banner: say what the run will do before the first step.
     """
     run = setup(job, t, output or Outputs(), shape, accelerator, on_eval)
-    state = checkpoint.load_checkpoint(run.accelerator, resume_from, run.schedulers) if resume_from else TrainState()
     if print_banner and run.accelerator.is_main_process:
         print(banner(run), flush=True)
     start_trackers(run)
+    state = start_state(run, resume_from)
     with RunLog(run.accelerator, run.output.dir, state, run.shape.total_steps, run.shape.effective,
                 run.output.tracker, rewrite=resume_from is not None) as log:
-        evaluate_at_start(run, state)
         windows = open_stream(run, state)
         while state.optimizer_step < run.shape.total_steps:
             window, micro_batches, epoch_windows = next(windows, (None, None, None))
@@ -172,8 +172,10 @@ def train(job: Job, t: TrainingConfig, output: Optional[Outputs] = None, shape: 
                 continue
             norms, skipped, lrs = optimizer_step(run.accelerator, run.optims, t, state.optimizer_step + 1, window)
             record = step_record(run, state, window, result, norms, skipped, lrs)
-            advance(state, record, window, epoch_windows, result.micro_steps, t.ema_beta)
-            after_step(run, state, record)
+            val = evaluate_if_due(run, record, last_of_epoch=window.index == epoch_windows - 1)
+            record = {**record, **val_columns(val), "seconds": log.lap()}  # whole before it is stored
+            advance(state, record, val, window, epoch_windows, result.micro_steps, t.ema_beta)
+            after_step(run, state)
             log.write(record)
     return finish(run, state)
 
@@ -267,13 +269,34 @@ def step_record(run: Run, state: TrainState, window, result: WindowResult, norms
     }
 
 
-def advance(state: TrainState, record: dict, window, epoch_windows: int, micro_steps: int, ema_beta: float) -> None:
-    """The one place the run's state moves: one optimizer step taken over ``window``."""
+def evaluate_if_due(run: Run, record: dict, last_of_epoch: bool) -> Optional[dict]:
+    """The evaluation after the step of ``record``, when one is due: every ``eval_every`` steps (else at the end of
+    each epoch) and after the last step."""
+    t, step = run.t, record["step"]
+    if run.job.val_data is None:
+        return None
+    if step >= run.shape.total_steps or (t.eval_every and step % t.eval_every == 0) or \
+            (last_of_epoch and not t.eval_every):
+        return evaluate(run, step, record["epoch"])
+    return None
+
+
+def val_columns(val: Optional[dict]) -> dict:
+    """An evaluation's metrics as the step's history columns (``val_loss``, ``val_accuracy``, …)."""
+    return {f"val_{k}": v for k, v in (val or {}).items() if k not in ("step", "epoch")}
+
+
+def advance(state: TrainState, record: dict, val: Optional[dict], window, epoch_windows: int, micro_steps: int,
+            ema_beta: float) -> None:
+    """The one place the run's state moves: one optimizer step taken over ``window``, its ``record`` (whole: nothing
+    is added to it once stored) and its evaluation ``val``, if any."""
     state.optimizer_step += 1
     state.micro_step += micro_steps
     state.items += record["items"]
     state.samples += record["samples"]
     state.history.append(record)
+    if val is not None:
+        state.val_history.append(val)
     state.update_ema(record["loss"], ema_beta)
     if window.index == epoch_windows - 1:
         state.epoch, state.next_window = window.epoch + 1, 0
@@ -281,36 +304,35 @@ def advance(state: TrainState, record: dict, window, epoch_windows: int, micro_s
         state.epoch, state.next_window = window.epoch, window.index + 1
 
 
-def after_step(run: Run, state: TrainState, record: dict) -> None:
-    """The task's hook, then evaluation, then the checkpoint — in this order, so that a checkpoint holds everything
-    up to it and a resumed run repeats nothing."""
-    t, output = run.t, run.output
+def after_step(run: Run, state: TrainState) -> None:
+    """The task's hook, then the checkpoint — in this order, so that a checkpoint holds everything up to it and a
+    resumed run repeats nothing."""
+    output = run.output
     if run.job.after_step is not None:
         run.job.after_step(state, run.accelerator.unwrap_model(run.model))
     done = state.optimizer_step >= run.shape.total_steps
-    epoch_end = state.next_window == 0
-    if run.job.val_data is not None and (done or (t.eval_every and state.optimizer_step % t.eval_every == 0)
-                                         or (epoch_end and not t.eval_every)):
-        val = evaluate(run, state, epoch=record["epoch"])
-        record.update({f"val_{k}": v for k, v in val.items() if k not in ("step", "epoch")})
     if output.save_every and output.dir is not None and (done or state.optimizer_step % output.save_every == 0):
         checkpoint.save_checkpoint(run.accelerator, state, output.dir, run.schedulers, output.settings,
                                    output.keep_checkpoints, meta={"effective_batch_size": run.shape.effective})
 
 
-def evaluate(run: Run, state: TrainState, epoch: int) -> dict:
-    record = run_eval(run.job, run.forward_model, run.accelerator, run.t, run.shape.micro_batch, state.optimizer_step,
-                      epoch, run.output.tracker)
-    state.val_history.append(record)
+def evaluate(run: Run, step: int, epoch: int) -> dict:
+    """The validation record after optimizer step ``step`` (0: the untuned model), also handed to ``on_eval``."""
+    record = run_eval(run.job, run.forward_model, run.accelerator, run.t, run.shape.micro_batch, step, epoch,
+                      run.output.tracker)
     if run.on_eval is not None:
         run.on_eval(record)
     return record
 
 
-def evaluate_at_start(run: Run, state: TrainState) -> None:
-    """``training.eval_at_start``: the untuned model's metrics, once (not again on resume)."""
-    if run.job.val_data is not None and run.t.eval_at_start and state.optimizer_step == 0 and not state.val_history:
-        evaluate(run, state, epoch=0)
+def start_state(run: Run, resume_from: Optional[Path]) -> TrainState:
+    """The state the run starts from: the checkpoint's (its model, optimizers and random state restored with it),
+    or a fresh one — holding the untuned model's evaluation with ``training.eval_at_start``."""
+    if resume_from is not None:
+        return checkpoint.load_checkpoint(run.accelerator, resume_from, run.schedulers)
+    if run.job.val_data is not None and run.t.eval_at_start:
+        return TrainState(val_history=[evaluate(run, step=0, epoch=0)])
+    return TrainState()
 
 
 # ---------------------------------------------------------------------------------------------------------------

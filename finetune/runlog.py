@@ -35,11 +35,14 @@ class RunLog:
         self.last = time.perf_counter()
         self.real = self.padded = 0
 
-    def write(self, record: dict) -> None:
-        """Report one optimizer step (after its evaluation, whose results it carries as val_*)."""
+    def lap(self) -> float:
+        """Seconds since the previous lap (the first: since the log was opened), for a step's ``seconds``."""
         now = time.perf_counter()
-        record["seconds"] = round(now - self.last, 6)
-        self.last = now
+        seconds, self.last = round(now - self.last, 6), now
+        return seconds
+
+    def write(self, record: dict) -> None:
+        """Report one optimizer step (its record whole: with its evaluation as val_*, and its seconds)."""
         if self.log_with is not None:
             self.accelerator.log({f"train/{k}": record[k] for k in ("loss", "lr", "grad_norm")}, step=record["step"])
         if self.file is not None:
