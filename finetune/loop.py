@@ -160,7 +160,7 @@ def train(job: Job, t: TrainingConfig, output: Optional[Outputs] = None, shape: 
                 break
             if job.before_window is not None:  # e.g. a KL weight or an R1 interval keyed on optimizer steps
                 job.before_window(state)
-            rng = torch.get_rng_state()
+            rng = torch.get_rng_state()  # an out-of-memory retry rewinds to it: the same dropout masks
             try:
                 result = accumulate_window(run.accelerator, run.model, run.forward_model, job.loss_fn, window,
                                            micro_batches, run.counter, offload=t.activation_offloading)
@@ -238,6 +238,16 @@ def start_trackers(run: Run) -> None:
         **scalars, "config/effective_batch_size": run.shape.effective,
         "config/gradient_accumulation_steps": run.shape.accumulation,
         "config/physical_batch_size": run.shape.micro_batch})
+
+
+def start_state(run: Run, resume_from: Optional[Path]) -> TrainState:
+    """The state the run starts from: the checkpoint's (its model, optimizers and random state restored with it),
+    or a fresh one — holding the untuned model's evaluation with ``training.eval_at_start``."""
+    if resume_from is not None:
+        return checkpoint.load_checkpoint(run.accelerator, resume_from, run.schedulers)
+    if run.job.val_data is not None and run.t.eval_at_start:
+        return TrainState(val_history=[evaluate(run, step=0, epoch=0)])
+    return TrainState()
 
 
 def open_stream(run: Run, state: TrainState):
@@ -323,16 +333,6 @@ def evaluate(run: Run, step: int, epoch: int) -> dict:
     if run.on_eval is not None:
         run.on_eval(record)
     return record
-
-
-def start_state(run: Run, resume_from: Optional[Path]) -> TrainState:
-    """The state the run starts from: the checkpoint's (its model, optimizers and random state restored with it),
-    or a fresh one — holding the untuned model's evaluation with ``training.eval_at_start``."""
-    if resume_from is not None:
-        return checkpoint.load_checkpoint(run.accelerator, resume_from, run.schedulers)
-    if run.job.val_data is not None and run.t.eval_at_start:
-        return TrainState(val_history=[evaluate(run, step=0, epoch=0)])
-    return TrainState()
 
 
 # ---------------------------------------------------------------------------------------------------------------
