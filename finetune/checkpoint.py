@@ -230,6 +230,7 @@ def verify(path: Path) -> dict:
 class Saved:
     """What a checkpoint says about the run it continues (its manifest, trainer_state.json and config.yaml)."""
 
+    path: Path
     step: int                               # optimizer steps taken
     processes: Optional[int]                # the process layout it was saved on
     effective_batch_size: Optional[int]
@@ -249,7 +250,7 @@ def read(path: Path) -> Saved:
         settings = flatten(yaml.safe_load((path / CONFIG).read_text()) or {})
     except (OSError, ValueError, TypeError, yaml.YAMLError) as error:
         raise ConfigError(f"resume: checkpoint {path} cannot be read ({error})") from None
-    return Saved(step=int(manifest["step"]), processes=manifest.get("processes"),
+    return Saved(path=path, step=int(manifest["step"]), processes=manifest.get("processes"),
                  effective_batch_size=manifest.get("effective_batch_size"), state=state, settings=settings)
 
 

@@ -54,28 +54,28 @@ def claim_output_dir(cfg: RecipeConfig, resume: Optional[str] = None) -> Path:
 class Prepared:
     """What ``prepare`` settled before a model is built."""
 
-    out_dir: Path                    # the run's output directory (locked by the main process)
-    resume_from: Optional[Path]      # the checkpoint the run continues, or None
-    shape: Shape                     # the split of the effective batch (its steps are counted once the data is built)
+    out_dir: Path                       # the run's output directory (locked by the main process)
+    resume: Optional[checkpoint.Saved]  # the checkpoint the run continues, or None
+    shape: Shape                        # the split of the effective batch (its steps are counted once the data is)
 
 
 def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes: int, rank: int,
-              speak: bool = True) -> tuple[Optional[Path], Shape]:
+              speak: bool = True) -> tuple[Optional[checkpoint.Saved], Shape]:
     """What every process checks before a model is built: that the effective batch splits over ``processes``, the
     checkpoint to resume, and what this machine can run. Returns (the checkpoint or None, the run's shape before
     the data is known). With ``speak``, rank 0 prints the notes on resuming (e.g. a new effective split)."""
     shape = plan_shape(cfg.training, processes)
-    resume_from = None
+    saved = None
     if resume is not None:
-        resume_from = checkpoint.find_checkpoint(resume, out_dir)  # refuses a missing / corrupt checkpoint
-        # every process reads the same files, so every process reaches the same verdict (no one waits on a peer
-        # that refused)
-        notes = check_resume(resume_from, cfg, shape)
+        # refuses a missing / corrupt checkpoint; every process reads the same files, so every process reaches the
+        # same verdict (no one waits on a peer that refused)
+        saved = checkpoint.read(checkpoint.find_checkpoint(resume, out_dir))
+        notes = check_resume(saved, cfg, shape)
         if speak and rank == 0:
             for note in notes:
                 print(note, file=sys.stderr)
     distributed.check_environment(cfg.training, cfg.output.tracker)
-    return resume_from, shape
+    return saved, shape
 
 
 def prepare(cfg: RecipeConfig, resume: Optional[str] = None) -> Prepared:
@@ -85,9 +85,9 @@ def prepare(cfg: RecipeConfig, resume: Optional[str] = None) -> Prepared:
     ``runlock.release_all()`` (or exit)."""
     state = distributed.distributed_state()
     out_dir = distributed.agree(lambda: claim_output_dir(cfg, resume), main_only=True)
-    resume_from, shape = distributed.agree(lambda: check_run(cfg, resume, out_dir, state.num_processes,
-                                                             state.process_index))
-    return Prepared(out_dir, resume_from, shape)
+    saved, shape = distributed.agree(lambda: check_run(cfg, resume, out_dir, state.num_processes,
+                                                       state.process_index))
+    return Prepared(out_dir, saved, shape)
 
 
 def check_before_launch(cfg: RecipeConfig, resume: Optional[str], processes: int) -> Path:
@@ -118,7 +118,8 @@ def execute(cfg: RecipeConfig, prepared: Prepared, on_eval=None):
                           tracker=None if cfg.output.tracker == "none" else cfg.output.tracker,
                           settings=run_cfg.to_dict())
     start = time.perf_counter()
-    result = loop.train(job, cfg.training, output, shape, prepared.resume_from, on_eval=on_eval)
+    resume_from = prepared.resume.path if prepared.resume else None
+    result = loop.train(job, cfg.training, output, shape, resume_from, on_eval=on_eval)
     result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name}
     if result.accelerator.is_main_process:
         write_outputs(cfg, job, result, out_dir)
@@ -130,8 +131,8 @@ def build_checked(cfg: RecipeConfig, prepared: Prepared) -> tuple[Job, Shape]:
     that is already complete)."""
     job = build_job(cfg)
     shape = prepared.shape.for_data(job, cfg.training)
-    if prepared.resume_from is not None:
-        done = checkpoint.read(prepared.resume_from).step
+    if prepared.resume is not None:
+        done = prepared.resume.step
         if done >= shape.total_steps:
             raise ConfigError(f"resume: the run in {prepared.out_dir} is complete ({done} of {shape.total_steps} "
                               "optimizer steps); nothing to do (raise training.epochs or --max-steps to train further)")
@@ -179,15 +180,14 @@ def write_outputs(cfg: RecipeConfig, job: Job, result, out_dir: Path) -> None:
           f" {final}{pad}; outputs in {out_dir}", flush=True)
 
 
-def check_resume(path: Path, cfg: RecipeConfig, shape: Shape) -> list[str]:
-    """Whether the checkpoint at ``path`` can continue with ``cfg`` in ``shape``, and what to say.
+def check_resume(saved: checkpoint.Saved, cfg: RecipeConfig, shape: Shape) -> list[str]:
+    """Whether the checkpoint ``saved`` can continue with ``cfg`` in ``shape``, and what to say.
 
     The windows depend on the seed and the effective batch only, so any micro-batch and any number of processes
     continue the same run as long as ``b × N × processes`` is the checkpoint's effective batch (elastic resume).
     Another effective batch is refused — unless ``training.scale_lr`` says the run is meant to change batch, and
     then only at an epoch boundary (mid-epoch the remaining windows would not cover the epoch's samples).
     Returns lines to print: settings that change the result, and a changed process layout."""
-    saved = checkpoint.read(path)
     t, effective, processes = cfg.training, shape.effective, shape.processes
     notes = []
     if saved.effective_batch_size not in (None, effective):
