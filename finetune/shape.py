@@ -23,6 +23,8 @@ from finetune.windows import resolve_accumulation, windows_per_epoch
 
 @dataclass(frozen=True)
 class Shape:
+    """The samples of one optimizer step and their split; made by ``plan_shape``, read by the loop."""
+
     micro_batch: int      # samples per micro-batch on each process (batch_size: auto: the one being tried)
     accumulation: int     # N: micro-batches per process in a full window
     processes: int
