@@ -72,8 +72,7 @@ def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, coll
     log_with = None
     if use_wandb:
         log_with = "wandb" if use_wandb is True else use_wandb
-    result = loop.train(job, t, output_dir=output_dir, log_with=log_with,
-                        tracker_config=dataclasses.asdict(t))
+    result = loop.train(job, t, loop.Outputs(dir=output_dir, tracker=log_with, settings=dataclasses.asdict(t)))
     if output_dir is not None and distributed.is_main_process():
         outputs.write_metrics(result, output_dir)
     return result

@@ -20,12 +20,16 @@ import json
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
+import yaml
 
 from finetune import distributed
+from finetune.config import flatten
 from finetune.errors import ConfigError, WriteError
 from finetune.outputs import atomic_write_text, disk_full, fsync_dir
 from finetune.state import TrainState
@@ -35,6 +39,7 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 SCHEDULER = "scheduler.json"
+CONFIG = "config.yaml"
 
 
 def _sha256(path: Path) -> str:
@@ -83,9 +88,10 @@ def restore_rng(rank: int, directory: Path) -> None:
 # save
 
 
-def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, config_text: str = "", keep: int = 2,
-                    meta: dict | None = None) -> Path:
-    """Save everything that resumes the run after ``state.optimizer_step``; every process must call it.
+def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, settings: dict | None = None,
+                    keep: int = 2, meta: dict | None = None) -> Path:
+    """Save everything that resumes the run after ``state.optimizer_step``, with the run's ``settings`` (its
+    config.yaml, which a resumed run is compared with) and ``meta`` (manifest entries); every process must call it.
 
     Raises:
         WriteError: on every process, when a process could not write its part (a full disk); the partial
@@ -111,7 +117,7 @@ def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, co
         (tmp / STATE).write_text(json.dumps(state.state_dict()))
         if schedulers:  # JSON, not a pickle: loading it runs no code
             (tmp / SCHEDULER).write_text(json.dumps({k: s.state_dict() for k, s in schedulers.items()}))
-        (tmp / "config.yaml").write_text(config_text)
+        (tmp / CONFIG).write_text(yaml.safe_dump(settings or {}, sort_keys=False))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         for p in files:
             with open(p, "rb") as f:
@@ -205,11 +211,6 @@ def newest_intact(root: Path):
     return None
 
 
-def saved_step(path: Path) -> int:
-    """The optimizer step a (verified) checkpoint was saved after."""
-    return int(json.loads((path / MANIFEST).read_text())["step"])
-
-
 def verify(path: Path) -> dict:
     """Refuse a partial or corrupt checkpoint: every file of the manifest present, with its size and hash."""
     try:
@@ -226,22 +227,49 @@ def verify(path: Path) -> dict:
     return manifest
 
 
+@dataclass(frozen=True)
+class Saved:
+    """What a checkpoint says about the run it continues (its manifest, trainer_state.json and config.yaml)."""
+
+    path: Path
+    step: int                               # optimizer steps taken
+    processes: Optional[int]                # the process layout it was saved on
+    effective_batch_size: Optional[int]
+    state: TrainState
+    settings: dict                          # its config.yaml, flat (``training.learning_rate`` → value)
+
+
+def read(path: Path) -> Saved:
+    """Read a (verified) checkpoint's description: the one reader of these files.
+
+    Raises:
+        ConfigError: when one of them does not parse.
+    """
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        state = TrainState.from_dict(json.loads((path / STATE).read_text()))
+        settings = flatten(yaml.safe_load((path / CONFIG).read_text()) or {})
+    except (OSError, ValueError, TypeError, yaml.YAMLError) as error:
+        raise ConfigError(f"resume: checkpoint {path} cannot be read ({error})") from None
+    return Saved(path=path, step=int(manifest["step"]), processes=manifest.get("processes"),
+                 effective_batch_size=manifest.get("effective_batch_size"), state=state, settings=settings)
+
+
 def load_checkpoint(accelerator, path: Path, schedulers=None) -> TrainState:
     """Restore model, optimizers, schedulers (name → scheduler), scaler and random states; return the TrainState."""
+    saved = read(path)
     accelerator.load_state(str(path))  # tensors via safetensors / torch.load(weights_only=True)
-    saved = json.loads((path / SCHEDULER).read_text()) if (path / SCHEDULER).is_file() else {}
+    scheduler_states = json.loads((path / SCHEDULER).read_text()) if (path / SCHEDULER).is_file() else {}
     for name, scheduler in (schedulers or {}).items():
-        if name not in saved:
+        if name not in scheduler_states:
             raise ConfigError(f"resume: checkpoint {path} has no scheduler state for optimizer {name!r}")
-        scheduler.load_state_dict(saved[name])
-    state = TrainState()
-    state.load_state_dict(json.loads((path / STATE).read_text()))
-    rank, saved_processes = accelerator.process_index, json.loads((path / MANIFEST).read_text()).get("processes")
-    if saved_processes == accelerator.num_processes and (path / f"rng_{rank}.json").is_file():
+        scheduler.load_state_dict(scheduler_states[name])
+    rank = accelerator.process_index
+    if saved.processes == accelerator.num_processes and (path / f"rng_{rank}.json").is_file():
         restore_rng(rank, path)  # the same layout: the very random stream the run would have drawn
     else:  # another layout (elastic resume): no stream to replay; a fresh one per process, keyed on the step
-        reseed_rng(state.optimizer_step, rank)
-    return state
+        reseed_rng(saved.state.optimizer_step, rank)
+    return saved.state
 
 
 def reseed_rng(step: int, rank: int) -> None:

@@ -97,8 +97,7 @@ def cmd_run(args) -> int:
     if (args.processes or 1) > 1 and launched_processes() == 1:  # start the processes, then each runs the rest
         return launch(cfg, args.resume, args.argv, args.processes)
     try:
-        out_dir, resume_from = prepare(cfg, args.resume)  # takes the run directory's lock (main process)
-        execute(cfg, out_dir, resume_from)
+        execute(cfg, prepare(cfg, args.resume))  # prepare takes the run directory's lock (main process)
     finally:
         runlock.release_all()
     return 0

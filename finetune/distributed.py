@@ -136,8 +136,8 @@ def shutdown() -> None:
 
 
 def make_accelerator(t: TrainingConfig, log_with=None, project_dir=None) -> Accelerator:
-    """An Accelerator for this run: ``t.mixed_precision``, N = 1 (finetune places the window's sync itself)."""
-    check_environment(t)
+    """An Accelerator for this run: ``t.mixed_precision``, N = 1 (finetune places the window's sync itself). What
+    this machine cannot run is refused before, once, by ``check_environment`` (at set-up)."""
     kwargs = dict(mixed_precision=t.mixed_precision, log_with=log_with, project_dir=project_dir, cpu=not has_device())
     try:
         accelerator = Accelerator(**kwargs)

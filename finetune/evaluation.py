@@ -20,15 +20,15 @@ METRICS_DIR = Path(__file__).resolve().parent / "metrics"
 
 
 @torch.no_grad()
-def run_eval(job: Job, model, accelerator: Accelerator, t: TrainingConfig, step: int, epoch: int,
+def run_eval(job: Job, model, accelerator: Accelerator, t: TrainingConfig, micro_batch: int, step: int, epoch: int,
              log_with=None) -> dict:
-    """Evaluate after optimizer step ``step`` (0: before training). The validation set is sharded over processes
-    with no sample repeated; the loss is the mean over every item, and ``job.compute_metrics`` sees every
-    prediction. Returns the record ``{"step", "epoch", "loss", …metrics}``."""
+    """Evaluate after optimizer step ``step`` (0: before training), ``micro_batch`` samples at a time. The
+    validation set is sharded over processes with no sample repeated; the loss is the mean over every item, and
+    ``job.compute_metrics`` sees every prediction. Returns the record ``{"step", "epoch", "loss", …metrics}``."""
     world, rank = accelerator.num_processes, accelerator.process_index
     indices = list(range(rank, len(job.val_data), world))
-    loader = DataLoader(job.val_data, batch_sampler=[indices[i:i + t.batch_size]
-                                                     for i in range(0, len(indices), t.batch_size)],
+    loader = DataLoader(job.val_data, batch_sampler=[indices[i:i + micro_batch]
+                                                     for i in range(0, len(indices), micro_batch)],
                         collate_fn=job.collate_fn, num_workers=t.num_workers)
     counter = job.count_items or (lambda b: count_items(b, t.items, is_causal_lm(model)))
     was_training = model.training

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +16,7 @@ from finetune.config import RecipeConfig, dump_config, flatten, result_neutral_f
 from finetune.errors import ConfigError
 from finetune.job import Job
 from finetune.registry import task_module
-from finetune.windows import resolve_accumulation, total_optimizer_steps
+from finetune.shape import Shape, plan_shape
 
 
 def build_job(cfg: RecipeConfig) -> Job:
@@ -49,37 +50,44 @@ def claim_output_dir(cfg: RecipeConfig, resume: Optional[str] = None) -> Path:
     return out
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepare`` settled before a model is built."""
+
+    out_dir: Path                       # the run's output directory (locked by the main process)
+    resume: Optional[checkpoint.Saved]  # the checkpoint the run continues, or None
+    shape: Shape                        # the split of the effective batch (its steps are counted once the data is)
+
+
 def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes: int, rank: int,
-              speak: bool = True):
-    """What every process checks before a model is built: the checkpoint to resume (and its random state for
-    ``rank``), what this machine can run, and that the effective batch splits over ``processes``. Returns the
-    checkpoint, or None. With ``speak``, rank 0 prints the notes on resuming (e.g. a new effective split)."""
-    resume_from = None
+              speak: bool = True) -> tuple[Optional[checkpoint.Saved], Shape]:
+    """What every process checks before a model is built: that the effective batch splits over ``processes``, the
+    checkpoint to resume, and what this machine can run. Returns (the checkpoint or None, the run's shape before
+    the data is known). With ``speak``, rank 0 prints the notes on resuming (e.g. a new effective split)."""
+    shape = plan_shape(cfg.training, processes)
+    saved = None
     if resume is not None:
-        resume_from = checkpoint.find_checkpoint(resume, out_dir)  # refuses a missing / corrupt checkpoint
-        # every process reads the same files, so every process reaches the same verdict (no one waits on a peer
-        # that refused)
-        notes = check_resume(resume_from, cfg, processes)
+        # refuses a missing / corrupt checkpoint; every process reads the same files, so every process reaches the
+        # same verdict (no one waits on a peer that refused)
+        saved = checkpoint.read(checkpoint.find_checkpoint(resume, out_dir))
+        notes = check_resume(saved, cfg, shape)
         if speak and rank == 0:
             for note in notes:
                 print(note, file=sys.stderr)
     distributed.check_environment(cfg.training, cfg.output.tracker)
-    if cfg.training.batch_size == "auto":
-        loop.start_auto_batch(cfg.training, processes)  # refuses several processes
-    resolve_accumulation(cfg.training, processes)
-    return resume_from
+    return saved, shape
 
 
-def prepare(cfg: RecipeConfig, resume: Optional[str] = None) -> tuple[Path, Optional[Path]]:
+def prepare(cfg: RecipeConfig, resume: Optional[str] = None) -> Prepared:
     """Everything checked before a model is built: the output directory (named and locked by the main process, the
     same on every process), the checkpoint to resume, what this machine can run, and that the effective batch
-    splits. A refusal on any process stops every process with the same error. Returns (output directory,
-    checkpoint or None); the lock is held until ``runlock.release_all()`` (or exit)."""
+    splits. A refusal on any process stops every process with the same error. The lock is held until
+    ``runlock.release_all()`` (or exit)."""
     state = distributed.distributed_state()
     out_dir = distributed.agree(lambda: claim_output_dir(cfg, resume), main_only=True)
-    resume_from = distributed.agree(lambda: check_run(cfg, resume, out_dir, state.num_processes,
-                                                      state.process_index))
-    return out_dir, resume_from
+    saved, shape = distributed.agree(lambda: check_run(cfg, resume, out_dir, state.num_processes,
+                                                       state.process_index))
+    return Prepared(out_dir, saved, shape)
 
 
 def check_before_launch(cfg: RecipeConfig, resume: Optional[str], processes: int) -> Path:
@@ -93,52 +101,50 @@ def check_before_launch(cfg: RecipeConfig, resume: Optional[str], processes: int
     return out_dir
 
 
-def execute(cfg: RecipeConfig, out_dir: Path, resume_from=None, on_eval=None):
-    """Build the recipe's task, train it through the shared loop, write the outputs; return the loop's result."""
-    state = distributed.distributed_state()
-    if not distributed.is_main_process():
+def execute(cfg: RecipeConfig, prepared: Prepared, on_eval=None):
+    """Build the recipe's task, train it through the shared loop, write the outputs; return the loop's result.
+    ``on_eval(record)`` is called after every evaluation (a search prunes there)."""
+    main = distributed.is_main_process()
+    if not main:
         quiet_libraries()
-    job, steps = distributed.agree(lambda: build_checked(cfg, out_dir, resume_from, state.num_processes))
-    if distributed.is_main_process():
-        warn_about_schedule(cfg.training, steps)
-    config_text = dump_config(as_run(cfg, state.num_processes))
-    if distributed.is_main_process():
+    out_dir = prepared.out_dir
+    job, shape = distributed.agree(lambda: build_checked(cfg, prepared))
+    run_cfg = as_run(cfg, shape)
+    if main:
+        warn_about_schedule(cfg.training, shape.total_steps)
         out_dir.mkdir(parents=True, exist_ok=True)
-        outputs.atomic_write_text(out_dir / "config.yaml", config_text)
+        outputs.atomic_write_text(out_dir / "config.yaml", dump_config(run_cfg))
+    output = loop.Outputs(dir=out_dir, save_every=cfg.output.save_every, keep_checkpoints=cfg.output.keep_checkpoints,
+                          tracker=None if cfg.output.tracker == "none" else cfg.output.tracker,
+                          settings=run_cfg.to_dict())
     start = time.perf_counter()
-    result = loop.train(job, cfg.training, output_dir=out_dir,
-                        log_with=None if cfg.output.tracker == "none" else cfg.output.tracker,
-                        tracker_config=cfg.to_dict(), save_every=cfg.output.save_every,
-                        keep_checkpoints=cfg.output.keep_checkpoints, resume_from=resume_from,
-                        config_text=config_text, on_eval=on_eval)
+    resume_from = prepared.resume.path if prepared.resume else None
+    result = loop.train(job, cfg.training, output, shape, resume_from, on_eval=on_eval)
     result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name}
-    if distributed.is_main_process():
+    if main:
         write_outputs(cfg, job, result, out_dir)
     return result
 
 
-def build_checked(cfg: RecipeConfig, out_dir: Path, resume_from, processes: int) -> tuple[Job, int]:
-    """The job, checked against the settings (data they can't use; a resumed run that is already complete), and
-    the number of optimizer steps the run takes."""
+def build_checked(cfg: RecipeConfig, prepared: Prepared) -> tuple[Job, Shape]:
+    """The job, and the run's shape over its data (checked against it: data the settings can't use; a resumed run
+    that is already complete)."""
     job = build_job(cfg)
-    loop.check_job(job, cfg.training)
-    t = loop.start_auto_batch(cfg.training, processes) if cfg.training.batch_size == "auto" else cfg.training
-    steps = total_optimizer_steps(len(job.train_data), t, resolve_accumulation(t, processes), processes)
-    if resume_from is not None:
-        done = checkpoint.saved_step(resume_from)
-        if done >= steps:
-            raise ConfigError(f"resume: the run in {out_dir} is complete ({done} of {steps} optimizer steps); nothing "
-                              "to do (raise training.epochs or --max-steps to train further)")
-    return job, steps
+    shape = prepared.shape.for_data(job, cfg.training)
+    if prepared.resume is not None:
+        done = prepared.resume.step
+        if done >= shape.total_steps:
+            raise ConfigError(f"resume: the run in {prepared.out_dir} is complete ({done} of {shape.total_steps} "
+                              "optimizer steps); nothing to do (raise training.epochs or --max-steps to train further)")
+    return job, shape
 
 
-def as_run(cfg: RecipeConfig, processes: int) -> RecipeConfig:
+def as_run(cfg: RecipeConfig, shape: Shape) -> RecipeConfig:
     """The recipe as the run uses it, for its ``config.yaml``: N is the one derived from the effective batch."""
-    t = cfg.training
-    if t.batch_size == "auto":
+    if shape.auto:
         return cfg
-    return dataclasses.replace(cfg, training=dataclasses.replace(
-        t, gradient_accumulation_steps=resolve_accumulation(t, processes)))
+    return dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
+                                                                 gradient_accumulation_steps=shape.accumulation))
 
 
 def warn_about_schedule(t, steps: int) -> None:
@@ -174,47 +180,36 @@ def write_outputs(cfg: RecipeConfig, job: Job, result, out_dir: Path) -> None:
           f" {final}{pad}; outputs in {out_dir}", flush=True)
 
 
-def check_resume(path: Path, cfg: RecipeConfig, processes: int) -> list[str]:
-    """Whether the checkpoint at ``path`` can continue with ``cfg`` on ``processes`` processes, and what to say.
+def check_resume(saved: checkpoint.Saved, cfg: RecipeConfig, shape: Shape) -> list[str]:
+    """Whether the checkpoint ``saved`` can continue with ``cfg`` in ``shape``, and what to say.
 
     The windows depend on the seed and the effective batch only, so any micro-batch and any number of processes
     continue the same run as long as ``b × N × processes`` is the checkpoint's effective batch (elastic resume).
     Another effective batch is refused — unless ``training.scale_lr`` says the run is meant to change batch, and
     then only at an epoch boundary (mid-epoch the remaining windows would not cover the epoch's samples).
     Returns lines to print: settings that change the result, and a changed process layout."""
-    import json
-
-    import yaml
-
-    try:
-        old = flatten(yaml.safe_load((path / "config.yaml").read_text()) or {})
-        manifest = json.loads((path / "manifest.json").read_text())
-        trainer_state = json.loads((path / checkpoint.STATE).read_text())
-    except (OSError, ValueError):
-        return []
-    t = cfg.training
-    effective = t.batch_size * resolve_accumulation(t, processes) * processes
-    saved_effective, saved_processes = manifest.get("effective_batch_size"), manifest.get("processes")
+    t, effective, processes = cfg.training, shape.effective, shape.processes
     notes = []
-    if saved_effective not in (None, effective):
-        mid_epoch = trainer_state.get("next_window", trainer_state.get("window", 0)) != 0
+    if saved.effective_batch_size not in (None, effective):
+        mid_epoch = saved.state.next_window != 0
         if t.scale_lr == "none" or mid_epoch:
             why = "mid-epoch the remaining windows would not be the epoch's samples" if t.scale_lr != "none" \
                 else "or set training.scale_lr to change the batch on purpose, at an epoch boundary"
-            raise ConfigError(f"resume: the checkpoint's effective batch is {saved_effective}, this run's "
-                              f"{t.batch_size} × {resolve_accumulation(t, processes)} × {processes} = {effective}; "
-                              f"give a micro-batch and N whose product with the processes is {saved_effective} "
-                              f"({why})")
-        notes.append(f"warning: resuming with another effective batch ({saved_effective} → {effective}): the steps "
-                     "from here are not the baseline's")
+            raise ConfigError(f"resume: the checkpoint's effective batch is {saved.effective_batch_size}, this run's "
+                              f"{shape.micro_batch} × {shape.accumulation} × {processes} = {effective}; "
+                              f"give a micro-batch and N whose product with the processes is "
+                              f"{saved.effective_batch_size} ({why})")
+        notes.append(f"warning: resuming with another effective batch ({saved.effective_batch_size} → {effective}): "
+                     "the steps from here are not the baseline's")
     new = flatten(cfg.to_dict())
     neutral = result_neutral_fields() | {"name", "description"}
+    old = saved.settings
     changed = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in sorted(set(old) | set(new))
                if k not in neutral and old.get(k) != new.get(k)]
     if changed:
         notes.append("warning: resuming with settings that change the result: " + ", ".join(changed))
-    if saved_processes not in (None, processes):
-        notes.append(f"resume: saved on {saved_processes} process{'es' if saved_processes > 1 else ''}, continuing "
+    if saved.processes not in (None, processes):
+        notes.append(f"resume: saved on {saved.processes} process{'es' if saved.processes > 1 else ''}, continuing "
                      f"on {processes} with the same windows (effective batch {effective}); random draws made per "
                      "process (dropout) cannot replay the same masks on another layout — the rest is exact")
     return notes

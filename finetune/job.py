@@ -35,8 +35,8 @@ class Job:
             ``run_dir`` is the run's output directory (None through the Python API without ``output_dir``).
         before_window: called with the TrainState before each window (keys schedules such as a KL warm-up or an
             R1 interval on optimizer steps, so they are the same for any N).
-        after_step: ``after_step(state, model)`` after every optimizer step (an EMA of the weights, a sample image
-            every K steps); ``model`` is the unwrapped model.
+        after_step: ``after_step(state, model)`` after every optimizer step and its evaluation, before its
+            checkpoint (an EMA of the weights, a sample image every K steps); ``model`` is the unwrapped model.
         tokenizer: saved beside the model when it has ``save_pretrained``.
     """
 

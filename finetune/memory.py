@@ -1,5 +1,6 @@
-"""Memory while training: what autograd saves for backward, the device monitor, and out-of-memory handling
-(``batch_size: auto``). The planner that uses these measurements is ``finetune.plan``."""
+"""Memory while training: what autograd saves for backward, the device monitor, and the pieces of out-of-memory
+handling that ``finetune.auto_batch`` (``batch_size: auto``) uses. The planner that uses these measurements is
+``finetune.plan``."""
 
 from __future__ import annotations
 

@@ -36,11 +36,14 @@ class RunLog:
         self.last = time.perf_counter()
         self.real = self.padded = 0
 
-    def write(self, record: dict) -> None:
-        """Report one optimizer step (after its evaluation, whose results it carries as val_*)."""
+    def lap(self) -> float:
+        """Seconds since the previous lap (the first: since the log was opened), for a step's ``seconds``."""
         now = time.perf_counter()
-        record["seconds"] = round(now - self.last, 6)
-        self.last = now
+        seconds, self.last = round(now - self.last, 6), now
+        return seconds
+
+    def write(self, record: dict) -> None:
+        """Report one optimizer step (its record whole: with its evaluation as val_*, and its seconds)."""
         if self.log_with is not None:
             self.accelerator.log({f"train/{k}": record[k] for k in ("loss", "lr", "grad_norm")}, step=record["step"])
         if self.file is not None:
@@ -65,19 +68,19 @@ class RunLog:
 
 def banner(run) -> str:
     """What the run will do, said once before the first step (``run``: ``loop.Run``)."""
-    t, accum, world, accelerator = run.t, run.accum, run.world, run.accelerator
-    n_train, total_steps = len(run.job.train_data), run.total_steps
-    per_epoch = windows_per_epoch(n_train, t.batch_size, accum, world)
-    effective = t.batch_size * accum * world
-    split = f"{t.batch_size} × {accum}" + (f" × {world} processes" if world > 1 else "")
+    t, shape, accelerator = run.t, run.shape, run.accelerator
+    n_train, total_steps, world, effective = len(run.job.train_data), shape.total_steps, shape.processes, \
+        shape.effective
+    per_epoch = windows_per_epoch(n_train, shape.micro_batch, shape.accumulation, world)
+    split = f"{shape.micro_batch} × {shape.accumulation}" + (f" × {world} processes" if world > 1 else "")
     tail = n_train - (per_epoch - 1) * effective
     tail_text = "every window is full" if tail == effective else \
         f"the last window of each epoch holds {tail} sample{'s' if tail > 1 else ''}"
     lines = [
         "=" * 60, "FINE-TUNING", "=" * 60,
         f"Training samples: {n_train}",
-        f"Batch size: {t.batch_size}",
-        f"Gradient accumulation steps: {accum}",
+        f"Batch size: {shape.micro_batch}",
+        f"Gradient accumulation steps: {shape.accumulation}",
         f"Processes: {world}",
         f"Effective batch size: {effective} ({split})",
         f"Optimizer steps: {total_steps} ({per_epoch} per epoch; {tail_text})",
@@ -100,10 +103,11 @@ def padding_share(run) -> float:
     """Padded share of the tokens the first epoch's micro-batches will hold, from the plan (every process)."""
     from finetune.windows import plan_epoch
 
-    t, length_of, real, padded = run.t, run.pack_length_of or run.job.length_of, 0, 0
+    t, shape, length_of, real, padded = run.t, run.shape, run.pack_length_of or run.job.length_of, 0, 0
     sort = t.sort_within_window if t.sort_within_window is not None else True
-    for rank in range(run.world):
-        for w in plan_epoch(len(run.job.train_data), t.batch_size, run.accum, run.world, rank, t.seed, 0, t.shuffle,
+    for rank in range(shape.processes):
+        for w in plan_epoch(len(run.job.train_data), shape.micro_batch, shape.accumulation, shape.processes, rank,
+                            t.seed, 0, t.shuffle,
                             sort_key=length_of if sort else None, length_of=length_of,
                             max_tokens=t.max_tokens_per_micro_batch, pack_capacity=run.pack_capacity):
             for mb, active, counts in zip(w.micro_batches, w.active, w.token_counts or [None] * len(w.active)):

@@ -11,6 +11,7 @@ field alone, ``lr`` for the learning rate) and a distribution: ``loguniform:LO:H
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -102,8 +103,9 @@ def main(args) -> int:
         import optuna
     except ImportError:
         raise ConfigError("search: needs optuna (pip install 'finetune[search]')") from None
+    from finetune import runlock
     from finetune.config import load_recipe
-    from finetune.execute import execute
+    from finetune.execute import execute, prepare
 
     if args.trials < 1:
         raise ConfigError(f"--trials: got {args.trials}; must be >= 1")
@@ -127,7 +129,9 @@ def main(args) -> int:
             overrides.append(f"{field}={suggest(trial, field, kind, values)}")
         if any(f.endswith("gradient_accumulation_steps") for f, _, _ in params):
             overrides.append("training.effective_batch_size=null")  # a searched N replaces the recipe's batch
+        trial_dir = root / f"trial-{trial.number:03d}"
         cfg = load_recipe(args.recipe, overrides)
+        cfg = dataclasses.replace(cfg, output=dataclasses.replace(cfg.output, dir=str(trial_dir)))
 
         def report(record):  # per evaluation: report, and let the pruner stop a hopeless trial
             value = record.get(args.metric)
@@ -136,7 +140,10 @@ def main(args) -> int:
                 if trial.should_prune():
                     raise optuna.TrialPruned()
 
-        result = execute(cfg, root / f"trial-{trial.number:03d}", on_eval=report)
+        try:  # each trial is a normal run: checked, in its own locked directory
+            result = execute(cfg, prepare(cfg), on_eval=report)
+        finally:
+            runlock.release(trial_dir)
         value = (result["final_metrics"] or {}).get(args.metric)
         if value is None:
             raise ConfigError(f"--metric: the recipe reports no validation {args.metric!r}; it reports "

@@ -32,9 +32,10 @@ class TrainState:
     def state_dict(self) -> dict:
         return asdict(self)
 
-    def load_state_dict(self, d: dict) -> None:
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainState":
+        """The state ``state_dict`` saved (a checkpoint's ``trainer_state.json``), as a new object."""
         d = dict(d)
         if "window" in d:  # checkpoints written before the rename
             d["next_window"] = d.pop("window")
-        for k, v in d.items():
-            setattr(self, k, v)
+        return cls(**d)

@@ -94,12 +94,6 @@ def resolve_accumulation(t, processes: int) -> int:
     return n
 
 
-def total_optimizer_steps(n_train: int, t, accum: int, processes: int) -> int:
-    """Optimizer steps the run will take: Σ over epochs of ceil(samples / (b·N·W)), capped by max_steps."""
-    steps = t.epochs * windows_per_epoch(n_train, t.batch_size, accum, processes)
-    return min(steps, t.max_steps) if t.max_steps else steps
-
-
 def plan_epoch(
     n: int,
     micro_batch: int,
@@ -174,17 +168,19 @@ def token_budget_chunks(members, length_of, max_tokens: int) -> list[tuple]:
     return chunks
 
 
-def stream_windows(job, t, accum: int, world: int, rank: int, epoch: int, first: int, pin_memory: bool = False,
-                   pack_capacity: Optional[int] = None, pack_length_of: Optional[Callable] = None):
+def stream_windows(job, t, micro_batch: int, accum: int, world: int, rank: int, epoch: int, first: int,
+                   pin_memory: bool = False, pack_capacity: Optional[int] = None,
+                   pack_length_of: Optional[Callable] = None):
     """Yield (window, its micro-batches for this process, windows in its epoch) from window ``first`` of ``epoch``
-    to the end of the last epoch. Each window's micro-batches are collated ahead, so they can be counted before the
-    first backward. The position comes in as arguments: the stream depends on nothing the loop mutates.
+    to the end of the last epoch, in windows of ``micro_batch × accum × world`` samples. Each window's micro-batches
+    are collated ahead, so they can be counted before the first backward. The position comes in as arguments: the
+    stream depends on nothing the loop mutates.
     ``pack_capacity``: pack each window's samples (lengths from ``pack_length_of``) into rows of that many tokens
     (``finetune.packing``)."""
     sort = t.sort_within_window if t.sort_within_window is not None else job.length_of is not None
     data, collate = (PackedRows(job.train_data), collate_rows) if pack_capacity else (job.train_data, job.collate_fn)
     for e in range(epoch, t.epochs):
-        windows = plan_epoch(len(job.train_data), t.batch_size, accum, world, rank, t.seed, e, t.shuffle,
+        windows = plan_epoch(len(job.train_data), micro_batch, accum, world, rank, t.seed, e, t.shuffle,
                              sort_key=job.length_of if sort else None, length_of=pack_length_of or job.length_of,
                              max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity)
         todo = windows[first if e == epoch else 0:]

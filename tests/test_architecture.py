@@ -1,7 +1,11 @@
 """The shape the code keeps: no import cycles inside the package, tasks below the loop, core code that imports no
-task, no writes into Accelerate's objects, one place that advances the run's state."""
+task, no writes into Accelerate's objects nor use of their private members, one writer of the run's state
+(``loop.advance``), one way to ask for the main process. The checkers are shown failing on planted violations."""
 
 import ast
+import shutil
+
+import pytest
 
 from tests.helpers import ROOT
 
@@ -98,6 +102,181 @@ def test_no_writes_to_accelerate_objects():
                     owner = ast.unparse(target.value)
                     assert "accelerator" not in owner.lower() and "State" not in owner, \
                         f"{path.name}:{node.lineno}: {ast.unparse(target)}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# who writes what: the run's state has one writer (loop.advance); Accelerate's objects have none
+
+# methods that change the object they are called on (TrainState.update_ema included)
+MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popitem", "remove", "clear", "sort",
+            "reverse", "add", "discard", "update_ema"}
+# the run's state and what holds its records: TrainState (``state``, ``run.state``, ``result.state``), its lists
+# (also reachable as TrainResult.history), and a step or evaluation record handed to a function
+STATE_NAMES = {"state", "history", "val_history"}
+RECORD_PARAMETERS = {"record", "val"}
+ACCELERATE_NAMES = {"AcceleratorState", "GradientState", "PartialState", "distributed_state", "deepspeed_plugin"}
+STATE_OWNER = ("loop.py", "advance")
+# the documented exceptions, each (file, function, the exact expression written or called)
+ACCELERATE_EXCEPTIONS = {
+    # Accelerate's own reset of its process-wide singletons ("restart your runtime" otherwise); see its docstring
+    ("distributed.py", "restart_accelerate_state", "AcceleratorState._reset_state"),
+    ("distributed.py", "restart_accelerate_state", "GradientState._reset_state"),
+    # without a prepared DataLoader, Accelerate's error message asks for exactly this assignment
+    ("distributed.py", "configure_deepspeed", "plugin.deepspeed_config['train_micro_batch_size_per_gpu']"),
+}
+
+
+def _chain(node) -> list:
+    """The names along an access path, outermost first: ``run.state.history[-1]`` → [run, state, history];
+    ``AcceleratorState()._reset_state`` → [AcceleratorState, _reset_state]."""
+    names = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            names.append(node.attr)
+            node = node.value
+        elif isinstance(node, (ast.Subscript, ast.Starred)):
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.func
+        else:
+            if isinstance(node, ast.Name):
+                names.append(node.id)
+            return names[::-1]
+
+
+def _is_state(names: list, aliases: set) -> bool:
+    return bool(set(names) & (STATE_NAMES | aliases))
+
+
+def _is_accelerate(names: list, aliases: set) -> bool:
+    return any("accelerator" in n.lower() or n in ACCELERATE_NAMES or n in aliases for n in names)
+
+
+def _aliases(fn, is_kind) -> set:
+    """Local names bound to such an object in ``fn`` (``plugin = accelerator.deepspeed_plugin``)."""
+    pairs = []  # (name, the expression bound to it), tuples unpacked: ``a, b = x, y``
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple) and \
+                        len(t.elts) == len(node.value.elts):
+                    pairs += zip(t.elts, node.value.elts)
+                else:
+                    pairs.append((t, node.value))
+    found = set()
+    while True:
+        more = {t.id for t, value in pairs if isinstance(t, ast.Name) and is_kind(_chain(value), found)} - found
+        if not more:
+            return found
+        found |= more
+
+
+def _writes(fn):
+    """(node, the object written into, what is written) for every write in ``fn``: assignment, augmented assignment
+    or deletion of an attribute or item, a mutating method call, setattr / delattr."""
+    for node in ast.walk(fn):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            for t in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+                if isinstance(t, (ast.Attribute, ast.Subscript)):
+                    yield node, t.value, t
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+                yield node, node.func.value, node.func
+            elif isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") and node.args:
+                yield node, node.args[0], node
+
+
+def _functions(tree):
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def violations(package) -> list:
+    """Every write into the run's state outside ``loop.advance``, and every write into an Accelerate object or use
+    of one of its private members outside the documented exceptions, as ``file:line: function: expression``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        for fn in _functions(ast.parse(path.read_text())):
+            where = f"{path.name}:{{}}: {fn.name}: {{}}"
+            states = _aliases(fn, _is_state) | ({a.arg for a in fn.args.args} & RECORD_PARAMETERS)
+            accelerates = _aliases(fn, _is_accelerate)
+            for node, obj, written in _writes(fn):
+                names = _chain(obj)
+                if _is_state(names, states) and (path.name, fn.name) != STATE_OWNER:
+                    found.append(where.format(node.lineno, "writes the run's state: " + ast.unparse(written)))
+                if _is_accelerate(names, accelerates) and \
+                        (path.name, fn.name, ast.unparse(written)) not in ACCELERATE_EXCEPTIONS:
+                    found.append(where.format(node.lineno, "writes into Accelerate: " + ast.unparse(written)))
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                        and _is_accelerate(_chain(node.value), accelerates) \
+                        and (path.name, fn.name, ast.unparse(node)) not in ACCELERATE_EXCEPTIONS:
+                    found.append(where.format(node.lineno, "uses Accelerate's private " + ast.unparse(node)))
+    return sorted(set(found))
+
+
+def test_one_writer_of_the_state_and_none_of_accelerate():
+    """The run's state moves in loop.advance only (records are stored whole: nothing adds val_* or seconds to one
+    afterwards); Accelerate is steered through its documented API, except where a comment says why not."""
+    assert violations(PACKAGE) == []
+
+
+# Writes the checker must find: the bugs it exists for, planted into a copy of the real source (a line of it
+# replaced), and the ways around a name check (an alias, setattr, a private member).
+PLANTS = {
+    "evaluate appends to the state": ("loop.py", "    if run.on_eval is not None:\n",
+                                      "    run.state.val_history.append(record)\n    if run.on_eval is not None:\n"),
+    "a hook adds val_* to the stored record": (
+        "loop.py", "    if run.job.after_step is not None:\n",
+        "    state.history[-1].update({'val_loss': 0.0})\n    if run.job.after_step is not None:\n"),
+    "the log adds seconds to the record": ("runlog.py", "        if self.log_with is not None:\n",
+                                           "        record['seconds'] = 0.0\n        if self.log_with is not None:\n"),
+    "a counter moved outside advance": ("loop.py", "    output = run.output\n",
+                                        "    output = run.output\n    state.optimizer_step += 1\n"),
+    "an alias of the state": ("loop.py", "    output = run.output\n",
+                              "    output, saved = run.output, state.history\n    saved.extend([])\n"),
+    "setattr on the state": ("loop.py", "    output = run.output\n",
+                             "    output = run.output\n    setattr(state, 'epoch', 0)\n"),
+    "a private counter of the Accelerator": ("loop.py", "    output = run.output\n",
+                                             "    output = run.output\n    run.accelerator.step = 0\n"),
+    "Accelerate's private method": ("steps.py", "    norms = []\n",
+                                    "    norms = []\n    accelerator.gradient_state._set_sync_gradients(True)\n"),
+    "a write through an alias of a plugin": (
+        "distributed.py", "    steps = plugin.get_value(",
+        "    plugin.deepspeed_config['gradient_accumulation_steps'] = 1\n    steps = plugin.get_value("),
+    "the reset outside its one place": ("distributed.py", "        state.wait_for_everyone()\n",
+                                        "        state.wait_for_everyone()\n    GradientState._reset_state()\n"),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(PLANTS))
+def test_the_checker_finds_a_planted_write(tmp_path, plant):
+    name, line, planted = PLANTS[plant]
+    copy = tmp_path / "finetune"
+    shutil.copytree(PACKAGE, copy)
+    source = (copy / name).read_text()
+    assert source.count(line) == 1, f"the line to plant at is no longer in {name}: {line!r}"
+    (copy / name).write_text(source.replace(line, planted))
+    found = violations(copy)
+    assert len(found) == 1 and found[0].startswith(f"{name}:"), found
+
+
+def test_the_owner_may_write_the_state():
+    """The control on the other side: the same writes inside loop.advance are allowed, outside they are not."""
+    snippet = "def advance(state, record):\n    state.history.append(record)\n    state.optimizer_step += 1\n"
+    assert _found_in(snippet, "loop.py") == []
+    assert len(_found_in(snippet.replace("def advance", "def after_step"), "loop.py")) == 2
+    assert len(_found_in(snippet, "runlog.py")) == 2
+
+
+def _found_in(snippet: str, name: str) -> list:
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / name).write_text(snippet)
+        return violations(Path(d))
 
 
 def test_one_place_advances_the_state():

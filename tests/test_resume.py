@@ -15,7 +15,18 @@ from finetune import checkpoint
 from finetune.config import TrainingConfig
 from finetune.distributed import make_accelerator
 from finetune.optim import make_optimizer
-from tests.helpers import ENV, ROOT, RUN, TINY, cli, load_weights, same_bytes
+from tests.helpers import (
+    ENV,
+    MLP,
+    ROOT,
+    RUN,
+    TINY,
+    checkpoint_copy,
+    cli,
+    load_weights,
+    regression_data,
+    same_bytes,
+)
 
 ARGS = ["--recipe", TINY, "--save-every", "3", "--set", "data.limit=200"]  # 23 windows per epoch, 2 epochs
 
@@ -57,6 +68,7 @@ def test_sigkill_at_random_step_then_resume_is_bit_identical(uninterrupted, tmp_
     strip = lambda text: [{k: v for k, v in json.loads(x).items() if k != "seconds" and not k.startswith("mem_")}
                           for x in text.splitlines()]  # timings and memory readings differ between runs
     assert strip((out / "history.jsonl").read_text()) == strip((uninterrupted / "history.jsonl").read_text())
+    assert all("seconds" in json.loads(x) for x in (out / "history.jsonl").read_text().splitlines())
     full = json.loads((uninterrupted / "metrics.json").read_text())
     resumed = json.loads((out / "metrics.json").read_text())
     assert resumed["val_history"] == full["val_history"]
@@ -144,3 +156,30 @@ def test_checkpoints_load_without_pickle(uninterrupted, monkeypatch):
     assert state.optimizer_step == json.loads((latest / "manifest.json").read_text())["step"]
     assert calls and all(w is True for w in calls), calls
     assert sched.last_epoch == state.optimizer_step
+
+
+def test_a_resumed_history_has_seconds_on_every_line(tmp_path):
+    """A step's record is stored whole: its evaluation and its seconds are in it before a checkpoint saves it, so
+    the history a resumed run rewrites from the checkpoint has them on every line, the resume point's included."""
+    from finetune import loop
+    from finetune.job import Job
+
+    data = regression_data(24)
+    t = TrainingConfig(batch_size=2, gradient_accumulation_steps=2, learning_rate=0.05, eval_every=2)
+
+    def train(out, resume_from=None):
+        torch.manual_seed(0)
+        job = Job(model=MLP(), train_data=data[:20], val_data=data[20:])
+        return loop.train(job, t, loop.Outputs(dir=out, save_every=2), resume_from=resume_from, print_banner=False)
+
+    full = tmp_path / "full"
+    train(full)  # 5 steps: checkpoints after 2, 4 and 5
+    saved = json.loads((full / "checkpoints" / "step-000004" / checkpoint.STATE).read_text())
+    assert [sorted({"seconds", "val_loss"} & set(h)) for h in saved["history"]] == \
+        [["seconds"], ["seconds", "val_loss"], ["seconds"], ["seconds", "val_loss"]]
+    resumed = checkpoint_copy(full, tmp_path / "resumed", step=4)
+    result = train(resumed, resume_from=resumed / "checkpoints" / "step-000004")
+    lines = [json.loads(x) for x in (resumed / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in lines] == [1, 2, 3, 4, 5] and result.optimizer_steps == 5
+    assert all(isinstance(h.get("seconds"), float) for h in lines), [sorted(h) for h in lines]
+    assert [h["step"] for h in result.val_history] == [2, 4, 5]
