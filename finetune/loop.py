@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 from accelerate import Accelerator
 
-from finetune import checkpoint, distributed
+from finetune import checkpoint, distributed, precision
 from finetune.config import TrainingConfig, flatten
 from finetune.errors import ConfigError
 from finetune.evaluation import run_eval
@@ -191,6 +191,7 @@ def setup(job: Job, t: TrainingConfig, output_dir=None, accelerator=None, log_wi
 
     model = job.model
     model.train()  # from_pretrained returns a model in eval mode: dropout would silently stay off
+    precision.prepare_quantized(model)  # bitsandbytes-quantized weights: adapters only, and no CPU repacking
     if t.gradient_checkpointing:
         enable_checkpointing(model, job.enable_checkpointing)
     head_note = enable_chunked_head(model, t.chunked_loss) if job.loss_fn is None or t.chunked_loss else \
