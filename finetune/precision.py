@@ -78,6 +78,35 @@ def _unpack_cpu_weight(weight) -> None:
         weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
 
 
+def describe(model: torch.nn.Module) -> str:
+    """The banner's line on a model with frozen weights below fp32 ("frozen 103.2 M nf4 + 28.3 M fp32; trainable
+    4.9 M fp32"), '' for any other model."""
+    frozen, trainable = {}, {}
+    for p in model.parameters():
+        kind, count = _kind(p)
+        into = trainable if p.requires_grad else frozen
+        into[kind] = into.get(kind, 0) + count
+    if set(frozen) <= {"fp32"}:
+        return ""
+    say = lambda counts: " + ".join(f"{_count(n)} {k}" for k, n in sorted(counts.items(), key=lambda x: -x[1]))
+    return f"frozen {say(frozen)}; trainable {say(trainable) or 'none'}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.1f} k" if n >= 1e3 else str(n)
+
+
+def _kind(p) -> tuple:
+    """(what a parameter holds: nf4 / fp4 / int8 / bf16 / fp16 / fp32 …, how many weights)."""
+    if type(p).__name__ == "Params4bit":
+        state = p.quant_state
+        return getattr(p, "quant_type", "4-bit"), state.shape.numel() if state is not None else p.numel() * 2
+    if type(p).__name__ == "Int8Params":
+        return "int8", p.numel()
+    names = {v: k for k, v in DTYPES.items()}
+    return names.get(p.dtype, str(p.dtype).replace("torch.", "")), p.numel()
+
+
 def dequantized(module: torch.nn.Module) -> torch.Tensor:
     """The fp32 weight a bitsandbytes layer computes with (``[out_features, in_features]``)."""
     from peft.utils.integrations import dequantize_bnb_weight

@@ -121,6 +121,33 @@ def test_int8_base_accumulates_exactly():
     assert rel_diff(small["model"], big["model"], trainable_only=True) <= 1e-5
 
 
+def test_int8_layers_keep_their_inputs_where_checkpointing_cannot_free_them():
+    """Why int8 refuses training.gradient_checkpointing (and activation_offloading): bitsandbytes' 8-bit matmul keeps
+    each layer's input on itself, outside autograd's saved tensors. After a checkpointed forward the inputs of the
+    MLP's int8 layers (gate, up, down) are all alive; with nf4 (saved tensors only) none is."""
+    import gc
+    import weakref
+
+    def mlp_inputs_alive(model):
+        model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        precision.prepare_quantized(model)
+        refs = []
+        hooks = [m.register_forward_pre_hook(lambda m, args: refs.append(weakref.ref(args[0])))
+                 for name, m in precision.quantized_modules(model) if ".mlp." in name]
+        ids = torch.randint(1, 64, (2, 16))
+        loss = model(input_ids=ids, labels=ids).loss
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+        loss.backward()
+        for h in hooks:
+            h.remove()
+        return alive, len(refs)
+
+    assert mlp_inputs_alive(user_qlora(load_in_8bit=True)) == (6, 6)  # 2 layers × gate, up, down
+    assert mlp_inputs_alive(user_qlora()) == (0, 6)
+
+
 def recipe_run(b, n, *overrides):
     """The sft recipe on the tiny chat model (seeded as the CLI seeds it): (trained model, initial adapters)."""
     cfg = load_recipe(RECIPE, [*SMALL[RECIPE], *EXACT, f"training.batch_size={b}",
@@ -251,6 +278,10 @@ def qlora_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("qlora") / "run"
     proc = cli(*QLORA, "--output-dir", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    banner = proc.stdout.splitlines()
+    assert "Optimizer: adamw8bit, lr 0.02, schedule cosine, warm-up 0 steps" in banner
+    weights = next(x for x in banner if x.startswith("Weights: "))  # the 4-bit layers, the rest, the adapters
+    assert weights.startswith("Weights: frozen ") and " nf4 + " in weights and weights.endswith(" fp32"), weights
     return out
 
 
