@@ -48,8 +48,8 @@ class Comparison:
         if not self.equivalent:
             lines.append(f"verdict: differs — {self.first_difference}")
         elif self.eight_bit:
-            lines.append(f"verdict: the same windows and schedule, loss curves close; not equivalent — "
-                         f"{self.eight_bit}: 8-bit optimizer: not the fp32 step")
+            lines.append(f"verdict: the same windows and schedule, loss curves close; no fp32 equivalence "
+                         f"claimed — {self.eight_bit}: 8-bit optimizer: not the fp32 step")
         else:
             lines.append("verdict: equivalent")
         return "\n".join(lines)
