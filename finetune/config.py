@@ -145,8 +145,8 @@ class BaseModelConfig:
 
 @dataclass
 class PretrainedModelConfig(BaseModelConfig):
-    """The model section of a task that loads a pretrained Hugging Face model (``finetune.hf_models.load_pretrained``):
-    the dtype its frozen weights are kept in, and their quantization."""
+    """The model section of a task that loads a pretrained Hugging Face model (with the keywords of
+    ``finetune.hf_models.precision_kwargs``): the dtype its frozen weights are kept in, and their quantization."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = doc(
         "dtype the frozen weights are loaded and kept in (with peft.enabled: the base under the adapters); what trains "
@@ -298,7 +298,7 @@ def validate_training(t: TrainingConfig, problems: list):
         need(t.effective_batch_size >= 1,
              f"training.effective_batch_size: got {t.effective_batch_size}; must be an integer >= 1")
     need(t.learning_rate >= 0, f"training.learning_rate: got {t.learning_rate}; must be >= 0")
-    if t.optimizer in ("adamw8bit", "paged_adamw8bit"):
+    if t.optimizer.endswith("8bit"):  # bitsandbytes' (finetune.optim.EIGHT_BIT)
         need_bitsandbytes("training.optimizer", t.optimizer, problems)
     if t.scale_lr != "none":
         need(t.reference_batch_size is not None and t.reference_batch_size >= 1,

@@ -156,8 +156,9 @@ def compute_in_fp32(model: torch.nn.Module) -> int:
 
     switched = 0
     for module in model.modules():
-        low = [p for p in module.parameters(recurse=False) if _low_precision_frozen(p)]
-        if not low or quantized_modules(module) or "forward" in vars(module):
+        own = dict(module.named_parameters(recurse=False))
+        if not any(map(_low_precision_frozen, own.values())) or is_quantized(own.get("weight")) \
+                or "forward" in vars(module):
             continue
         if type(module) in (torch.nn.Linear, Conv1D):
             module.forward = MethodType(_linear_forward, module)

@@ -87,6 +87,7 @@ def test_a_4bit_base_the_user_loaded_accumulates_exactly(optimizer):
     assert same_bytes(after, before)
 
 
+@pytest.mark.filterwarnings("ignore:bitsandbytes::gemv_4bit")  # the control's backward through the repacked layer
 def test_bitsandbytes_cpu_repacking_would_lose_the_gradients(tmp_path):
     """Why the loop turns bitsandbytes' CPU repacking off (precision.prepare_quantized): after one forward in eval
     mode without gradients, a repacked 4-bit layer passes no gradient back to the layers before it. (The tiny chat
