@@ -203,6 +203,18 @@ def test_bf16_weights_compute_as_the_fp32_model_holding_their_values():
     assert rel_diff(native.flatten(), reference.flatten()) > 1e-3  # the control: bf16 arithmetic differs
 
 
+def test_full_fine_tuning_keeps_fp32_master_weights_whatever_model_dtype(capsys):
+    """In full fine-tuning every weight trains: the model loads in fp32 (no weight rounded to bf16 first) and rank 0
+    says that model.dtype changed nothing; with LoRA the base loads in bf16."""
+    cfg = load_recipe(RECIPE, [*SMALL[RECIPE], "peft.enabled=false", "model.dtype=bf16"])
+    capsys.readouterr()
+    assert precision_kwargs(cfg) == {"dtype": torch.float32}
+    assert capsys.readouterr().err.startswith("note: model.dtype=bf16 keeps frozen weights in bf16; in full "
+                                              "fine-tuning every weight trains and stays an fp32 master weight")
+    cfg = load_recipe(RECIPE, [*SMALL[RECIPE], "peft.enabled=true", "model.dtype=bf16"])
+    assert precision_kwargs(cfg) == {"dtype": torch.bfloat16} and capsys.readouterr().err == ""
+
+
 def test_8bit_optimizer_is_close_to_itself_but_not_the_fp32_step():
     """(b, N) and (b·N, 1) give the same gradients to fp32 rounding; AdamW8bit's block-quantized state can round
     them to neighbouring codes, so the runs drift apart by more than fp32 rounding, yet stay far closer to each
