@@ -15,6 +15,7 @@ checkpoint whose files do not match its manifest is refused.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import yaml
 
-from finetune import distributed
+from finetune import distributed, precision
 from finetune.config import flatten
 from finetune.errors import ConfigError, WriteError
 from finetune.outputs import atomic_write_text, disk_full, fsync_dir
@@ -109,7 +110,8 @@ def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, se
         tmp.mkdir(parents=True)
 
     def write_shards():  # model (safetensors), optimizer, scaler, RNG: each process its part
-        accelerator.save_state(str(tmp), safe_serialization=True)
+        with quantized_layers_left_out(accelerator):
+            accelerator.save_state(str(tmp), safe_serialization=True)
         capture_rng(accelerator.process_index, tmp)
         _fault("save", state.optimizer_step)  # test hook: dies here, mid-write, when asked to
 
@@ -258,7 +260,8 @@ def read(path: Path) -> Saved:
 def load_checkpoint(accelerator, path: Path, schedulers=None) -> TrainState:
     """Restore model, optimizers, schedulers (name → scheduler), scaler and random states; return the TrainState."""
     saved = read(path)
-    accelerator.load_state(str(path))  # tensors via safetensors / torch.load(weights_only=True)
+    with quantized_layers_left_out(accelerator):
+        accelerator.load_state(str(path))  # tensors via safetensors / torch.load(weights_only=True)
     scheduler_states = json.loads((path / SCHEDULER).read_text()) if (path / SCHEDULER).is_file() else {}
     for name, scheduler in (schedulers or {}).items():
         if name not in scheduler_states:
@@ -270,6 +273,37 @@ def load_checkpoint(accelerator, path: Path, schedulers=None) -> TrainState:
     else:  # another layout (elastic resume): no stream to replay; a fresh one per process, keyed on the step
         reseed_rng(saved.state.optimizer_step, rank)
     return saved.state
+
+
+@contextlib.contextmanager
+def quantized_layers_left_out(accelerator):
+    """Inside it, ``save_state`` / ``load_state`` leave out a model's bitsandbytes-quantized layers (constants that
+    the run loads again from its model source; ``precision.quantized_state_keys``), through Accelerate's state hooks.
+    Loading checks the rest strictly: only those keys may be missing, nothing may be unexpected."""
+
+    def leave_out(models, weights, output_dir):
+        for model, tensors in zip(models, weights):
+            for key in precision.quantized_state_keys(model):
+                tensors.pop(key, None)
+
+    def load_without(models, input_dir):
+        if len(models) != 1 or not precision.quantized_state_keys(models[0]):
+            return  # nothing quantized (the loop prepares one model): Accelerate loads it strictly
+        from safetensors.torch import load_model
+
+        model = models.pop()  # loaded here instead
+        missing, unexpected = load_model(model, os.path.join(input_dir, "model.safetensors"), strict=False)
+        stray = sorted(set(missing) - precision.quantized_state_keys(model)) + sorted(unexpected)
+        if stray:
+            raise ConfigError(f"resume: checkpoint {input_dir} does not fit this model (e.g. {stray[0]})")
+
+    handles = [accelerator.register_save_state_pre_hook(leave_out),
+               accelerator.register_load_state_pre_hook(load_without)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def reseed_rng(step: int, rank: int) -> None:

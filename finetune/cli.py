@@ -173,8 +173,10 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="did two runs take the same optimizer steps?")
     c.add_argument("run_a")
     c.add_argument("run_b")
-    c.add_argument("--rtol", type=float, default=1e-5, help="weights: max relative difference allowed")
-    c.add_argument("--loss-rtol", type=float, default=1e-4, help="loss curve: max relative difference allowed")
+    c.add_argument("--rtol", type=float, default=None,
+                   help="weights: max relative difference allowed (default 1e-5; 8-bit optimizer: only reported)")
+    c.add_argument("--loss-rtol", type=float, default=None,
+                   help="loss curve: max relative difference allowed (default 1e-4; 1e-2 with an 8-bit optimizer)")
     c.add_argument("--plot", metavar="PNG", help="write both runs' loss and lr curves here")
     c.set_defaults(func=cmd_compare)
     pl = sub.add_parser("plot", help="redraw a run's loss / lr / grad-norm PNGs")

@@ -64,7 +64,10 @@ class TrainingConfig:
     epochs: int = doc("passes over the training data", 1, flag="--epochs", alias="n_epochs")
     max_steps: Optional[int] = doc("stop after this many optimizer steps (null: run all epochs)", None,
                                    flag="--max-steps")
-    optimizer: Literal["adamw", "sgd", "lion"] = doc("adamw (no decay on biases/norms), sgd, or lion", "adamw")
+    optimizer: Literal["adamw", "sgd", "lion", "adamw8bit", "paged_adamw8bit"] = doc(
+        "adamw (no decay on biases/norms), sgd, lion, or bitsandbytes' adamw8bit / paged_adamw8bit (AdamW with its "
+        "state block-quantized to 8 bits; paged: the state can spill to host memory; not the fp32 AdamW update)",
+        "adamw")
     weight_decay: float = doc("decoupled weight decay (adamw, lion) or L2 (sgd)", 0.0)
     momentum: float = doc("sgd momentum", 0.0)
     betas: list = doc("adamw / lion betas", dataclasses.MISSING, default_factory=lambda: [0.9, 0.999])
@@ -138,6 +141,19 @@ class BaseModelConfig:
     name_or_path: Optional[str] = doc("hub id or local directory of a pretrained model", None)
     dropout: Optional[float] = doc("dropout probability for every dropout layer (null: model default; 0: off)", None)
     trust_remote_code: bool = doc("allow model code from the checkpoint directory", False)
+
+
+@dataclass
+class PretrainedModelConfig(BaseModelConfig):
+    """The model section of a task that loads a pretrained Hugging Face model (with the keywords of
+    ``finetune.hf_models.precision_kwargs``): the dtype its frozen weights are kept in, and their quantization."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = doc(
+        "dtype the frozen weights are loaded and kept in (with peft.enabled: the base under the adapters); what trains "
+        "stays fp32, and computing follows training.mixed_precision (fp32 without it); fp16 needs CUDA", "fp32")
+    quantization: Literal["none", "nf4", "fp4", "int8"] = doc(
+        "quantize the frozen linear layers with bitsandbytes (QLoRA: nf4): 4-bit nf4 / fp4 with double quantization, "
+        "or 8-bit int8; needs peft.enabled and pip install 'finetune[quant]'", "none")
 
 
 @dataclass
@@ -282,6 +298,8 @@ def validate_training(t: TrainingConfig, problems: list):
         need(t.effective_batch_size >= 1,
              f"training.effective_batch_size: got {t.effective_batch_size}; must be an integer >= 1")
     need(t.learning_rate >= 0, f"training.learning_rate: got {t.learning_rate}; must be >= 0")
+    if t.optimizer.endswith("8bit"):  # bitsandbytes' (finetune.optim.EIGHT_BIT)
+        need_bitsandbytes("training.optimizer", t.optimizer, problems)
     if t.scale_lr != "none":
         need(t.reference_batch_size is not None and t.reference_batch_size >= 1,
              f"training.reference_batch_size: got {t.reference_batch_size}; scale_lr={t.scale_lr} needs the "
@@ -308,8 +326,52 @@ def validate_training(t: TrainingConfig, problems: list):
         need(t.eval_every >= 1, f"training.eval_every: got {t.eval_every}; must be an integer >= 1 or null")
 
 
+def need_bitsandbytes(field: str, value: str, problems: list) -> None:
+    """One line when ``field: value`` needs bitsandbytes and it is not installed (looked up, not imported: importing
+    it takes seconds)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("bitsandbytes") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        problems.append(f"{field}: {value} needs bitsandbytes, which is not installed (pip install 'finetune[quant]')")
+
+
+def validate_precision(cfg: RecipeConfig, problems: list) -> None:
+    """``model.dtype`` / ``model.quantization`` against the rest of the recipe; appends one line per problem."""
+    m = cfg.model
+    if m.quantization == "none":
+        return
+    if not cfg.peft.enabled:
+        problems.append(f"model.quantization: {m.quantization} keeps the base frozen and trains LoRA adapters on it; "
+                        "set peft.enabled=true (peft.enabled is false: full fine-tuning cannot update quantized "
+                        "weights)")
+    need_bitsandbytes("model.quantization", m.quantization, problems)
+    t = cfg.training
+    # bitsandbytes' 8-bit matmul (0.50) keeps each layer's input on itself, outside autograd's saved tensors, whether
+    # or not backward needs it: checkpointing cannot free those inputs and offloading cannot move them.
+    for flag in ("gradient_checkpointing", "activation_offloading"):
+        if m.quantization == "int8" and getattr(t, flag):
+            problems.append(f"model.quantization: int8 layers keep their inputs outside autograd, which "
+                            f"training.{flag} cannot {'free' if flag.startswith('gradient') else 'move'}; use nf4 "
+                            f"or fp4 with it, or set training.{flag}=false")
+
+
+def refuse_precision_for_new_model(m: PretrainedModelConfig, problems: list) -> None:
+    """For a task building a new model from ``model.config`` (random weights, all trained in fp32): one line per
+    ``model.dtype`` / ``model.quantization`` that would not apply."""
+    for name, default in (("dtype", "fp32"), ("quantization", "none")):
+        if getattr(m, name) != default:
+            problems.append(f"model.{name}: {getattr(m, name)} applies to pretrained weights (model.name_or_path); a "
+                            f"model built from model.config trains every weight in fp32")
+
+
 def _validate_ranges(cfg: RecipeConfig, problems: list):
     validate_training(cfg.training, problems)
+    if isinstance(cfg.model, PretrainedModelConfig):
+        validate_precision(cfg, problems)
 
     def need(ok, msg):
         if not ok:

@@ -1,18 +1,24 @@
 """Hugging Face models for tasks: a ``model.name_or_path`` resolved to a folder or hub id (an installed package's
-model, a GGUF file converted once), loading with one-line errors, and LoRA adapters (peft) with their saving."""
+model, a GGUF file converted once), loading with one-line errors in the recipe's ``model.dtype`` and
+``model.quantization``, and LoRA adapters (peft) with their saving."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from finetune import cache
+from finetune import cache, distributed, precision
 from finetune.errors import ConfigError
+
+# Heads that train in full beside LoRA adapters (a classifier, peft's modules_to_save) or that transformers keeps
+# unquantized by default (the LM head): never quantized.
+UNQUANTIZED_HEADS = ("lm_head", "embed_out", "classifier", "score")
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -132,35 +138,123 @@ def from_pretrained(cls, path: str, field: str = "model.name_or_path", **kwargs)
         raise ConfigError(f"{field}: cannot load {path}: {reason}") from None
 
 
-def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str) -> torch.nn.Module:
+def precision_kwargs(cfg) -> dict:
+    """``from_pretrained`` keywords for the recipe's ``model.dtype`` and ``model.quantization`` (``cfg``: a
+    RecipeConfig whose model section is a ``PretrainedModelConfig``).
+
+    With LoRA the base is frozen and kept in ``model.dtype`` (quantized: its linear layers in 4 or 8 bits, the rest in
+    ``model.dtype``). In full fine-tuning every weight trains, so every weight is an fp32 master weight and the model
+    loads in fp32 whatever ``model.dtype`` says (rank 0 says so once). Raises ConfigError for fp16 weights on a
+    machine without CUDA.
+    """
+    m, t = cfg.model, cfg.training
+    if m.dtype == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("model.dtype: fp16 weights need a CUDA device (CPUs lack fast fp16 kernels); use bf16 or "
+                          "fp32 on this machine")
+    if m.dtype != "fp32" and not cfg.peft.enabled and distributed.is_main_process():
+        print(f"note: model.dtype={m.dtype} keeps frozen weights in {m.dtype}; in full fine-tuning every weight "
+              f"trains and stays an fp32 master weight (set training.mixed_precision to compute in {m.dtype})",
+              file=sys.stderr, flush=True)
+    kwargs = {"dtype": precision.DTYPES[m.dtype] if cfg.peft.enabled else torch.float32}
+    if m.quantization != "none":
+        kwargs["quantization_config"] = bnb_config(m.quantization, precision.COMPUTE[t.mixed_precision],
+                                                   [*UNQUANTIZED_HEADS, *(cfg.peft.modules_to_save or [])])
+        if torch.cuda.is_available():  # quantized as it loads, straight onto this process's GPU
+            kwargs["device_map"] = {"": torch.cuda.current_device()}
+    return kwargs
+
+
+def bnb_config(quantization: str, compute_dtype: torch.dtype, skip: list):
+    """transformers' ``BitsAndBytesConfig`` for ``model.quantization`` (nf4 / fp4: 4-bit with double quantization,
+    computing in ``compute_dtype``; int8: LLM.int8()), leaving the modules named in ``skip`` unquantized."""
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=list(skip))
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=list(skip))
+
+
+def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision: str = "no") -> torch.nn.Module:
     """Wrap ``model`` with LoRA adapters when ``peft_cfg.enabled`` (only the adapters — and ``modules_to_save`` —
-    train). ``task_type``: peft's name, e.g. "CAUSAL_LM" or "SEQ_CLS" (which also trains the new head)."""
-    if peft_cfg is None or not peft_cfg.enabled:
-        return model
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise ConfigError("peft.enabled: needs the peft package (pip install 'finetune[peft]')") from None
-    lora = LoraConfig(task_type=task_type, r=peft_cfg.r, lora_alpha=peft_cfg.alpha, lora_dropout=peft_cfg.dropout,
-                      target_modules=peft_cfg.target_modules, modules_to_save=peft_cfg.modules_to_save)
-    return get_peft_model(model, lora)
+    train). ``task_type``: peft's name, e.g. "CAUSAL_LM" or "SEQ_CLS" (which also trains the new head).
+
+    What trains is then made fp32 (master weights); frozen weights kept in bf16 / fp16 compute in fp32 when
+    ``mixed_precision`` is "no" (``finetune.precision``)."""
+    if peft_cfg is not None and peft_cfg.enabled:
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise ConfigError("peft.enabled: needs the peft package (pip install 'finetune[peft]')") from None
+        lora = LoraConfig(task_type=task_type, r=peft_cfg.r, lora_alpha=peft_cfg.alpha,
+                          lora_dropout=peft_cfg.dropout, target_modules=peft_cfg.target_modules,
+                          modules_to_save=peft_cfg.modules_to_save)
+        model = get_peft_model(model, lora)
+    precision.keep_trainable_fp32(model)
+    if mixed_precision == "no":
+        precision.compute_in_fp32(model)
+    precision.prepare_quantized(model)
+    return model
 
 
 def peft_save_hook(cfg, tokenizer=None):
-    """``Job.save`` for a recipe: the adapter (and the merged model with ``peft.merge``) when LoRA is on; None (the
-    loop's default save) otherwise."""
+    """``Job.save`` for a recipe: the adapter (and the merged model with ``peft.merge``, in ``model.dtype``) when LoRA
+    is on; None (the loop's default save) otherwise."""
     if not cfg.peft.enabled:
         return None
-    return lambda model, directory: save_peft(model, directory, cfg.peft.merge, tokenizer)
+    dtype = precision.DTYPES.get(getattr(cfg.model, "dtype", None))
+    return lambda model, directory: save_peft(model, directory, cfg.peft.merge, tokenizer, dtype)
 
 
-def save_peft(model, directory, merge: bool, tokenizer=None) -> None:
+def save_peft(model, directory, merge: bool, tokenizer=None, dtype: Optional[torch.dtype] = None) -> None:
     """Save the adapter (``adapter_model.safetensors``); with ``merge`` also the merged full model in
-    ``model-merged/`` beside it (loadable without peft). Called on the main process only (``outputs.save_model``),
-    the one that writes."""
+    ``model-merged/`` beside it (see :func:`merge_adapters`; its weights in ``dtype``, None: as they are). Called on
+    the main process only (``outputs.save_model``), the one that writes, after everything else used the model."""
     model.save_pretrained(directory, is_main_process=True)
     if merge:
         target = Path(directory).parent / "model-merged"
-        model.merge_and_unload(safe_merge=True).save_pretrained(target, is_main_process=True)
+        merge_adapters(model, dtype).save_pretrained(target, is_main_process=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(target)
+
+
+def merge_adapters(model, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
+    """The LoRA adapters of peft ``model`` merged into its base: a plain transformers model, loadable without peft or
+    bitsandbytes.
+
+    A quantized layer is dequantized to fp32 first (the weights the run trained against), its adapters are added in
+    fp32, and it becomes an ``nn.Linear``; other layers merge through peft's ``merge_and_unload``. Every weight then
+    goes to ``dtype`` (one rounding, at the end) and the quantization is dropped from the config. ``model`` is
+    merged in place, as ``merge_and_unload`` does: use it no further.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer) and precision.is_quantized(module.get_base_layer().weight):
+            weight = precision.dequantized(module.get_base_layer())
+            for adapter in module.active_adapters:
+                if adapter in getattr(module, "lora_A", {}):
+                    weight += module.get_delta_weight(adapter).float()
+            if not torch.isfinite(weight).all():
+                raise ValueError(f"merging the adapters into {name} gives non-finite weights")
+            _replace(model, name, _dense_linear(weight, module.get_base_layer().bias))
+    merged = model.merge_and_unload(safe_merge=True)
+    for name, module in precision.quantized_modules(merged):  # quantized layers that had no adapter
+        _replace(merged, name, _dense_linear(precision.dequantized(module), module.bias))
+    quantizer = getattr(merged, "hf_quantizer", None)
+    if quantizer is not None:  # else save_pretrained writes a quantization_config for weights that are dense now
+        quantizer.remove_quantization_config(merged)
+    return merged if dtype is None else merged.to(dtype)
+
+
+def _dense_linear(weight: torch.Tensor, bias) -> torch.nn.Linear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")  # no init
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+    return linear
+
+
+def _replace(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)

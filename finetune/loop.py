@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 from accelerate import Accelerator
 
-from finetune import checkpoint, distributed
+from finetune import checkpoint, distributed, precision
 from finetune.auto_batch import AutoBatch
 from finetune.config import TrainingConfig, flatten
 from finetune.errors import ConfigError
@@ -200,6 +200,7 @@ def setup(job: Job, t: TrainingConfig, output: Outputs, shape: Optional[Shape], 
 
     model = job.model
     model.train()  # from_pretrained returns a model in eval mode: dropout would silently stay off
+    precision.prepare_quantized(model)  # bitsandbytes-quantized weights: adapters only, and no CPU repacking
     if t.gradient_checkpointing:
         enable_checkpointing(model, job.enable_checkpointing)
     head_note = enable_chunked_head(model, t.chunked_loss) if job.loss_fn is None or t.chunked_loss else \

@@ -74,6 +74,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # when autocast is on), cross-entropy on its output upcast to fp32; backward of the linear in the logits'
         # dtype, gradients cast back to the dtypes of hidden, weight and bias.
         w, b = _autocast(weight, hidden.device), _autocast(bias, hidden.device)
+        frozen_low = not weight.requires_grad and weight.dtype != hidden.dtype
+        if frozen_low and not torch.is_autocast_enabled(hidden.device.type):
+            # a frozen head kept in bf16 / fp16 under fp32 compute (finetune.precision): used in the hidden states'
+            # dtype, as the plain head uses it
+            w, b = w.to(hidden.dtype), None if b is None else b.to(hidden.dtype)
         grad_h = torch.empty_like(hidden) if wants[0] else None
         # bf16 / fp16 weights: accumulate their gradient over chunks in fp32, as one plain matmul would internally.
         acc = torch.promote_types(weight.dtype, torch.float32)

@@ -10,11 +10,14 @@ from typing import Optional
 import torch
 
 from finetune.config import TrainingConfig
+from finetune.errors import ConfigError
+
+EIGHT_BIT = {"adamw8bit": "AdamW8bit", "paged_adamw8bit": "PagedAdamW8bit"}  # training.optimizer → bitsandbytes class
 
 
 def make_optimizer(params, t: TrainingConfig) -> torch.optim.Optimizer:
-    """adamw / sgd / lion over the trainable ones of ``params`` (a module or an iterable of parameters); no weight
-    decay on biases and norm weights (1-D)."""
+    """adamw / sgd / lion / adamw8bit / paged_adamw8bit over the trainable ones of ``params`` (a module or an iterable
+    of parameters); no weight decay on biases and norm weights (1-D)."""
     decay, no_decay = [], []
     for p in (params.parameters() if isinstance(params, torch.nn.Module) else params):
         if p.requires_grad:
@@ -27,6 +30,15 @@ def make_optimizer(params, t: TrainingConfig) -> torch.optim.Optimizer:
         # inf check, and Accelerate could no longer tell a skipped step.
         fused = t.mixed_precision != "fp16" and all(p.is_floating_point() for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.betas), fused=fused or None)
+    if t.optimizer in EIGHT_BIT:
+        # bitsandbytes' AdamW with its two moments stored block-wise in 8 bits (tensors under 4096 elements keep
+        # fp32 state). The update rounds differently from fp32 AdamW: not the baseline's step (compare says so).
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ConfigError(f"training.optimizer: {t.optimizer} needs bitsandbytes (pip install 'finetune[quant]')") \
+                from None
+        return getattr(bnb.optim, EIGHT_BIT[t.optimizer])(groups, lr=t.learning_rate, betas=tuple(t.betas))
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.learning_rate, momentum=t.momentum)
     from lion_pytorch import Lion

@@ -9,7 +9,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from finetune import distributed
+from finetune import distributed, precision
 from finetune.optim import lr_scale
 from finetune.outputs import atomic_write_text
 from finetune.state import TrainState
@@ -94,6 +94,7 @@ def banner(run) -> str:
         *([f"Padding: {padding_share(run):.1%} of the tokens of epoch 0"]
           if run.job.length_of or run.pack_length_of else []),
         f"Mixed precision: {t.mixed_precision}, device: {accelerator.device}",
+        *([f"Weights: {weights}"] if (weights := precision.describe(accelerator.unwrap_model(run.model))) else []),
         "=" * 60,
     ]
     return "\n".join(lines)

@@ -41,7 +41,24 @@ CASES = {
                               kw={"collate_fn": pad_collate, "sort_within_window": True, "packing": False,
                                   "max_tokens_per_micro_batch": 30,
                                   "length_of": lambda i, d=token_data(27, hi=20): len(d[i]["input_ids"])}),
+    # a 4-bit NF4 base (bitsandbytes, loaded by the user as transformers does it) with LoRA adapters: only the
+    # adapters train and are compared; the padded token counts differ per rank
+    "qlora_nf4": dict(data=lambda: token_data(27), model=lambda: qlora_model(), b=2, effective=8,
+                      kw={"collate_fn": pad_collate, "packing": False}, trainable_only=True),
 }
+
+
+def qlora_model():
+    """The tiny chat Llama with its linear layers in NF4 (double quantization, fp32 compute) and LoRA adapters."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_assets()["model"], quantization_config=quantization)
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, lora_dropout=0.0))
+
 
 # custom-model recipes through the same loop (22 samples, B = 12: the tail window of 10 splits 6 / 4 over 2 ranks;
 # the VAE-GAN with 25, an idle rank): two optimizers, R1, per-sample noise and loss terms must hold across processes
@@ -91,7 +108,8 @@ def run(name, processes):
                                   learning_rate=0.3, max_grad_norm=None, n_epochs=2, seed=11, **case["kw"])
     # the launcher's RANK, which the package asks, names the same main process as Accelerate
     assert distributed.is_main_process() == result["accelerator"].is_main_process
-    return {"weights": flat(result["model"]).tolist(), "lr": result["lr_history"],
+    trainable_only = CASES.get(name, {}).get("trainable_only", False)
+    return {"weights": flat(result["model"], trainable_only).tolist(), "lr": result["lr_history"],
             "history": [{k: v for k, v in h.items() if k != "seconds"} for h in result["history"]],
             "val": result["val_history"], "effective": result["effective_batch_size"],
             "processes": result["accelerator"].num_processes, "main": result["accelerator"].is_main_process,

