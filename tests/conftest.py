@@ -23,7 +23,10 @@ from tests import helpers  # noqa: E402
 def _assets():
     """Build the shared test assets once, in this process, before any test starts a worker."""
     helpers.tiny_chat_assets()
-    yield
+
+
+def pytest_unconfigure(config):
+    """Remove the run's folder however the run ended (also when no test ran)."""
     shutil.rmtree(RUN_FOLDER, ignore_errors=True)
 
 

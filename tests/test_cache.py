@@ -164,3 +164,13 @@ def test_the_suite_keeps_its_assets_and_caches_in_its_own_folder():
     run = os.environ["FINETUNE_TEST_ASSETS"]
     assert str(helpers.TINY_CHAT).startswith(run) and str(cache.root()).startswith(run)
     assert ENV["FINETUNE_TEST_ASSETS"] == run and ENV["FINETUNE_CACHE"].startswith(run)  # the workers' too
+
+
+def test_a_test_run_leaves_nothing_in_the_temp_folder(tmp_path):
+    """A pytest run makes its folder in the system temp folder and removes it at the end, also when no test ran."""
+    for selection in ("test_the_link_check_catches_a_planted_break", "no_test_has_this_name"):
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_docs.py",
+                               "-k", selection], cwd=ROOT, env={**ENV, "TMPDIR": str(tmp_path)},
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode in (0, 5), proc.stdout + proc.stderr  # 5: no test selected
+        assert not list(tmp_path.glob("finetune-tests-*")), selection
