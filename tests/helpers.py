@@ -227,6 +227,29 @@ SMALL["sft-smollm2"] = [f"model.name_or_path={TINY_CHAT / 'model'}", f"data.sour
                         "model.generate_prompts=2", "model.max_new_tokens=4", "model.samples_saved=2"]
 
 
+def sft_recipe_run(b, n, *overrides, job_hook=None):
+    """The sft recipe on the tiny chat model (call tiny_chat_assets() first), seeded as the CLI seeds it, trained
+    through the loop with micro-batch ``b`` and N = ``n``, full fine-tuning unless ``overrides`` say otherwise:
+    (result, the trainable weights before training)."""
+    from accelerate.utils import set_seed
+
+    from finetune import loop
+    from finetune.config import load_recipe
+    from finetune.tasks import sft
+
+    cfg = load_recipe("sft-smollm2", [*SMALL["sft-smollm2"], *EXACT, f"training.batch_size={b}",
+                                      f"training.gradient_accumulation_steps={n}", "training.learning_rate=0.5",
+                                      "training.eval_at_start=false", "model.generate_prompts=0",
+                                      "peft.enabled=false", *overrides])
+    set_seed(cfg.training.seed)
+    job = sft.build(cfg)
+    job.val_data = None
+    if job_hook is not None:
+        job_hook(job)
+    start = {k: p.detach().clone() for k, p in job.model.named_parameters() if p.requires_grad}
+    return loop.train(job, cfg.training, print_banner=False), start
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # comparing and cutting runs
 

@@ -12,16 +12,14 @@ import sys
 
 import pytest
 import torch
-from accelerate.utils import set_seed
 
-from finetune import loop, precision, test_fine_tuning
+from finetune import precision, test_fine_tuning
 from finetune.cli import run_main
 from finetune.config import ConfigError, load_recipe
 from finetune.hf_models import merge_adapters, precision_kwargs
 from finetune.tasks import sft
 from tests.helpers import (
     ENV,
-    EXACT,
     ROOT,
     SMALL,
     checkpoint_copy,
@@ -29,6 +27,7 @@ from tests.helpers import (
     pad_collate,
     rel_diff,
     same_bytes,
+    sft_recipe_run,
     tiny_chat_assets,
     token_data,
     write_tiny_gguf,
@@ -154,16 +153,9 @@ def test_int8_layers_keep_their_inputs_where_checkpointing_cannot_free_them():
 
 
 def recipe_run(b, n, *overrides):
-    """The sft recipe on the tiny chat model (seeded as the CLI seeds it): (trained model, initial adapters)."""
-    cfg = load_recipe(RECIPE, [*SMALL[RECIPE], *EXACT, f"training.batch_size={b}",
-                               f"training.gradient_accumulation_steps={n}", "training.learning_rate=0.5",
-                               "training.eval_at_start=false", "model.generate_prompts=0", "peft.enabled=true",
-                               *overrides])
-    set_seed(cfg.training.seed)
-    job = sft.build(cfg)
-    job.val_data = None
-    start = {k: p.detach().clone() for k, p in job.model.named_parameters() if p.requires_grad}
-    return loop.train(job, cfg.training, print_banner=False)["model"], start
+    """The sft recipe with LoRA on the tiny chat model: (trained model, initial adapters)."""
+    result, start = sft_recipe_run(b, n, "peft.enabled=true", *overrides)
+    return result["model"], start
 
 
 def update_diff(a, b, start) -> float:

