@@ -77,6 +77,24 @@ def cli(*args, launcher=(sys.executable,), timeout=600, env=None):
                           cwd=ROOT, timeout=timeout)
 
 
+def assert_one_error_line(stderr: str, message: str) -> None:
+    """Bad input as the user sees it: exactly one ``error:`` line, holding ``message``, and no traceback."""
+    lines = [x for x in stderr.strip().splitlines() if x.startswith("error: ")]
+    assert len(lines) == 1 and message in lines[0], stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+
+
+def refused_in_process(capsys, args: list, message: str) -> None:
+    """``finetune run ARGS`` through ``run_main`` in this process refuses with exit code 2 and one error line."""
+    from finetune.cli import run_main
+
+    capsys.readouterr()
+    code = run_main(args)
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr[-2000:]
+    assert_one_error_line(stderr, message)
+
+
 def load_weights(run_dir) -> dict:
     from safetensors.torch import load_file
 

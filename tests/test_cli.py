@@ -9,7 +9,7 @@ import yaml
 
 from finetune.cli import main, run_main
 from finetune.config import ConfigError, list_recipes, load_recipe
-from tests.helpers import ACCELERATE, ROOT, TINY, cli
+from tests.helpers import ACCELERATE, ROOT, TINY, assert_one_error_line, cli
 
 
 def test_minilm_sentiment_through_accelerate_launch(tmp_path):
@@ -215,9 +215,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, index, args, message):
             code = e.code
         stderr = capsys.readouterr().err
     assert code == (1 if IN_A_PROCESS.get(index) == "accelerate" else 2), stderr[-2000:]
-    lines = [x for x in stderr.strip().splitlines() if x.startswith("error: ")]
-    assert len(lines) == 1 and message in lines[0], stderr[-2000:]
-    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) <= 3, stderr[-2000:]
+    assert_one_error_line(stderr, message)
+    assert len(stderr.strip().splitlines()) <= 3, stderr[-2000:]
     assert _files(tmp_path) == before  # nothing written, nothing changed
     output_dir = args[args.index("--output-dir") + 1] if "--output-dir" in args else None
     assert "latest" in args or output_dir is None or not Path(output_dir).exists()

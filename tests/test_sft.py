@@ -23,7 +23,18 @@ from finetune.cli import run_main
 from finetune.config import ConfigError, load_recipe
 from finetune.hf_models import resolve_model_path
 from finetune.tasks import sft
-from tests.helpers import CHATML, ENV, ROOT, RUN, SMALL, chat_rows, cli, tiny_chat_assets
+from tests.helpers import (
+    CHATML,
+    ENV,
+    ROOT,
+    RUN,
+    SMALL,
+    assert_one_error_line,
+    chat_rows,
+    cli,
+    refused_in_process,
+    tiny_chat_assets,
+)
 from tests.helpers import sft_recipe_run as run
 
 RECIPE = "sft-smollm2"
@@ -261,16 +272,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, index, overrides, messag
     out = tmp_path / "out"
     if index in IN_A_PROCESS:
         proc = cli("--recipe", RECIPE, *sets, "--output-dir", str(out))
-        code, stderr = proc.returncode, proc.stderr
-        assert len(stderr.strip().splitlines()) == 1, stderr[-2000:]
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+        assert_one_error_line(proc.stderr, message)
     else:
-        capsys.readouterr()
-        code = run_main(["--recipe", RECIPE, *sets, "--output-dir", str(out)])
-        stderr = capsys.readouterr().err
-    assert code == 2, stderr[-2000:]
-    lines = [x for x in stderr.strip().splitlines() if x.startswith("error: ")]
-    assert len(lines) == 1 and message in lines[0], stderr[-2000:]
-    assert "Traceback" not in stderr
+        refused_in_process(capsys, ["--recipe", RECIPE, *sets, "--output-dir", str(out)], message)
     assert not out.exists()
 
 
