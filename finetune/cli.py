@@ -146,9 +146,9 @@ def cmd_plot(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from finetune import plan
+    from finetune import plan, plan_depth
 
-    return plan.main(args)
+    return plan.main(args, plan_depth.plan_from_config)
 
 
 def cmd_search(args) -> int:

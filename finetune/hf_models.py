@@ -4,6 +4,8 @@ model, a GGUF file converted once), loading with one-line errors in the recipe's
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -125,10 +127,10 @@ def convert_gguf(path: Path, out: Path) -> None:
 
 
 def from_pretrained(cls, path: str, field: str = "model.name_or_path", **kwargs):
-    """``cls.from_pretrained(path, **kwargs)``; a model that cannot be loaded (no such directory or hub id, not a
-    model) is one line naming ``field`` instead of transformers' traceback."""
+    """``cls.from_pretrained(path, **kwargs)`` (``pretrained``); a model that cannot be loaded (no such directory or
+    hub id, not a model) is one line naming ``field`` instead of transformers' traceback."""
     try:
-        return cls.from_pretrained(path, **kwargs)
+        return pretrained(cls, path, **kwargs)
     except ConfigError:
         raise
     except (OSError, ValueError) as e:  # transformers' "not found" is an OSError, "not a model" a ValueError
@@ -136,6 +138,84 @@ def from_pretrained(cls, path: str, field: str = "model.name_or_path", **kwargs)
         reason = "no such directory" if local and not Path(path).expanduser().exists() else \
             (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise ConfigError(f"{field}: cannot load {path}: {reason}") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stand-ins: the model a planner prices instead of the recipe's
+
+
+class StandIn:
+    """The architecture of ``config`` built in place of the model a task loads: ``layers`` of its blocks (None:
+    all) with random weights, on the meta device (``meta``: no storage, for counting bytes) or for real, in the
+    loading keywords' dtype and quantization. Only ``finetune plan`` sets one, around a recipe's build."""
+
+    def __init__(self, config, layers: Optional[int] = None, meta: bool = False):
+        self.config, self.layers, self.meta = config, layers, meta
+
+    def architecture(self):
+        """``config`` with ``layers`` blocks (per-layer lists, such as ``layer_types``, cut to match)."""
+        config = copy.deepcopy(self.config)
+        if self.layers is not None:
+            for key, value in list(vars(config).items()):
+                if isinstance(value, list) and len(value) == config.num_hidden_layers:
+                    setattr(config, key, value[:self.layers])
+            config.num_hidden_layers = self.layers
+        return config
+
+    def build(self, cls, **kwargs):
+        """``cls`` as ``from_pretrained(path, **kwargs)`` would load it, from the stand-in's architecture."""
+        model = self._build(cls, {k: v for k, v in kwargs.items() if k != "output_loading_info"})
+        if kwargs.get("output_loading_info"):  # nothing loaded, so nothing missing
+            return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+        return model
+
+    def _build(self, cls, kwargs: dict):
+        from accelerate import init_empty_weights
+
+        config = self.architecture()
+        for key in set(kwargs) - LOADING_KEYWORDS:  # the rest of from_pretrained's keywords override the config
+            setattr(config, key, kwargs.pop(key))
+        dtype, remote = kwargs.get("dtype", torch.float32), kwargs.get("trust_remote_code", False)
+        if self.meta:  # quantization only changes the bytes counted (finetune.fixed_memory), not the structure
+            with init_empty_weights(include_buffers=True):
+                return cls.from_config(config, dtype=dtype, trust_remote_code=remote)
+        torch.manual_seed(0)
+        model = cls.from_config(config, dtype=dtype, trust_remote_code=remote)
+        if "quantization_config" not in kwargs:
+            return model
+        # quantized as a real load does, from the random weights in memory
+        weights, architecture = model.state_dict(), type(model)  # the auto classes want a path
+        del model
+        return architecture.from_pretrained(None, config=config, state_dict=weights, **kwargs)
+
+
+LOADING_KEYWORDS = {"dtype", "quantization_config", "device_map", "trust_remote_code"}
+_stand_in: Optional[StandIn] = None  # set by stand_in() only
+
+
+@contextlib.contextmanager
+def stand_in(config, layers: Optional[int] = None, meta: bool = False):
+    """While inside, every model a task loads (``pretrained``) is ``StandIn(config, layers, meta)`` instead."""
+    global _stand_in
+    before, _stand_in = _stand_in, StandIn(config, layers, meta)
+    try:
+        yield _stand_in
+    finally:
+        _stand_in = before
+
+
+def pretrained(cls, path: str, **kwargs):
+    """``cls.from_pretrained(path, **kwargs)``, or the planner's stand-in for a model class while one is set."""
+    if _stand_in is not None and hasattr(cls, "from_config"):
+        return _stand_in.build(cls, **kwargs)
+    return cls.from_pretrained(path, **kwargs)
+
+
+def from_config(cls, config, **kwargs):
+    """``cls.from_config(config, **kwargs)`` (a new model), or the planner's stand-in while one is set."""
+    if _stand_in is not None:
+        return _stand_in.build(cls, **kwargs)
+    return cls.from_config(config, **kwargs)
 
 
 def precision_kwargs(cfg) -> dict:

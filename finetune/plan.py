@@ -59,15 +59,20 @@ def budget_for(gpu_bytes: float) -> float:
 # what each setting costs
 
 
-# What each setting costs, in the order the planner tries them (cheapest first). LoRA comes last: it trains other
-# weights, so it is no longer the baseline's step.
+# What each setting costs, in the order the planner tries them (cheapest first). The first four keep the baseline's
+# step; the rest (the levers) train something else, so they are tried only when nothing exact fits, in this order.
 COST = {
     "plain": "no extra compute",
     "chunked loss": "the same FLOPs (the loss head runs in chunks; exact)",
     "checkpointing": "recomputes each block's forward in backward (about 1/3 more compute)",
     "offloading": "copies saved activations to host memory and back (PCIe traffic, partly overlapped)",
+    "8-bit AdamW": "AdamW's moments kept block-wise in 8 bits: not the same update as fp32 AdamW (compare says so)",
     "LoRA": "trains adapters only: a different run from a full fine-tune baseline",
+    "bf16 base": "the frozen weights rounded to bf16: the baseline's step only if its base was bf16 too",
+    "nf4 base": "the frozen linear layers in 4 bits (QLoRA): the baseline's step only if the baseline was QLoRA too",
+    "bf16 compute": "computes in bf16 (autocast): the baseline's step only if it computed in bf16 too",
 }
+LEVERS = ("8-bit AdamW", "LoRA", "bf16 base", "nf4 base", "bf16 compute")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,6 +99,9 @@ class Plan:
     chunked_loss: bool
     activation_offloading: bool
     lora: bool
+    lever_optimizer: str           # the recommendation's levers (Setting): "" where it keeps the recipe's
+    lever_base: str
+    lever_compute: str
     step_peak: int                 # predicted, at the recommendation (or at micro-batch 1 of the last setting tried)
     fits: bool
     note: str
@@ -106,7 +114,7 @@ class Plan:
 
     def profile(self, setting: Optional[Setting] = None) -> Profile:
         want = setting or Setting(self.gradient_checkpointing, self.chunked_loss, self.activation_offloading,
-                                  self.lora)
+                                  self.lora, self.lever_optimizer, self.lever_base, self.lever_compute)
         return next(p for p in self.profiles if p.setting == want)
 
     def table(self) -> str:
@@ -119,18 +127,24 @@ class Plan:
                 ("optimizer state", p.optimizer_state, ""),
                 (f"saved activations × {b}", saved,
                  f"kept for backward, {self.sequence_length or '-'} tokens a sample, "
-                 f"{'fp32' if self.precision == 'no' else self.precision}"),
-                ("loss head, temporaries", max(above - saved, 0), "the rest: logits, backward, optimizer step")]
+                 f"{'fp32' if self.precision == 'no' else self.precision}" if p.measured else
+                 "not measured: the fixed part alone exceeds the card"),
+                ("loss head, temporaries", max(above - saved, 0),
+                 "the rest: logits, backward, optimizer step" if p.measured else "not measured")]
         if p.buckets:
             rows.insert(3, ("DDP gradient buckets", p.buckets, "a copy of the gradients per process"))
+        w = max([44] + [len(s["setting"]) + 2 for s in self.settings])
         lines = [f"{'component':<28}{'memory':>12}  note", "-" * 76]
         lines += [f"{name:<28}{size(v):>12}  {note}" for name, v, note in rows]
         lines += ["-" * 76,
                   f"{'step peak':<28}{size(self.step_peak):>12}  predicted at {b} × {n}, {p.setting.label}",
                   f"{'CUDA context + slack':<28}{size(CONTEXT):>12}  reserved before any tensor",
                   f"{'total':<28}{size(self.step_peak + CONTEXT):>12}  of {size(self.gpu_bytes)} ({self.gpu})",
-                  "", f"{'setting':<44}{'largest micro-batch':>20}{'step peak there':>18}  (none: at 1)", "-" * 96]
-        lines += [f"{s['setting']:<44}{s['micro_batch'] or 'none':>20}{size(s['step_peak']):>18}"
+                  "", f"{'setting':<{w}}{'largest micro-batch':>20}{'step peak there':>18}  (none: at 1)",
+                  "-" * (w + 52)]
+        lines += [f"{s['setting']:<{w}}{s['micro_batch'] or 'none':>20}"
+                  f"{size(s['step_peak']) if s['measured'] else '> ' + size(s['step_peak']):>18}"
+                  f"{'' if s['measured'] else '  (weights, gradients, optimizer state alone: not measured)'}"
                   for s in self.settings]
         lines.append("")
         if self.fits:
@@ -142,8 +156,10 @@ class Plan:
 
 
 def rank(setting: Setting) -> int:
-    """Where ``setting`` stands in ``COST`` (the head's chunking costs nothing)."""
-    return 4 if setting.lora else 2 * setting.offload + setting.checkpointing
+    """Where ``setting`` stands in ``COST`` (the head's chunking costs nothing): the exact settings 0–3, then the
+    costliest lever it uses."""
+    levers = [i for i, name in enumerate(LEVERS) if name in setting.label.split(" + ")]
+    return 4 + max(levers) if levers else 2 * setting.offload + setting.checkpointing
 
 
 def measuring_order(can_chunk: bool, can_checkpoint: bool) -> list[Setting]:
@@ -170,52 +186,101 @@ def switch(model, setting: Setting, enable_checkpointing: Optional[Callable]) ->
         model._planned_checkpointing = True
 
 
+class Subject:
+    """What the planner measures settings on: a model of the recipe (or of one of its levers) with the micro-batches,
+    training settings and loss it trains with. ``fixed`` (weights + gradients + optimizer state) is None when only
+    measuring tells it; a subject that knows it is not measured where that alone exceeds the card."""
+
+    fixed: Optional[int] = None
+
+    def __init__(self, model, batches: list, t, loss_fn=None, enable_checkpointing: Optional[Callable] = None,
+                 processes: int = 1, per_process: int = 1):
+        from finetune.items import is_causal_lm
+        from finetune.loss_head import unsupported_reason
+
+        self.model, self.batches, self.t, self.loss_fn = model, batches, t, loss_fn
+        self.enable_checkpointing, self.processes, self.per_process = enable_checkpointing, processes, per_process
+        self.can_chunk = bool(is_causal_lm(model) and unsupported_reason(model) is None
+                              and (loss_fn is None or t.chunked_loss))
+        self.can_checkpoint = enable_checkpointing is not None
+
+    def measure(self, setting: Setting) -> Optional[Profile]:
+        """The Profile of ``setting``, or None when the model cannot checkpoint after all."""
+        try:
+            switch(self.model, setting, self.enable_checkpointing)
+        except ConfigError:
+            return None
+        return measure(self.model, self.batches, setting, self.t, self.loss_fn, self.processes, self.per_process)
+
+
 def make_plan(model, batches: list, gpu: str, effective: int, training=None, loss_fn=None,
               enable_checkpointing: Optional[Callable] = None, sequence_length: Optional[int] = None,
-              processes: int = 1, lora_model: Optional[Callable] = None, every_setting: bool = False) -> Plan:
+              processes: int = 1, lora_model: Optional[Callable] = None, every_setting: bool = False,
+              levers: Optional[list] = None) -> Plan:
     """Measure the settings until the cheapest that fits ``gpu`` is known; recommend it with its micro-batch.
 
     ``batches``: two micro-batches of different sizes (samples), same sequence length, on the model's device.
     ``training``: the recipe's TrainingConfig (optimizer, precision, whether the chunked head may be used).
     ``enable_checkpointing(model)``: switches checkpointing on (None: not available). ``lora_model()``: a fresh
     LoRA model of the recipe, tried only when nothing that trains every weight fits (None: not offered).
+    ``levers``: (Setting, a function returning its Subject) in ``LEVERS`` order, tried after LoRA the same way.
     ``every_setting``: measure them all (``Plan.predict`` then answers for any), not only until the pick is known.
     """
     from finetune.config import TrainingConfig
-    from finetune.items import is_causal_lm
-    from finetune.loss_head import unsupported_reason
 
     t = training or TrainingConfig()
+    per_process = effective // processes
+    subject = Subject(model, batches, t, loss_fn, enable_checkpointing, processes, per_process)
+    if lora_model is not None and not any("lora_" in name for name, _ in model.named_parameters()):
+        levers = [(Setting(lora=True),
+                   lambda: Subject(lora_model().to(next(model.parameters()).device), batches, t, loss_fn,
+                                   enable_checkpointing, processes, per_process)), *(levers or [])]
+    return plan_subjects(subject, levers or [], gpu, effective, processes, t, sequence_length, every_setting)
+
+
+def plan_subjects(subject, levers: list, gpu: str, effective: int, processes: int, t, sequence_length,
+                  every_setting: bool = False) -> Plan:
+    """``make_plan`` on subjects: the recipe's (its exact settings, cheapest first) and its levers', in order."""
     gpu_bytes = parse_gpu(gpu)
     budget = budget_for(gpu_bytes)
     per_process = effective // processes
-    can_chunk = bool(is_causal_lm(model) and unsupported_reason(model) is None and (loss_fn is None or t.chunked_loss))
+    can_chunk = subject.can_chunk
     fits = lambda p: p.largest_micro_batch(per_process, budget) > 0  # noqa: E731
     # with the chunked head available, the settings without it are measured only to show what it saves
     pick = lambda: min((p for p in profiles if fits(p) and p.setting.chunked_loss == can_chunk),  # noqa: E731
                        key=lambda p: rank(p.setting), default=None)
-    order = measuring_order(can_chunk, enable_checkpointing is not None)
     profiles = []
-    for i, setting in enumerate(order):
-        chosen = pick()
-        if chosen and not every_setting and all(rank(s) >= rank(chosen.setting) for s in order[i:]):
+    if subject.fixed is not None and subject.fixed > budget:
+        profiles.append(subject.unmeasured(Setting(checkpointing=subject.can_checkpoint, chunked_loss=can_chunk)))
+    else:
+        order = measuring_order(can_chunk, subject.can_checkpoint)
+        for i, setting in enumerate(order):
+            chosen = pick()
+            if chosen and not every_setting and all(rank(s) >= rank(chosen.setting) for s in order[i:]):
+                break
+            profile = subject.measure(setting)
+            if profile is None:  # no checkpointing support after all
+                break
+            profiles.append(profile)
+            if setting.offload:
+                base = next(p for p in profiles if p.setting == dataclasses.replace(setting, offload=False))
+                profiles[-1].floor = without_saved(base)
+    checkpointing = any(p.setting.checkpointing for p in profiles)
+    for lever, build in levers:
+        if pick() is not None and not every_setting:
             break
-        try:
-            switch(model, setting, enable_checkpointing)
-        except ConfigError:  # no checkpointing support after all
-            break
-        profiles.append(measure(model, batches, setting, t, loss_fn, processes, per_process))
-        if setting.offload:
-            base = next(p for p in profiles if p.setting == dataclasses.replace(setting, offload=False))
-            profiles[-1].floor = without_saved(base)
-    can_lora = lora_model is not None and not any("lora_" in name for name, _ in model.named_parameters())
-    if pick() is None and can_lora:
-        lora = lora_model().to(next(model.parameters()).device)
-        setting = Setting(checkpointing=any(p.setting.checkpointing for p in profiles), chunked_loss=can_chunk,
-                          lora=True)
-        switch(lora, setting, enable_checkpointing)
-        profiles.append(measure(lora, batches, setting, t, loss_fn, processes, per_process))
+        profiles.append(measure_lever(build(), dataclasses.replace(lever, checkpointing=checkpointing,
+                                                                    chunked_loss=can_chunk), budget))
     return finish_plan(gpu, gpu_bytes, budget, effective, per_process, t, sequence_length, profiles, pick())
+
+
+def measure_lever(subject, setting: Setting, budget: float) -> Profile:
+    """A lever's Profile, with the memory settings of the recipe's most frugal one (checkpointing only where the
+    model has it); priced from its fixed part alone where that already exceeds ``budget``."""
+    if subject.fixed is not None and subject.fixed > budget:
+        return subject.unmeasured(setting)
+    profile = subject.measure(setting)
+    return profile if profile is not None else subject.measure(dataclasses.replace(setting, checkpointing=False))
 
 
 def finish_plan(gpu, gpu_bytes, budget, effective, per_process, t, sequence_length, profiles,
@@ -234,10 +299,16 @@ def finish_plan(gpu, gpu_bytes, budget, effective, per_process, t, sequence_leng
                 sequence_length=sequence_length, precision=t.mixed_precision, effective_batch_size=effective,
                 micro_batch_size=b, gradient_accumulation_steps=per_process // b if b else 0,
                 gradient_checkpointing=s.checkpointing, chunked_loss=s.chunked_loss, activation_offloading=s.offload,
-                lora=s.lora, step_peak=peak, fits=chosen is not None,
+                lora=s.lora, lever_optimizer=s.optimizer, lever_base=s.base, lever_compute=s.compute, step_peak=peak,
+                fits=chosen is not None,
                 note=explain(chosen, profiles, gpu_bytes, budget, per_process, effective),
-                settings=[{"setting": p.setting.label, "micro_batch": at_largest(p)[0], "step_peak": at_largest(p)[1]}
+                settings=[{"setting": p.setting.label, "micro_batch": at_largest(p)[0], "step_peak": at_largest(p)[1],
+                           "measured": p.measured, "exact": rank(p.setting) < len(COST) - len(LEVERS)}
                           for p in profiles], profiles=profiles)
+
+
+def fixed_part(p: Profile) -> int:
+    return p.weights + p.gradients + p.optimizer_state
 
 
 def explain(chosen: Optional[Profile], profiles: list, gpu_bytes: int, budget: float, per_process: int,
@@ -246,11 +317,12 @@ def explain(chosen: Optional[Profile], profiles: list, gpu_bytes: int, budget: f
     if gpu_bytes <= CONTEXT:
         return (f"does not fit: {gpu_bytes / GiB:.1f} GiB is no more than the {CONTEXT / GiB:.1f} GiB the CUDA "
                 "context takes before any tensor")
-    short = [f"{p.setting.label} needs {size(p.step_peak(1, per_process))} at 1 sample" for p in profiles
-             if not p.largest_micro_batch(per_process, budget)]
+    short = [f"{p.setting.label} needs {size(p.step_peak(1, per_process))} at 1 sample" if p.measured else
+             f"{p.setting.label} needs {size(fixed_part(p))} for weights, gradients and optimizer state alone"
+             for p in profiles if not p.largest_micro_batch(per_process, budget)]
     room = f"{size(budget)} for tensors"
     if chosen is None:
-        fixed = min(p.weights + p.gradients + p.optimizer_state for p in profiles)
+        fixed = min(fixed_part(p) for p in profiles)
         hint = "use a shorter sequence, FSDP or DeepSpeed (accelerate_configs/), or a bigger card" if fixed < budget \
             else "weights, gradients and optimizer state alone do not fit: FSDP or DeepSpeed (accelerate_configs/)" \
             " or a bigger card"
@@ -285,26 +357,85 @@ def training_peak(job, t) -> tuple[int, object]:
 
 
 def plan_recipe(cfg, gpu: str, processes: int = 1) -> Plan:
-    import dataclasses
-
+    """``finetune plan`` for a recipe whose model this machine can build: every setting measured at full depth."""
     from finetune.execute import build_job
-    from finetune.modeling import enable_checkpointing
-    from finetune.windows import resolve_accumulation
 
     parse_gpu(gpu)  # before building the model
     job = build_job(cfg)
+    effective = planned_window(cfg, job, processes)
+    batches, seq = longest_batches(job, sizes=(1, 2))
+    t = cfg.training
+
+    def subject(variant, built=None):
+        built = built or build_job(variant)
+        return Subject(built.model, batches, variant.training, built.loss_fn, checkpointing_of(built),
+                       processes, effective // processes)
+
+    levers = [(lever, lambda lever=lever: subject(with_lever(cfg, lever))) for lever in recipe_levers(cfg)]
+    return plan_subjects(subject(cfg, job), levers, gpu, effective, processes, t, seq)
+
+
+def planned_window(cfg, job, processes: int) -> int:
+    """The effective batch the plan is for; ConfigError when it is larger than the training set."""
+    from finetune.windows import resolve_accumulation
+
     t = cfg.training
     effective = t.effective_batch_size or (t.batch_size * resolve_accumulation(t, processes) * processes)
     n_train = len(job.train_data)
     if effective > n_train:  # every window would be the whole set: a micro-batch above it is never used
         raise ConfigError(f"training.effective_batch_size: {effective} is larger than the {n_train} training "
                           f"samples; plan for at most {n_train} (one optimizer step per epoch)")
-    batches, seq = longest_batches(job, sizes=(1, 2))
-    lora = None
-    if hasattr(cfg, "peft") and not cfg.peft.enabled:
-        lora = lambda: build_job(dataclasses.replace(cfg, peft=dataclasses.replace(cfg.peft, enabled=True))).model  # noqa: E731
-    return make_plan(job.model, batches, gpu, effective, t, job.loss_fn,
-                     lambda m: enable_checkpointing(m, job.enable_checkpointing), seq, processes, lora)
+    return effective
+
+
+def checkpointing_of(job) -> Callable:
+    from finetune.modeling import enable_checkpointing
+
+    return lambda m: enable_checkpointing(m, job.enable_checkpointing)
+
+
+def recipe_levers(cfg) -> list[Setting]:
+    """The levers that can make ``cfg`` fit, in ``LEVERS`` order, each cumulative with LoRA where it needs it: an
+    8-bit AdamW (full fine-tuning with AdamW), LoRA (a recipe that trains every weight), then for a pretrained
+    Hugging Face model a bf16 base, a 4-bit nf4 base, and computing in bf16. bitsandbytes' levers only where it is
+    installed."""
+    from finetune.config import PretrainedModelConfig
+
+    m, t, lora = cfg.model, cfg.training, cfg.peft.enabled
+    quant = have_bitsandbytes()
+    out = []
+    if quant and t.optimizer == "adamw" and not lora:
+        out.append(Setting(optimizer="adamw8bit"))
+    if not lora:
+        out.append(Setting(lora=True))
+    if not (isinstance(m, PretrainedModelConfig) and m.name_or_path):
+        return out
+    if m.dtype == "fp32" and m.quantization == "none":
+        out.append(Setting(lora=not lora, base="bf16"))
+    nf4 = "nf4" if m.quantization == "none" and quant else ""
+    if nf4:
+        out.append(Setting(lora=not lora, base=nf4))
+    if t.mixed_precision == "no" and (nf4 or m.quantization != "none"):
+        out.append(Setting(lora=not lora, base=nf4, compute="bf16"))
+    return out
+
+
+def with_lever(cfg, lever: Setting):
+    """``cfg`` with the fields ``lever`` changes (``Setting.overrides``)."""
+    sections = {}
+    for key, value in lever.overrides.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)
+                                       for section, fields in sections.items()})
+
+
+def have_bitsandbytes() -> bool:
+    problems = []
+    from finetune.config import need_bitsandbytes
+
+    need_bitsandbytes("", "", problems)
+    return not problems
 
 
 def add_arguments(p) -> None:
@@ -312,16 +443,25 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu", required=True, help="card memory: 8GiB, 24GB, or a name (t4, rtx4070, a100-40gb, …)")
     p.add_argument("--processes", type=int, default=1, help="processes (GPUs) sharing the effective batch")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--model-config", metavar="SOURCE",
+                   help="plan for this architecture instead of the recipe's model (a folder with config.json, or a hub "
+                        "id): its fixed part counted on the meta device, a micro-step measured on a few of its blocks "
+                        "and extrapolated; the full model is never built")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
-def main(args) -> int:
+def main(args, from_config: Optional[Callable] = None) -> int:
+    """The command. ``from_config(cfg, source, gpu, processes)`` plans ``--model-config`` (``finetune.plan_depth``,
+    which builds on this module)."""
     from finetune.config import load_recipe
 
     cfg = load_recipe(args.recipe, args.set)
     if args.processes < 1:
         raise ConfigError(f"--processes: got {args.processes}; must be >= 1")
-    plan = plan_recipe(cfg, args.gpu, args.processes)
+    if args.model_config:
+        plan = from_config(cfg, args.model_config, args.gpu, args.processes)
+    else:
+        plan = plan_recipe(cfg, args.gpu, args.processes)
     if args.json:
         record = asdict(plan)
         record.pop("profiles")

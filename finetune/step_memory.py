@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from finetune.fixed_memory import held_bytes, state_bytes
 from finetune.memory import PeakMeter, SavedTensors, offload_to_host
 
 HEADROOM = 0.9        # plan to use at most 90 % of what is free (fragmentation)
@@ -33,12 +34,17 @@ class Setting:
     checkpointing: bool = False
     chunked_loss: bool = False
     offload: bool = False
-    lora: bool = False
+    lora: bool = False      # LoRA where the recipe trains every weight
+    optimizer: str = ""     # where it differs from the recipe's: adamw8bit
+    base: str = ""          # the frozen base, where it differs from the recipe's: bf16, or nf4 (with the rest in bf16)
+    compute: str = ""       # training.mixed_precision, where it differs from the recipe's: bf16
 
     @property
     def label(self) -> str:
-        parts = [name for name, on in (("LoRA", self.lora), ("checkpointing", self.checkpointing),
-                                       ("chunked loss", self.chunked_loss), ("offloading", self.offload)) if on]
+        parts = [name for name, on in (("8-bit AdamW", self.optimizer == "adamw8bit"), ("LoRA", self.lora),
+                                       (f"{self.base} base", self.base), (f"{self.compute} compute", self.compute),
+                                       ("checkpointing", self.checkpointing), ("chunked loss", self.chunked_loss),
+                                       ("offloading", self.offload)) if on]
         return " + ".join(parts) or "plain"
 
     def flags(self) -> list[str]:
@@ -48,6 +54,26 @@ class Setting:
             out.append("--set training.activation_offloading=true")
         if self.lora:
             out.append("--set peft.enabled=true")
+        if self.optimizer:
+            out.append(f"--set training.optimizer={self.optimizer}")
+        if self.base == "nf4":
+            out.append("--set model.quantization=nf4")
+        if self.base:
+            out.append("--set model.dtype=bf16")
+        if self.compute:
+            out.append(f"--set training.mixed_precision={self.compute}")
+        return out
+
+    @property
+    def overrides(self) -> dict:
+        """The recipe's fields this setting changes beyond the memory settings (``section.key`` → value)."""
+        out = {"peft.enabled": True} if self.lora else {}
+        if self.optimizer:
+            out["training.optimizer"] = self.optimizer
+        if self.base:
+            out.update({"model.dtype": "bf16", **({"model.quantization": "nf4"} if self.base == "nf4" else {})})
+        if self.compute:
+            out["training.mixed_precision"] = self.compute
         return out
 
 
@@ -83,6 +109,7 @@ class Profile:
     first: list                 # micro-step peak above its start, no gradients held (a window's first micro-batch)
     later: list                 # the same with the window's gradients held (every later micro-batch)
     floor: Optional[dict] = None  # offloading: the same setting's first / later without it, less what it saved
+    measured: bool = True       # False: priced from its fixed part alone, which already exceeds the card
 
     def part(self, which: list, b: int) -> int:
         return at_size(which, b)
@@ -215,8 +242,7 @@ def optimizer_step_bytes(model, t) -> tuple[int, int]:
     optimizer = make_optimizer(params, t)
     with PeakMeter(params[0].device) as meter:
         optimizer.step()
-    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor))
+    state = state_bytes(optimizer)
     model.zero_grad(set_to_none=True)
     return state, meter.peak
 
@@ -233,7 +259,7 @@ def measure(model, batches, setting: Setting, t, loss_fn=None, processes: int = 
     micro = profile_micro_steps(model, batches, loss_fn, autocast_dtype(t.mixed_precision), setting.offload, up_to)
     return Profile(setting=setting, parameters=sum(p.numel() for p in model.parameters()),
                    trainable=sum(p.numel() for p in trainable),
-                   weights=tensor_bytes(model.parameters()) + tensor_bytes(model.buffers()),
+                   weights=held_bytes(model),
                    gradients=gradients, optimizer_state=state, optimizer_step=step,
                    buckets=gradients if processes > 1 else 0, **micro)
 

@@ -21,6 +21,7 @@ from finetune import cache
 from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, refuse_precision_for_new_model
 from finetune.data import check_data_source, load_local_table, pad_collate, split
 from finetune.hf_models import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
+from finetune.hf_models import from_config as new_model
 from finetune.job import Job
 from finetune.modeling import set_dropout
 
@@ -118,7 +119,7 @@ def build_model(m: ModelConfig, tokenizer, precision: dict):
         arch = AutoConfig.for_model(fields.pop("model_type"), vocab_size=len(tokenizer),
                                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                     pad_token_id=tokenizer.pad_token_id, **fields)
-        model = AutoModelForCausalLM.from_config(arch, trust_remote_code=m.trust_remote_code)
+        model = new_model(AutoModelForCausalLM, arch, trust_remote_code=m.trust_remote_code)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     if getattr(model, "loss_type", "") is None:  # e.g. GPT2LMHeadModel: transformers falls back to this, with a warning

@@ -39,6 +39,7 @@ from finetune.hf_models import (
     gguf_file,
     peft_save_hook,
     precision_kwargs,
+    pretrained,
     resolve_model_path,
 )
 from finetune.job import Job
@@ -403,8 +404,8 @@ def load_model(m: ModelConfig, **kwargs):
                           "(a Jinja file or the template text)")
     try:
         # fp32 weights whatever the checkpoint's dtype unless asked (model.dtype): mixed precision is autocast
-        model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=m.trust_remote_code,
-                                                     **{"dtype": torch.float32, **kwargs})
+        model = pretrained(AutoModelForCausalLM, path, trust_remote_code=m.trust_remote_code,
+                           **{"dtype": torch.float32, **kwargs})
     except (OSError, ValueError) as e:
         raise cannot_load(e) from None
     if tokenizer.pad_token is None:

@@ -119,3 +119,36 @@ def test_activation_offloading_lowers_the_step_peak(figures, clean_cuda):
     figures("plain", f"{plain / MiB:.0f} MiB")
     figures("offloaded", f"{offloaded / MiB:.0f} MiB", f"≤ plain − {saved / 2 / MiB:.0f} MiB")
     assert offloaded <= plain - saved / 2, f"plain {plain / MiB:.0f} MiB, offloaded {offloaded / MiB:.0f} MiB"
+
+
+def test_plan_from_a_config_predicts_the_full_depth_step_peak(figures, clean_cuda, tmp_path):
+    """``finetune plan --model-config``: a 12-block Llama (width 1024, vocabulary 32 000) under the clm recipe,
+    planned from its config alone — the fixed part on the meta device, the micro-step measured on 2 blocks and
+    carried on per block — against ``max_memory_allocated`` of two steps of the whole model built from the same
+    config on this GPU (SGD with momentum, the recipe's own samples, micro-batch 4, N = 2)."""
+    from transformers import LlamaConfig
+
+    from finetune.config import load_recipe
+    from finetune.execute import build_job
+    from finetune.hf_models import stand_in
+    from finetune.plan_depth import plan_from_config
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                         num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False,
+                         max_position_embeddings=512)
+    config.save_pretrained(tmp_path)
+    b, n = 4, 2
+    cfg = load_recipe("clm-pydoc", ["training.effective_batch_size=8", f"training.batch_size={b}",
+                                    "training.optimizer=sgd", "training.momentum=0.9"])
+    card = f"{torch.cuda.get_device_properties(0).total_memory / 2 ** 30:.1f}GiB"
+    predicted = plan_from_config(cfg, str(tmp_path), card).predict(b, n)
+    with stand_in(config):
+        job = build_job(cfg)
+    longest = sorted(range(len(job.train_data)), key=job.length_of, reverse=True)[:1] * (2 * b * n)
+    measured, _ = train_and_measure(job.model, [job.train_data[i] for i in longest], job.collate_fn, b, n,
+                                    optimizer="sgd", momentum=0.9)
+    error = predicted / measured - 1
+    figures("predicted", f"{predicted / MiB:.0f} MiB")
+    figures("measured", f"{measured / MiB:.0f} MiB")
+    figures("error", f"{error:+.1%}", "±10 %")
+    assert abs(error) <= 0.10, f"predicted {predicted / MiB:.0f} MiB, measured {measured / MiB:.0f} MiB ({error:+.1%})"

@@ -1,0 +1,173 @@
+"""Plans for models larger than the machine that plans: ``finetune plan --model-config SOURCE``.
+
+SOURCE is a folder holding a ``config.json`` or a hub id; the full model is never built. The recipe runs with a
+stand-in for its model (``hf_models.stand_in``): its own data, tokenizer, loss and settings.
+
+* The fixed part — weights, gradients, optimizer state — comes from a meta-device build of the whole model, counted
+  per dtype, quantization and optimizer (``finetune.fixed_memory``): exact, and free.
+* What a micro-step adds — saved activations, the loss head, backward's temporaries — is measured as
+  ``finetune.step_memory`` measures it, on a depth-reduced copy: ``DEPTHS[-1]`` blocks with random weights at the
+  real width, vocabulary and sequence length, then on its first ``DEPTHS[0]`` blocks. Every block is the same, so
+  what one more block adds is the difference over the blocks between them, and the full depth's micro-step is the
+  deeper measurement plus that much per block left.
+
+A lever whose fixed part alone exceeds the card is not built at all: it is priced from that part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from finetune.errors import ConfigError
+from finetune.step_memory import Profile, Setting, at_size, longest_batches
+
+DEPTHS = (1, 2)  # blocks measured: 2 of Llama-3.1-8B's width with its vocabulary hold 3 GB in bf16
+
+
+def load_architecture(source: str):
+    """The transformers config of ``source`` (a folder with config.json, or a hub id), with its depth."""
+    from transformers import AutoConfig
+
+    from finetune.hf_models import from_pretrained
+
+    config = from_pretrained(AutoConfig, source, "--model-config")
+    if not isinstance(getattr(config, "num_hidden_layers", None), int):
+        raise ConfigError(f"--model-config: {source} has no num_hidden_layers; the planner extrapolates per block "
+                          "of a transformer")
+    return config
+
+
+class Extrapolated:
+    """A planning subject (``finetune.plan.Subject``) for ``cfg`` whose model is ``config``'s architecture."""
+
+    def __init__(self, cfg, config, batches: list, processes: int, per_process: int):
+        from finetune.execute import build_job
+        from finetune.hf_models import stand_in
+
+        self.cfg, self.config, self.batches = cfg, config, batches
+        self.processes, self.per_process = processes, per_process
+        self.depth = config.num_hidden_layers
+        with stand_in(config, meta=True):
+            meta = build_job(cfg).model
+        self.weights, self.gradients, self.optimizer_state = planned_fixed_part(meta, cfg)
+        self.fixed = self.weights + self.gradients + self.optimizer_state
+        self.parameters = sum(p.numel() for p in meta.parameters())
+        self.trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+        from finetune.plan import Subject
+
+        self.can_chunk = Subject(meta, batches, cfg.training).can_chunk
+        self.can_checkpoint = True
+        self._measured: Optional[object] = None
+
+    def copy(self):
+        """The depth-reduced copy, built on first use: the recipe's model with ``DEPTHS[-1]`` random blocks."""
+        if self._measured is None:
+            from finetune.execute import build_job
+            from finetune.hf_models import stand_in
+            from finetune.plan import Subject, checkpointing_of
+
+            with stand_in(self.config, layers=min(DEPTHS[-1], self.depth)):
+                job = build_job(self.cfg)
+            self._measured = Subject(job.model, self.batches, self.cfg.training, job.loss_fn, checkpointing_of(job),
+                                     self.processes, self.per_process)
+        return self._measured
+
+    def measure(self, setting: Setting) -> Optional[Profile]:
+        subject = self.copy()
+        deep = subject.measure(setting)
+        if deep is None:
+            return None
+        if self.depth <= DEPTHS[-1]:  # measured at full depth
+            return self.with_fixed(deep)
+        with first_blocks(subject.model, DEPTHS[0]):
+            shallow = subject.measure(setting)
+        return self.with_fixed(extrapolate(shallow, deep, DEPTHS[0], DEPTHS[-1], self.depth))
+
+    def with_fixed(self, profile: Profile) -> Profile:
+        """``profile`` with the full model's exact fixed part."""
+        profile.weights, profile.gradients, profile.optimizer_state = \
+            self.weights, self.gradients, self.optimizer_state
+        profile.parameters, profile.trainable = self.parameters, self.trainable
+        profile.buckets = self.gradients if self.processes > 1 else 0
+        return profile
+
+    def unmeasured(self, setting: Setting) -> Profile:
+        """``setting`` priced from the fixed part alone (it already exceeds the card: nothing is measured)."""
+        zero = [[1, 0], [2, 0]]
+        return self.with_fixed(Profile(setting=setting, parameters=0, trainable=0, weights=0, gradients=0,
+                                       optimizer_state=0, optimizer_step=self.optimizer_state, buckets=0,
+                                       saved=zero, first=zero, later=zero, measured=False))
+
+
+def planned_fixed_part(meta_model, cfg) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) of training the meta-built ``meta_model`` as ``cfg`` says."""
+    from finetune.config import PretrainedModelConfig
+    from finetune.fixed_memory import fixed_part
+    from finetune.hf_models import UNQUANTIZED_HEADS
+
+    m, t = cfg.model, cfg.training
+    quantization = m.quantization if isinstance(m, PretrainedModelConfig) else "none"
+    skip = [*UNQUANTIZED_HEADS, *(cfg.peft.modules_to_save or [])]
+    return fixed_part(meta_model, quantization, skip, t.optimizer, t.momentum)
+
+
+def extrapolate(shallow: Profile, deep: Profile, k1: int, k2: int, depth: int) -> Profile:
+    """``deep`` (measured with ``k2`` blocks) carried on to ``depth`` blocks at what each block added over
+    ``shallow`` (``k1`` blocks), at ``deep``'s micro-batch sizes."""
+    per_block = (depth - k2) / (k2 - k1)
+
+    def carry(mode: str) -> list:
+        return [[b, max(int(v + per_block * (v - at_size(getattr(shallow, mode), b))), 0)]
+                for b, v in getattr(deep, mode)]
+
+    out = Profile(**{**vars(deep), "saved": carry("saved"), "first": carry("first"), "later": carry("later")})
+    out.optimizer_step = int(deep.optimizer_step + per_block * (deep.optimizer_step - shallow.optimizer_step))
+    return out
+
+
+def block_list(model: torch.nn.Module, depth: int) -> tuple[torch.nn.Module, str]:
+    """(the module holding it, its attribute name) of the ModuleList of ``model``'s ``depth`` blocks."""
+    for module in model.modules():
+        for name, child in module.named_children():
+            if isinstance(child, torch.nn.ModuleList) and len(child) == depth:
+                return module, name
+    raise ConfigError(f"--model-config: found no list of {depth} blocks in {type(model).__name__}")
+
+
+@contextlib.contextmanager
+def first_blocks(model: torch.nn.Module, k: int):
+    """``model`` running only its first ``k`` blocks inside (config.num_hidden_layers follows), whole again after."""
+    config = model.config
+    depth = config.num_hidden_layers
+    holder, name = block_list(model, depth)
+    blocks = getattr(holder, name)
+    setattr(holder, name, torch.nn.ModuleList(list(blocks)[:k]))
+    config.num_hidden_layers = k
+    try:
+        yield model
+    finally:
+        setattr(holder, name, blocks)
+        config.num_hidden_layers = depth
+
+
+def plan_from_config(cfg, source: str, gpu: str, processes: int = 1):
+    """``finetune plan`` for ``cfg`` with its model replaced by ``source``'s architecture (never built whole)."""
+    from finetune.execute import build_job
+    from finetune.hf_models import stand_in
+    from finetune.plan import parse_gpu, plan_subjects, planned_window, recipe_levers, with_lever
+
+    parse_gpu(gpu)
+    config = load_architecture(source)
+    with stand_in(config, meta=True):  # the recipe's data, tokenizer and collation; its model on the meta device
+        job = build_job(cfg)
+    effective = planned_window(cfg, job, processes)
+    batches, seq = longest_batches(job, sizes=(1, 2))
+    per_process = effective // processes
+    levers = [(lever, lambda lever=lever: Extrapolated(with_lever(cfg, lever), config, batches, processes,
+                                                       per_process))
+              for lever in recipe_levers(cfg)]
+    return plan_subjects(Extrapolated(cfg, config, batches, processes, per_process), levers, gpu, effective,
+                         processes, cfg.training, seq)

@@ -1,0 +1,229 @@
+"""Plans for models larger than the planning machine, and the levers the planner prices: the fixed part counted on a
+meta-device build against what a real build holds, the micro-step extrapolated from a few blocks against the full
+depth, and the plan of Llama-3.1-8B from its config alone."""
+
+import dataclasses
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from finetune import hf_models
+from finetune.config import TrainingConfig, load_recipe
+from finetune.fixed_memory import fixed_part, held_bytes, planned_weight_bytes, state_bytes
+from finetune.optim import make_optimizer
+from finetune.plan import Subject, measuring_order, rank, recipe_levers, with_lever
+from finetune.plan_depth import DEPTHS, Extrapolated, first_blocks, load_architecture
+from finetune.step_memory import longest_batches
+from tests.helpers import ENV, ROOT, tiny_chat_assets
+
+LLAMA_8B = ROOT / "tests" / "assets" / "llama-3.1-8b"
+HEADS = ["lm_head"]
+
+
+def tiny_llama_config(layers=2):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_chat_assets()["model"])
+    config.num_hidden_layers = layers
+    return config
+
+
+def built(config, dtype="fp32", quantization="none", lora=False, meta=False):
+    """The tiny Llama as a recipe builds it (transformers' loading keywords, peft), for real or on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config import PeftConfig
+
+    kwargs = {"dtype": {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]}
+    if quantization != "none":
+        kwargs["quantization_config"] = hf_models.bnb_config(quantization, torch.float32, HEADS)
+    with hf_models.stand_in(config, meta=meta):
+        model = hf_models.pretrained(AutoModelForCausalLM, "unused", **kwargs)
+    peft = PeftConfig(enabled=lora, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    return hf_models.apply_peft(model, peft, "CAUSAL_LM")
+
+
+FIXED_CASES = [("fp32", "none", False, "adamw"), ("fp32", "none", False, "adamw8bit"), ("fp32", "none", False, "sgd"),
+               ("fp32", "none", False, "lion"), ("bf16", "none", True, "adamw"), ("bf16", "nf4", True, "adamw"),
+               ("fp32", "fp4", True, "adamw8bit"), ("bf16", "int8", True, "adamw")]
+
+
+@pytest.mark.parametrize("dtype,quantization,lora,optimizer", FIXED_CASES)
+def test_fixed_part_counted_on_the_meta_device_is_what_a_real_build_holds(dtype, quantization, lora, optimizer):
+    if quantization != "none" or optimizer.endswith("8bit"):
+        pytest.importorskip("bitsandbytes")
+    config = tiny_llama_config()
+    t = TrainingConfig(optimizer=optimizer, momentum=0.9 if optimizer == "sgd" else 0.0)
+    real = built(config, dtype, quantization, lora)
+    params = [p for p in real.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = make_optimizer(params, t)
+    opt.step()
+    held = (held_bytes(real), 4 * sum(p.numel() for p in params), state_bytes(opt))
+
+    meta = built(config, dtype, quantization, lora, meta=True)
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    assert fixed_part(meta, quantization, HEADS, optimizer, t.momentum) == held
+
+
+def test_quantized_layers_hold_more_than_their_packed_weights():
+    """Negative control: bitsandbytes' quantization state (absmax, codes) is part of the fixed part — counting the
+    parameters' bytes alone misses it."""
+    pytest.importorskip("bitsandbytes")
+    model = built(tiny_llama_config(), "bf16", "nf4", lora=True)
+    params_only = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held_bytes(model) > params_only
+    assert planned_weight_bytes(built(tiny_llama_config(), "bf16", lora=True, meta=True), "nf4", HEADS) \
+        == held_bytes(model)
+
+
+def test_first_blocks_runs_a_prefix_and_restores_the_model():
+    config = tiny_llama_config(layers=4)
+    model = built(config)
+    ids = torch.randint(1, 64, (1, 12))
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        with first_blocks(model, 2):
+            assert len(model.model.layers) == 2 and model.config.num_hidden_layers == 2
+            prefix = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    cut = built(tiny_llama_config(layers=2))
+    cut.load_state_dict({k: v for k, v in model.state_dict().items() if not any(f".layers.{i}." in k for i in (2, 3))})
+    with torch.no_grad():
+        assert torch.equal(prefix, cut(input_ids=ids).logits)
+    assert torch.equal(whole, again) and not torch.equal(whole, prefix)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the levers
+
+
+def test_levers_of_the_sft_recipe_in_cost_order():
+    pytest.importorskip("bitsandbytes")
+    lora = recipe_levers(load_recipe("sft-smollm2"))
+    full = recipe_levers(load_recipe("sft-smollm2", ["peft.enabled=false"]))
+    assert [s.label for s in lora] == ["bf16 base", "nf4 base", "nf4 base + bf16 compute"]
+    assert [s.label for s in full] == ["8-bit AdamW", "LoRA", "LoRA + bf16 base", "LoRA + nf4 base",
+                                       "LoRA + nf4 base + bf16 compute"]
+    ranks = [rank(s) for s in full]
+    assert ranks == sorted(ranks) and min(ranks) > max(rank(s) for s in measuring_order(True, True))
+    cfg = with_lever(load_recipe("sft-smollm2", ["peft.enabled=false"]), full[-1])
+    assert (cfg.peft.enabled, cfg.model.quantization, cfg.model.dtype, cfg.training.mixed_precision) == \
+        (True, "nf4", "bf16", "bf16")
+    assert recipe_levers(load_recipe("sft-smollm2", ["model.quantization=nf4", "training.mixed_precision=bf16"])) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# depth extrapolation against the full depth
+
+
+def assert_depth_prediction(cfg, config, full_job, within=0.10, only=None) -> float:
+    """Every setting row of ``cfg``'s planner table (its exact settings, and its levers with checkpointing and the
+    chunked head): the step peak of ``config``'s full depth predicted from ``DEPTHS`` blocks, against the planner's
+    measurement of the whole model (``full_job(variant)``) at a few shapes of an 8-sample window (``only``: the rows
+    with these labels). The worst error."""
+    from finetune.execute import build_job
+    from finetune.hf_models import stand_in
+    from finetune.plan import checkpointing_of
+
+    with stand_in(config, meta=True):
+        batches, _ = longest_batches(build_job(cfg))
+    shapes = ((1, 8), (4, 2), (8, 1))
+    rows = [(cfg, s) for s in measuring_order(True, True)] + \
+        [(with_lever(cfg, lever), dataclasses.replace(lever, checkpointing=True, chunked_loss=True))
+         for lever in recipe_levers(cfg)]
+    rows = [(v, s) for v, s in rows if only is None or s.label in only]
+    assert rows
+    worst = 0.0
+    for variant, setting in rows:
+        job = full_job(variant)
+        full = Subject(job.model, batches, variant.training, job.loss_fn, checkpointing_of(job), 1, 8).measure(setting)
+        extrapolated = Extrapolated(variant, config, batches, 1, 8)
+        copy = extrapolated.copy().measure(setting)  # negative control: the shallow copy alone misses
+        assert max(abs(extrapolated.with_fixed(copy).step_peak(b, n) / full.step_peak(b, n) - 1)
+                   for b, n in shapes) > within, setting.label
+        predicted = extrapolated.measure(setting)
+        assert predicted.measured and (predicted.weights, predicted.gradients, predicted.optimizer_state) == \
+            (full.weights, full.gradients, full.optimizer_state), setting.label
+        for b, n in shapes:
+            error = predicted.step_peak(b, n) / full.step_peak(b, n) - 1
+            worst = max(worst, abs(error))
+            assert abs(error) <= within, f"{setting.label} at {b} x {n}: {error:+.1%}"
+    return worst
+
+
+def test_a_10_block_llama_from_2_blocks_within_10_percent():
+    """The rows that differ most in what a block keeps: everything saved, checkpointed, and a 4-bit base under
+    bf16 compute (every row of SmolLM2's table: the slow test below)."""
+    from finetune.execute import build_job
+    from finetune.hf_models import stand_in
+
+    pytest.importorskip("bitsandbytes")
+    assets = tiny_chat_assets()
+    cfg = load_recipe("sft-smollm2", [f"model.name_or_path={assets['model']}", f"data.source={assets['data']}",
+                                      "data.limit=16", "data.val_fraction=0.2", "training.effective_batch_size=8",
+                                      "model.generate_prompts=0", "peft.r=4", "peft.alpha=8"])
+    config = tiny_llama_config(layers=10)
+    config.hidden_size, config.intermediate_size = 64, 256
+    assert max(DEPTHS) <= 4 < config.num_hidden_layers
+
+    def full_job(variant):
+        with stand_in(config):
+            return build_job(variant)
+
+    only = {"chunked loss", "checkpointing + chunked loss", "nf4 base + bf16 compute + checkpointing + chunked loss"}
+    assert_depth_prediction(cfg, config, full_job, only=only)
+
+
+@pytest.mark.slow
+def test_smollm2_step_peak_from_2_blocks_within_10_percent_of_its_30():
+    from finetune.execute import build_job
+
+    pytest.importorskip("bitsandbytes")
+    cfg = load_recipe("sft-smollm2", ["data.limit=16", "training.effective_batch_size=8"])
+    config = build_job(cfg).model.config
+    assert config.num_hidden_layers == 30
+    assert_depth_prediction(cfg, config, build_job)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Llama-3.1-8B from its config.json
+
+
+PLAN_8B = [sys.executable, "-m", "finetune", "plan", "--recipe", "sft-smollm2", "--model-config", str(LLAMA_8B),
+           "--json"]
+
+
+def run_measured(args: list) -> tuple:
+    """(CompletedProcess, seconds, the child's peak resident memory in bytes)."""
+    start = time.time()
+    done = subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
+    return done, time.time() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+@pytest.mark.slow
+def test_llama_8b_plan_from_its_config_on_8_and_4_gib():
+    pytest.importorskip("bitsandbytes")
+    done, seconds, rss = run_measured(PLAN_8B + ["--gpu", "8GiB"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan = json.loads(done.stdout.strip().splitlines()[-1])
+    assert plan["fits"] and plan["parameters"] > 8.0e9 and plan["step_peak"] <= (8 - 0.6) * 0.9 * 2**30
+    assert "nf4 base" in " + ".join(s["setting"] for s in plan["settings"] if s["measured"])
+    assert seconds < 300 and rss < 8e9, (seconds, rss)
+    small, _, _ = run_measured(PLAN_8B[:-1] + ["--gpu", "4GiB"])
+    assert small.returncode == 1
+    assert "does not fit" in small.stdout and "weights, gradients and optimizer state alone" in small.stdout
+
+
+def test_architecture_from_a_folder_or_one_line_error(tmp_path):
+    assert load_architecture(str(LLAMA_8B)).num_hidden_layers == 32
+    from finetune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--model-config"):
+        load_architecture(str(tmp_path / "nothing-here"))
