@@ -419,7 +419,35 @@ def trl_peak(base: list, data, b: int, n: int) -> int:
     held = weight_bytes(trainer.model)
     with PeakMeter(C.DEVICE) as meter, C.quiet():
         trainer.train()
+    base_model = trainer.model.get_base_model()
+    assert getattr(base_model, "is_activation_checkpointing", None) or base_model.is_gradient_checkpointing, \
+        "TRL ran without gradient checkpointing"
     return held + meter.peak
+
+
+def head_peaks(model, tokens: int) -> dict:
+    """The loss heads alone: the most bytes allocated by a forward and backward of TRL's fused head (with the
+    entropy and top-1 outputs SFTTrainer asks of it) and of finetune's chunked head, over ``tokens`` random hidden
+    states through ``model``'s frozen output layer (what TRL's step holds beyond finetune's is mostly here)."""
+    from trl.kernels import ChunkedLogProbFunction
+
+    from finetune.loss_head import chunked_linear_cross_entropy
+
+    weight = model.get_output_embeddings().weight.detach()
+    g = torch.Generator().manual_seed(0)
+    targets = torch.randint(0, weight.shape[0], (tokens,), generator=g)
+    out = {}
+    for tool in ("finetune", "TRL"):
+        hidden = torch.randn(tokens, weight.shape[1], generator=g).to(weight).requires_grad_()
+        with PeakMeter(C.DEVICE) as meter:
+            if tool == "TRL":  # SFTTrainer's call: 32 768-word vocabulary tiles, log-probs, entropy and top-1
+                loss = -ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0,
+                                                     ("log_probs", "entropy", "is_top1"))[0].sum()
+            else:
+                loss = chunked_linear_cross_entropy(hidden, weight, targets)
+            loss.backward()
+        out[tool] = meter.peak
+    return out
 
 
 def tokens_per_second(tool: str, base: list, data, b: int, n: int, seq: int, steps: int) -> tuple:
@@ -452,6 +480,9 @@ def side_by_side(record: dict, ours_peak: int, base: list, data, b: int, n: int,
         print("\nTRL is not installed (pip install trl): no side-by-side rows.\n")
         return
     theirs = trl_peak(base, data, b, n)
+    model, _, _ = sft_model([*base, *LOW_PRECISION_ROWS[QLORA]], lora=False)
+    heads = head_peaks(model, b * (seq - 1))
+    del model
     speed = {"finetune": [], "TRL": []}  # (wall, CPU) tokens/s of each run
     for r in range(reps):  # interleaved, the order rotated: a busy phase of the machine hits both alike
         for tool in (("finetune", "TRL") if r % 2 == 0 else ("TRL", "finetune")):
@@ -467,9 +498,14 @@ def side_by_side(record: dict, ours_peak: int, base: list, data, b: int, n: int,
                    ["TRL SFTTrainer", f"{theirs / MB:.0f}", f"{tps['TRL'][1]:.1f}", f"{tps['TRL'][0]:.1f}"],
                    ["finetune ÷ TRL", f"{ours_peak / theirs:.3f}", f"{tps['finetune'][1] / tps['TRL'][1]:.3f}",
                     f"{tps['finetune'][0] / tps['TRL'][0]:.3f}"]]))
+    print(f"\nThe loss heads alone, forward and backward over {b * (seq - 1)} tokens: finetune's chunked head "
+          f"{heads['finetune'] / MB:.0f} MB, TRL's fused head {heads['TRL'] / MB:.0f} MB (on a CPU, without Triton, "
+          "it scores every position in [tokens, 32 768] fp32 tiles and computes each tile's softmax terms as whole "
+          "temporaries).")
     record["qlora_peak_vs_trl"] = ours_peak / theirs
     record["qlora_speed_vs_trl"] = tps["finetune"][1] / tps["TRL"][1]
     record["trl"] = {"version": trl.__version__, "peak_mb": theirs / MB, "finetune_peak_mb": ours_peak / MB,
+                     "head_peak_mb": heads["TRL"] / MB, "finetune_head_peak_mb": heads["finetune"] / MB,
                      "tokens_per_s_wall_cpu": speed, "speed_vs_trl_wall": tps["finetune"][0] / tps["TRL"][0]}
 
 
