@@ -1,8 +1,9 @@
 """What does accumulation cost in memory, what do checkpointing and the chunked loss head save (and cost in time),
 and how close is ``finetune plan``'s prediction of a step's peak?
 
-    PYTHONPATH=. python benchmarks/memory.py --quick     # ~5 min on 2 CPU cores
-    PYTHONPATH=. python benchmarks/memory.py             # a larger grid, SmolLM2 at 8 × 512 tokens (~30 min)
+    PYTHONPATH=. python benchmarks/memory.py --quick     # ~15 min on 2 CPU cores
+    PYTHONPATH=. python benchmarks/memory.py             # a larger grid, SmolLM2 at 8 × 512 tokens (~1 h)
+    PYTHONPATH=. python benchmarks/memory.py --quick --sections lowprec   # the low-precision rows alone
 
 Models: the pretrained MiniLM (sequence classification) on Python-docs paragraphs padded or cut to 128 tokens; the
 clm-pydoc recipe's GPT-2 on 128-token blocks of the Python docs; SmolLM2-135M-Instruct (the sft-smollm2 recipe's
@@ -19,6 +20,12 @@ model) on 512-token blocks (``--quick``: 128). Every micro-batch has the same sh
 * **Gradient checkpointing** on and off: activation bytes, step peak and time per step (interleaved repetitions,
   medians). For SmolLM2: plain, + checkpointing, + the chunked loss head, + both, and the peak above weights +
   gradients + optimizer state (the part these settings act on); offloading's rows are predicted only (CUDA).
+* **Low-precision weights** (section ``lowprec``): SmolLM2 loaded as the sft recipe loads it with ``model.dtype: bf16``,
+  ``model.quantization: nf4`` (double quantization), both, and ``training.optimizer: adamw8bit`` in full fine-tuning,
+  against the fp32 LoRA and fp32 AdamW rows of the same run, at 2 × 512 tokens (more than one chunk of the loss
+  head), fp32 compute, checkpointing and the chunked head on: the fixed part (weights with the 4-bit quantization
+  state, gradients, optimizer state), the step peak and the step time. Then TRL's ``SFTTrainer`` (if ``trl`` is
+  installed) on the same QLoRA step: its step peak, measured the same way, and tokens/s beside finetune's.
 
 Accumulation keeps only one micro-batch's activations alive at a time; what it adds over a single micro-batch is
 the gradient buffer during the second and later forwards (at N = 1 the step's peak comes before the gradients exist)
@@ -320,10 +327,11 @@ def weight_bytes(model) -> int:
     return tensor_bytes([*model.parameters(), *model.buffers(), *quant_state_tensors(model)])
 
 
-def optimizer_state_bytes(model, optimizer: str) -> int:
-    """Bytes of ``optimizer``'s state for ``model``'s trainable weights, built by the loop's own ``make_optimizer``
-    and stepped once on zero gradients (the state exists after the first step). Changes the weights' grads: call it
-    on a model that has done its training."""
+def optimizer_bytes(model, optimizer: str) -> tuple[int, int]:
+    """(bytes of ``optimizer``'s state for ``model``'s trainable weights, the most bytes a steady step of it allocates
+    on top): built by the loop's own ``make_optimizer``, stepped twice on zero gradients (the state exists after the
+    first step), the second under the allocator's record. Changes the weights: call it on a model that has done its
+    training."""
     from finetune.optim import make_optimizer
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -331,10 +339,12 @@ def optimizer_state_bytes(model, optimizer: str) -> int:
     for p in trainable:
         p.grad = torch.zeros_like(p)
     opt.step()
+    with PeakMeter(C.DEVICE) as meter:
+        opt.step()
     held = tensor_bytes([v for s in opt.state.values() for v in s.values()])
     for p in trainable:
         p.grad = None
-    return held
+    return held, meter.peak
 
 
 def quantized_share(model) -> dict:
@@ -526,8 +536,9 @@ def low_precision_section(record: dict, b: int, seq: int, n: int, timed_steps: i
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         optimizer = cfg.training.optimizer
         peak, seconds = metered_steps(model, data, clm_collate, training(b, n, 2, True, True, optimizer))
-        state = optimizer_state_bytes(model, optimizer)
+        state, update = optimizer_bytes(model, optimizer)
         res[label] = {"weights_mb": weights / MB, "gradients_mb": trainable * 4 / MB, "optimizer_mb": state / MB,
+                      "update_temporaries_mb": update / MB,
                       "fixed_mb": (weights + trainable * 4 + state) / MB, "peak_mb": peak / MB,
                       "step_s": seconds[-1][1], "step_wall_s": seconds[-1][0], **quantized_share(model)}
         del model
@@ -536,15 +547,16 @@ def low_precision_section(record: dict, b: int, seq: int, n: int, timed_steps: i
         ref = res[BASELINE[label]]
         rows.append([label, f"{r['weights_mb']:.1f}", f"{r['gradients_mb']:.1f}", f"{r['optimizer_mb']:.1f}",
                      f"{r['fixed_mb']:.1f}", f"{r['fixed_mb'] / ref['fixed_mb']:.3f}", f"{r['peak_mb']:.0f}",
-                     f"{r['peak_mb'] / ref['peak_mb']:.3f}", f"{r['step_s']:.1f}",
-                     f"{r['step_s'] / ref['step_s']:.2f}"])
+                     f"{r['peak_mb'] / ref['peak_mb']:.3f}", f"{r['peak_mb'] - r['fixed_mb']:.0f}",
+                     f"{r['update_temporaries_mb']:.0f}", f"{r['step_s']:.1f}", f"{r['step_s'] / ref['step_s']:.2f}"])
     name = Path(cfg.model.name_or_path).stem.split(".")[0]
     print(f"## {name}: low-precision weights ({b} × {seq} tokens, N = {n}, fp32 compute, gradient "
           "checkpointing and the chunked loss head on)\n")
     print("Ratios against the fp32 row of the same kind: fp32 LoRA for the LoRA rows, fp32 AdamW for AdamW8bit. Step "
           "time: the second step's CPU time, one run each, under the allocator's record.\n")
     print(C.table(["setting", "weights MB", "gradients MB", "optimizer MB", "fixed part MB", "÷ fp32", "step peak MB",
-                   "÷ fp32", "step s", "÷ fp32"], rows))
+                   "÷ fp32", "peak above the fixed part MB", "optimizer step's temporaries MB", "step s (CPU)",
+                   "÷ fp32"], rows))
 
     side_by_side(record, res[QLORA]["peak_mb"] * MB, base, data, b, n, seq, timed_steps, reps)
     lora, q = res["fp32 base + LoRA"], res[QLORA]
