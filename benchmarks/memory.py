@@ -35,6 +35,7 @@ and the window's inputs, which the loop collates ahead to count its items. The l
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -429,6 +430,7 @@ def trl_peak(base: list, data, b: int, n: int) -> int:
     held = weight_bytes(trainer.model)
     with PeakMeter(C.DEVICE) as meter, C.quiet():
         trainer.train()
+    shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # nothing saved (save_strategy "no"): an empty folder
     base_model = trainer.model.get_base_model()
     assert getattr(base_model, "is_activation_checkpointing", None) or base_model.is_gradient_checkpointing, \
         "TRL ran without gradient checkpointing"
@@ -473,6 +475,7 @@ def tokens_per_second(tool: str, base: list, data, b: int, n: int, seq: int, ste
         trainer = trl_trainer(model, tokenizer, cfg, data, b, n, steps, lambda: ends.append(C.clocks()))
         with C.quiet():
             trainer.train()
+        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
         seconds = step_times(ends)
     assert len(seconds) == steps - 1
     return tuple(b * n * seq * len(seconds) / sum(s[k] for s in seconds) for k in (0, 1))
