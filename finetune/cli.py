@@ -6,6 +6,8 @@
     finetune validate RECIPE [--set k=v ...]          load + validate, every problem listed
     finetune plan --recipe R --gpu 8GiB               memory plan: micro-batch, N, checkpointing
     finetune compare RUN_A RUN_B                      did two runs take the same optimizer steps?
+    finetune compare BASELINE RUN                     ... BASELINE: a Trainer/TRL folder or its model card
+    finetune import SOURCE [-o R.yaml] [--recipe B]   a recipe from a Trainer/TRL folder, model card, axolotl YAML
     finetune plot RUN                                 redraw a run's PNGs from its history
     finetune search --recipe R --trials K --param lr=loguniform:1e-5:1e-3 ...   optuna search
 
@@ -133,6 +135,12 @@ def cmd_compare(args) -> int:
     return 0 if result.equivalent else 1
 
 
+def cmd_import(args) -> int:
+    from finetune import recipe_import
+
+    return recipe_import.main(args)
+
+
 def cmd_plot(args) -> int:
     from finetune import outputs
 
@@ -179,6 +187,11 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
                    help="loss curve: max relative difference allowed (default 1e-4; 1e-2 with an 8-bit optimizer)")
     c.add_argument("--plot", metavar="PNG", help="write both runs' loss and lr curves here")
     c.set_defaults(func=cmd_compare)
+    from finetune import recipe_import
+
+    i = sub.add_parser("import", help="a recipe from a Trainer/TRL folder, a model card, an axolotl YAML or args JSON")
+    recipe_import.add_arguments(i)
+    i.set_defaults(func=cmd_import)
     pl = sub.add_parser("plot", help="redraw a run's loss / lr / grad-norm PNGs")
     pl.add_argument("run")
     pl.set_defaults(func=cmd_plot)
