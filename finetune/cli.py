@@ -126,12 +126,21 @@ def cmd_validate(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from finetune.compare import compare_runs, plot_comparison
+    from finetune.compare import (
+        compare_runs,
+        compare_with_baseline,
+        is_finetune_run,
+        plot_against_baseline,
+        plot_comparison,
+    )
 
-    result = compare_runs(args.run_a, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol)
+    # RUN_A may be a baseline another tool trained (a Trainer/TRL folder, a model card): checked against its logs
+    runs = is_finetune_run(args.run_a)
+    compare, plot = (compare_runs, plot_comparison) if runs else (compare_with_baseline, plot_against_baseline)
+    result = compare(args.run_a, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol)
     print(result.report())
     if args.plot:
-        print(f"curves: {plot_comparison(args.run_a, args.run_b, args.plot)}")
+        print(f"curves: {plot(args.run_a, args.run_b, args.plot)}")
     return 0 if result.equivalent else 1
 
 
@@ -178,8 +187,9 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     v.add_argument("recipe")
     v.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     v.set_defaults(func=cmd_validate)
-    c = sub.add_parser("compare", help="did two runs take the same optimizer steps?")
-    c.add_argument("run_a")
+    c = sub.add_parser("compare", help="did two runs take the same optimizer steps? (RUN_A: also a Trainer/TRL "
+                                       "output folder or its model card)")
+    c.add_argument("run_a", metavar="RUN_A|BASELINE")
     c.add_argument("run_b")
     c.add_argument("--rtol", type=float, default=None,
                    help="weights: max relative difference allowed (default 1e-5; 8-bit optimizer: only reported)")
