@@ -67,11 +67,13 @@ def carry(b: Baseline, model_fields: set, data_fields: set) -> Imported:
 
     total = b.effective_batch()
     if total:
-        how = "total_train_batch_size" if get("total_train_batch_size") else \
-            "per_device_train_batch_size × gradient_accumulation_steps" + (" × num_devices" if get("num_devices")
-                                                                           else " × 1 process")
-        where = src("total_train_batch_size" if get("total_train_batch_size") else "per_device_train_batch_size")
-        out.set("training.effective_batch_size", total, f"{where}: {how}")
+        if get("total_train_batch_size"):
+            where = f"{src('total_train_batch_size')}: total_train_batch_size"
+        else:
+            devices = get("num_devices")
+            where = f"{src('per_device_train_batch_size')} × accumulation × " + (
+                f"{devices} devices" if devices else "1 process (the source names no process count)")
+        out.set("training.effective_batch_size", total, where)
         out.set("training.gradient_accumulation_steps", None, "derived from the effective batch and your micro-batch")
     for name, field in (("learning_rate", "training.learning_rate"), ("weight_decay", "training.weight_decay")):
         if get(name) is not None:
@@ -127,13 +129,15 @@ def _scheduler(b: Baseline, out: Imported) -> None:
             out.set("training.warmup_steps", 0, b.args["warmup_steps"][1])
         return
     total = get("schedule_steps") or (get("max_steps") if (get("max_steps") or -1) > 0 else None)
+    if not total and b.steps_given:
+        total, b.args["schedule_steps"] = b.steps_given, (b.steps_given, "--steps")
     if total:
         where = b.args["schedule_steps" if get("schedule_steps") else "max_steps"][1]
         out.set("training.warmup_steps", math.ceil(int(total) * ratio),
                 f"{ratio_src}: ratio {ratio:g} × {total} steps ({where}), rounded up as transformers does")
     else:
-        out.skip("warmup ratio", ratio, "this source does not say how many optimizer steps the run took; set "
-                 f"training.warmup_steps=ceil({ratio:g} × steps) (transformers rounds up)")
+        out.skip("warmup ratio", ratio, "this source does not say how many optimizer steps the run took; give "
+                 f"--steps N, or set training.warmup_steps=ceil({ratio:g} × N) (transformers rounds up)")
 
 
 def _length(b: Baseline, out: Imported) -> None:
@@ -305,13 +309,14 @@ def _skeleton(b: Baseline) -> dict:
     return {"task": "clm", "description": f"imported from {b.path}", "model": {"name_or_path": b.base_model}}
 
 
-def import_recipe(source, base=None) -> tuple[dict, Imported, Baseline]:
+def import_recipe(source, base=None, steps=None) -> tuple[dict, Imported, Baseline]:
     """The recipe mapping for baseline ``source`` (over recipe ``base`` when given), what was carried and the
     baseline. Raises ConfigError (one line) for bad input, a recipe that would not validate, or a model that
     differs from the baseline's."""
     from finetune.config import apply_overrides, config_from_dict, read_yaml, recipe_path, resolve_task, task_module
 
     b = read_baseline(source, "import")
+    b.steps_given = steps
     raw = read_yaml(recipe_path(base)) if base else _skeleton(b)
     if not isinstance(raw, dict):
         raise ConfigError(f"--recipe: {base} is not a recipe (a YAML mapping)")
@@ -352,7 +357,7 @@ def main(args) -> int:
                                "-imported.yaml")
     if out.exists() and not args.force:
         raise ConfigError(f"import: -o {out} exists; give another path or --force")
-    raw, imported, b = import_recipe(args.source, args.recipe)
+    raw, imported, b = import_recipe(args.source, args.recipe, args.steps)
     print(table(imported, b))
     if b.unknown:  # listed, not fatal: axolotl grows keys faster than this list
         print(f"warning: {b.path.name}: keys finetune does not know, not read: {', '.join(b.unknown)}",
@@ -371,4 +376,6 @@ def add_arguments(p) -> None:
                                                                   "(default: <source>-imported.yaml)")
     p.add_argument("--recipe", metavar="BASE", help="keep this recipe's task, model and data (default: a clm recipe "
                                                     "on the baseline's base model)")
+    p.add_argument("--steps", type=int, metavar="N", help="the baseline's optimizer steps, for a warm-up ratio when "
+                                                          "the source does not say them (axolotl, args JSON)")
     p.add_argument("--force", action="store_true", help="overwrite the output file")
