@@ -104,13 +104,13 @@ def read_folder(folder: Path, what: str) -> Baseline:
         raise ConfigError(f"{what}: {folder} holds no trainer_state.json (nor a checkpoint-*/ with one); give a "
                           "Trainer/TRL output or checkpoint folder, or its model card README.md")
     read_trainer_state(state_file, b, what)
-    args_json, args_bin = state_file.parent / "training_args.json", state_file.parent / "training_args.bin"
-    if not args_json.is_file():
-        args_json, args_bin = folder / "training_args.json", folder / "training_args.bin"
-    if args_json.is_file():
-        b.args.update(_sourced(_json_object(args_json, what), args_json.name))
-    elif args_bin.is_file():
-        b.args.update(_sourced(read_training_args_bin(args_bin, what), args_bin.name))
+    places = [state_file.parent / n for n in ("training_args.json", "training_args.bin")] + \
+        [folder / n for n in ("training_args.json", "training_args.bin")]
+    args_file = next((p for p in places if p.is_file()), None)  # JSON first: it says the same without a pickle
+    if args_file is not None and args_file.suffix == ".json":
+        b.args.update(_sourced(_json_object(args_file, what), args_file.name))
+    elif args_file is not None:
+        b.args.update(_sourced(read_training_args_bin(args_file, what), args_file.name))
     if (folder / "README.md").is_file():
         card = Baseline("model card", folder / "README.md")
         read_card(folder / "README.md", card, what, required=False)

@@ -181,3 +181,169 @@ def test_the_model_card_alone(baseline, replayed, capsys):
     assert "training.warmup_steps                 3" in out  # ratio 0.1 × 26 steps (the results table's last row)
     assert "not in the model card, the recipe's values kept: weight_decay (Trainer default 0.0)" in out
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# finetune import: each source kind
+
+
+def _folder_variant(baseline, tmp_path, kind):
+    """The baseline as each source kind a user may hold."""
+    import shutil
+
+    folder = baseline / "baseline"
+    if kind == "folder":
+        return folder
+    if kind == "checkpoint folder (training_args.bin only)":
+        out = tmp_path / "out"
+        shutil.copytree(folder, out / "checkpoint-26")
+        (out / "checkpoint-26" / "training_args.json").unlink()
+        (out / "checkpoint-26" / "README.md").unlink()
+        (out / "checkpoint-26" / "model.safetensors").unlink()
+        return out
+    if kind == "model card":
+        return folder / "README.md"
+    if kind == "args JSON":
+        return folder / "training_args.json"
+    return AXOLOTL
+
+
+@pytest.mark.parametrize("kind", ["folder", "checkpoint folder (training_args.bin only)", "model card", "args JSON",
+                                  "axolotl YAML"])
+def test_import_each_source_kind(baseline, tmp_path, capsys, kind):
+    import yaml
+
+    out = tmp_path / "recipe.yaml"
+    code, stdout, err = finetune_cli(capsys, "import", _folder_variant(baseline, tmp_path, kind), "--recipe",
+                                     baseline / "recipe.yaml", "-o", out)
+    assert code == 0, err
+    t = yaml.safe_load(out.read_text())["training"]
+    assert (t["effective_batch_size"], t["learning_rate"], t["seed"], t["sample_order"], t["epochs"]) == \
+        (16, 0.002, 42, "trainer", 2)
+    if kind in ("args JSON", "axolotl YAML"):  # no step count in the source: the ratio is not carried ...
+        assert "warmup_steps" not in t and "not carried: warmup ratio=0.1" in stdout
+        code, stdout, _ = finetune_cli(capsys, "import", _folder_variant(baseline, tmp_path, kind), "--recipe",
+                                       baseline / "recipe.yaml", "-o", out, "--steps", "26", "--force")
+        t = yaml.safe_load(out.read_text())["training"]  # ... until the steps are given
+    assert t["warmup_steps"] == 3  # ceil(26 × 0.1), as transformers rounds
+    if kind == "axolotl YAML":
+        peft = yaml.safe_load(out.read_text())["peft"]
+        assert (peft["enabled"], peft["r"], peft["alpha"], peft["target_modules"]) == \
+            (True, 8, 16, ["q_proj", "v_proj"])
+    if kind != "model card":
+        assert t["weight_decay"] == 0.01
+    assert stdout.splitlines()[1].split() == ["field", "value", "from"]
+
+
+def test_training_args_bin_is_read_by_the_restricted_unpickler(baseline):
+    from finetune.baselines import read_training_args_bin
+
+    args = read_training_args_bin(baseline / "baseline" / "training_args.bin")
+    assert (args["per_device_train_batch_size"], args["warmup_steps"], args["optim"], args["lr_scheduler_type"]) == \
+        (8, 0.1, "adamw_torch", "linear")
+
+
+class _Payload:
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {_Payload.marker}",)
+
+
+def test_a_pickle_with_a_foreign_class_is_refused(baseline, tmp_path, capsys):
+    """A training_args.bin that would run a command: one line naming the class, exit 2, nothing run or written."""
+    import shutil
+
+    from tests.helpers import assert_one_error_line
+
+    _Payload.marker = tmp_path / "ran"
+    folder = tmp_path / "evil"
+    shutil.copytree(baseline / "baseline", folder)
+    (folder / "training_args.json").unlink()
+    torch.save(_Payload(), folder / "training_args.bin")
+    code, _, err = finetune_cli(capsys, "import", folder, "--recipe", baseline / "recipe.yaml",
+                                "-o", tmp_path / "r.yaml")
+    assert code == 2 and not (tmp_path / "r.yaml").exists() and not _Payload.marker.exists()
+    assert_one_error_line(err, "system, which is not a TrainingArguments class or one of its enums; refused")
+    # negative control: the file really runs the command when unpickled as is
+    torch.load(folder / "training_args.bin", weights_only=False)
+    assert _Payload.marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input: one line, exit 2, nothing written
+
+
+def _bad_state(folder, text):
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text(text)
+    return folder
+
+
+@pytest.mark.parametrize("case, message", [
+    ("state not JSON", "trainer_state.json is not JSON"),
+    ("no log_history", "has no log_history"),
+    ("card without hyperparameters", "has no 'Training hyperparameters' list"),
+    ("model differs", "differs from the recipe's model.name_or_path: hidden_size 64 vs 32"),
+])
+def test_bad_baselines_are_refused_with_one_line(baseline, tmp_path, capsys, case, message):
+    import json
+
+    import yaml
+
+    from tests.helpers import assert_one_error_line
+
+    source, recipe = baseline / "baseline", baseline / "recipe.yaml"
+    if case == "state not JSON":
+        source = _bad_state(tmp_path / "f", '{"log_history": [')
+    elif case == "no log_history":
+        source = _bad_state(tmp_path / "f", '{"global_step": 3}')
+    elif case == "card without hyperparameters":
+        source = tmp_path / "README.md"
+        source.write_text("# a model\n\n## Training procedure\n\nMore information needed\n")
+    else:  # the recipe fine-tunes a narrower model than the baseline did
+        other = tmp_path / "other-model"
+        other.mkdir()
+        config = json.loads((baseline / "tiny-llama" / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+        raw = yaml.safe_load(recipe.read_text())
+        raw["model"]["name_or_path"] = str(other)
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(yaml.safe_dump(raw))
+    code, _, err = finetune_cli(capsys, "import", source, "--recipe", recipe, "-o", tmp_path / "r.yaml")
+    assert code == 2 and not (tmp_path / "r.yaml").exists()
+    assert_one_error_line(err, message)
+    if case != "model differs":  # compare refuses the same baseline alike
+        code, out, err = finetune_cli(capsys, "compare", source, baseline / "mine")
+        assert code == 2 and out == ""
+        assert_one_error_line(err, message)
+
+
+def test_compare_refuses_a_baseline_of_another_model(baseline, replayed, tmp_path, capsys):
+    import json
+    import shutil
+
+    from tests.helpers import assert_one_error_line
+
+    mine = tmp_path / "mine"
+    shutil.copytree(replayed, mine)
+    config = json.loads((mine / "model" / "config.json").read_text())
+    (mine / "model" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    code, out, err = finetune_cli(capsys, "compare", baseline / "baseline", mine)
+    assert code == 2 and out == ""
+    assert_one_error_line(err, "the baseline's model differs from")
+
+
+def test_unknown_axolotl_keys_are_listed_not_fatal(baseline, tmp_path, capsys):
+    import yaml
+
+    raw = yaml.safe_load(AXOLOTL.read_text())
+    source = tmp_path / "axolotl.yaml"
+    source.write_text(yaml.safe_dump({**raw, "rope_theta_schedule": 3, "my_plugin_flag": True}))
+    code, out, err = finetune_cli(capsys, "import", source, "--recipe", baseline / "recipe.yaml",
+                                  "-o", tmp_path / "r.yaml")
+    assert code == 0 and (tmp_path / "r.yaml").is_file()
+    assert "warning: axolotl.yaml: keys finetune does not know, not read: my_plugin_flag, rope_theta_schedule" in err
+    # the shipped asset holds none: every key of axolotl's documented example is known
+    assert "warning" not in finetune_cli(capsys, "import", AXOLOTL, "--recipe", baseline / "recipe.yaml",
+                                         "-o", tmp_path / "r2.yaml")[2]
