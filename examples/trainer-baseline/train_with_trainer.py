@@ -3,13 +3,16 @@
     HF_HUB_OFFLINE=1 python examples/trainer-baseline/train_with_trainer.py [--out runs/trainer-baseline]
 
 1. writes a tiny Llama-type model built from a config (random weights, seed 0) and a byte-level BPE tokenizer to
-   ``runs/tiny-llama``: the "pretrained" checkpoint both the baseline and finetune start from;
+   ``runs/tiny-llama`` (unless it is there): the "pretrained" checkpoint both the baseline and finetune start from;
 2. fine-tunes it with ``transformers.Trainer`` on the data of ``recipe.yaml`` beside this file (the same tokenized
    samples finetune trains on, in the same indices): per-device batch 8 × accumulation 2, 2 epochs (198 samples:
    12 windows of 16 and a short one of 6 each epoch), AdamW, linear schedule with warm-up ratio 0.1, seed 42,
    every step logged, one evaluation per epoch;
 3. leaves in ``--out`` what a Trainer user has: the model, ``training_args.bin``, ``trainer_state.json``, the model
    card ``README.md`` and the arguments as JSON (``training_args.json``).
+
+``--lora`` trains LoRA adapters with the settings of the axolotl config ``tests/assets/axolotl-tiny-llama-lora.yaml``
+(axolotl trains with this Trainer), e.g. ``--lora --out runs/trainer-lora-baseline``.
 """
 
 from __future__ import annotations
@@ -45,22 +48,28 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="runs/tiny-llama", help="where the tiny pretrained model is written")
     p.add_argument("--recipe", default=str(HERE / "recipe.yaml"), help="the data (and model) to train on")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters (r 8, alpha 16 on q_proj and v_proj: "
+                   "the settings of tests/assets/axolotl-tiny-llama-lora.yaml) instead of every weight")
     args = p.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments, set_seed
 
     from finetune.config import load_recipe, task_module
 
-    write_pretrained(Path(args.model))
-    cfg = load_recipe(args.recipe, [f"model.name_or_path={args.model}"])
-    job = task_module(cfg.task).build(cfg)  # the recipe's tokenized samples, as finetune indexes them
+    if not (Path(args.model) / "config.json").is_file():
+        write_pretrained(Path(args.model))
+    lora = ["peft.enabled=true", "peft.r=8", "peft.alpha=16", "peft.target_modules=[q_proj, v_proj]"]
+    cfg = load_recipe(args.recipe, [f"model.name_or_path={args.model}", *(lora if args.lora else [])])
+    # The recipe's tokenized samples, in finetune's indices, and its model: loaded from the checkpoint (and wrapped
+    # in its new LoRA adapters, drawn after the same set_seed) as a finetune run with this seed builds it.
+    set_seed(args.seed)
+    job = task_module(cfg.task).build(cfg)
     targs = TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=8, gradient_accumulation_steps=2, num_train_epochs=2,
         learning_rate=2e-3, lr_scheduler_type="linear", warmup_steps=0.1, optim="adamw_torch", weight_decay=0.01,
         max_grad_norm=1.0, seed=args.seed, logging_steps=1, eval_strategy="epoch", per_device_eval_batch_size=64,
         save_strategy="no", report_to=[], use_cpu=True, remove_unused_columns=False, disable_tqdm=True)
-    model = AutoModelForCausalLM.from_pretrained(args.model)
-    trainer = Trainer(model=model, args=targs, train_dataset=job.train_data, eval_dataset=job.val_data,
+    trainer = Trainer(model=job.model, args=targs, train_dataset=job.train_data, eval_dataset=job.val_data,
                       data_collator=job.collate_fn, processing_class=job.tokenizer)
     trainer.train()
     trainer.save_model()
