@@ -7,6 +7,15 @@ from finetune.windows import plan_epoch, trainer_epoch_order
 from tests.helpers import ROOT
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: a second thread buys nothing, and on a busy machine its spin-waits cost seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def trainer_batches(out, n, per_device, accum, epochs, seed, data_seed=None):
     """The samples HF Trainer (the installed transformers + accelerate) puts in each optimizer step, recorded by a
     model that sees sample indices."""
