@@ -356,3 +356,82 @@ def test_unknown_axolotl_keys_are_listed_not_fatal(baseline, tmp_path, capsys):
     # the shipped asset holds none: every key of axolotl's documented example is known
     assert "warning" not in finetune_cli(capsys, "import", AXOLOTL, "--recipe", baseline / "recipe.yaml",
                                          "-o", tmp_path / "r2.yaml")[2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compare: logging every K steps, the stated band, and a TRL arguments JSON
+
+
+def _edited_folder(baseline, tmp_path, state=None, args=None):
+    import json
+    import shutil
+
+    folder = tmp_path / "edited"
+    shutil.copytree(baseline / "baseline", folder)
+    if state is not None:
+        path = folder / "trainer_state.json"
+        path.write_text(json.dumps(state(json.loads(path.read_text()))))
+    if args is not None:
+        path = folder / "training_args.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **args}))
+    return folder
+
+
+def _log_every(k):
+    """The baseline's log as the Trainer writes it with logging_steps k: each entry the mean of the k steps'
+    losses, at every k-th step (and the last)."""
+    def edit(state):
+        steps = [e for e in state["log_history"] if "loss" in e]
+        logged = []
+        for end in [s for s in range(k, len(steps) + 1, k)] + ([len(steps)] if len(steps) % k else []):
+            start = logged[-1]["step"] if logged else 0
+            losses = [e["loss"] for e in steps[start:end]]
+            logged.append({**steps[end - 1], "loss": sum(losses) / len(losses)})
+        rest = [e for e in state["log_history"] if "loss" not in e]
+        return {**state, "logging_steps": k, "log_history": logged + rest}
+    return edit
+
+
+def test_a_log_every_k_steps_is_held_against_our_mean(baseline, replayed, tmp_path, capsys):
+    folder = _edited_folder(baseline, tmp_path, state=_log_every(4), args={"logging_steps": 4})
+    code, out, _ = finetune_cli(capsys, "compare", folder, replayed)
+    assert code == 0, out
+    assert "at 7 logged steps (each a mean over the 4 steps since the previous log), tolerance 0.0001" in out
+    # negative control: a log holding the single step's loss instead of the mean is caught
+    single = _edited_folder(baseline, tmp_path / "single", args={"logging_steps": 4}, state=lambda s: {
+        **_log_every(4)(s), "log_history": [e for e in s["log_history"] if "loss" not in e or e["step"] % 4 == 0
+                                            or e["step"] == 26]})
+    code, out, _ = finetune_cli(capsys, "compare", single, replayed)
+    assert code == 1 and "verdict: differs — loss curve" in out
+
+
+def test_a_mixed_precision_baseline_is_held_to_a_stated_band(baseline, replayed, tmp_path, capsys):
+    folder = _edited_folder(baseline, tmp_path, args={"bf16": True})
+    code, out, _ = finetune_cli(capsys, "compare", folder, replayed)
+    assert code == 0, out
+    assert "verdict: equivalent — loss held to 0.01, not 0.0001: mixed precision (bf16 baseline, no here) rounds " \
+           "each side differently" in out
+
+
+def test_a_trl_args_json(baseline, tmp_path, capsys):
+    import json
+
+    import yaml
+
+    source = tmp_path / "sft_config.json"
+    source.write_text(json.dumps({
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 4, "learning_rate": 1e-4,
+        "lr_scheduler_type": "cosine", "warmup_steps": 10, "num_train_epochs": 1, "max_steps": -1,
+        "optim": "adamw_torch_fused", "adam_beta2": 0.95, "seed": 3, "bf16": True, "max_length": 48,
+        "packing": True, "neftune_noise_alpha": 5, "label_smoothing_factor": 0.0}))
+    code, out, err = finetune_cli(capsys, "import", source, "--recipe", baseline / "recipe.yaml",
+                                  "-o", tmp_path / "r.yaml")
+    assert code == 0, err
+    raw = yaml.safe_load((tmp_path / "r.yaml").read_text())
+    t = raw["training"]
+    assert (t["effective_batch_size"], t["lr_scheduler"], t["warmup_steps"], t["optimizer"], t["betas"],
+            t["mixed_precision"], raw["data"]["seq_len"]) == (16, "cosine", 10, "adamw", [0.9, 0.95], "bf16", 48)
+    assert "sample_order" not in t  # packed rows: not the Trainer's permutation of the samples
+    assert "not carried: neftune_noise_alpha=5 — finetune has no NEFTune" in out
+    assert "not carried: packing=True — it packs the whole data set before sampling" in out
+    assert "label_smoothing" not in out  # at the Trainer's default: nothing to say
