@@ -44,7 +44,6 @@ class Baseline:
     weights: Optional[Path] = None                # model.safetensors / adapter_model.safetensors
     base_model: Optional[str] = None              # the model it fine-tuned, as the source names it
     unknown: list = field(default_factory=list)   # keys of the source that finetune does not know (axolotl)
-    steps_given: Optional[int] = None             # the optimizer steps the user says the run took (import --steps)
 
     def get(self, name, default=None):
         return self.args[name][0] if name in self.args else default

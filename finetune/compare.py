@@ -15,6 +15,7 @@ curve (at ``EIGHT_BIT_LOSS_RTOL``), and prints how far the weights ended apart w
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,7 +211,7 @@ def _mine(run: Path) -> dict:
     except (OSError, yaml.YAMLError):
         out["config"] = {}
     config = run / "model" / "config.json"
-    out["model_config"] = __import__("json").loads(config.read_text()) if config.is_file() else None
+    out["model_config"] = json.loads(config.read_text()) if config.is_file() else None
     return out
 
 
@@ -223,7 +224,8 @@ def loss_band(b, mine: dict) -> tuple[float, str | None]:
         return MIXED_PRECISION_BAND, (f"mixed precision ({precision or 'fp32'} baseline, {ours or 'no'} here) "
                                       "rounds each side differently")
     cfg, adapter = b.model_config or {}, b.adapter_config or {}
-    drops = {k: v for k, v in cfg.items() if "dropout" in k and isinstance(v, (int, float)) and v > 0}
+    drops = {k: v for k, v in cfg.items() if ("dropout" in k or k.endswith("pdrop")) and
+             isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
     if adapter.get("lora_dropout"):
         drops["lora_dropout"] = adapter["lora_dropout"]
     if drops:

@@ -59,8 +59,9 @@ class Imported:
         self.not_carried.append(f"not carried: {setting}={value} — {why}")
 
 
-def carry(b: Baseline, model_fields: set, data_fields: set) -> Imported:
-    """Map the baseline's settings onto recipe fields (``section.name``)."""
+def carry(b: Baseline, model_fields: set, data_fields: set, steps: int | None = None) -> Imported:
+    """Map the baseline's settings onto recipe fields (``section.name``); ``steps``: the optimizer steps the run
+    took, when the source does not say them (for a warm-up ratio)."""
     out = Imported()
     src = lambda name: b.args[name][1]  # noqa: E731
     get = b.get
@@ -78,7 +79,7 @@ def carry(b: Baseline, model_fields: set, data_fields: set) -> Imported:
     for name, field in (("learning_rate", "training.learning_rate"), ("weight_decay", "training.weight_decay")):
         if get(name) is not None:
             out.set(field, float(get(name)), src(name))
-    _scheduler(b, out)
+    _scheduler(b, out, steps)
     _length(b, out)
     _optimizer(b, out)
     if "max_grad_norm" in b.args:
@@ -106,7 +107,7 @@ def carry(b: Baseline, model_fields: set, data_fields: set) -> Imported:
     return out
 
 
-def _scheduler(b: Baseline, out: Imported) -> None:
+def _scheduler(b: Baseline, out: Imported, steps_given: int | None) -> None:
     get = b.get
     kind = get("lr_scheduler_type")
     if kind is not None:
@@ -129,10 +130,9 @@ def _scheduler(b: Baseline, out: Imported) -> None:
             out.set("training.warmup_steps", 0, b.args["warmup_steps"][1])
         return
     total = get("schedule_steps") or (get("max_steps") if (get("max_steps") or -1) > 0 else None)
-    if not total and b.steps_given:
-        total, b.args["schedule_steps"] = b.steps_given, (b.steps_given, "--steps")
+    where = b.args["schedule_steps" if get("schedule_steps") else "max_steps"][1] if total else "--steps"
+    total = total or steps_given
     if total:
-        where = b.args["schedule_steps" if get("schedule_steps") else "max_steps"][1]
         out.set("training.warmup_steps", math.ceil(int(total) * ratio),
                 f"{ratio_src}: ratio {ratio:g} × {total} steps ({where}), rounded up as transformers does")
     else:
@@ -316,14 +316,16 @@ def import_recipe(source, base=None, steps=None) -> tuple[dict, Imported, Baseli
     from finetune.config import apply_overrides, config_from_dict, read_yaml, recipe_path, resolve_task, task_module
 
     b = read_baseline(source, "import")
-    b.steps_given = steps
     raw = read_yaml(recipe_path(base)) if base else _skeleton(b)
     if not isinstance(raw, dict):
         raise ConfigError(f"--recipe: {base} is not a recipe (a YAML mapping)")
     folder = recipe_path(base).parent if base else None
     module = task_module(resolve_task(raw.get("task"), folder))
     fields = lambda cls: {f for f in getattr(cls, "__dataclass_fields__", {})}  # noqa: E731
-    imported = carry(b, fields(module.ModelConfig), fields(module.DataConfig))
+    imported = carry(b, fields(module.ModelConfig), fields(module.DataConfig), steps)
+    if not base:
+        imported.skip("the data set", "unknown", f"not in the {b.kind}; this recipe trains on the clm task's default "
+                      "data until you set data.source (or give --recipe BASE)")
     raw = apply_overrides(raw, [(name.split("."), value) for name, value in imported.values.items()])
     if not base:
         raw.setdefault("name", Path(source).stem)

@@ -435,3 +435,20 @@ def test_a_trl_args_json(baseline, tmp_path, capsys):
     assert "not carried: neftune_noise_alpha=5 — finetune has no NEFTune" in out
     assert "not carried: packing=True — it packs the whole data set before sampling" in out
     assert "label_smoothing" not in out  # at the Trainer's default: nothing to say
+
+
+def test_import_without_a_base_recipe(baseline, tmp_path, capsys):
+    """The base model the source names, in a clm recipe, and a line saying the data set is not carried; a source
+    that names no base model needs --recipe."""
+    import yaml
+
+    from tests.helpers import assert_one_error_line
+
+    code, out, err = finetune_cli(capsys, "import", AXOLOTL, "-o", tmp_path / "r.yaml")
+    assert code == 0, err
+    raw = yaml.safe_load((tmp_path / "r.yaml").read_text())
+    assert (raw["task"], raw["model"]["name_or_path"]) == ("clm", "runs/tiny-llama")
+    assert "not carried: the data set=unknown — not in the axolotl YAML" in out
+    code, out, err = finetune_cli(capsys, "import", baseline / "baseline" / "README.md", "-o", tmp_path / "c.yaml")
+    assert code == 2 and not (tmp_path / "c.yaml").exists()
+    assert_one_error_line(err, "does not name the model it fine-tuned; give --recipe BASE")
