@@ -6,6 +6,8 @@
     finetune validate RECIPE [--set k=v ...]          load + validate, every problem listed
     finetune plan --recipe R --gpu 8GiB               memory plan: micro-batch, N, checkpointing
     finetune compare RUN_A RUN_B                      did two runs take the same optimizer steps?
+    finetune compare BASELINE RUN                     ... BASELINE: a Trainer/TRL folder or its model card
+    finetune import SOURCE [-o R.yaml] [--recipe B]   a recipe from a Trainer/TRL folder, model card, axolotl YAML
     finetune plot RUN                                 redraw a run's PNGs from its history
     finetune search --recipe R --trials K --param lr=loguniform:1e-5:1e-3 ...   optuna search
 
@@ -124,13 +126,28 @@ def cmd_validate(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from finetune.compare import compare_runs, plot_comparison
+    from finetune.compare import (
+        compare_runs,
+        compare_with_baseline,
+        is_finetune_run,
+        plot_against_baseline,
+        plot_comparison,
+    )
 
-    result = compare_runs(args.run_a, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol)
+    # RUN_A may be a baseline another tool trained (a Trainer/TRL folder, a model card): checked against its logs
+    runs = is_finetune_run(args.run_a)
+    compare, plot = (compare_runs, plot_comparison) if runs else (compare_with_baseline, plot_against_baseline)
+    result = compare(args.run_a, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol)
     print(result.report())
     if args.plot:
-        print(f"curves: {plot_comparison(args.run_a, args.run_b, args.plot)}")
+        print(f"curves: {plot(args.run_a, args.run_b, args.plot)}")
     return 0 if result.equivalent else 1
+
+
+def cmd_import(args) -> int:
+    from finetune import recipe_import
+
+    return recipe_import.main(args)
 
 
 def cmd_plot(args) -> int:
@@ -170,8 +187,9 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     v.add_argument("recipe")
     v.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     v.set_defaults(func=cmd_validate)
-    c = sub.add_parser("compare", help="did two runs take the same optimizer steps?")
-    c.add_argument("run_a")
+    c = sub.add_parser("compare", help="did two runs take the same optimizer steps? (RUN_A: also a Trainer/TRL "
+                                       "output folder or its model card)")
+    c.add_argument("run_a", metavar="RUN_A|BASELINE")
     c.add_argument("run_b")
     c.add_argument("--rtol", type=float, default=None,
                    help="weights: max relative difference allowed (default 1e-5; 8-bit optimizer: only reported)")
@@ -179,6 +197,11 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
                    help="loss curve: max relative difference allowed (default 1e-4; 1e-2 with an 8-bit optimizer)")
     c.add_argument("--plot", metavar="PNG", help="write both runs' loss and lr curves here")
     c.set_defaults(func=cmd_compare)
+    from finetune import recipe_import
+
+    i = sub.add_parser("import", help="a recipe from a Trainer/TRL folder, a model card, an axolotl YAML or args JSON")
+    recipe_import.add_arguments(i)
+    i.set_defaults(func=cmd_import)
     pl = sub.add_parser("plot", help="redraw a run's loss / lr / grad-norm PNGs")
     pl.add_argument("run")
     pl.set_defaults(func=cmd_plot)

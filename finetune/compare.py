@@ -15,6 +15,7 @@ curve (at ``EIGHT_BIT_LOSS_RTOL``), and prints how far the weights ended apart w
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ class Comparison:
     checks: list = field(default_factory=list)   # (name, ok, detail); ok None: reported, not judged
     first_difference: str | None = None
     eight_bit: str | None = None                 # the 8-bit optimizer a run used: no fp32 equivalence to claim
+    qualifier: str | None = None                 # what an "equivalent" verdict rests on (a band, unchecked items)
 
     def add(self, name: str, ok, detail: str) -> None:
         self.checks.append((name, ok, detail))
@@ -51,7 +53,7 @@ class Comparison:
             lines.append(f"verdict: the same windows and schedule, loss curves close; no fp32 equivalence "
                          f"claimed — {self.eight_bit}: 8-bit optimizer: not the fp32 step")
         else:
-            lines.append("verdict: equivalent")
+            lines.append("verdict: equivalent" + (f" — {self.qualifier}" if self.qualifier else ""))
         return "\n".join(lines)
 
 
@@ -177,6 +179,218 @@ def plot_comparison(run_a, run_b, path) -> Path:
         axes[0].plot([h["step"] for h in hist], [h["loss"] for h in hist], style, label=name)
         axes[1].plot([h["step"] for h in hist], [h["lr"] for h in hist], style, label=name)
     for ax, title in zip(axes, ("window loss", "learning rate")):
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a baseline another tool trained: an HF Trainer / TRL folder or its model card
+
+# Where the baseline's loss cannot be replayed exactly, the band it is held to, and why.
+MIXED_PRECISION_BAND = 1e-2   # bf16 / fp16 autocast rounds the two runs' matmuls differently
+DROPOUT_BAND = 5e-2           # other dropout masks: only the expectation of the loss matches
+CARD_ROUNDING = 5e-5          # a model card prints losses with 4 decimals
+
+
+def is_finetune_run(path) -> bool:
+    return (Path(path) / "history.jsonl").is_file()
+
+
+def _mine(run: Path) -> dict:
+    import yaml
+
+    out = read_run(run)
+    try:
+        out["config"] = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        out["config"] = {}
+    config = run / "model" / "config.json"
+    out["model_config"] = json.loads(config.read_text()) if config.is_file() else None
+    return out
+
+
+def loss_band(b, mine: dict) -> tuple[float, str | None]:
+    """The relative tolerance of the training loss, and why it is wider than an exact replay's (None: exact)."""
+    t = mine["config"].get("training") or {}
+    precision = "bf16" if b.get("bf16") else "fp16" if b.get("fp16") else None
+    ours = t.get("mixed_precision")
+    if precision or ours not in (None, "no"):
+        return MIXED_PRECISION_BAND, (f"mixed precision ({precision or 'fp32'} baseline, {ours or 'no'} here) "
+                                      "rounds each side differently")
+    cfg, adapter = b.model_config or {}, b.adapter_config or {}
+    drops = {k: v for k, v in cfg.items() if ("dropout" in k or k.endswith("pdrop")) and
+             isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    if adapter.get("lora_dropout"):
+        drops["lora_dropout"] = adapter["lora_dropout"]
+    if drops:
+        return DROPOUT_BAND, (f"the baseline trained with dropout ({', '.join(f'{k}={v}' for k, v in drops.items())})"
+                              ": other masks, only the expectation of the loss matches")
+    return FP32_LOSS_RTOL, None
+
+
+def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
+                          loss_rtol: float | None = None) -> Comparison:
+    """Check finetune run ``run`` against a baseline another tool trained (``finetune.baselines``), in order:
+    effective batch, optimizer steps, the samples of every window (the Trainer's order recomputed from the
+    baseline's seed), the lr and the training loss at every logged step (our mean over the steps each log entry
+    covers: ``logging_steps`` > 1 logs a mean), the evaluation loss, the weights. What the baseline does not show
+    (a model card has no lr, no weights) is reported as not checkable. Raises ConfigError when the two models differ
+    or the baseline is unreadable."""
+    from finetune.baselines import read_baseline
+    from finetune.errors import ConfigError
+    from finetune.recipe_import import model_difference
+
+    b, mine = read_baseline(baseline, "compare"), _mine(Path(run))
+    diff = model_difference(b.model_config, mine["model_config"])
+    if diff:
+        raise ConfigError(f"compare: the baseline's model differs from {run}'s: {diff}")
+    history, c, unchecked = mine["history"], Comparison(), []
+    card = b.kind == "model card"
+
+    eb, em = b.effective_batch(), mine["metrics"].get("effective_batch_size")
+    c.add("effective batch", eb == em if eb is not None else None,
+          f"{eb} ({b.kind}) vs {em} ({mine['metrics'].get('gradient_accumulation_steps')} micro-batches/step)"
+          if eb is not None else f"not in the {b.kind}")
+    steps = b.max_steps or b.get("schedule_steps")
+    c.add("optimizer steps", steps == len(history) if steps else None,
+          f"{steps} vs {len(history)}" if steps else f"not in the {b.kind}")
+    _check_windows(c, b, history, mine, unchecked)
+
+    by_step = {h["step"]: h for h in history}
+    logs = [e for e in b.logs if e["step"] in by_step]
+    if not b.logs:
+        unchecked.append("lr schedule")
+        c.add("lr schedule", None, f"not checkable: the {b.kind} logs no learning rate")
+    else:
+        bad = next((e for e in logs if _rel(e.get("learning_rate", float("nan")), by_step[e["step"]]["lr"]) > 1e-9),
+                   None)
+        c.add("lr schedule", bad is None and len(logs) == len(b.logs),
+              f"identical at all {len(logs)} logged steps" if bad is None and len(logs) == len(b.logs) else
+              f"step {bad['step']}: {bad.get('learning_rate'):.6g} vs {by_step[bad['step']]['lr']:.6g}" if bad else
+              f"{len(b.logs) - len(logs)} logged steps are past this run's last step")
+
+    band, why = loss_band(b, mine)
+    band = loss_rtol if loss_rtol is not None else band
+    if b.logs:
+        _check_logged_loss(c, b.logs, history, band, why, int(b.get("logging_steps") or 1))
+    elif b.card_losses:
+        unchecked.append("training loss")
+        c.add("loss curve", None, "not checkable: the card's Training Loss is the mean over logging_steps, which "
+                                  "the card does not say")
+    _check_eval(c, b, mine, band, CARD_ROUNDING if card else 0.0)
+
+    if b.weights is None:
+        unchecked.append("weights")
+        c.add("weights", None, f"not checkable: the {b.kind} holds no weights")
+    else:
+        _check_weights(c, b.weights, mine["weights"], weight_rtol if weight_rtol is not None else FP32_WEIGHT_RTOL)
+    notes = ([f"loss held to {band:g}, not {FP32_LOSS_RTOL:g}: {why}"] if why else []) + \
+        ([f"not checkable from the {b.kind}: {', '.join(unchecked)}"] if unchecked else [])
+    c.qualifier = "; ".join(notes) or None
+    return c
+
+
+def _check_windows(c: Comparison, b, history: list, mine: dict, unchecked: list) -> None:
+    """Each window's samples against the Trainer's batch: its order recomputed from the baseline's seed (data_seed
+    when set) and effective batch over this run's training set."""
+    from finetune.windows import membership_hash, plan_epoch
+
+    seed = b.get("data_seed") if b.get("data_seed") is not None else b.get("seed")
+    size, epochs = b.effective_batch(), sorted({h["epoch"] for h in history})
+    n = sum(h["samples"] for h in history if h["epoch"] == 0) if len(epochs) > 1 else None
+    if seed is None or not size or n is None:
+        what = "seed" if seed is None else "effective batch" if not size else "training-set size (one epoch run)"
+        unchecked.append("window samples")
+        c.add("window samples", None, f"not checkable: the baseline's {what} is unknown")
+        return
+    trainer = {(e, w.index): membership_hash(w.samples) for e in epochs
+               for w in plan_epoch(n, size, 1, 1, 0, int(seed), e, sample_order="trainer")}
+    bad = next((h for h in history if trainer.get((h["epoch"], h["window"])) != h.get("window_hash")), None)
+    order = (mine["config"].get("training") or {}).get("sample_order", "finetune")
+    c.add("window samples", bad is None, f"all {len(history)} windows held the Trainer's batches (seed {seed})"
+          if bad is None else f"step {bad['step']} (epoch {bad['epoch']}, window {bad['window']}) held different "
+          f"samples than the Trainer's batch (this run: sample_order {order}, seed "
+          f"{(mine['config'].get('training') or {}).get('seed')}; the baseline's seed {seed})")
+
+
+def _check_logged_loss(c: Comparison, logs: list, history: list, rtol: float, why, every: int) -> None:
+    """Each logged training loss against our mean over the steps it covers (since the previous log entry: the
+    Trainer logs the mean over its ``logging_steps`` = ``every`` steps, and over fewer at the end)."""
+    worst, bad, previous = 0.0, None, 0
+    for e in logs:
+        ours = [h["loss"] for h in history if previous < h["step"] <= e["step"]]
+        previous = e["step"]
+        if not ours or not math.isfinite(e["loss"]):
+            continue
+        mean = sum(ours) / len(ours)
+        d = _rel(e["loss"], mean)
+        worst = max(worst, d)
+        if d > rtol and bad is None:
+            bad = (e["step"], e["loss"], mean)
+    per = f" (each a mean over the {every} steps since the previous log)" if every > 1 else ""
+    c.add("loss curve", bad is None, f"max relative difference {worst:.2e} at {len(logs)} logged steps{per}, "
+          f"tolerance {rtol:g}" + (f" (band: {why})" if why else "") + (
+              "" if bad is None else f"; first above at step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g}"))
+
+
+def _check_eval(c: Comparison, b, mine: dict, rtol: float, rounding: float) -> None:
+    ours = {v["step"]: v["loss"] for v in mine["metrics"].get("val_history", []) if "loss" in v}
+    pairs = [(s, loss, ours[s]) for s, loss in b.evals if s in ours]
+    if not b.evals:
+        c.add("eval loss", None, f"the {b.kind} holds no evaluation")
+        return
+    if not pairs:
+        c.add("eval loss", False, f"this run evaluated at none of the baseline's steps ({[s for s, _ in b.evals]})")
+        return
+    worst = max(_rel(x, y) for _, x, y in pairs)
+    bad = next(((s, x, y) for s, x, y in pairs if abs(x - y) > rtol * abs(y) + rounding), None)
+    c.add("eval loss", bad is None, f"max relative difference {worst:.2e} at steps {[s for s, _, _ in pairs]}" + (
+        " (the card's 4 decimals allowed)" if rounding else "") + (
+        "" if bad is None else f"; step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g} (the Trainer averages per-batch "
+                               "means: equal to finetune's token mean when the set is one eval batch)"))
+
+
+def _check_weights(c: Comparison, path: Path, mine: dict | None, rtol: float) -> None:
+    from safetensors.torch import load_file
+
+    theirs = load_file(str(path))
+    if mine is None:
+        c.add("weights", False, "this run saved no model to compare")
+    elif theirs.keys() != mine.keys():
+        c.add("weights", False, f"different parameter names ({len(theirs)} vs {len(mine)} tensors)")
+    else:
+        num = max(float((mine[k].double() - theirs[k].double()).abs().max()) for k in theirs)
+        den = max(float(theirs[k].double().abs().max()) for k in theirs)
+        rel = num / max(den, 1e-30)
+        c.add("weights", rel <= rtol, f"max relative difference {rel:.2e} against {path.name} (tolerance {rtol:g})")
+
+
+def plot_against_baseline(baseline, run, path) -> Path:
+    """The baseline's logged loss and lr over this run's (its loss as the same means over the logged steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from finetune.baselines import read_baseline
+
+    b, hist = read_baseline(baseline, "compare"), read_run(Path(run))["history"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    logs = b.logs or [{"step": s, "loss": v} for s, v in b.card_losses]
+    axes[0].plot([e["step"] for e in logs], [e["loss"] for e in logs], "-", label=f"{b.kind} {Path(baseline).name}")
+    axes[0].plot([h["step"] for h in hist], [h["loss"] for h in hist], "--", label=Path(run).name)
+    if b.evals:
+        axes[0].plot([s for s, _ in b.evals], [v for _, v in b.evals], "o", label="baseline eval")
+    if any("learning_rate" in e for e in logs):
+        axes[1].plot([e["step"] for e in logs], [e["learning_rate"] for e in logs], "-", label="baseline")
+    axes[1].plot([h["step"] for h in hist], [h["lr"] for h in hist], "--", label=Path(run).name)
+    for ax, title in zip(axes, ("training loss", "learning rate")):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)

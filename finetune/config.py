@@ -87,6 +87,10 @@ class TrainingConfig:
     seed: int = doc("seeds model init, sample order and dropout; sample order depends on nothing else", 42,
                     flag="--seed")
     shuffle: bool = doc("reshuffle samples every epoch (seeded)", True)
+    sample_order: Literal["finetune", "trainer"] = doc(
+        "how each epoch's order is drawn from the seed: finetune's own permutation, or HF Trainer's (its seedable "
+        "random sampler seeded with seed + epoch; transformers 5.23 / accelerate 1.15), so that window k holds the "
+        "Trainer's batch k", "finetune")
     items: Literal["auto", "samples", "tokens", "shifted_tokens"] = doc(
         "what the loss averages over, used to weight micro-batches: auto detects label tokens (-100 ignored, "
         "shifted for causal LMs), else samples", "auto")

@@ -110,7 +110,8 @@ def padding_share(run) -> float:
         for w in plan_epoch(len(run.job.train_data), shape.micro_batch, shape.accumulation, shape.processes, rank,
                             t.seed, 0, t.shuffle,
                             sort_key=length_of if sort else None, length_of=length_of,
-                            max_tokens=t.max_tokens_per_micro_batch, pack_capacity=run.pack_capacity):
+                            max_tokens=t.max_tokens_per_micro_batch, pack_capacity=run.pack_capacity,
+                            sample_order=t.sample_order):
             for mb, active, counts in zip(w.micro_batches, w.active, w.token_counts or [None] * len(w.active)):
                 if not active:
                     continue

@@ -50,12 +50,31 @@ def membership_hash(sample_ids) -> str:
     return hashlib.sha1(",".join(map(str, sorted(sample_ids))).encode()).hexdigest()[:12]
 
 
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
-    """The epoch's sample order: a permutation from (seed, epoch) alone."""
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True, sample_order: str = "finetune") -> list[int]:
+    """The epoch's sample order: a permutation from (seed, epoch) alone — finetune's own, or with ``sample_order:
+    trainer`` the one HF Trainer draws (:func:`trainer_epoch_order`)."""
     if not shuffle:
         return list(range(n))
+    if sample_order == "trainer":
+        return trainer_epoch_order(n, seed, epoch)
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.randperm(n, generator=g).tolist()
+
+
+def trainer_epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """HF Trainer's sample order in ``epoch`` for ``seed`` (its ``data_seed`` when set), as transformers 5.23 with
+    accelerate 1.15 draw it: the Trainer's ``RandomSampler`` is swapped by ``accelerator.prepare`` for accelerate's
+    ``SeedableRandomSampler`` (``use_seedable_sampler`` is on by default), whose ``initial_seed`` is ``data_seed``
+    or else ``torch.random.initial_seed()`` — the seed of the Trainer's own ``set_seed(args.seed)``. Each epoch,
+    after the Trainer's ``set_epoch(epoch)``, it reseeds a CPU generator with ``initial_seed + epoch`` and yields
+    ``torch.randperm(n)`` from it. The Trainer's batch k is then samples ``k·B … (k+1)·B − 1`` of this order
+    (``B`` = per-device batch × accumulation × processes), which is finetune's window k.
+
+        >>> g = torch.Generator().manual_seed(42 + 1)
+        >>> trainer_epoch_order(5, seed=42, epoch=1) == torch.randperm(5, generator=g).tolist()
+        True
+    """
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
 def step_seed(*keys: int) -> int:
@@ -107,6 +126,7 @@ def plan_epoch(
     length_of: Optional[Callable[[int], int]] = None,
     max_tokens: Optional[int] = None,
     pack_capacity: Optional[int] = None,
+    sample_order: str = "finetune",
 ) -> list[Window]:
     """Every window of one epoch, as seen by process ``rank`` of ``world``.
 
@@ -114,9 +134,10 @@ def plan_epoch(
     into micro-batches: membership is unchanged, padding shrinks. ``max_tokens`` (with ``length_of``) cuts
     micro-batches of varying size, each at most that many padded tokens (``samples × longest``) — a sample longer
     than the budget goes alone. ``pack_capacity`` (with ``length_of``) packs the window's samples into rows of at
-    most that many tokens and cuts micro-batches of ``micro_batch`` rows (or by ``max_tokens``).
+    most that many tokens and cuts micro-batches of ``micro_batch`` rows (or by ``max_tokens``). ``sample_order``:
+    whose permutation orders the epoch (:func:`epoch_order`).
     """
-    order = epoch_order(n, seed, epoch, shuffle)
+    order = epoch_order(n, seed, epoch, shuffle, sample_order)
     size = micro_batch * accum * world
     windows = []
     for w, start in enumerate(range(0, n, size)):
@@ -182,7 +203,8 @@ def stream_windows(job, t, micro_batch: int, accum: int, world: int, rank: int, 
     for e in range(epoch, t.epochs):
         windows = plan_epoch(len(job.train_data), micro_batch, accum, world, rank, t.seed, e, t.shuffle,
                              sort_key=job.length_of if sort else None, length_of=pack_length_of or job.length_of,
-                             max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity)
+                             max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity,
+                             sample_order=t.sample_order)
         todo = windows[first if e == epoch else 0:]
         # The loader gets its own generator: iter() would otherwise draw a seed from the global RNG, and a run
         # resumed mid-epoch would then see different dropout masks than the uninterrupted one.

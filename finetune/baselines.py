@@ -1,0 +1,371 @@
+"""Reading a baseline someone else trained: what its tool wrote, as TrainingArguments names with where each came from.
+
+A baseline is one of:
+
+* an HF Trainer / TRL output or checkpoint folder: ``trainer_state.json`` (its ``log_history``; the newest
+  ``checkpoint-*`` folder's when the top folder has none), the arguments from ``training_args.json`` or else
+  ``training_args.bin`` (:func:`read_training_args_bin`) or else the model card, ``config.json``,
+  ``adapter_config.json`` and the saved weights;
+* a model card ``README.md`` alone: its "Training hyperparameters" list and "Training results" table (transformers
+  writes both into every Trainer-pushed card);
+* an axolotl YAML (its keys mapped to the TrainingArguments names, :data:`AXOLOTL`);
+* a Trainer / TRL arguments JSON (``TrainingArguments.to_json_string()``).
+
+Every value is kept with its source (``Baseline.args[name] = (value, source)``), so ``finetune import`` can say
+where each setting came from. Bad input raises ConfigError with one line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from finetune.errors import ConfigError
+
+CARD = "README.md (model card)"
+
+
+@dataclass
+class Baseline:
+    kind: str                                     # "Trainer folder", "model card", "axolotl YAML", "args JSON"
+    path: Path
+    args: dict = field(default_factory=dict)      # TrainingArguments name → (value, source)
+    logs: list = field(default_factory=list)      # trainer_state's training log entries (with "loss"), in order
+    evals: list = field(default_factory=list)     # (step, eval_loss), from the log or the card's results table
+    card_losses: list = field(default_factory=list)  # (step, training loss) of the card's results table
+    max_steps: Optional[int] = None               # optimizer steps the baseline took (trainer_state's global_step)
+    model_config: Optional[dict] = None           # config.json
+    adapter_config: Optional[dict] = None         # adapter_config.json
+    weights: Optional[Path] = None                # model.safetensors / adapter_model.safetensors
+    base_model: Optional[str] = None              # the model it fine-tuned, as the source names it
+    unknown: list = field(default_factory=list)   # keys of the source that finetune does not know (axolotl)
+
+    def get(self, name, default=None):
+        return self.args[name][0] if name in self.args else default
+
+    def effective_batch(self) -> Optional[int]:
+        """Samples per optimizer step: ``total_train_batch_size`` when the source says it, else per-device ×
+        accumulation × processes (1 when the source does not say)."""
+        if self.get("total_train_batch_size"):
+            return int(self.get("total_train_batch_size"))
+        if self.get("per_device_train_batch_size") is None:
+            return None
+        return int(self.get("per_device_train_batch_size")) * int(self.get("gradient_accumulation_steps") or 1) * \
+            int(self.get("num_devices") or 1)
+
+
+def read_baseline(path, what: str = "baseline") -> Baseline:
+    """The baseline at ``path`` (a folder, a model card, an axolotl YAML or an arguments JSON); ConfigError when
+    it is none of them or is unreadable."""
+    path = Path(path)
+    if path.is_dir():
+        return read_folder(path, what)
+    if not path.is_file():
+        raise ConfigError(f"{what}: {path} does not exist")
+    if path.suffix.lower() == ".md":
+        b = Baseline("model card", path)
+        read_card(path, b, what, required=True)
+        return b
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return read_axolotl(path, what)
+    if path.suffix.lower() == ".json":
+        b = Baseline("args JSON", path)
+        b.args.update(_sourced(_json_object(path, what), path.name))
+        return b
+    if path.suffix.lower() == ".bin":
+        b = Baseline("training_args.bin", path)
+        b.args.update(_sourced(read_training_args_bin(path, what), path.name))
+        return b
+    raise ConfigError(f"{what}: {path} is not a Trainer/TRL folder, a model card (.md), an axolotl YAML or an "
+                      "arguments JSON")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a Trainer / TRL output or checkpoint folder
+
+
+def read_folder(folder: Path, what: str) -> Baseline:
+    b = Baseline("Trainer folder", folder)
+    state_file = folder / "trainer_state.json"
+    if not state_file.is_file():
+        checkpoints = sorted(folder.glob("checkpoint-*/trainer_state.json"),
+                             key=lambda p: int(p.parent.name.split("-")[-1]) if p.parent.name.split("-")[-1].isdigit()
+                             else -1)
+        state_file = checkpoints[-1] if checkpoints else None
+    if state_file is None:
+        if (folder / "history.jsonl").is_file():
+            raise ConfigError(f"{what}: {folder} is a finetune run, not a Trainer/TRL folder")
+        raise ConfigError(f"{what}: {folder} holds no trainer_state.json (nor a checkpoint-*/ with one); give a "
+                          "Trainer/TRL output or checkpoint folder, or its model card README.md")
+    read_trainer_state(state_file, b, what)
+    places = [state_file.parent / n for n in ("training_args.json", "training_args.bin")] + \
+        [folder / n for n in ("training_args.json", "training_args.bin")]
+    args_file = next((p for p in places if p.is_file()), None)  # JSON first: it says the same without a pickle
+    if args_file is not None and args_file.suffix == ".json":
+        b.args.update(_sourced(_json_object(args_file, what), args_file.name))
+    elif args_file is not None:
+        b.args.update(_sourced(read_training_args_bin(args_file, what), args_file.name))
+    if (folder / "README.md").is_file():
+        card = Baseline("model card", folder / "README.md")
+        read_card(folder / "README.md", card, what, required=False)
+        b.args = {**card.args, **b.args}  # the arguments files, when present, say it first hand
+        b.base_model = card.base_model
+        if not b.evals:
+            b.evals = card.evals
+    for name, attr in (("config.json", "model_config"), ("adapter_config.json", "adapter_config")):
+        for where in (folder, state_file.parent):
+            if (where / name).is_file():
+                setattr(b, attr, _json_object(where / name, what))
+                break
+    for where in (folder, state_file.parent):
+        found = [where / n for n in ("model.safetensors", "adapter_model.safetensors") if (where / n).is_file()]
+        if found:
+            b.weights = found[0]
+            break
+    if b.adapter_config and not b.base_model:
+        b.base_model = b.adapter_config.get("base_model_name_or_path")
+    return b
+
+
+def read_trainer_state(path: Path, b: Baseline, what: str) -> None:
+    state = _json_object(path, what)
+    history = state.get("log_history")
+    if not isinstance(history, list):
+        raise ConfigError(f"{what}: {path} has no log_history (a Trainer writes one into every trainer_state.json)")
+    b.logs = [e for e in history if isinstance(e, dict) and "loss" in e and "step" in e]
+    b.evals = [(e["step"], e["eval_loss"]) for e in history if isinstance(e, dict) and "eval_loss" in e]
+    b.max_steps = state.get("global_step") or None
+    src = path.name if path.parent == b.path else f"{path.parent.name}/{path.name}"
+    # max_steps here is the length the scheduler was sized with (the arguments' max_steps is -1 for epochs)
+    for key, name in (("logging_steps", "logging_steps"), ("train_batch_size", "per_device_train_batch_size"),
+                      ("num_train_epochs", "num_train_epochs"), ("max_steps", "schedule_steps")):
+        if state.get(key) is not None:
+            b.args[name] = (state[key], src)
+
+
+def _json_object(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except ValueError as e:
+        raise ConfigError(f"{what}: {path} is not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _sourced(values: dict, source: str) -> dict:
+    return {k: (v, source) for k, v in values.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# training_args.bin: a pickle, read by a restricted unpickler
+
+
+# The classes a TrainingArguments pickle holds: the arguments class itself (TRL's configs derive from it), its enums
+# and the records it keeps (accelerate's state, its accelerator config, a torch.device). Each becomes an inert stand-in:
+# nothing from transformers, TRL or accelerate is imported or called while reading.
+ARGS_MODULES = ("transformers.", "trl.")
+ARGS_CLASSES = {"TrainingArguments", "Seq2SeqTrainingArguments"}
+ENUMS = {"IntervalStrategy", "SaveStrategy", "HubStrategy", "SchedulerType", "OptimizerNames", "FSDPOption",
+         "DebugOption", "ParallelMode", "DistributedType", "EvaluationStrategy", "ExplicitEnum"}
+RECORDS = {("transformers.trainer_pt_utils", "AcceleratorConfig"), ("accelerate.state", "PartialState"),
+           ("torch", "device")}
+
+
+class _Record:
+    """A stand-in object: pickle's BUILD hands it the state it had; nothing else runs."""
+
+    def __setstate__(self, state):
+        self.state = state[1] if isinstance(state, tuple) and len(state) == 2 and state[0] is None else state
+
+
+def _enum_value(value, *rest):
+    return value
+
+
+class _ArgsUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module.startswith(ARGS_MODULES) and (name in ARGS_CLASSES or module.startswith("trl.") and
+                                                name.endswith("Config")):
+            return type(name, (_Record,), {})
+        if name in ENUMS and module.startswith(ARGS_MODULES + ("accelerate.",)):
+            return _enum_value
+        if (module, name) in RECORDS:
+            return str if name == "device" else type(name, (_Record,), {})
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError(f"a tensor storage ({pid!r})")
+
+
+def read_training_args_bin(path: Path, what: str = "baseline") -> dict:
+    """The fields of a ``training_args.bin`` (``torch.save`` of a TrainingArguments or a TRL config), read with a
+    restricted unpickler that accepts only those classes, their enums and the records they hold, each as an inert
+    stand-in. Any other class (or a tensor) refuses the whole file with one line: nothing from it runs.
+
+    Raises ConfigError for a foreign class or a file that is not a ``torch.save`` zip of one object."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(names) != 1:
+                raise ConfigError(f"{what}: {path} is not a torch.save file of training arguments")
+            data = z.read(names[0])
+    except zipfile.BadZipFile:
+        raise ConfigError(f"{what}: {path} is not a torch.save zip file (training arguments are saved as one since "
+                          "torch 1.6); give training_args.json or the model card") from None
+    import io
+
+    try:
+        obj = _ArgsUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise ConfigError(f"{what}: {path} holds {e}, which is not a TrainingArguments class or one of its enums; "
+                          "refused, nothing from it was run") from None
+    except Exception as e:  # a malformed pickle: said in one line, never run
+        raise ConfigError(f"{what}: {path} is not a readable pickle of training arguments ({type(e).__name__})") \
+            from None
+    if not isinstance(obj, _Record) or not isinstance(getattr(obj, "state", None), dict):
+        raise ConfigError(f"{what}: {path} does not hold a TrainingArguments object")
+    return {k: v for k, v in obj.state.items() if not isinstance(v, _Record)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a model card
+
+
+CARD_KEYS = {  # the card's hyperparameter names → TrainingArguments'
+    "learning_rate": "learning_rate", "train_batch_size": "per_device_train_batch_size", "seed": "seed",
+    "gradient_accumulation_steps": "gradient_accumulation_steps", "total_train_batch_size": "total_train_batch_size",
+    "num_devices": "num_devices", "lr_scheduler_type": "lr_scheduler_type", "num_epochs": "num_train_epochs",
+    "training_steps": "max_steps", "lr_scheduler_warmup_steps": "warmup_steps",
+    "lr_scheduler_warmup_ratio": "warmup_ratio", "label_smoothing_factor": "label_smoothing_factor",
+    "mixed_precision_training": "mixed_precision_training", "eval_batch_size": "per_device_eval_batch_size",
+    "distributed_type": "distributed_type", "total_eval_batch_size": "total_eval_batch_size",
+}
+
+
+def read_card(path: Path, b: Baseline, what: str, required: bool) -> None:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    front = re.match(r"---\n(.*?)\n---", text, re.S)
+    if front:
+        base = re.search(r"^base_model:\s*(?:\n\s*-\s*)?(\S+)", front.group(1), re.M)
+        b.base_model = base.group(1).strip("'\"") if base else None
+    section = re.search(r"^#+\s*Training hyperparameters\s*$(.*?)(?=^#+\s)", text + "\n# end", re.M | re.S)
+    pairs = re.findall(r"^- ([a-z_]+): (.+)$", section.group(1), re.M) if section else []
+    if required and not pairs:
+        raise ConfigError(f"{what}: {path} has no 'Training hyperparameters' list (transformers writes one into the "
+                          "card of every Trainer run); give the Trainer's output folder or its arguments JSON")
+    for key, raw in pairs:
+        if key == "optimizer":
+            b.args.update(_card_optimizer(raw))
+        elif key in CARD_KEYS:
+            b.args[CARD_KEYS[key]] = (_number(raw), CARD)
+        else:
+            b.args[key] = (_number(raw), CARD)
+    if b.get("mixed_precision_training"):
+        b.args["fp16"] = (True, CARD)  # the card says "Native AMP" for fp16 only
+    rows = _results_table(text)
+    b.evals = [(int(r["Step"]), float(r["Validation Loss"])) for r in rows
+               if _is_number(r.get("Step")) and _is_number(r.get("Validation Loss"))]
+    b.card_losses = [(int(r["Step"]), float(r["Training Loss"])) for r in rows
+                     if _is_number(r.get("Step")) and _is_number(r.get("Training Loss"))]
+    # the last row at the last epoch is the last step: the length the schedule was sized with
+    if rows and _is_number(rows[-1].get("Epoch")) and _is_number(rows[-1].get("Step")) and \
+            float(rows[-1]["Epoch"]) == float(b.get("num_train_epochs") or -1):
+        b.args["schedule_steps"] = (int(rows[-1]["Step"]), f"{CARD}: the results table's last row")
+
+
+def _card_optimizer(raw: str) -> dict:
+    """``Use OptimizerNames.ADAMW_TORCH with betas=(0.9,0.999) and epsilon=1e-08 and …`` → optim, betas, eps."""
+    out = {}
+    name = re.match(r"Use (?:OptimizerNames\.)?(\w+)", raw)
+    if name:
+        out["optim"] = (name.group(1).lower(), CARD)
+    betas = re.search(r"betas=\(([\d.e-]+),\s*([\d.e-]+)\)", raw)
+    if betas:
+        out["adam_beta1"], out["adam_beta2"] = (float(betas.group(1)), CARD), (float(betas.group(2)), CARD)
+    eps = re.search(r"epsilon=([\d.e+-]+)", raw)
+    if eps:
+        out["adam_epsilon"] = (float(eps.group(1)), CARD)
+    return out
+
+
+def _results_table(text: str) -> list:
+    section = re.search(r"^#+\s*Training results\s*$(.*?)(?=^#+\s|\Z)", text, re.M | re.S)
+    if not section:
+        return []
+    lines = [x.strip() for x in section.group(1).splitlines() if x.strip().startswith("|")]
+    if len(lines) < 3:
+        return []
+    cells = lambda line: [c.strip() for c in line.strip("|").split("|")]
+    head = cells(lines[0])
+    return [dict(zip(head, cells(line))) for line in lines[2:]]
+
+
+def _is_number(s) -> bool:
+    try:
+        float(s)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _number(raw: str):
+    raw = raw.strip()
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# an axolotl YAML
+
+
+AXOLOTL = {  # axolotl's key → the TrainingArguments name it sets (None: the same name)
+    "micro_batch_size": "per_device_train_batch_size", "gradient_accumulation_steps": None,
+    "num_epochs": "num_train_epochs", "max_steps": None, "learning_rate": None, "lr_scheduler": "lr_scheduler_type",
+    "warmup_ratio": None, "warmup_steps": None, "optimizer": "optim", "adam_beta1": None, "adam_beta2": None,
+    "adam_epsilon": None, "weight_decay": None, "max_grad_norm": None, "seed": None, "bf16": None, "fp16": None,
+    "tf32": None, "gradient_checkpointing": None, "sequence_len": "max_length", "sample_packing": "packing",
+    "train_on_inputs": None, "neftune_noise_alpha": None, "logging_steps": None, "group_by_length": None,
+    "lr_scheduler_kwargs": None, "label_smoothing_factor": None, "cosine_min_lr_ratio": None,
+    "adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": None, "lora_target_modules": None,
+    "lora_target_linear": None, "load_in_4bit": None, "load_in_8bit": None, "bnb_4bit_quant_type": None,
+}
+# axolotl keys that say where data, models and logs go, not how a step is taken: read, never carried
+AXOLOTL_PLACES = {
+    "base_model", "base_model_config", "model_type", "tokenizer_type", "trust_remote_code", "datasets",
+    "dataset_prepared_path", "val_set_size", "output_dir", "eval_sample_packing", "pad_to_sequence_len",
+    "wandb_project", "wandb_entity", "wandb_watch", "wandb_name", "wandb_log_model", "hub_model_id", "strict",
+    "special_tokens", "evals_per_epoch", "saves_per_epoch", "eval_steps", "save_steps", "save_strategy",
+    "eval_strategy", "resume_from_checkpoint", "local_rank", "logging_dir", "early_stopping_patience", "debug",
+    "deepspeed", "fsdp", "fsdp_config", "flash_attention", "sdp_attention", "xformers_attention",
+    "chat_template", "lora_model_dir", "lora_fan_in_fan_out", "plugins", "auto_resume_from_checkpoints",
+    "save_total_limit", "gradient_checkpointing_kwargs", "eval_batch_size", "torch_compile",
+}
+
+
+def read_axolotl(path: Path, what: str) -> Baseline:
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
+    if not isinstance(raw, dict) or not ({"base_model", "micro_batch_size", "datasets"} & set(raw)):
+        raise ConfigError(f"{what}: {path} is not an axolotl config (no base_model, micro_batch_size or datasets)")
+    b = Baseline("axolotl YAML", path, base_model=raw.get("base_model"))
+    for key, value in raw.items():
+        if key in AXOLOTL:
+            b.args[AXOLOTL[key] or key] = (value, f"{path.name}: {key}")
+        elif key not in AXOLOTL_PLACES:
+            b.unknown.append(key)
+    return b

@@ -1,0 +1,383 @@
+"""``finetune import SOURCE [-o recipe.yaml] [--recipe BASE]``: a finetune recipe from a baseline's settings.
+
+``SOURCE`` is anything :func:`finetune.baselines.read_baseline` reads. The recipe gets the baseline's effective
+batch, learning rate, schedule and warm-up (a warm-up ratio becomes steps as transformers computes them:
+``ceil(steps × ratio)``), epochs or max steps, optimizer, betas, weight decay, ``max_grad_norm``, seed, mixed
+precision, LoRA, max length / completion-only loss where the task has them, quantization, and the Trainer's sample
+order (``training.sample_order: trainer``). The model, data and everything else come from ``--recipe BASE``
+(else a ``clm`` recipe on the baseline's base model). One table says each field, its value and where it came from;
+each setting that cannot be carried gets one ``not carried:`` line. The micro-batch is yours: run the recipe with
+``--batch-size``.
+
+    finetune import runs/trainer-baseline --recipe examples/trainer-baseline/recipe.yaml -o imported.yaml
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from finetune.baselines import Baseline, read_baseline
+from finetune.errors import ConfigError
+
+OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
+              "adamw_torch_4bit": None, "sgd": "sgd", "lion_32bit": "lion", "lion": "lion",
+              "adamw_bnb_8bit": "adamw8bit", "adamw_8bit": "adamw8bit", "bnb_8bit": "adamw8bit",
+              "paged_adamw_8bit": "paged_adamw8bit"}
+SCHEDULERS = {"linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"}
+# settings that change the step and that finetune has no counterpart for: TrainingArguments name → why
+NO_COUNTERPART = {
+    "neftune_noise_alpha": "finetune has no NEFTune",
+    "label_smoothing_factor": "finetune's losses have no label smoothing",
+    "lr_scheduler_kwargs": "finetune passes no scheduler arguments",
+    "cosine_min_lr_ratio": "finetune passes no scheduler arguments",
+    "group_by_length": "finetune draws no length-grouped order; its windows sort by length inside (same samples)",
+    "tf32": "finetune leaves torch's matmul precision as it is",
+}
+# TrainingArguments defaults: a setting at its default needs no line
+DEFAULTS = {"neftune_noise_alpha": None, "label_smoothing_factor": 0.0, "lr_scheduler_kwargs": None,
+            "cosine_min_lr_ratio": None, "group_by_length": False, "tf32": None}
+
+
+# what a model card never lists, with the Trainer's defaults
+CARD_OMITS = {"weight_decay": 0.0, "max_grad_norm": 1.0, "data_seed": None, "bf16": False}
+
+
+class Imported:
+    """The recipe being written: ``set`` records each value with its source, ``skip`` each setting not carried."""
+
+    def __init__(self):
+        self.rows, self.not_carried, self.values = [], [], {}
+
+    def set(self, name: str, value, source: str) -> None:
+        self.values[name] = value
+        self.rows.append((name, value, source))
+
+    def skip(self, setting: str, value, why: str) -> None:
+        self.not_carried.append(f"not carried: {setting}={value} — {why}")
+
+
+def carry(b: Baseline, model_fields: set, data_fields: set, steps: int | None = None) -> Imported:
+    """Map the baseline's settings onto recipe fields (``section.name``); ``steps``: the optimizer steps the run
+    took, when the source does not say them (for a warm-up ratio)."""
+    out = Imported()
+    src = lambda name: b.args[name][1]  # noqa: E731
+    get = b.get
+
+    total = b.effective_batch()
+    if total:
+        if get("total_train_batch_size"):
+            where = f"{src('total_train_batch_size')}: total_train_batch_size"
+        else:
+            devices = get("num_devices")
+            where = f"{src('per_device_train_batch_size')} × accumulation × " + (
+                f"{devices} devices" if devices else "1 process (the source names no process count)")
+        out.set("training.effective_batch_size", total, where)
+        out.set("training.gradient_accumulation_steps", None, "derived from the effective batch and your micro-batch")
+    for name, field in (("learning_rate", "training.learning_rate"), ("weight_decay", "training.weight_decay")):
+        if get(name) is not None:
+            out.set(field, float(get(name)), src(name))
+    _scheduler(b, out, steps)
+    _length(b, out)
+    _optimizer(b, out)
+    if "max_grad_norm" in b.args:
+        norm = get("max_grad_norm")
+        out.set("training.max_grad_norm", float(norm) if norm else None, src("max_grad_norm"))
+    _seed_and_order(b, out)
+    if get("bf16") or get("fp16"):
+        which = "bf16" if get("bf16") else "fp16"
+        out.set("training.mixed_precision", which, src(which))
+    elif "bf16" in b.args or "fp16" in b.args:
+        out.set("training.mixed_precision", "no", src("bf16" if "bf16" in b.args else "fp16"))
+    if get("gradient_checkpointing"):
+        out.set("training.gradient_checkpointing", True, src("gradient_checkpointing"))
+    _eval(b, out)
+    _lora(b, out)
+    _quantization(b, out, model_fields)
+    _data(b, out, data_fields)
+    if b.kind == "model card":  # the card lists only some arguments: the others are the recipe's own
+        missing = [f"{k} (Trainer default {v})" for k, v in CARD_OMITS.items() if k not in b.args]
+        if missing:
+            out.not_carried.append("not in the model card, the recipe's values kept: " + ", ".join(missing))
+    for name, why in NO_COUNTERPART.items():
+        if get(name, DEFAULTS[name]) not in (DEFAULTS[name], {}, 0, 0.0, False):
+            out.skip(name, get(name), why)
+    return out
+
+
+def _scheduler(b: Baseline, out: Imported, steps_given: int | None) -> None:
+    get = b.get
+    kind = get("lr_scheduler_type")
+    if kind is not None:
+        if str(kind) in SCHEDULERS:
+            out.set("training.lr_scheduler", str(kind), b.args["lr_scheduler_type"][1])
+        else:
+            out.skip("lr_scheduler_type", kind, f"finetune's schedulers are {', '.join(sorted(SCHEDULERS))}")
+    # transformers 5: warmup_steps below 1 is a ratio (TrainingArguments has no warmup_ratio); older arguments and
+    # axolotl have warmup_ratio. Both become ceil(steps × ratio), as TrainingArguments.get_warmup_steps computes.
+    steps, ratio, ratio_src = get("warmup_steps"), get("warmup_ratio"), None
+    if steps is not None and 0 < float(steps) < 1:
+        ratio, ratio_src = float(steps), b.args["warmup_steps"][1]
+    elif steps is not None and float(steps) >= 1:
+        out.set("training.warmup_steps", int(steps), b.args["warmup_steps"][1])
+        return
+    elif ratio:
+        ratio, ratio_src = float(ratio), b.args["warmup_ratio"][1]
+    if not ratio:
+        if steps is not None:
+            out.set("training.warmup_steps", 0, b.args["warmup_steps"][1])
+        return
+    total = get("schedule_steps") or (get("max_steps") if (get("max_steps") or -1) > 0 else None)
+    where = b.args["schedule_steps" if get("schedule_steps") else "max_steps"][1] if total else "--steps"
+    total = total or steps_given
+    if total:
+        out.set("training.warmup_steps", math.ceil(int(total) * ratio),
+                f"{ratio_src}: ratio {ratio:g} × {total} steps ({where}), rounded up as transformers does")
+    else:
+        out.skip("warmup ratio", ratio, "this source does not say how many optimizer steps the run took; give "
+                 f"--steps N, or set training.warmup_steps=ceil({ratio:g} × N) (transformers rounds up)")
+
+
+def _length(b: Baseline, out: Imported) -> None:
+    get = b.get
+    epochs, max_steps = get("num_train_epochs"), get("max_steps")
+    if max_steps is not None and int(max_steps) > 0:
+        out.set("training.max_steps", int(max_steps), b.args["max_steps"][1])
+        out.set("training.epochs", max(1, math.ceil(int(max_steps) / max(1, int(get("schedule_steps") or
+                                                                                max_steps)))), "derived")
+    elif epochs is not None:
+        if float(epochs) != int(float(epochs)):
+            out.set("training.epochs", math.ceil(float(epochs)), b.args["num_train_epochs"][1])
+            out.skip("num_train_epochs", epochs, "finetune trains whole epochs; set training.max_steps to the "
+                     "baseline's step count to stop where it stopped")
+        else:
+            out.set("training.epochs", int(float(epochs)), b.args["num_train_epochs"][1])
+
+
+def _optimizer(b: Baseline, out: Imported) -> None:
+    get = b.get
+    optim = get("optim")
+    if optim is not None:
+        ours = OPTIMIZERS.get(str(optim).lower())
+        if ours:
+            out.set("training.optimizer", ours, b.args["optim"][1])
+        else:
+            out.skip("optim", optim, "finetune's optimizers are adamw, sgd, lion, adamw8bit, paged_adamw8bit")
+    if get("adam_beta1") is not None or get("adam_beta2") is not None:
+        betas = [float(get("adam_beta1", 0.9)), float(get("adam_beta2", 0.999))]
+        out.set("training.betas", betas, b.args["adam_beta1" if "adam_beta1" in b.args else "adam_beta2"][1])
+    eps = get("adam_epsilon")
+    if eps is not None and float(eps) != 1e-8:
+        out.skip("adam_epsilon", eps, "finetune's AdamW uses torch's eps 1e-8")
+
+
+def _seed_and_order(b: Baseline, out: Imported) -> None:
+    get = b.get
+    seed, data_seed = get("seed"), get("data_seed")
+    if data_seed is not None and data_seed != seed:
+        out.set("training.seed", int(data_seed), f"{b.args['data_seed'][1]}: data_seed, the seed of the order")
+        if seed is not None:
+            out.skip("seed", seed, f"finetune has one seed; data_seed={data_seed} is taken, for the sample order "
+                     "(dropout and new weights draw from it too)")
+    elif seed is not None:
+        out.set("training.seed", int(seed), b.args["seed"][1])
+    strategy = str(get("train_sampling_strategy") or "random")
+    if get("packing") or get("group_by_length") or strategy not in ("random", "sequential"):
+        return  # their order is not a seeded permutation of the samples (said by their own not-carried lines)
+    if strategy == "sequential":
+        out.set("training.shuffle", False, b.args["train_sampling_strategy"][1])
+    else:
+        out.set("training.sample_order", "trainer",
+                "HF Trainer's random sampler (axolotl and TRL train with it too)")
+
+
+def _eval(b: Baseline, out: Imported) -> None:
+    strategy = str(b.get("eval_strategy") or b.get("evaluation_strategy") or "")
+    if strategy == "steps" and b.get("eval_steps"):
+        out.set("training.eval_every", int(b.get("eval_steps")), b.args["eval_steps"][1])
+
+
+def _lora(b: Baseline, out: Imported) -> None:
+    a, get = b.adapter_config, b.get
+    if a and a.get("peft_type", "LORA") == "LORA":
+        where = "adapter_config.json"
+        values = {"r": a.get("r"), "alpha": a.get("lora_alpha"), "dropout": a.get("lora_dropout"),
+                  "target_modules": a.get("target_modules"), "modules_to_save": a.get("modules_to_save")}
+    elif get("adapter") in ("lora", "qlora"):
+        where = b.args["adapter"][1].split(":")[0]
+        values = {"r": get("lora_r"), "alpha": get("lora_alpha"), "dropout": get("lora_dropout"),
+                  "target_modules": get("lora_target_modules"), "modules_to_save": None}
+        if get("lora_target_linear"):
+            out.skip("lora_target_linear", True, "finetune names the adapted modules; list the model's linear "
+                     "layers in peft.target_modules")
+    else:
+        return
+    out.set("peft.enabled", True, where)
+    for key, value in values.items():
+        if value is not None:
+            if key == "target_modules" and isinstance(value, str):
+                value = [value] if value != "all-linear" else None
+                if value is None:
+                    out.skip("target_modules", "all-linear", "finetune names the adapted modules; list them")
+                    continue
+            out.set(f"peft.{key}", sorted(value) if isinstance(value, (list, set)) else value, where)
+
+
+def _quantization(b: Baseline, out: Imported, model_fields: set) -> None:
+    get, q = b.get, (b.model_config or {}).get("quantization_config") or {}
+    kind = None
+    if get("load_in_4bit") or q.get("load_in_4bit"):
+        kind = str(get("bnb_4bit_quant_type") or q.get("bnb_4bit_quant_type") or "nf4")
+    elif get("load_in_8bit") or q.get("load_in_8bit"):
+        kind = "int8"
+    if kind is None:
+        return
+    where = b.args["load_in_4bit" if get("load_in_4bit") else "load_in_8bit"][1].split(":")[0] \
+        if get("load_in_4bit") or get("load_in_8bit") else "config.json: quantization_config"
+    if "quantization" in model_fields and kind in ("nf4", "fp4", "int8"):
+        out.set("model.quantization", kind, where)
+    else:
+        out.skip("quantization", kind, "this recipe's task has no model.quantization")
+
+
+def _data(b: Baseline, out: Imported, data_fields: set) -> None:
+    get = b.get
+    length = get("max_length") or get("max_seq_length")
+    if length:
+        name = "max_length" if "max_length" in b.args else "max_seq_length"
+        field = next((f for f in ("max_length", "seq_len") if f in data_fields), None)
+        if field:
+            out.set(f"data.{field}", int(length), b.args[name][1])
+        else:
+            out.skip(name, length, "this recipe's task has no data.max_length / data.seq_len")
+    if get("packing"):
+        out.skip("packing", True, "it packs the whole data set before sampling, so its batches are of packed rows; "
+                 "finetune's training.packing packs inside each window (the same samples, other batches)")
+    only = None
+    if "train_on_inputs" in b.args:
+        only = not get("train_on_inputs")
+    elif get("assistant_only_loss") or get("completion_only_loss"):
+        only = True
+    if only is not None:
+        key = next(k for k in ("train_on_inputs", "assistant_only_loss", "completion_only_loss") if k in b.args)
+        if "train_on" in data_fields:
+            out.set("data.train_on", "assistant" if only else "all", b.args[key][1])
+        elif only:
+            out.skip(key, get(key), "this recipe's task trains on every token (no data.train_on)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the model check and the command
+
+
+ARCHITECTURE = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size", "n_embd", "n_layer", "n_head")
+
+
+def model_config_of(model_section) -> dict | None:
+    """The architecture a recipe's model section names: its checkpoint's config.json, or ``model.config``."""
+    import json
+
+    name = getattr(model_section, "name_or_path", None)
+    if name:
+        from finetune.hf_models import resolve_model_path
+
+        folder = Path(resolve_model_path(name)) if not name.startswith("gguf:") else None
+        if folder is not None and (folder / "config.json").is_file():
+            return {**json.loads((folder / "config.json").read_text()), **(getattr(model_section, "config", None)
+                                                                          or {})}
+        return None
+    return getattr(model_section, "config", None)
+
+
+def model_difference(baseline: dict | None, mine: dict | None) -> str | None:
+    """``hidden_size 64 vs 128`` for the first architecture field both name and disagree on; None when none."""
+    if not baseline or not mine:
+        return None
+    for key in ARCHITECTURE:
+        if key in baseline and key in mine and baseline[key] != mine[key]:
+            return f"{key} {baseline[key]} vs {mine[key]}"
+    return None
+
+
+def _skeleton(b: Baseline) -> dict:
+    if not b.base_model:
+        raise ConfigError(f"import: {b.path} does not name the model it fine-tuned; give --recipe BASE (a recipe "
+                          "whose model and data to keep)")
+    return {"task": "clm", "description": f"imported from {b.path}", "model": {"name_or_path": b.base_model}}
+
+
+def import_recipe(source, base=None, steps=None) -> tuple[dict, Imported, Baseline]:
+    """The recipe mapping for baseline ``source`` (over recipe ``base`` when given), what was carried and the
+    baseline. Raises ConfigError (one line) for bad input, a recipe that would not validate, or a model that
+    differs from the baseline's."""
+    from finetune.config import apply_overrides, config_from_dict, read_yaml, recipe_path, resolve_task, task_module
+
+    b = read_baseline(source, "import")
+    raw = read_yaml(recipe_path(base)) if base else _skeleton(b)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--recipe: {base} is not a recipe (a YAML mapping)")
+    folder = recipe_path(base).parent if base else None
+    module = task_module(resolve_task(raw.get("task"), folder))
+    fields = lambda cls: {f for f in getattr(cls, "__dataclass_fields__", {})}  # noqa: E731
+    imported = carry(b, fields(module.ModelConfig), fields(module.DataConfig), steps)
+    if not base:
+        imported.skip("the data set", "unknown", f"not in the {b.kind}; this recipe trains on the clm task's default "
+                      "data until you set data.source (or give --recipe BASE)")
+    raw = apply_overrides(raw, [(name.split("."), value) for name, value in imported.values.items()])
+    if not base:
+        raw.setdefault("name", Path(source).stem)
+    cfg = config_from_dict(raw, name=raw.get("name") or "imported", folder=folder)
+    diff = model_difference(b.model_config, model_config_of(cfg.model))
+    if diff:
+        raise ConfigError(f"import: the baseline's model ({b.path / 'config.json'}) differs from the recipe's "
+                          f"model.name_or_path: {diff}")
+    if b.base_model and base and cfg.model.name_or_path and not Path(str(cfg.model.name_or_path)).exists() \
+            and cfg.model.name_or_path != b.base_model:
+        raise ConfigError(f"import: the baseline fine-tuned {b.base_model}, the recipe's model.name_or_path is "
+                          f"{cfg.model.name_or_path}")
+    return raw, imported, b
+
+
+def table(imported: Imported, b: Baseline) -> str:
+    rows = [("field", "value", "from")] + [(n, _show(v), s) for n, v, s in imported.rows]
+    width = [max(len(r[i]) for r in rows) for i in range(2)]
+    lines = [f"{b.kind}: {b.path}"] + [f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}" for r in rows]
+    return "\n".join(lines + imported.not_carried)
+
+
+def _show(v) -> str:
+    return "null" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def main(args) -> int:
+    import yaml
+
+    out = Path(args.output or f"{Path(args.source).stem if Path(args.source).is_file() else Path(args.source).name}"
+                               "-imported.yaml")
+    if out.exists() and not args.force:
+        raise ConfigError(f"import: -o {out} exists; give another path or --force")
+    raw, imported, b = import_recipe(args.source, args.recipe, args.steps)
+    print(table(imported, b))
+    if b.unknown:  # listed, not fatal: axolotl grows keys faster than this list
+        print(f"warning: {b.path.name}: keys finetune does not know, not read: {', '.join(b.unknown)}",
+              file=sys.stderr)
+    command = f"finetune run --recipe {out} --batch-size B"
+    out.write_text(f"# {command}\n# imported from {args.source} ({b.kind}) by finetune import\n"
+                   + yaml.safe_dump(raw, sort_keys=False))
+    print(f"wrote {out}: run it with {command} (your micro-batch; N = effective batch / B)")
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("source", help="a Trainer/TRL output or checkpoint folder, a model card README.md, an axolotl "
+                                  "YAML or a Trainer/TRL arguments JSON")
+    p.add_argument("-o", "--output", metavar="RECIPE.yaml", help="where to write the recipe "
+                                                                  "(default: <source>-imported.yaml)")
+    p.add_argument("--recipe", metavar="BASE", help="keep this recipe's task, model and data (default: a clm recipe "
+                                                    "on the baseline's base model)")
+    p.add_argument("--steps", type=int, metavar="N", help="the baseline's optimizer steps, for a warm-up ratio when "
+                                                          "the source does not say them (axolotl, args JSON)")
+    p.add_argument("--force", action="store_true", help="overwrite the output file")
