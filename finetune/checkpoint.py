@@ -320,7 +320,7 @@ def keep_task_state(accelerator, objects) -> None:
     from safetensors.torch import load_file, save_file
 
     def save(models, weights, output_dir):
-        if accelerator.is_main_process:
+        if distributed.is_main_process():
             tensors = {f"{i}.{k}": v.detach().cpu().contiguous() for i, o in enumerate(objects)
                        for k, v in o.state_dict().items()}
             save_file(tensors, os.path.join(output_dir, TASK_STATE))

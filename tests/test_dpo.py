@@ -4,7 +4,7 @@
   varying length, over two epochs whose last window is short and ends in a short micro-batch — with a frozen copy as
   the reference, with LoRA and the base (adapters off) as the reference, with precomputed reference log-probs, for
   every loss; the logged rewards are the same window means; dividing each micro-batch's mean by the number of
-  micro-batches (TRL's DPOTrainer under HF Trainer) visibly breaks it;
+  micro-batches (TRL's DPOTrainer under HF Trainer) visibly breaks it (label smoothing: its formula below);
 * the losses are TRL 1.16's formulas; the per-sequence log-probs are the plain head's, values and gradients;
 * TRL's data layouts (explicit / implicit prompt, conversations / text) give the same tokens;
 * precomputed reference log-probs are saved with checkpoints and restored on resume;
@@ -75,8 +75,8 @@ def test_windows_are_exact_and_micro_batch_division_is_not(big):
     assert update_diff(per_micro_batch, big, start) > 1e-3
 
 
-@pytest.mark.parametrize("overrides", [["model.loss_type=ipo", "model.beta=0.5"], ["model.loss_type=hinge"],
-                                       ["model.label_smoothing=0.2"]], ids=["ipo", "hinge", "smoothed"])
+@pytest.mark.parametrize("overrides", [["model.loss_type=ipo", "model.beta=0.5"], ["model.loss_type=hinge"]],
+                         ids=["ipo", "hinge"])
 def test_every_loss_is_exact(overrides):
     overrides = [*overrides, "training.epochs=1"]  # windows of 9, 9 and 4 = 3 + 1
     small, _, start = run(3, 3, *overrides)
@@ -247,7 +247,7 @@ BAD = [
     (["model.loss_type=kto"], "model.loss_type: got 'kto'"),
     (["model.loss_type=ipo", "model.label_smoothing=0.1"], "model.label_smoothing: applies to loss_type sigmoid"),
 ]
-IN_A_PROCESS = {0, 6}  # as a user runs it; the rest through main() in this process
+IN_A_PROCESS = {0}  # as a user runs it; the rest through main() in this process
 
 
 @pytest.mark.parametrize("index,overrides,message", [(i, *case) for i, case in enumerate(BAD)],
