@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config import ConfigError, load_recipe
-from finetune.loss_head import model_sequence_log_probs, sequence_log_probs
 from finetune.loop import Outputs
+from finetune.loss_head import model_sequence_log_probs, sequence_log_probs
 from finetune.tasks import dpo
 from tests.helpers import SMALL, assert_one_error_line, cli, refused_in_process, tiny_pairs_assets
 from tests.helpers import dpo_recipe_run as run
@@ -192,7 +192,8 @@ def test_every_layout_gives_the_same_tokens(assets):
     tokenizer = AutoTokenizer.from_pretrained(assets["model"])
     explicit = {"prompt": [{"role": "user", "content": "What is 2 plus 3?"}],
                 "chosen": [{"role": "assistant", "content": "5."}], "rejected": [{"role": "assistant", "content": "6"}]}
-    implicit = {"chosen": explicit["prompt"] + explicit["chosen"], "rejected": explicit["prompt"] + explicit["rejected"]}
+    implicit = {"chosen": explicit["prompt"] + explicit["chosen"],
+                "rejected": explicit["prompt"] + explicit["rejected"]}
     text = {"prompt": "What is 2 plus 3?", "chosen": "5.", "rejected": "6"}
     encoded = [dpo.encode_pair(tokenizer, *dpo.to_pair(row)) for row in (explicit, implicit, text)]
     assert encoded[0] == encoded[1] == encoded[2]
