@@ -15,7 +15,7 @@ micro-batches in the window (``loss_is_scaled_for_ga = False``): a micro-batch o
     pip install --no-deps trl==1.16.0      # TRL is not a dependency of finetune
     HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/dpo_trl.py [--pairs 10 --b 3 --n 2] [--tiny]
 
-``--tiny``: a 2-layer Llama at SmolLM2's vocabulary and widths / 8 instead of SmolLM2 (seconds instead of minutes).
+``--tiny``: a 2-layer Llama (hidden 72) with SmolLM2's vocabulary and tokenizer instead of SmolLM2 itself.
 """
 
 from __future__ import annotations
