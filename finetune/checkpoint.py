@@ -306,6 +306,38 @@ def quantized_layers_left_out(accelerator):
             handle.remove()
 
 
+TASK_STATE = "task_state.safetensors"
+
+
+def keep_task_state(accelerator, objects) -> None:
+    """Save the tensors of the task's own state (``Job.checkpointed``: objects with ``state_dict()`` → name →
+    tensor and ``load_state_dict``, e.g. precomputed reference log-probs) in every checkpoint as
+    ``task_state.safetensors``, and restore them on resume, through Accelerate's state hooks (no pickle). A
+    checkpoint without the file is refused when the task has state to restore."""
+    objects = list(objects or [])
+    if not objects:
+        return
+    from safetensors.torch import load_file, save_file
+
+    def save(models, weights, output_dir):
+        if distributed.is_main_process():
+            tensors = {f"{i}.{k}": v.detach().cpu().contiguous() for i, o in enumerate(objects)
+                       for k, v in o.state_dict().items()}
+            save_file(tensors, os.path.join(output_dir, TASK_STATE))
+
+    def load(models, input_dir):
+        path = os.path.join(input_dir, TASK_STATE)
+        if not os.path.isfile(path):
+            raise ConfigError(f"resume: checkpoint {input_dir} has no {TASK_STATE} (the task's state, e.g. "
+                              "precomputed reference log-probs); it was saved by a run without it")
+        tensors = load_file(path)
+        for i, o in enumerate(objects):
+            o.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == str(i)})
+
+    accelerator.register_save_state_pre_hook(save)
+    accelerator.register_load_state_pre_hook(load)
+
+
 def reseed_rng(step: int, rank: int) -> None:
     """Seed python, numpy and torch (all devices) from the optimizer step and the process."""
     seed = step_seed(step, rank)

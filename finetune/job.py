@@ -6,7 +6,7 @@ the loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -38,6 +38,8 @@ class Job:
         after_step: ``after_step(state, model)`` after every optimizer step and its evaluation, before its
             checkpoint (an EMA of the weights, a sample image every K steps); ``model`` is the unwrapped model.
         tokenizer: saved beside the model when it has ``save_pretrained``.
+        checkpointed: objects with ``state_dict()`` (name → tensor) and ``load_state_dict`` whose state is saved
+            in every checkpoint and restored on resume (e.g. reference log-probs computed once at set-up).
     """
 
     model: torch.nn.Module
@@ -57,3 +59,4 @@ class Job:
     after_step: Optional[Callable] = None
     val_loss_metrics: Optional[Callable] = None
     summarize: Optional[Callable] = None
+    checkpointed: list = field(default_factory=list)

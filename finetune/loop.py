@@ -211,6 +211,7 @@ def setup(job: Job, t: TrainingConfig, output: Outputs, shape: Optional[Shape], 
     optims = make_optims(model, job.param_groups, t, shape.total_steps, lr_scale(t, shape.effective))
     distributed.agree(lambda: distributed.configure_deepspeed(accelerator, shape.micro_batch))  # all refuse
     model, *prepared = accelerator.prepare(model, *[o.optimizer for o in optims])
+    checkpoint.keep_task_state(accelerator, job.checkpointed)  # e.g. precomputed reference log-probs
     for o, p in zip(optims, prepared):
         o.optimizer = p
     causal = is_causal_lm(model)

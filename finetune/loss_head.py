@@ -197,6 +197,112 @@ def causal_lm_loss(hidden_states: torch.Tensor, head: torch.nn.Linear, labels: t
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# per-sequence log-probabilities (preference losses)
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """log softmax(linear(hidden, weight, bias).float())[row, target] for every row, one chunk of rows at a time.
+
+    Unlike the loss above, the output is a vector: a preference loss weights each sequence's log-probability by its
+    own factor, so the head's gradient cannot be summed ahead of backward. Backward recomputes each chunk's logits
+    (one more matmul than the loss head) and scales each row by its incoming gradient; no ``[rows, vocab]`` buffer
+    outlives a chunk in either pass."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens):
+        dtype = _compute_dtype(hidden, weight)
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            x = F.linear(hidden[rows].to(dtype), w, b).float()
+            out[rows] = x.gather(1, targets[rows, None]).squeeze(1) - x.logsumexp(1)
+            del x
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.dtype, ctx.chunk_tokens = dtype, chunk_tokens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        wants = ctx.needs_input_grad[:3]
+        dtype, chunk = ctx.dtype, ctx.chunk_tokens
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        grad_h = torch.zeros_like(hidden) if wants[0] else None
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if wants[1] else None
+        grad_b = torch.zeros(bias.shape, dtype=acc, device=bias.device) if wants[2] else None
+        with torch.autocast(hidden.device.type, enabled=False):  # the forward's dtypes, cast explicitly
+            for start in range(0, hidden.shape[0], chunk):
+                rows = slice(start, start + chunk)
+                h = hidden[rows].to(dtype)
+                # d log p_t / d logits = one-hot − softmax, times each row's incoming gradient
+                g = F.linear(h, w, b).float().softmax(1).neg_()
+                g.scatter_add_(1, targets[rows, None], g.new_ones((h.shape[0], 1)))
+                g = g.mul_(grad_out[rows, None].float()).to(dtype)
+                if wants[0]:
+                    grad_h[rows] = (g @ w).to(hidden.dtype)
+                if wants[1]:
+                    grad_w += (g.T @ h).to(acc)
+                if wants[2]:
+                    grad_b += g.sum(0).to(acc)
+                del g
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the plain head's linear runs in: autocast's when it is on (for fp32 / bf16 / fp16 inputs), else the
+    hidden states' (a frozen bf16 / fp16 head under fp32 compute is used in fp32, as ``finetune.precision`` does)."""
+    if torch.is_autocast_enabled(hidden.device.type) and hidden.is_floating_point() and hidden.dtype != torch.float64:
+        return torch.get_autocast_dtype(hidden.device.type)
+    return hidden.dtype
+
+
+def sequence_log_probs(hidden_states: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, *,
+                       chunk_tokens: Optional[int] = None, ignore_index: int = -100) -> torch.Tensor:
+    """Σ log p(label) over each row's counted tokens: ``[batch]`` fp32, differentiable, without the
+    ``[tokens, vocab]`` logits.
+
+    Labels are shifted by one inside, as in ``causal_lm_loss`` (position t predicts label t + 1); ``ignore_index``
+    positions (prompt, padding) count for nothing. The same numbers and gradients as
+    ``log_softmax(head(hidden_states).float())`` gathered at the labels and summed per row, to fp32 rounding.
+
+    Example:
+        >>> logps = sequence_log_probs(out.last_hidden_state, model.lm_head, labels)   # [batch]
+    """
+    shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(hidden_states.device)
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    targets = shift.reshape(-1)
+    keep = (targets != ignore_index).nonzero().squeeze(1)
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(head.weight.shape[0])
+    tokens = _ChunkedTokenLogProbs.apply(hidden.index_select(0, keep), head.weight, head.bias,
+                                         targets.index_select(0, keep), chunk_tokens)
+    rows = torch.div(keep, shift.shape[-1], rounding_mode="floor")
+    return torch.zeros(shift.shape[0], dtype=torch.float32, device=tokens.device).index_add(0, rows, tokens)
+
+
+def model_sequence_log_probs(model: torch.nn.Module, batch: dict, *, chunk_tokens: Optional[int] = None
+                             ) -> torch.Tensor:
+    """``sequence_log_probs`` of a causal LM on ``batch`` (``input_ids``, ``attention_mask``, ``labels``): ``[batch]``.
+
+    The model is called through its own forward (``model(...)``, so that DDP sees the forward it syncs gradients
+    for) with ``logits_to_keep=1`` (the last position's logits only); the body's last hidden states are taken by a
+    hook and go through the head in chunks. ``model`` may be wrapped (DDP, compile, peft)."""
+    lm = _causal_lm(_unwrapped(model))
+    body = getattr(lm, lm.base_model_prefix)
+    seen = []
+    handle = body.register_forward_hook(lambda module, args, out: seen.append(out[0]))
+    try:
+        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=1,
+              use_cache=False)
+    finally:
+        handle.remove()
+    return sequence_log_probs(seen[-1], lm.lm_head, batch["labels"], chunk_tokens=chunk_tokens)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # switching a model over
 
 

@@ -21,6 +21,7 @@ from tests.helpers import (
     regression_data,
     tiny_chat_assets,
     tiny_gpt2,
+    tiny_pairs_assets,
     token_data,
 )
 
@@ -68,6 +69,8 @@ CUSTOM = {
     "video-motion": ["training.learning_rate=0.05", "model.checkpoint_frames=true"],
     # chat SFT on the tiny Llama: assistant-token counts differ per rank; evaluation generates on each rank's share
     "sft-smollm2": ["peft.enabled=false", "training.learning_rate=0.5"],
+    # preference pairs: pairs per rank differ in the tail; the frozen reference copy; held-out rewards gathered
+    "dpo-smollm2": ["peft.enabled=false", "training.learning_rate=0.5"],
 }
 
 
@@ -94,6 +97,8 @@ def run(name, processes):
     if name in CUSTOM:
         if name.startswith("sft"):
             tiny_chat_assets()
+        if name.startswith("dpo"):
+            tiny_pairs_assets()
         cfg = load_recipe(name, [*SMALL[name], *EXACT, "training.batch_size=3",
                                  f"training.gradient_accumulation_steps={4 // processes}", *CUSTOM[name]])
         set_seed(cfg.training.seed)

@@ -245,6 +245,73 @@ SMALL["sft-smollm2"] = [f"model.name_or_path={TINY_CHAT / 'model'}", f"data.sour
                         "model.generate_prompts=2", "model.max_new_tokens=4", "model.samples_saved=2"]
 
 
+# Preference pairs on the tiny chat model's arithmetic (the dpo task): the right sum against a wrong one, in TRL's
+# three layouts — an explicit conversational prompt, an implicit one (whole conversations), and plain text.
+TINY_PAIRS = ASSETS / "tiny-pairs-v1"
+SMALL["dpo-smollm2"] = [f"model.name_or_path={TINY_CHAT / 'model'}", f"data.source={TINY_PAIRS / 'pairs.jsonl'}",
+                        "data.val_fraction=0.2", "data.max_length=96", "data.system_prompt=null"]
+
+
+def pair_rows(n=40, seed=0):
+    """``n`` preference rows of varying length (chosen: the sum; rejected: a wrong sum, longer or shorter)."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+    rows = []
+    for i in range(n):
+        a, b, k = (int(x) for x in torch.randint(0, 50, (3,), generator=g))
+        filler = " ".join(words[int(j)] for j in torch.randint(0, len(words), (k % 7,), generator=g))
+        question = f"What is {a} plus {b}? {filler}".strip()
+        chosen = f"{a} plus {b} is {a + b}."
+        rejected = f"{a} plus {b} is {a + b + 1 + k % 5}." + (f" {filler}" if i % 2 else "")
+        if i % 3 == 0:
+            rows.append({"prompt": [{"role": "user", "content": question}],
+                         "chosen": [{"role": "assistant", "content": chosen}],
+                         "rejected": [{"role": "assistant", "content": rejected}]})
+        elif i % 3 == 1:
+            user = [{"role": "system", "content": "Answer with the sum."}, {"role": "user", "content": question}]
+            rows.append({"chosen": [*user, {"role": "assistant", "content": chosen}],
+                         "rejected": [*user, {"role": "assistant", "content": rejected}]})
+        else:
+            rows.append({"prompt": question, "chosen": chosen, "rejected": rejected})
+    return rows
+
+
+def tiny_pairs_assets() -> dict:
+    """``{"model": dir, "data": jsonl}``: the tiny chat model and 40 preference rows (``pair_rows``); a collective in
+    a process group, as ``tiny_chat_assets``."""
+    import json
+
+    from finetune import cache
+
+    tiny = tiny_chat_assets()
+    cache.folder(TINY_PAIRS, lambda out: (out / "pairs.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in pair_rows())), "tiny preference pairs")
+    return {"model": tiny["model"], "data": str(TINY_PAIRS / "pairs.jsonl")}
+
+
+def dpo_recipe_run(b, n, *overrides, job_hook=None, output=None, resume_from=None):
+    """The dpo recipe on the tiny chat model and pairs (call tiny_pairs_assets() first), trained through the loop
+    with micro-batch ``b`` and N = ``n``, full fine-tuning, SGD, no evaluation unless ``overrides`` say otherwise:
+    (result, the job, the trainable weights before training)."""
+    from accelerate.utils import set_seed
+
+    from finetune import loop
+    from finetune.config import load_recipe
+    from finetune.tasks import dpo
+
+    cfg = load_recipe("dpo-smollm2", [*SMALL["dpo-smollm2"], *EXACT, f"training.batch_size={b}",
+                                      f"training.gradient_accumulation_steps={n}", "training.learning_rate=0.5",
+                                      "training.eval_at_start=false", "peft.enabled=false", *overrides])
+    set_seed(cfg.training.seed)
+    job = dpo.build(cfg)
+    job.val_data = None
+    if job_hook is not None:
+        job_hook(job)
+    start = {k: p.detach().clone() for k, p in job.model.named_parameters() if p.requires_grad}
+    result = loop.train(job, cfg.training, output, print_banner=False, resume_from=resume_from)
+    return result, job, start
+
+
 def sft_recipe_run(b, n, *overrides, job_hook=None):
     """The sft recipe on the tiny chat model (call tiny_chat_assets() first), seeded as the CLI seeds it, trained
     through the loop with micro-batch ``b`` and N = ``n``, full fine-tuning unless ``overrides`` say otherwise:

