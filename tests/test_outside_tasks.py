@@ -159,7 +159,7 @@ def test_built_in_tasks_are_found_by_name_as_before():
 # (task as the recipe gives it, files written beside the recipe, recipe sections, the start of the expected error
 # line after "error: ", or of each line); {dir} is the recipe's folder
 BAD = [
-    ("./nope.py", {}, {}, "task: file {dir}/nope.py not found; allowed: one of clm, latent_ode, sentiment, sft, "),
+    ("./nope.py", {}, {}, "task: file {dir}/nope.py not found; allowed: one of clm, "),
     ("./my_task.txt", {}, {}, "task: got './my_task.txt'; a task file is a Python file ending in .py; allowed: "),
     ("nopkg.wave", {}, {}, "task: got 'nopkg.wave'; allowed: one of clm, "),
     ("./empty.py", {"empty.py": "x = 1\n"}, {},
