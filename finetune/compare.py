@@ -178,15 +178,7 @@ def plot_comparison(run_a, run_b, path) -> Path:
     for hist, name, style in ((a, Path(run_a).name, "-"), (b, Path(run_b).name, "--")):
         axes[0].plot([h["step"] for h in hist], [h["loss"] for h in hist], style, label=name)
         axes[1].plot([h["step"] for h in hist], [h["lr"] for h in hist], style, label=name)
-    for ax, title in zip(axes, ("window loss", "learning rate")):
-        ax.set_title(title)
-        ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)
+    return save_curves(fig, axes, ("window loss", "learning rate"), path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -390,7 +382,14 @@ def plot_against_baseline(baseline, run, path) -> Path:
     if any("learning_rate" in e for e in logs):
         axes[1].plot([e["step"] for e in logs], [e["learning_rate"] for e in logs], "-", label="baseline")
     axes[1].plot([h["step"] for h in hist], [h["lr"] for h in hist], "--", label=Path(run).name)
-    for ax, title in zip(axes, ("training loss", "learning rate")):
+    return save_curves(fig, axes, ("training loss", "learning rate"), path)
+
+
+def save_curves(fig, axes, titles, path) -> Path:
+    """Title, label and save the side-by-side curves of ``compare --plot``."""
+    import matplotlib.pyplot as plt
+
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)

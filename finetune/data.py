@@ -41,6 +41,23 @@ def split_samples(samples: list, val_fraction: float, seed: int, limit=None):
     return train, val
 
 
+def parse_rows(rows: list, parse, source: str) -> list:
+    """``parse(row)`` of every row; one ConfigError line (``data.source: …``) naming the first row ``parse`` refuses
+    (its ValueError) and how many more it refuses, or saying that there are no rows."""
+    out, bad = [], []
+    for i, row in enumerate(rows):
+        try:
+            out.append(parse(row))
+        except ValueError as e:
+            bad.append(f"row {i} {e}")
+    if bad:
+        more = f" ({len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
+        raise ConfigError(f"data.source: {bad[0]}{more}")
+    if not out:
+        raise ConfigError(f"data.source: {source} holds no rows")
+    return out
+
+
 def load_local_table(path, builders: dict, kwargs=None):
     """A local data file through ``datasets.load_dataset`` (``builders``: file extension → builder name). A bad file
     is one ``data.source`` line: datasets' own error log and progress bar are silenced while it reads."""

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from finetune import distributed, precision
 from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc
-from finetune.data import split_samples
+from finetune.data import parse_rows, split_samples
 from finetune.hf_models import apply_peft, gguf_file, peft_save_hook, precision_kwargs
 from finetune.job import Job
 from finetune.loss_head import model_sequence_log_probs
@@ -193,18 +193,7 @@ def to_pair(row, system_prompt: Optional[str] = None) -> tuple:
 
 def pairs_of(rows: list, d: DataConfig) -> list:
     """Every row as (prompt, chosen, rejected); one ConfigError line naming the first bad row and how many are bad."""
-    out, bad = [], []
-    for i, row in enumerate(rows):
-        try:
-            out.append(to_pair(row, d.system_prompt))
-        except ValueError as e:
-            bad.append(f"row {i} {e}")
-    if bad:
-        more = f" ({len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
-        raise ConfigError(f"data.source: {bad[0]}{more}")
-    if not out:
-        raise ConfigError(f"data.source: {d.source} holds no rows")
-    return out
+    return parse_rows(rows, lambda row: to_pair(row, d.system_prompt), d.source)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch
 
 from finetune import distributed
 from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, require_at_least_one
-from finetune.data import load_local_table, split_samples
+from finetune.data import load_local_table, parse_rows, split_samples
 from finetune.evaluation import load_metric
 from finetune.hf_models import (
     apply_peft,
@@ -271,18 +271,7 @@ def to_messages(row, system_prompt: Optional[str] = None) -> list:
 
 def conversations(rows: list, d: DataConfig) -> list:
     """Every row as messages; one ConfigError line naming the first bad row and how many are bad."""
-    out, bad = [], []
-    for i, row in enumerate(rows):
-        try:
-            out.append(to_messages(row, d.system_prompt))
-        except ValueError as e:
-            bad.append(f"row {i} {e}")
-    if bad:
-        more = f" ({len(bad) - 1} more bad rows)" if len(bad) > 1 else ""
-        raise ConfigError(f"data.source: {bad[0]}{more}")
-    if not out:
-        raise ConfigError(f"data.source: {d.source} holds no rows")
-    return out
+    return parse_rows(rows, lambda row: to_messages(row, d.system_prompt), d.source)
 
 
 # ---------------------------------------------------------------------------------------------------------------
