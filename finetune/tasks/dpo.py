@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from finetune import distributed, precision
 from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc
 from finetune.data import parse_rows, split_samples
-from finetune.hf_models import apply_peft, gguf_file, peft_save_hook, precision_kwargs
+from finetune.hf_models import apply_peft, peft_save_hook, precision_kwargs
 from finetune.job import Job
 from finetune.loss_head import model_sequence_log_probs
 from finetune.modeling import set_dropout
@@ -79,15 +79,7 @@ class DataConfig(BaseDataConfig):
 
 def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
-    if not m.name_or_path:
-        problems.append("model.name_or_path: give a hub id, a local directory, package:MODULE or a GGUF file")
-    else:
-        try:
-            gguf_file(m.name_or_path)
-        except ConfigError as e:
-            problems += e.problems
-    if m.chat_template is not None and "{" not in m.chat_template and not Path(m.chat_template).is_file():
-        problems.append(f"model.chat_template: file {m.chat_template} not found (give a file or the template text)")
+    sft.validate_chat_model(m, problems)
     if not (m.beta > 0 and math.isfinite(m.beta)):
         problems.append(f"model.beta: got {m.beta}; must be a number > 0")
     if not 0 <= m.label_smoothing < 0.5:

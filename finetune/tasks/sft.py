@@ -75,8 +75,8 @@ class DataConfig(BaseDataConfig):
                                        "none; the template may add its own default)", None)
 
 
-def validate(cfg, problems: list) -> None:
-    m, d = cfg.model, cfg.data
+def validate_chat_model(m, problems: list) -> None:
+    """The model source and chat template of a chat task's model section; one line per problem."""
     if not m.name_or_path:
         problems.append("model.name_or_path: give a hub id, a local directory, package:MODULE or a GGUF file")
     else:
@@ -86,6 +86,11 @@ def validate(cfg, problems: list) -> None:
             problems += e.problems
     if m.chat_template is not None and "{" not in m.chat_template and not Path(m.chat_template).is_file():
         problems.append(f"model.chat_template: file {m.chat_template} not found (give a file or the template text)")
+
+
+def validate(cfg, problems: list) -> None:
+    m, d = cfg.model, cfg.data
+    validate_chat_model(m, problems)
     if m.generate_prompts < 0:
         problems.append(f"model.generate_prompts: got {m.generate_prompts}; must be an integer >= 0")
     require_at_least_one(m, ["max_new_tokens"], problems, "model")
