@@ -330,16 +330,19 @@ def validate_training(t: TrainingConfig, problems: list):
         need(t.eval_every >= 1, f"training.eval_every: got {t.eval_every}; must be an integer >= 1 or null")
 
 
-def need_bitsandbytes(field: str, value: str, problems: list) -> None:
-    """One line when ``field: value`` needs bitsandbytes and it is not installed (looked up, not imported: importing
-    it takes seconds)."""
+def bitsandbytes_installed() -> bool:
+    """Whether bitsandbytes is installed (looked up, not imported: importing it takes seconds)."""
     import importlib.util
 
     try:
-        found = importlib.util.find_spec("bitsandbytes") is not None
+        return importlib.util.find_spec("bitsandbytes") is not None
     except (ImportError, ValueError):
-        found = False
-    if not found:
+        return False
+
+
+def need_bitsandbytes(field: str, value: str, problems: list) -> None:
+    """One line when ``field: value`` needs bitsandbytes and it is not installed."""
+    if not bitsandbytes_installed():
         problems.append(f"{field}: {value} needs bitsandbytes, which is not installed (pip install 'finetune[quant]')")
 
 

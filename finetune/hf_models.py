@@ -238,10 +238,15 @@ def precision_kwargs(cfg) -> dict:
     kwargs = {"dtype": precision.DTYPES[m.dtype] if cfg.peft.enabled else torch.float32}
     if m.quantization != "none":
         kwargs["quantization_config"] = bnb_config(m.quantization, precision.COMPUTE[t.mixed_precision],
-                                                   [*UNQUANTIZED_HEADS, *(cfg.peft.modules_to_save or [])])
+                                                   unquantized_modules(cfg))
         if torch.cuda.is_available():  # quantized as it loads, straight onto this process's GPU
             kwargs["device_map"] = {"": torch.cuda.current_device()}
     return kwargs
+
+
+def unquantized_modules(cfg) -> list:
+    """Names of the modules a quantized base of ``cfg`` keeps unquantized: the heads and peft's modules_to_save."""
+    return [*UNQUANTIZED_HEADS, *(cfg.peft.modules_to_save or [])]
 
 
 def bnb_config(quantization: str, compute_dtype: torch.dtype, skip: list):

@@ -399,10 +399,10 @@ def recipe_levers(cfg) -> list[Setting]:
     8-bit AdamW (full fine-tuning with AdamW), LoRA (a recipe that trains every weight), then for a pretrained
     Hugging Face model a bf16 base, a 4-bit nf4 base, and computing in bf16. bitsandbytes' levers only where it is
     installed."""
-    from finetune.config import PretrainedModelConfig
+    from finetune.config import PretrainedModelConfig, bitsandbytes_installed
 
     m, t, lora = cfg.model, cfg.training, cfg.peft.enabled
-    quant = have_bitsandbytes()
+    quant = bitsandbytes_installed()
     out = []
     if quant and t.optimizer == "adamw" and not lora:
         out.append(Setting(optimizer="adamw8bit"))
@@ -429,13 +429,6 @@ def with_lever(cfg, lever: Setting):
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)
                                        for section, fields in sections.items()})
 
-
-def have_bitsandbytes() -> bool:
-    problems = []
-    from finetune.config import need_bitsandbytes
-
-    need_bitsandbytes("", "", problems)
-    return not problems
 
 
 def add_arguments(p) -> None:

@@ -43,15 +43,17 @@ def load_architecture(source: str):
 class Extrapolated:
     """A planning subject (``finetune.plan.Subject``) for ``cfg`` whose model is ``config``'s architecture."""
 
-    def __init__(self, cfg, config, batches: list, processes: int, per_process: int):
+    def __init__(self, cfg, config, batches: list, processes: int, per_process: int, meta=None):
+        """``meta``: ``cfg``'s model already built on the meta device (else built here)."""
         from finetune.execute import build_job
         from finetune.hf_models import stand_in
 
         self.cfg, self.config, self.batches = cfg, config, batches
         self.processes, self.per_process = processes, per_process
         self.depth = config.num_hidden_layers
-        with stand_in(config, meta=True):
-            meta = build_job(cfg).model
+        if meta is None:
+            with stand_in(config, meta=True):
+                meta = build_job(cfg).model
         self.weights, self.gradients, self.optimizer_state = planned_fixed_part(meta, cfg)
         self.fixed = self.weights + self.gradients + self.optimizer_state
         self.parameters = sum(p.numel() for p in meta.parameters())
@@ -106,12 +108,11 @@ def planned_fixed_part(meta_model, cfg) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) of training the meta-built ``meta_model`` as ``cfg`` says."""
     from finetune.config import PretrainedModelConfig
     from finetune.fixed_memory import fixed_part
-    from finetune.hf_models import UNQUANTIZED_HEADS
+    from finetune.hf_models import unquantized_modules
 
     m, t = cfg.model, cfg.training
     quantization = m.quantization if isinstance(m, PretrainedModelConfig) else "none"
-    skip = [*UNQUANTIZED_HEADS, *(cfg.peft.modules_to_save or [])]
-    return fixed_part(meta_model, quantization, skip, t.optimizer, t.momentum)
+    return fixed_part(meta_model, quantization, unquantized_modules(cfg), t.optimizer, t.momentum)
 
 
 def extrapolate(shallow: Profile, deep: Profile, k1: int, k2: int, depth: int) -> Profile:
@@ -169,5 +170,5 @@ def plan_from_config(cfg, source: str, gpu: str, processes: int = 1):
     levers = [(lever, lambda lever=lever: Extrapolated(with_lever(cfg, lever), config, batches, processes,
                                                        per_process))
               for lever in recipe_levers(cfg)]
-    return plan_subjects(Extrapolated(cfg, config, batches, processes, per_process), levers, gpu, effective,
-                         processes, cfg.training, seq)
+    return plan_subjects(Extrapolated(cfg, config, batches, processes, per_process, job.model), levers, gpu,
+                         effective, processes, cfg.training, seq)

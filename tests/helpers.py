@@ -137,15 +137,23 @@ ASSETS = Path(os.environ.get("FINETUNE_TEST_ASSETS") or tempfile.mkdtemp(prefix=
 TINY_CHAT = ASSETS / "tiny-chat-v1"
 
 
+def sums(n: int, seed: int, longest_filler: int):
+    """``n`` × (i, a, b, k, filler): two numbers to add, a third drawn with them, and up to ``longest_filler`` filler
+    words (k of them, modulo) — the questions behind the tiny chat and preference rows."""
+    g = torch.Generator().manual_seed(seed)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+    for i in range(n):
+        a, b, k = (int(x) for x in torch.randint(0, 50, (3,), generator=g))
+        filler = " ".join(words[int(j)] for j in torch.randint(0, len(words), (k % (longest_filler + 1),),
+                                                                 generator=g))
+        yield i, a, b, k, filler
+
+
 def chat_rows(n=40, seed=0):
     """``n`` conversations of varying length: arithmetic questions, some with a system message, some with two
     user / assistant exchanges."""
-    g = torch.Generator().manual_seed(seed)
-    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
     rows = []
-    for i in range(n):
-        a, b, k = (int(x) for x in torch.randint(0, 50, (3,), generator=g))
-        filler = " ".join(words[int(j)] for j in torch.randint(0, len(words), (k % 9,), generator=g))
+    for i, a, b, k, filler in sums(n, seed, longest_filler=8):
         messages = [{"role": "user", "content": f"What is {a} plus {b}? {filler}".strip()},
                     {"role": "assistant", "content": f"{a} plus {b} is {a + b}." + (" " + filler if k % 3 else "")}]
         if i % 3 == 1:
@@ -254,12 +262,8 @@ SMALL["dpo-smollm2"] = [f"model.name_or_path={TINY_CHAT / 'model'}", f"data.sour
 
 def pair_rows(n=40, seed=0):
     """``n`` preference rows of varying length (chosen: the sum; rejected: a wrong sum, longer or shorter)."""
-    g = torch.Generator().manual_seed(seed)
-    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
     rows = []
-    for i in range(n):
-        a, b, k = (int(x) for x in torch.randint(0, 50, (3,), generator=g))
-        filler = " ".join(words[int(j)] for j in torch.randint(0, len(words), (k % 7,), generator=g))
+    for i, a, b, k, filler in sums(n, seed, longest_filler=6):
         question = f"What is {a} plus {b}? {filler}".strip()
         chosen = f"{a} plus {b} is {a + b}."
         rejected = f"{a} plus {b} is {a + b + 1 + k % 5}." + (f" {filler}" if i % 2 else "")

@@ -9,11 +9,16 @@ import torch
 from tests.helpers import ROOT, tiny_chat_assets
 
 
-def _equivalence():
-    spec = importlib.util.spec_from_file_location("equivalence", ROOT / "benchmarks" / "equivalence.py")
+def _benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _equivalence():
+    return _benchmark("equivalence")
 
 
 def test_equivalence_benchmark_core():
@@ -26,10 +31,7 @@ def test_equivalence_benchmark_core():
 
 
 def _memory():
-    spec = importlib.util.spec_from_file_location("memory", ROOT / "benchmarks" / "memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark("memory")
 
 
 def test_low_precision_benchmark_rows_and_json_on_a_tiny_model():

@@ -320,8 +320,12 @@ class Reference:
 
     def __call__(self, model, batch) -> torch.Tensor:
         if self.kind == "precomputed":
-            values = self.cache[batch["split"]][batch["index"].cpu()]  # [b, 2]: chosen, rejected
-            return torch.cat([values[:, 0], values[:, 1]]).to(batch["input_ids"].device)
+            index = batch["index"]
+            values = self.cache[batch["split"]]
+            if values.device != index.device:  # once: the lookup then stays on the device, without a host sync
+                values = self.cache[batch["split"]] = values.to(index.device)
+            values = values[index]  # [b, 2]: chosen, rejected
+            return torch.cat([values[:, 0], values[:, 1]])
         with torch.no_grad():
             if self.kind == "copy":
                 device = batch["input_ids"].device
@@ -348,7 +352,7 @@ class Reference:
         model.train(was_training)
 
     def state_dict(self) -> dict:
-        return {f"ref_log_probs.{split}": values for split, values in self.cache.items()}
+        return {f"ref_log_probs.{split}": values.cpu() for split, values in self.cache.items()}
 
     def load_state_dict(self, state: dict) -> None:
         self.cache = {key.split(".", 1)[1]: values.float().cpu() for key, values in state.items()}
