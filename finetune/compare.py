@@ -1,9 +1,14 @@
 """``finetune compare RUN_A RUN_B``: did two runs take the same optimizer steps?
 
-Checks, in order, and stops at the first that differs: the optimizer (from each run's ``config.yaml``, when it has
-one), effective batch, number of optimizer steps, the samples each window held (the history's order-free hash of each
-window's sample ids), the learning rate of every step, the loss curve, and finally the trained weights (max relative
-difference). Exit code 0 when equivalent within tolerance.
+"The same step to fp32 rounding" (docs/exact-steps.md#the-certificate) is judged where rounding cannot be amplified:
+at every optimizer step, what the optimizer consumed — the window's samples (an order-free hash of their ids), its
+learning rate, its loss, its gradient norm before clipping and the clipping applied — must agree to fp32 rounding,
+and the settings that shape the update (optimizer, betas, weight decay, precision, adapters) must be equal. Each
+per-step layer names the first step that differs; the verdict names the earliest. The trained weights are judged
+last: with a stateless optimizer (SGD) rounding stays rounding and the largest element may differ by
+``FP32_WEIGHT_RTOL``; an adaptive optimizer (AdamW, Lion) divides each element's update by its own history, so an
+element whose gradient is rounding noise takes a full-size step of either sign, and the weights are then held, as a
+whole (relative L2), to ``ADAPTIVE_WEIGHT_RTOL``, set from the measured rounding floor. Exit code 0 when equivalent.
 
 Runs with an 8-bit optimizer (``adamw8bit``, ``paged_adamw8bit``) are never called equivalent: their optimizer state
 is quantized block-wise, so gradients equal to fp32 rounding (``(b, N)`` against ``(b·N, 1)``) can round to
@@ -22,57 +27,95 @@ from pathlib import Path
 
 import torch
 
-FP32_WEIGHT_RTOL, FP32_LOSS_RTOL = 1e-5, 1e-4
+# The certificate's tolerances, each far above the rounding floor measured between layouts of the same run and far
+# below the smallest real difference its tests must catch (docs/exact-steps.md#the-certificate).
+FP32_LOSS_RTOL = 1e-4        # a step's window loss
+GRAD_NORM_RTOL = 1e-4        # a step's gradient norm before clipping, and the clipping factor applied
+FP32_WEIGHT_RTOL = 1e-5      # the largest element's difference, stateless optimizers (rounding is not amplified)
+ADAPTIVE_WEIGHT_RTOL = 1e-4  # ‖a − b‖₂ / ‖b‖₂ over every weight, adaptive optimizers (a few amplified elements)
+# optimizers whose per-element normalisation turns rounding-level gradients into full-size steps
+ADAPTIVE = {"adamw", "lion", "adamw8bit", "paged_adamw8bit"}
+# the settings that shape each update beyond what the per-step layers see; the rest either does not change the steps
+# or shows in them (lr, clipping, batch)
+STEP_SETTINGS = ("training.optimizer", "training.weight_decay", "training.momentum", "training.betas",
+                 "training.mixed_precision", "model.dtype", "model.quantization", "model.dropout", "peft.enabled",
+                 "peft.r", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save")
 # The loss curves of two runs of the same steps with an 8-bit optimizer (their weights drift apart, see above).
 EIGHT_BIT_LOSS_RTOL = 1e-2
 
 
 @dataclass
 class Comparison:
-    checks: list = field(default_factory=list)   # (name, ok, detail); ok None: reported, not judged
-    first_difference: str | None = None
+    checks: list = field(default_factory=list)   # (name, ok, detail, step); ok None: reported, not judged
+    bases: list = field(default_factory=list)    # what each passed judgement rests on, for the verdict line
     eight_bit: str | None = None                 # the 8-bit optimizer a run used: no fp32 equivalence to claim
     qualifier: str | None = None                 # what an "equivalent" verdict rests on (a band, unchecked items)
 
-    def add(self, name: str, ok, detail: str) -> None:
-        self.checks.append((name, ok, detail))
-        if ok is False and self.first_difference is None:
-            self.first_difference = f"{name}: {detail}"
+    def add(self, name: str, ok, detail: str, step: int | None = None, basis: str | None = None) -> None:
+        """One layer's result; ``step``: the first optimizer step at which a per-step layer differs; ``basis``: what
+        the layer rests on when it passes (its tolerance and floor), said in the verdict."""
+        self.checks.append((name, ok, detail, step))
+        if ok and basis:
+            self.bases.append(basis)
+
+    @property
+    def first_difference(self) -> str | None:
+        """The first failing check that is not per step (they come first), else the per-step layer that differs at
+        the earliest step."""
+        failed = [(name, detail, step) for name, ok, detail, step in self.checks if ok is False]
+        if not failed:
+            return None
+        whole = [f for f in failed if f[2] is None]
+        name, detail, _ = whole[0] if whole else min(failed, key=lambda f: f[2])
+        return f"{name}: {detail}"
 
     @property
     def equivalent(self) -> bool:
         return self.first_difference is None
 
     def report(self) -> str:
-        width = max(len(n) for n, _, _ in self.checks) if self.checks else 10
+        width = max(len(c[0]) for c in self.checks) if self.checks else 10
         mark = {True: "ok", False: "DIFF", None: "info"}
-        lines = [f"{mark[ok]:<4}  {name:<{width}}  {detail}" for name, ok, detail in self.checks]
+        lines = [f"{mark[ok]:<4}  {name:<{width}}  {detail}" for name, ok, detail, _ in self.checks]
         if not self.equivalent:
-            lines.append(f"verdict: differs — {self.first_difference}")
+            lines.append(f"verdict: differs — {self.first_difference}" + (f"; {self.qualifier}" if self.qualifier
+                                                                         else ""))
         elif self.eight_bit:
             lines.append(f"verdict: the same windows and schedule, loss curves close; no fp32 equivalence "
                          f"claimed — {self.eight_bit}: 8-bit optimizer: not the fp32 step")
         else:
-            lines.append("verdict: equivalent" + (f" — {self.qualifier}" if self.qualifier else ""))
+            lines.append("verdict: equivalent — rests on " + self.basis() + (f"; {self.qualifier}" if self.qualifier
+                                                                           else ""))
         return "\n".join(lines)
+
+    def basis(self) -> str:
+        """What an equivalent verdict rests on: the layers judged, with their tolerances and floors."""
+        return "; ".join(self.bases) if self.bases else "nothing could be judged"
 
 
 def read_run(run: Path) -> dict:
     from finetune.outputs import read_history, read_metrics
 
     return {"history": read_history(run, "compare"), "metrics": read_metrics(run), "weights": _weights(run),
-            "optimizer": _optimizer(run)}
+            "config": _config(run)}
 
 
-def _optimizer(run: Path) -> str | None:
-    """``training.optimizer`` from the run's ``config.yaml`` (every ``finetune run`` writes one); None if unknown."""
+def _config(run: Path) -> dict | None:
+    """The run's resolved ``config.yaml`` (every ``finetune run`` writes one); None if it has none."""
     import yaml
 
     try:
-        training = (yaml.safe_load((run / "config.yaml").read_text()) or {}).get("training") or {}
-    except (OSError, yaml.YAMLError, AttributeError):
+        config = yaml.safe_load((run / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
         return None
-    return training.get("optimizer") if isinstance(training, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def setting(config: dict | None, dotted: str):
+    """``training.optimizer`` of a resolved config (None when absent)."""
+    section, key = dotted.split(".")
+    part = (config or {}).get(section)
+    return part.get(key) if isinstance(part, dict) else None
 
 
 def _weights(run: Path) -> dict | None:
@@ -114,22 +157,18 @@ def _rel(a: float, b: float) -> float:
 
 
 def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: float | None = None) -> Comparison:
-    """Compare two run directories at fp32's tolerances (``FP32_WEIGHT_RTOL``, ``FP32_LOSS_RTOL``) unless given; a
-    run with an 8-bit optimizer is compared as the module's docstring says."""
+    """Compare two run directories as the module's docstring says: the settings, the windows, then every step's lr,
+    loss, grad norm and clipping, then the weights — at the certificate's tolerances unless given."""
     from finetune.optim import EIGHT_BIT
 
     a, b = read_run(Path(run_a)), read_run(Path(run_b))
     ha, hb = a["history"], b["history"]
     c = Comparison()
-
-    oa, ob = a["optimizer"], b["optimizer"]
-    c.eight_bit = next((o for o in (oa, ob) if o in EIGHT_BIT), None)
-    judge_weights = weight_rtol is not None or not c.eight_bit
-    weight_rtol = weight_rtol if weight_rtol is not None else FP32_WEIGHT_RTOL
+    optimizer = setting(a["config"], "training.optimizer") or setting(b["config"], "training.optimizer")
+    c.eight_bit = next((o for o in (setting(a["config"], "training.optimizer"),
+                                    setting(b["config"], "training.optimizer")) if o in EIGHT_BIT), None)
     loss_rtol = loss_rtol if loss_rtol is not None else EIGHT_BIT_LOSS_RTOL if c.eight_bit else FP32_LOSS_RTOL
-    if oa is not None and ob is not None:
-        c.add("optimizer", oa == ob, f"{oa} vs {ob}" if oa != ob else
-              f"{oa}{' (8-bit optimizer: not the fp32 step)' if c.eight_bit else ''}")
+    _check_settings(c, a["config"], b["config"])
 
     ea, eb = a["metrics"].get("effective_batch_size"), b["metrics"].get("effective_batch_size")
     split = lambda m: f"{m.get('effective_batch_size')} ({m.get('gradient_accumulation_steps')} micro-batches/step)"
@@ -139,32 +178,115 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
 
     bad = next((i for i in range(n) if ha[i].get("window_hash") != hb[i].get("window_hash")), None)
     c.add("window samples", bad is None, f"all {n} windows held the same samples" if bad is None else
-          f"step {ha[bad]['step']} (epoch {ha[bad]['epoch']}, window {ha[bad]['window']}) held different samples")
+          f"step {ha[bad]['step']} (epoch {ha[bad]['epoch']}, window {ha[bad]['window']}) held different samples",
+          step=None if bad is None else ha[bad]["step"], basis=f"samples and lr at all {n} steps")
 
     bad = next((i for i in range(n) if _rel(ha[i]["lr"], hb[i]["lr"]) > 1e-9), None)
     c.add("lr schedule", bad is None, "identical" if bad is None else
-          f"step {ha[bad]['step']}: {ha[bad]['lr']:.6g} vs {hb[bad]['lr']:.6g}")
+          f"step {ha[bad]['step']}: {ha[bad]['lr']:.6g} vs {hb[bad]['lr']:.6g}",
+          step=None if bad is None else ha[bad]["step"])
 
-    diffs = [_rel(ha[i]["loss"], hb[i]["loss"]) for i in range(n)
-             if math.isfinite(ha[i]["loss"]) and math.isfinite(hb[i]["loss"])]
-    worst = max(diffs, default=0.0)
-    bad = next((i for i, d in enumerate(diffs) if d > loss_rtol), None)
-    c.add("loss curve", bad is None, f"max relative difference {worst:.2e}" + (
-        "" if bad is None else f", first above {loss_rtol:g} at step {ha[bad]['step']}"))
-
-    wa, wb = a["weights"], b["weights"]
-    if wa is None or wb is None:
-        c.add("weights", False, "a run has no saved model to compare")
-    elif wa.keys() != wb.keys():
-        c.add("weights", False, "different parameter names")
-    else:
-        num = max(float((wa[k].double() - wb[k].double()).abs().max()) for k in wa)
-        den = max(float(wb[k].double().abs().max()) for k in wb)
-        rel = num / max(den, 1e-30)
-        c.add("weights", rel <= weight_rtol if judge_weights else None, f"max relative difference {rel:.2e} " + (
-            f"(tolerance {weight_rtol:g})" if judge_weights else
-            f"(not judged: 8-bit optimizer: not the fp32 step, no fp32 tolerance {FP32_WEIGHT_RTOL:g} applies)"))
+    steps = [h["step"] for h in ha[:n]]
+    per_step(c, "loss curve", steps, [h["loss"] for h in ha[:n]], [h["loss"] for h in hb[:n]], loss_rtol)
+    norms_a, norms_b = [h["grad_norm"] for h in ha[:n]], [h["grad_norm"] for h in hb[:n]]
+    per_step(c, "grad norm", steps, norms_a, norms_b, GRAD_NORM_RTOL, what="before clipping")
+    clipping(c, steps, norms_a, norms_b, *(setting(r["config"], "training.max_grad_norm") if r["config"] else
+                                           UNKNOWN for r in (a, b)))
+    judge = weight_rtol is not None or not c.eight_bit
+    weights(c, a["weights"], b["weights"], optimizer, weight_rtol, judge)
     return c
+
+
+def _check_settings(c: Comparison, ca: dict | None, cb: dict | None) -> None:
+    """The settings that shape the update beyond what the per-step layers see (``STEP_SETTINGS``), from each run's
+    ``config.yaml``."""
+    if ca is None or cb is None:
+        c.add("settings", None, "not checkable: a run has no config.yaml")
+        return
+    differ = [f"{k} {setting(ca, k)} vs {setting(cb, k)}" for k in STEP_SETTINGS if setting(ca, k) != setting(cb, k)]
+    optimizer = setting(ca, "training.optimizer")
+    c.add("settings", not differ, "; ".join(differ) if differ else
+          f"the same update: {optimizer}" + (" (8-bit optimizer: not the fp32 step)" if c.eight_bit else "") +
+          f", {len(STEP_SETTINGS) - 1} other settings equal", basis="settings")
+
+
+UNKNOWN = object()  # a side whose clipping setting is not known
+
+
+def per_step(c: Comparison, name: str, steps: list, xs: list, ys: list, rtol: float, what: str = "",
+             why: str | None = None) -> None:
+    """One per-step layer: ``xs[i]`` against ``ys[i]`` at optimizer step ``steps[i]`` (pairs with a non-finite or
+    missing value are skipped: DeepSpeed reports no norm when it does not clip)."""
+    pairs = [(s, x, y) for s, x, y in zip(steps, xs, ys) if _finite(x) and _finite(y)]
+    if not pairs:
+        c.add(name, None, "not checkable: not logged on both sides")
+        return
+    worst = max(_rel(x, y) for _, x, y in pairs)
+    bad = next(((s, x, y) for s, x, y in pairs if _rel(x, y) > rtol), None)
+    band = f" (band: {why})" if why else ""
+    c.add(name, bad is None, f"max relative difference {worst:.2e} at {len(pairs)} steps{' ' + what if what else ''}"
+          f", tolerance {rtol:g}{band}" + ("" if bad is None else
+                                           f"; first above at step {bad[0]}: {bad[1]:.7g} vs {bad[2]:.7g}"),
+          step=None if bad is None else bad[0], basis=f"{name} ≤ {rtol:g}")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def clip_factor(norm: float, max_norm) -> float:
+    """The factor clipping multiplied a step's gradient by: 1 without clipping or under the limit."""
+    return 1.0 if max_norm is None or max_norm <= 0 or norm <= max_norm else max_norm / norm
+
+
+def clipping(c: Comparison, steps: list, norms_a: list, norms_b: list, max_a, max_b) -> None:
+    """The clipping factor each step applied, from its grad norm and each side's max_grad_norm: a step clipped on
+    one side only (or to another limit) took another update though its gradient was the same."""
+    if max_a is UNKNOWN or max_b is UNKNOWN:
+        c.add("clipping", None, "not checkable: a run does not say its max_grad_norm")
+        return
+    rows = [(s, clip_factor(x, max_a), clip_factor(y, max_b)) for s, x, y in zip(steps, norms_a, norms_b)
+            if _finite(x) and _finite(y)]
+    bad = next(((s, x, y) for s, x, y in rows if _rel(x, y) > GRAD_NORM_RTOL), None)
+    clipped = sum(x < 1 for _, x, _ in rows)
+    show = lambda f: "not clipped" if f == 1 else f"scaled by {f:.4g}"  # noqa: E731
+    c.add("clipping", bad is None, (f"the same at {len(rows)} steps ({clipped} clipped; max_grad_norm {max_a} vs "
+                                    f"{max_b})") if bad is None else
+          f"step {bad[0]}: {show(bad[1])} vs {show(bad[2])} (max_grad_norm {max_a} vs {max_b})",
+          step=None if bad is None else bad[0], basis="clipping")
+
+
+def weights(c: Comparison, wa: dict | None, wb: dict | None, optimizer: str | None, rtol: float | None,
+            judge: bool = True, against: str = "") -> None:
+    """The trained weights: the largest element's difference for a stateless optimizer; for an adaptive one, whose
+    rounding-level gradients become full-size steps of either sign, the relative L2 difference of all weights."""
+    if wa is None or wb is None:
+        c.add("weights", False, "a run has no saved model to compare", step=math.inf)
+        return
+    if wa.keys() != wb.keys():
+        c.add("weights", False, f"different parameter names ({len(wa)} vs {len(wb)} tensors)", step=math.inf)
+        return
+    shape = next((k for k in wa if wa[k].shape != wb[k].shape), None)
+    if shape:
+        c.add("weights", False, f"{shape}: shape {tuple(wa[shape].shape)} vs {tuple(wb[shape].shape)}",
+              step=math.inf)
+        return
+    biggest = max(float((wa[k].double() - wb[k].double()).abs().max()) for k in wa) / \
+        max(max(float(wb[k].double().abs().max()) for k in wb), 1e-30)
+    l2 = math.sqrt(sum(float((wa[k].double() - wb[k].double()).square().sum()) for k in wa)) / \
+        max(math.sqrt(sum(float(wb[k].double().square().sum()) for k in wb)), 1e-30)
+    adaptive = optimizer in ADAPTIVE or optimizer is None
+    measure, value = ("relative L2", l2) if adaptive else ("largest element", biggest)
+    rtol = rtol if rtol is not None else ADAPTIVE_WEIGHT_RTOL if adaptive else FP32_WEIGHT_RTOL
+    why = (f"{optimizer or 'an unknown optimizer'} amplifies rounding: largest element {biggest:.2e}, not judged"
+           if adaptive else f"relative L2 {l2:.2e}")
+    if not judge:
+        c.add("weights", None, f"relative L2 {l2:.2e}, largest element {biggest:.2e}{against} (not judged: 8-bit "
+                               f"optimizer: not the fp32 step, no fp32 tolerance applies)")
+        return
+    # the weights are where every step ends: a per-step layer that differs names the cause first
+    c.add("weights", value <= rtol, f"{measure} {value:.2e}{against} (tolerance {rtol:g}; {why})", step=math.inf,
+          basis=f"weights {value:.1e} ≤ {rtol:g} ({measure})")
 
 
 def plot_comparison(run_a, run_b, path) -> Path:
@@ -195,13 +317,8 @@ def is_finetune_run(path) -> bool:
 
 
 def _mine(run: Path) -> dict:
-    import yaml
-
     out = read_run(run)
-    try:
-        out["config"] = yaml.safe_load((run / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        out["config"] = {}
+    out["config"] = out["config"] or {}
     config = run / "model" / "config.json"
     out["model_config"] = json.loads(config.read_text()) if config.is_file() else None
     return out
@@ -265,12 +382,14 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         c.add("lr schedule", bad is None and len(logs) == len(b.logs),
               f"identical at all {len(logs)} logged steps" if bad is None and len(logs) == len(b.logs) else
               f"step {bad['step']}: {bad.get('learning_rate'):.6g} vs {by_step[bad['step']]['lr']:.6g}" if bad else
-              f"{len(b.logs) - len(logs)} logged steps are past this run's last step")
+              f"{len(b.logs) - len(logs)} logged steps are past this run's last step",
+              step=bad["step"] if bad else None)
 
     band, why = loss_band(b, mine)
     band = loss_rtol if loss_rtol is not None else band
     if b.logs:
         _check_logged_loss(c, b.logs, history, band, why, int(b.get("logging_steps") or 1))
+        _check_logged_norms(c, b, logs, by_step, max(band, GRAD_NORM_RTOL), why, mine, unchecked)
     elif b.card_losses:
         unchecked.append("training loss")
         c.add("loss curve", None, "not checkable: the card's Training Loss is the mean over logging_steps, which "
@@ -281,11 +400,38 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         unchecked.append("weights")
         c.add("weights", None, f"not checkable: the {b.kind} holds no weights")
     else:
-        _check_weights(c, b.weights, mine["weights"], weight_rtol if weight_rtol is not None else FP32_WEIGHT_RTOL)
+        from safetensors.torch import load_file
+
+        weights(c, mine["weights"], load_file(str(b.weights)), setting(mine["config"], "training.optimizer"),
+                weight_rtol, against=f" against {b.weights.name}")
     notes = ([f"loss held to {band:g}, not {FP32_LOSS_RTOL:g}: {why}"] if why else []) + \
-        ([f"not checkable from the {b.kind}: {', '.join(unchecked)}"] if unchecked else [])
+        ([f"not checkable from the {b.kind}: {', '.join(unchecked)}"] if unchecked else []) + start_notes(b, mine)
     c.qualifier = "; ".join(notes) or None
     return c
+
+
+def _check_logged_norms(c: Comparison, b, logs: list, by_step: dict, rtol: float, why, mine: dict,
+                        unchecked: list) -> None:
+    """The grad norm the baseline logged at each logged step (the Trainer logs the norm of the step it logs at,
+    before clipping, not a mean) against this run's, and the clipping each side applied."""
+    logged = [e for e in logs if _finite(e.get("grad_norm"))]
+    if not logged:
+        unchecked.append("grad norm")
+        c.add("grad norm", None, f"not checkable: the {b.kind} logs no grad_norm (the Trainer computes it only "
+                                 "when it clips)")
+        return
+    steps = [e["step"] for e in logged]
+    ours = [by_step[s]["grad_norm"] for s in steps]
+    per_step(c, "grad norm", steps, ours, [e["grad_norm"] for e in logged], rtol,
+             what="before clipping", why=why)
+    limit = (b.get("max_grad_norm") or None) if "max_grad_norm" in b.args else UNKNOWN
+    clipping(c, steps, ours, [e["grad_norm"] for e in logged],
+             setting(mine["config"], "training.max_grad_norm") if mine["config"] else UNKNOWN, limit)
+
+
+def start_notes(b, mine: dict) -> list:
+    """What the verdict cannot certify about where the two runs started (see ``lora_start``)."""
+    return []
 
 
 def _check_windows(c: Comparison, b, history: list, mine: dict, unchecked: list) -> None:
@@ -295,11 +441,14 @@ def _check_windows(c: Comparison, b, history: list, mine: dict, unchecked: list)
 
     seed = b.get("data_seed") if b.get("data_seed") is not None else b.get("seed")
     size, epochs = b.effective_batch(), sorted({h["epoch"] for h in history})
-    n = sum(h["samples"] for h in history if h["epoch"] == 0) if len(epochs) > 1 else None
+    # the training set is this run's (the baseline's data are the user's); older runs do not record its size
+    n = mine["metrics"].get("train_samples") or (
+        sum(h["samples"] for h in history if h["epoch"] == 0) if len(epochs) > 1 else None)
     if seed is None or not size or n is None:
-        what = "seed" if seed is None else "effective batch" if not size else "training-set size (one epoch run)"
+        what = ("the baseline's seed" if seed is None else "the baseline's effective batch" if not size else
+                "this run's training-set size (not in its metrics.json)")
         unchecked.append("window samples")
-        c.add("window samples", None, f"not checkable: the baseline's {what} is unknown")
+        c.add("window samples", None, f"not checkable: {what} is unknown")
         return
     trainer = {(e, w.index): membership_hash(w.samples) for e in epochs
                for w in plan_epoch(n, size, 1, 1, 0, int(seed), e, sample_order="trainer")}
@@ -308,7 +457,8 @@ def _check_windows(c: Comparison, b, history: list, mine: dict, unchecked: list)
     c.add("window samples", bad is None, f"all {len(history)} windows held the Trainer's batches (seed {seed})"
           if bad is None else f"step {bad['step']} (epoch {bad['epoch']}, window {bad['window']}) held different "
           f"samples than the Trainer's batch (this run: sample_order {order}, seed "
-          f"{(mine['config'].get('training') or {}).get('seed')}; the baseline's seed {seed})")
+          f"{(mine['config'].get('training') or {}).get('seed')}; the baseline's seed {seed})",
+          step=bad["step"] if bad else None, basis=f"the Trainer's samples in all {len(history)} windows")
 
 
 def _check_logged_loss(c: Comparison, logs: list, history: list, rtol: float, why, every: int) -> None:
@@ -328,7 +478,8 @@ def _check_logged_loss(c: Comparison, logs: list, history: list, rtol: float, wh
     per = f" (each a mean over the {every} steps since the previous log)" if every > 1 else ""
     c.add("loss curve", bad is None, f"max relative difference {worst:.2e} at {len(logs)} logged steps{per}, "
           f"tolerance {rtol:g}" + (f" (band: {why})" if why else "") + (
-              "" if bad is None else f"; first above at step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g}"))
+              "" if bad is None else f"; first above at step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g}"),
+          step=bad[0] if bad else None, basis=f"loss curve ≤ {rtol:g} at {len(logs)} logged steps")
 
 
 def _check_eval(c: Comparison, b, mine: dict, rtol: float, rounding: float) -> None:
@@ -345,22 +496,8 @@ def _check_eval(c: Comparison, b, mine: dict, rtol: float, rounding: float) -> N
     c.add("eval loss", bad is None, f"max relative difference {worst:.2e} at steps {[s for s, _, _ in pairs]}" + (
         " (the card's 4 decimals allowed)" if rounding else "") + (
         "" if bad is None else f"; step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g} (the Trainer averages per-batch "
-                               "means: equal to finetune's token mean when the set is one eval batch)"))
-
-
-def _check_weights(c: Comparison, path: Path, mine: dict | None, rtol: float) -> None:
-    from safetensors.torch import load_file
-
-    theirs = load_file(str(path))
-    if mine is None:
-        c.add("weights", False, "this run saved no model to compare")
-    elif theirs.keys() != mine.keys():
-        c.add("weights", False, f"different parameter names ({len(theirs)} vs {len(mine)} tensors)")
-    else:
-        num = max(float((mine[k].double() - theirs[k].double()).abs().max()) for k in theirs)
-        den = max(float(theirs[k].double().abs().max()) for k in theirs)
-        rel = num / max(den, 1e-30)
-        c.add("weights", rel <= rtol, f"max relative difference {rel:.2e} against {path.name} (tolerance {rtol:g})")
+                               "means: equal to finetune's token mean when the set is one eval batch)"),
+        step=bad[0] if bad else None, basis=f"eval loss ≤ {rtol:g}")
 
 
 def plot_against_baseline(baseline, run, path) -> Path:

@@ -95,6 +95,7 @@ class TrainResult:
     effective_batch_size: int
     gradient_accumulation_steps: int
     total_steps: int
+    train_samples: int = 0            # the training set's size (a baseline's windows are recomputed over it)
     extra_metrics: dict = field(default_factory=dict)  # added by the caller (train time, a generated sample, …)
 
     history = property(lambda self: self.state.history)
@@ -350,4 +351,4 @@ def finish(run: Run, state: TrainState) -> TrainResult:
     distributed.wait_for_everyone()
     return TrainResult(model=run.accelerator.unwrap_model(run.model), accelerator=run.accelerator, state=state,
                        effective_batch_size=run.shape.effective, gradient_accumulation_steps=run.shape.accumulation,
-                       total_steps=run.shape.total_steps)
+                       total_steps=run.shape.total_steps, train_samples=len(run.job.train_data))

@@ -152,18 +152,20 @@ def test_the_trainer_round_trip_is_equivalent(baseline, replayed, capsys):
     code, out, _ = finetune_cli(capsys, "compare", baseline / "baseline", replayed, "--plot", baseline / "c.png")
     assert code == 0, out
     lines = {line[6:22].strip(): line for line in out.splitlines()}
-    assert out.splitlines()[-2] == "verdict: equivalent" and out.splitlines()[-1].startswith("curves:")
-    for check in ("effective batch", "optimizer steps", "window samples", "lr schedule", "loss curve", "eval loss",
-                  "weights"):
+    assert out.splitlines()[-2].startswith("verdict: equivalent — rests on ") and \
+        out.splitlines()[-1].startswith("curves:")
+    for check in ("effective batch", "optimizer steps", "window samples", "lr schedule", "loss curve", "grad norm",
+                  "clipping", "eval loss", "weights"):
         assert lines[check].startswith("ok"), out
     assert "identical at all 26 logged steps" in lines["lr schedule"]
     from finetune.compare import compare_with_baseline
 
     c = compare_with_baseline(baseline / "baseline", replayed)
-    details = {name: detail for name, _, detail in c.checks}
-    weights = float(details["weights"].split("difference ")[1].split()[0])
+    details = {name: detail for name, _, detail, _ in c.checks}
+    weights = float(details["weights"].split("relative L2 ")[1].split()[0])
     loss = float(details["loss curve"].split("difference ")[1].split()[0])
-    assert weights <= 1e-5 and loss <= 1e-4
+    norm = float(details["grad norm"].split("difference ")[1].split()[0])
+    assert weights <= 1e-5 and loss <= 1e-4 and norm <= 1e-4
 
 
 def test_the_default_order_is_flagged_different_samples(baseline, replayed, capsys):
@@ -183,7 +185,9 @@ def test_the_model_card_alone(baseline, replayed, capsys):
     said to be not checkable."""
     code, out, _ = finetune_cli(capsys, "compare", baseline / "baseline" / "README.md", replayed)
     assert code == 0, out
-    assert "verdict: equivalent — not checkable from the model card: lr schedule, training loss, weights" in out
+    verdict = out.splitlines()[-1]
+    assert verdict.startswith("verdict: equivalent — rests on ") and \
+        verdict.endswith("not checkable from the model card: lr schedule, training loss, weights"), out
     code, out, _ = finetune_cli(capsys, "import", baseline / "baseline" / "README.md", "--recipe",
                                 baseline / "recipe.yaml", "-o", baseline / "from-card.yaml")
     assert code == 0
@@ -409,8 +413,8 @@ def test_a_mixed_precision_baseline_is_held_to_a_stated_band(baseline, replayed,
     folder = _edited_folder(baseline, tmp_path, args={"bf16": True})
     code, out, _ = finetune_cli(capsys, "compare", folder, replayed)
     assert code == 0, out
-    assert "verdict: equivalent — loss held to 0.01, not 0.0001: mixed precision (bf16 baseline, no here) rounds " \
-           "each side differently" in out
+    assert out.splitlines()[-1].startswith("verdict: equivalent") and "; loss held to 0.01, not 0.0001: mixed " \
+        "precision (bf16 baseline, no here) rounds each side differently" in out
 
 
 def test_a_trl_args_json(baseline, tmp_path, capsys):
