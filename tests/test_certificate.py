@@ -1,0 +1,127 @@
+"""The certificate (`finetune compare`) right both ways on the recipe's own defaults (LoRA or full fine-tuning,
+AdamW, cosine with warm-up, clipping), on the tiny chat model:
+
+* layouts of the same run — (4, 1), (2, 2), (1, 4), a short last window included — are "equivalent";
+* runs that keep the windows, the lr and the settings but change the numbers are "differs", naming the step: one
+  training answer changed by one word, the short last window weighted as a plain micro-batch mean (Accelerate's
+  ``accumulate()``), clipping active on one side only;
+* the weights' tolerance, made wider for adaptive optimizers, still catches a small real difference.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from finetune import steps
+from finetune.cli import run_main
+from finetune.compare import GRAD_NORM_RTOL, compare_runs
+from finetune.data import split_samples
+from tests.helpers import SMALL, tiny_chat_assets
+
+CLIP = 0.34  # the tiny model's grad norms are 0.3–0.5: some steps clip, some do not
+BASE = [*SMALL["sft-smollm2"], "model.dropout=0", "data.limit=22", "training.effective_batch_size=4",
+        "model.generate_prompts=0", "training.eval_at_start=false", "output.plots=false",
+        f"training.max_grad_norm={CLIP}"]
+FULL = ["peft.enabled=false", "training.learning_rate=5e-4"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run ``name`` of the sft recipe at micro-batch ``b`` (N = 4 / b) with ``overrides``, once per module."""
+    tiny_chat_assets()
+    root, done = tmp_path_factory.mktemp("certificate"), {}
+
+    def run(name, b, *overrides):
+        if name not in done:
+            args = [f"--set={o}" for o in (*BASE, *overrides)]
+            assert run_main(["--recipe", "sft-smollm2", "--batch-size", str(b), *args,
+                             "--output-dir", str(root / name)]) == 0
+            done[name] = root / name
+        return done[name]
+    return run
+
+
+def verdict(a, b):
+    c = compare_runs(a, b)
+    return c, c.report().splitlines()[-1]
+
+
+def first_step_apart(a, b, key) -> int:
+    """The first step at which the histories' ``key`` differ beyond the per-step tolerance (read directly)."""
+    ha, hb = ([json.loads(line) for line in open(r / "history.jsonl")] for r in (a, b))
+    return next((x["step"] for x, y in zip(ha, hb)
+                 if abs(x[key] - y[key]) > GRAD_NORM_RTOL * max(abs(x[key]), abs(y[key]))), len(ha) + 1)
+
+
+@pytest.mark.parametrize("name, extra", [("lora", []), ("full", FULL)])
+def test_layouts_of_the_same_run_are_equivalent(runs, name, extra):
+    big = runs(f"{name}-4", 4, *extra)
+    for b in (2, 1):
+        c, line = verdict(big, runs(f"{name}-{b}", b, *extra))
+        assert c.equivalent, c.report()
+        assert line.startswith("verdict: equivalent — rests on settings; samples and lr at all 6 steps; loss curve "
+                               "≤ 0.0001; grad norm ≤ 0.0001; clipping; weights "), line
+    history = [json.loads(line) for line in open(big / "history.jsonl")]
+    assert history[-1]["samples"] == 2 and any(h["grad_norm"] > CLIP for h in history)  # a tail; clipping active
+
+
+def test_one_word_in_one_answer_differs_at_its_step(runs, tmp_path):
+    rows = [json.loads(line) for line in open(tiny_chat_assets()["data"])]
+    trained = split_samples(list(range(len(rows))), 0.2, 0, 22)[0]  # the rows the recipe trains on (split_seed 0)
+    answer = next(m for m in rows[trained[7]]["messages"] if m["role"] == "assistant")
+    answer["content"] = answer["content"].replace(" is ", " was ", 1)
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    theirs = runs("lora-word", 2, f"data.source={data}")
+    c, line = verdict(runs("lora-4", 4), theirs)
+    step = min(first_step_apart(runs("lora-4", 4), theirs, key) for key in ("loss", "grad_norm"))
+    assert not c.equivalent and step > 1  # the steps before the changed answer's window are the same
+    assert line.startswith("verdict: differs — ") and f"first above at step {step}:" in line, c.report()
+    ok = {name: mark for name, mark, _, _ in c.checks}
+    assert ok["window samples"] and ok["lr schedule"] and ok["settings"]  # only the numbers changed
+
+
+def test_a_tail_weighted_as_a_micro_batch_mean_differs_at_the_last_step(runs, monkeypatch):
+    """Accelerate's accumulate() divides every micro-batch by N: the short last window (one micro-batch of 2 at
+    N = 2) gets half its gradient. Only that window is mis-weighted here; the others are exact."""
+    accumulate = steps.accumulate_window
+
+    def tail_as_mean(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw):
+        if len(window.samples) < 4:
+            monkeypatch.setattr(steps, "loss_weight", lambda items, window_items, processes: processes / 2)
+        try:
+            return accumulate(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw)
+        finally:
+            monkeypatch.setattr(steps, "loss_weight", loss_weight)
+
+    loss_weight = steps.loss_weight
+    monkeypatch.setattr("finetune.loop.accumulate_window", tail_as_mean)
+    c, line = verdict(runs("lora-4", 4), runs("lora-tail", 2))
+    assert not c.equivalent
+    assert line.startswith("verdict: differs — grad norm:") and "first above at step 6:" in line, c.report()
+
+
+def test_clipping_on_one_side_only_differs_at_the_first_clipped_step(runs):
+    theirs = runs("lora-noclip", 2, "training.max_grad_norm=null")
+    c, line = verdict(runs("lora-4", 4), theirs)
+    history = [json.loads(line) for line in open(theirs / "history.jsonl")]
+    first = next(h["step"] for h in history if h["grad_norm"] > CLIP)
+    assert not c.equivalent
+    assert line.startswith(f"verdict: differs — clipping: step {first}: scaled by "), c.report()
+    assert line.endswith(f"vs not clipped (max_grad_norm {CLIP} vs None)")
+
+
+def test_the_adaptive_weight_tolerance_still_catches_a_small_difference(runs, tmp_path):
+    """Negative twin of the wider (relative L2) weight tolerance: every weight moved by 3e-4 of itself, nothing else
+    changed, reads "differs" on the weights."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "nudged"
+    shutil.copytree(runs("lora-2", 2), copy)
+    path = copy / "model" / "adapter_model.safetensors"
+    save_file({k: v * (1 + 3e-4) for k, v in load_file(str(path)).items()}, str(path))
+    c, line = verdict(runs("lora-4", 4), copy)
+    assert line.startswith("verdict: differs — weights: relative L2 3.0"), c.report()
