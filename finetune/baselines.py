@@ -28,6 +28,9 @@ from typing import Optional
 from finetune.errors import ConfigError
 
 CARD = "README.md (model card)"
+# arguments that TRL's configs (SFTConfig, DPOConfig, GRPOConfig, …) add to the TrainingArguments
+TRL_ARGS = ("completion_only_loss", "assistant_only_loss", "dataset_text_field", "padding_free",
+            "max_prompt_length", "num_generations")
 
 
 @dataclass
@@ -47,6 +50,11 @@ class Baseline:
 
     def get(self, name, default=None):
         return self.args[name][0] if name in self.args else default
+
+    @property
+    def trl(self) -> bool:
+        """Whether TRL trained it (its configs add these to the TrainingArguments)."""
+        return any(k in self.args for k in TRL_ARGS)
 
     def effective_batch(self) -> Optional[int]:
         """Samples per optimizer step: ``total_train_batch_size`` when the source says it, else per-device ×

@@ -361,6 +361,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         raise ConfigError(f"compare: the baseline's model differs from {run}'s: {diff}")
     history, c, unchecked = mine["history"], Comparison(), []
     card = b.kind == "model card"
+    _check_baseline_settings(c, b, mine)
 
     eb, em = b.effective_batch(), mine["metrics"].get("effective_batch_size")
     c.add("effective batch", eb == em if eb is not None else None,
@@ -405,9 +406,26 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         weights(c, mine["weights"], load_file(str(b.weights)), setting(mine["config"], "training.optimizer"),
                 weight_rtol, against=f" against {b.weights.name}")
     notes = ([f"loss held to {band:g}, not {FP32_LOSS_RTOL:g}: {why}"] if why else []) + \
-        ([f"not checkable from the {b.kind}: {', '.join(unchecked)}"] if unchecked else []) + start_notes(b, mine)
+        ([f"not checkable from the {b.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
+        start_notes(b, mine, c.equivalent)
     c.qualifier = "; ".join(notes) or None
     return c
+
+
+def _check_baseline_settings(c: Comparison, b, mine: dict) -> None:
+    """The update settings the baseline's arguments and files say (as ``finetune import`` carries them) against this
+    run's ``config.yaml``: a run that trained LoRA against a full fine-tuning, or another optimizer, differs."""
+    from finetune.recipe_import import carry
+
+    said = {k: v for k, v in carry(b, set(), set()).values.items() if k in STEP_SETTINGS}
+    if not said:
+        c.add("settings", None, f"not checkable: the {b.kind} says none of the update's settings")
+        return
+    norm = lambda v: sorted(v) if isinstance(v, list) else v  # noqa: E731
+    differ = [f"{k} {v} in the baseline vs {setting(mine['config'], k)}" for k, v in said.items()
+              if norm(setting(mine["config"], k)) != norm(v)]
+    c.add("settings", not differ, "; ".join(differ) if differ else f"the baseline's {len(said)} update settings",
+          basis="settings")
 
 
 def _check_logged_norms(c: Comparison, b, logs: list, by_step: dict, rtol: float, why, mine: dict,
@@ -429,9 +447,18 @@ def _check_logged_norms(c: Comparison, b, logs: list, by_step: dict, rtol: float
              setting(mine["config"], "training.max_grad_norm") if mine["config"] else UNKNOWN, limit)
 
 
-def start_notes(b, mine: dict) -> list:
-    """What the verdict cannot certify about where the two runs started (see ``lora_start``)."""
-    return []
+def start_notes(b, mine: dict, equivalent: bool) -> list:
+    """What the verdict cannot certify about where the two runs started: a LoRA baseline's random adapters, unless
+    TRL drew them (from the seed, replayed) or the run started from the baseline's saved ones (``peft.init_from``)."""
+    if not b.adapter_config or setting(mine["config"], "peft.init_from"):
+        return []
+    if b.trl:  # replayed when TRL wrapped the model itself; a model wrapped before SFTTrainer drew them elsewhere
+        return [] if equivalent else [
+            "if the adapters were wrapped before SFTTrainer (no peft_config=), their start was drawn outside TRL's "
+            "seeding and is not matched: give the adapters saved before the first step as peft.init_from"]
+    return ["the adapters' start is not matched: a Trainer baseline drew them in its own script (give its adapters "
+            "saved before the first step as peft.init_from); certified regardless: the windows, the lr, the settings "
+            "and step 1 (LoRA's B starts at zero)"]
 
 
 def _check_windows(c: Comparison, b, history: list, mine: dict, unchecked: list) -> None:

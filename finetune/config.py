@@ -176,6 +176,9 @@ class PeftConfig:
     target_modules: Optional[list] = doc("module names to adapt (null: peft's default for the architecture)", None)
     modules_to_save: Optional[list] = doc("modules trained in full beside the adapters (e.g. [classifier])", None)
     merge: bool = doc("also save the model with the adapters merged in (model-merged/)", False)
+    init_from: Optional[str] = doc(
+        "a folder with adapter_model.safetensors (or the file) to start the adapters from instead of peft's random "
+        "draw: a baseline's adapters saved before its first step, so that the reproduction starts where it did", None)
 
 
 @dataclass

@@ -30,9 +30,11 @@ def split(dataset, val_fraction: float, seed: int, limit=None):
 
 def split_samples(samples: list, val_fraction: float, seed: int, limit=None):
     """Seeded train/validation split of a list of samples (for data a task generates itself); ``limit`` keeps the
-    first N of each part. Returns (train, val or None)."""
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    first N of each part. Returns (train, val or None). Without a validation part the samples keep their order, as
+    :func:`split` keeps a table's (a baseline trained on a file in the Trainer's order draws from the file's)."""
     n_val = round(len(samples) * val_fraction)
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist() if n_val else \
+        list(range(len(samples)))
     val = [samples[i] for i in order[:n_val]] or None
     train = [samples[i] for i in order[n_val:]]
     if limit is not None:

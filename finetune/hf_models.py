@@ -275,11 +275,34 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
                           lora_dropout=peft_cfg.dropout, target_modules=peft_cfg.target_modules,
                           modules_to_save=peft_cfg.modules_to_save)
         model = get_peft_model(model, lora)
+        if peft_cfg.init_from:
+            load_initial_adapter(model, peft_cfg.init_from)
     precision.keep_trainable_fp32(model)
     if mixed_precision == "no":
         precision.compute_in_fp32(model)
     precision.prepare_quantized(model)
     return model
+
+
+def load_initial_adapter(model, source) -> None:
+    """Set the adapters of peft ``model`` to those saved at ``source`` (``peft.init_from``); ConfigError when the
+    file is missing or its adapters are not this model's (other names, ranks or targets)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    path = Path(source).expanduser()
+    path = path / "adapter_model.safetensors" if path.is_dir() else path
+    if not path.is_file():
+        raise ConfigError(f"peft.init_from: {path} not found (give a folder with adapter_model.safetensors)")
+    try:
+        result = set_peft_model_state_dict(model, load_file(str(path)))
+    except RuntimeError as e:  # a shape mismatch: another rank
+        raise ConfigError(f"peft.init_from: {path} holds other adapters than peft.r / peft.target_modules make "
+                          f"({str(e).splitlines()[-1].strip()[:120]})") from None
+    expected = {k for k in model.state_dict() if "lora_" in k}
+    if result.unexpected_keys or not expected or any(k in expected for k in result.missing_keys):
+        raise ConfigError(f"peft.init_from: {path} holds other adapters than peft.r / peft.target_modules make "
+                          f"({len(result.unexpected_keys)} unexpected tensors)")
 
 
 def peft_save_hook(cfg, tokenizer=None):

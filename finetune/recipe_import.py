@@ -49,7 +49,7 @@ class Imported:
     """The recipe being written: ``set`` records each value with its source, ``skip`` each setting not carried."""
 
     def __init__(self):
-        self.rows, self.not_carried, self.values = [], [], {}
+        self.rows, self.not_carried, self.values, self.missing = [], [], {}, []
 
     def set(self, name: str, value, source: str) -> None:
         self.values[name] = value
@@ -59,7 +59,8 @@ class Imported:
         self.not_carried.append(f"not carried: {setting}={value} — {why}")
 
 
-def carry(b: Baseline, model_fields: set, data_fields: set, steps: int | None = None) -> Imported:
+def carry(b: Baseline, model_fields: set, data_fields: set, steps: int | None = None,
+          initial_adapter=None) -> Imported:
     """Map the baseline's settings onto recipe fields (``section.name``); ``steps``: the optimizer steps the run
     took, when the source does not say them (for a warm-up ratio)."""
     out = Imported()
@@ -94,7 +95,8 @@ def carry(b: Baseline, model_fields: set, data_fields: set, steps: int | None = 
     if get("gradient_checkpointing"):
         out.set("training.gradient_checkpointing", True, src("gradient_checkpointing"))
     _eval(b, out)
-    _lora(b, out)
+    if _lora(b, out):
+        _lora_start(b, out, initial_adapter)
     _quantization(b, out, model_fields)
     _data(b, out, data_fields)
     if b.kind == "model card":  # the card lists only some arguments: the others are the recipe's own
@@ -199,7 +201,8 @@ def _eval(b: Baseline, out: Imported) -> None:
         out.set("training.eval_every", int(b.get("eval_steps")), b.args["eval_steps"][1])
 
 
-def _lora(b: Baseline, out: Imported) -> None:
+def _lora(b: Baseline, out: Imported) -> bool:
+    """LoRA's settings, or that there is none; True when the baseline trained adapters."""
     a, get = b.adapter_config, b.get
     if a and a.get("peft_type", "LORA") == "LORA":
         where = "adapter_config.json"
@@ -212,8 +215,12 @@ def _lora(b: Baseline, out: Imported) -> None:
         if get("lora_target_linear"):
             out.skip("lora_target_linear", True, "finetune names the adapted modules; list the model's linear "
                      "layers in peft.target_modules")
+    elif b.kind == "Trainer folder" and b.weights is not None and b.weights.name == "model.safetensors":
+        out.set("peft.enabled", False, f"{b.weights.name} and no adapter_config.json: every weight trained")
+        return False
     else:
-        return
+        out.skip("LoRA or not", "unknown", f"the {b.kind} does not say; the recipe's peft section is kept")
+        return False
     out.set("peft.enabled", True, where)
     for key, value in values.items():
         if value is not None:
@@ -223,6 +230,20 @@ def _lora(b: Baseline, out: Imported) -> None:
                     out.skip("target_modules", "all-linear", "finetune names the adapted modules; list them")
                     continue
             out.set(f"peft.{key}", sorted(value) if isinstance(value, (list, set)) else value, where)
+    return True
+
+
+def _lora_start(b: Baseline, out: Imported, initial_adapter) -> None:
+    """Where the adapters start: the baseline's saved initial adapters, TRL's draw replayed from the seed, or
+    unknown (said)."""
+    if initial_adapter is not None:
+        out.set("peft.init_from", str(initial_adapter), "--initial-adapter: the adapters before the first step")
+    elif b.trl:
+        out.not_carried.append("adapters' start: replayed — TRL draws them right after set_seed(seed) and finetune "
+                               "seeds the same way before building the model (checked with TRL 1.16, peft 0.21)")
+    else:
+        out.skip("the adapters' start", "unknown", "a Trainer baseline drew them in its own script; give "
+                 "--initial-adapter DIR (its adapters saved before the first step), else only step 1 can match")
 
 
 def _quantization(b: Baseline, out: Imported, model_fields: set) -> None:
@@ -255,17 +276,41 @@ def _data(b: Baseline, out: Imported, data_fields: set) -> None:
     if get("packing"):
         out.skip("packing", True, "it packs the whole data set before sampling, so its batches are of packed rows; "
                  "finetune's training.packing packs inside each window (the same samples, other batches)")
-    only = None
-    if "train_on_inputs" in b.args:
-        only = not get("train_on_inputs")
-    elif get("assistant_only_loss") or get("completion_only_loss"):
-        only = True
-    if only is not None:
-        key = next(k for k in ("train_on_inputs", "assistant_only_loss", "completion_only_loss") if k in b.args)
+    train_on, key = _train_on(b)
+    if train_on is not None:
         if "train_on" in data_fields:
-            out.set("data.train_on", "assistant" if only else "all", b.args[key][1])
-        elif only:
+            out.set("data.train_on", train_on, f"{b.args[key][1]}: {key}={get(key)}" + (
+                " (TRL's default: the loss after the prompt, on prompt/completion rows; rows of messages train on "
+                "every token there: set data.train_on=all for those)" if train_on == "completion" else ""))
+        elif train_on != "all":
             out.skip(key, get(key), "this recipe's task trains on every token (no data.train_on)")
+    if "system_prompt" in data_fields and b.kind != "axolotl YAML":
+        out.set("data.system_prompt", None, "the baseline's rows as they are: a Trainer / TRL run adds no system "
+                                            "message (the template's own default stays)")
+
+
+def _train_on(b: Baseline) -> tuple:
+    """(data.train_on, the argument it comes from) — (None, None) when the source says nothing."""
+    get = b.get
+    if "train_on_inputs" in b.args:  # axolotl
+        return ("all" if get("train_on_inputs") else "assistant"), "train_on_inputs"
+    if get("assistant_only_loss"):
+        return "assistant", "assistant_only_loss"
+    if "completion_only_loss" in b.args and get("completion_only_loss") is not False:
+        return "completion", "completion_only_loss"  # TRL: None means on for prompt/completion rows
+    if "assistant_only_loss" in b.args or "completion_only_loss" in b.args:
+        return "all", next(k for k in ("completion_only_loss", "assistant_only_loss") if k in b.args)
+    return None, None
+
+
+def _training_file(out: Imported, data: str | None, data_fields: set) -> None:
+    """``--data FILE``: the baseline's training file, whole and in its order (the Trainer's order draws from it)."""
+    if data is None:
+        return
+    out.set("data.source", str(data), "--data")
+    for name, value in (("val_fraction", 0.0), ("limit", None)):
+        if name in data_fields:
+            out.set(f"data.{name}", value, "--data: the baseline trained on the whole file, in its order")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -303,16 +348,17 @@ def model_difference(baseline: dict | None, mine: dict | None) -> str | None:
 
 
 def _skeleton(b: Baseline) -> dict:
-    if not b.base_model:
-        raise ConfigError(f"import: {b.path} does not name the model it fine-tuned; give --recipe BASE (a recipe "
-                          "whose model and data to keep)")
-    return {"task": "clm", "description": f"imported from {b.path}", "model": {"name_or_path": b.base_model}}
+    """A clm recipe on the baseline's base model (none when the source does not name it: said as missing)."""
+    return {"task": "clm", "description": f"imported from {b.path}",
+            "model": {"name_or_path": b.base_model} if b.base_model else {}}
 
 
-def import_recipe(source, base=None, steps=None) -> tuple[dict, Imported, Baseline]:
-    """The recipe mapping for baseline ``source`` (over recipe ``base`` when given), what was carried and the
-    baseline. Raises ConfigError (one line) for bad input, a recipe that would not validate, or a model that
-    differs from the baseline's."""
+def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None,
+                  model=None) -> tuple[dict, Imported, Baseline]:
+    """The recipe mapping for baseline ``source`` (over recipe ``base`` when given; ``data``: the baseline's training
+    file; ``model``: its base model), what was carried and the baseline. Raises ConfigError (one line) for bad input, a recipe that would not
+    validate, or a model that differs from the baseline's. A baseline that names no base model, imported without
+    ``base``, gives a recipe whose ``model.name_or_path`` is missing (``Imported.missing`` says so)."""
     from finetune.config import apply_overrides, config_from_dict, read_yaml, recipe_path, resolve_task, task_module
 
     b = read_baseline(source, "import")
@@ -322,22 +368,34 @@ def import_recipe(source, base=None, steps=None) -> tuple[dict, Imported, Baseli
     folder = recipe_path(base).parent if base else None
     module = task_module(resolve_task(raw.get("task"), folder))
     fields = lambda cls: {f for f in getattr(cls, "__dataclass_fields__", {})}  # noqa: E731
-    imported = carry(b, fields(module.ModelConfig), fields(module.DataConfig), steps)
-    if not base:
+    imported = carry(b, fields(module.ModelConfig), fields(module.DataConfig), steps, initial_adapter)
+    _training_file(imported, data, fields(module.DataConfig))
+    if not base and data is None:
         imported.skip("the data set", "unknown", f"not in the {b.kind}; this recipe trains on the clm task's default "
-                      "data until you set data.source (or give --recipe BASE)")
+                      "data until you set data.source (or give --recipe BASE, or --data FILE)")
+    ours = ((raw.get("model") or {}).get("name_or_path") if isinstance(raw.get("model"), dict) else None)
+    if model is not None:
+        imported.set("model.name_or_path", str(model), "--model")
+    elif not b.base_model and base:
+        imported.skip("the base model", "unknown", f"the {b.kind} does not name it; the recipe's {ours} is kept: "
+                      "give --model if the baseline fine-tuned another")
+    elif b.base_model and base and ours and ours != b.base_model and not Path(str(ours)).exists():
+        # the same model in another form (the recipe's packaged GGUF, the baseline's hub id) or another model: the
+        # baseline's is the one it trained; the architecture check below still refuses a different one
+        imported.set("model.name_or_path", b.base_model, f"the baseline's base model (the recipe's {ours} replaced; "
+                     "its task and data kept)")
     raw = apply_overrides(raw, [(name.split("."), value) for name, value in imported.values.items()])
     if not base:
         raw.setdefault("name", Path(source).stem)
+    if not b.base_model and not base and model is None:
+        imported.missing.append("model.name_or_path: the baseline does not name the model it fine-tuned; add it "
+                                "(--set model.name_or_path=MODEL when you run) or give --recipe BASE")
+        return raw, imported, b
     cfg = config_from_dict(raw, name=raw.get("name") or "imported", folder=folder)
     diff = model_difference(b.model_config, model_config_of(cfg.model))
     if diff:
         raise ConfigError(f"import: the baseline's model ({b.path / 'config.json'}) differs from the recipe's "
                           f"model.name_or_path: {diff}")
-    if b.base_model and base and cfg.model.name_or_path and not Path(str(cfg.model.name_or_path)).exists() \
-            and cfg.model.name_or_path != b.base_model:
-        raise ConfigError(f"import: the baseline fine-tuned {b.base_model}, the recipe's model.name_or_path is "
-                          f"{cfg.model.name_or_path}")
     return raw, imported, b
 
 
@@ -359,7 +417,7 @@ def main(args) -> int:
                                "-imported.yaml")
     if out.exists() and not args.force:
         raise ConfigError(f"import: -o {out} exists; give another path or --force")
-    raw, imported, b = import_recipe(args.source, args.recipe, args.steps)
+    raw, imported, b = import_recipe(args.source, args.recipe, args.steps, args.data, args.initial_adapter, args.model)
     print(table(imported, b))
     if b.unknown:  # listed, not fatal: axolotl grows keys faster than this list
         print(f"warning: {b.path.name}: keys finetune does not know, not read: {', '.join(b.unknown)}",
@@ -368,6 +426,8 @@ def main(args) -> int:
     out.write_text(f"# {command}\n# imported from {args.source} ({b.kind}) by finetune import\n"
                    + yaml.safe_dump(raw, sort_keys=False))
     print(f"wrote {out}: run it with {command} (your micro-batch; N = effective batch / B)")
+    for line in imported.missing:
+        print(f"missing: {line}", file=sys.stderr)
     return 0
 
 
@@ -378,6 +438,12 @@ def add_arguments(p) -> None:
                                                                   "(default: <source>-imported.yaml)")
     p.add_argument("--recipe", metavar="BASE", help="keep this recipe's task, model and data (default: a clm recipe "
                                                     "on the baseline's base model)")
+    p.add_argument("--model", metavar="MODEL", help="the model the baseline fine-tuned (hub id, folder, gguf:…), "
+                                                    "when its folder does not name it or names it in another form")
+    p.add_argument("--data", metavar="FILE", help="the baseline's training file (jsonl, json, parquet, csv): trained "
+                                                  "whole and in its order (data.val_fraction 0, data.limit null)")
+    p.add_argument("--initial-adapter", metavar="DIR", help="the baseline's LoRA adapters saved before its first "
+                                                            "step (peft.init_from): the reproduction starts there")
     p.add_argument("--steps", type=int, metavar="N", help="the baseline's optimizer steps, for a warm-up ratio when "
                                                           "the source does not say them (axolotl, args JSON)")
     p.add_argument("--force", action="store_true", help="overwrite the output file")

@@ -68,8 +68,10 @@ class DataConfig(BaseDataConfig):
     source: str = doc("'stdlib-qa' (the standard library's docstrings as questions and answers), a jsonl / json / "
                       "parquet / csv file, a datasets.save_to_disk folder, or a hub dataset id", "stdlib-qa")
     split: str = doc("split of a hub dataset or of a saved DatasetDict", "train")
-    train_on: Literal["assistant", "all"] = doc(
-        "tokens the loss counts: the assistant's turns (everything else -100) or every token", "assistant")
+    train_on: Literal["assistant", "completion", "all"] = doc(
+        "tokens the loss counts: the assistant's turns (everything else -100); completion: everything after the "
+        "prompt (the conversation through its last user turn, with the generation prompt), the template's text after "
+        "the answer included, as TRL's completion_only_loss on prompt/completion rows; or every token", "assistant")
     max_length: int = doc("longest conversation, in tokens: longer ones are dropped (counted at set-up)", 256)
     system_prompt: Optional[str] = doc("system message put first in every conversation that has none (null: "
                                        "none; the template may add its own default)", None)
@@ -301,6 +303,8 @@ def encode(tokenizer, messages: list, train_on: str = "assistant") -> dict:
         prompt = render(messages[:last], tokenize=False, add_generation_prompt=True)
         return {"input_ids": ids, "labels": list(ids), "reference": reference,
                 "prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"]}
+    if train_on == "completion":
+        return encode_completion(tokenizer, messages, text, reference)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -322,6 +326,19 @@ def encode(tokenizer, messages: list, train_on: str = "assistant") -> dict:
         ids += piece
         labels += piece if k % 2 == 1 else [-100] * len(piece)  # odd pieces are assistant turns
     return {"input_ids": ids, "labels": labels, "prompt_ids": ids[:prompt_len], "reference": reference}
+
+
+def encode_completion(tokenizer, messages: list, text: str, reference: str) -> dict:
+    """``train_on: completion``: the whole text tokenized at once, the loss on every token after the prompt's (TRL's
+    prompt/completion tokenization: the prompt's token count, then the rest of the conversation's tokens)."""
+    last_prompt = max(i for i, x in enumerate(messages) if x["role"] != "assistant")
+    prompt = tokenizer.apply_chat_template(messages[:last_prompt + 1], tokenize=False, add_generation_prompt=True)
+    if not text.startswith(prompt):
+        raise ValueError("the chat template renders the prompt differently inside the conversation, so the "
+                         "completion cannot be found")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return {"input_ids": ids, "labels": [-100] * n + ids[n:], "prompt_ids": ids[:n], "reference": reference}
 
 
 def encode_all(tokenizer, convs: list, d: DataConfig) -> tuple[list, int]:
@@ -463,7 +480,7 @@ def build(cfg) -> Job:
         print(f"sft: {len(convs)} conversations from {d.source}: {len(train)} train, {len(val)} held out; "
               f"{dropped} longer than data.max_length={d.max_length} tokens dropped"
               f"{f' ({dropped_train} train, {dropped_val} held out)' if dropped else ''}; loss on "
-              f"{'assistant' if d.train_on == 'assistant' else 'all'} tokens", flush=True)
+              f"{d.train_on} tokens", flush=True)
 
     metric = load_metric("token_f1")
 

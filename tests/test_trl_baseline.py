@@ -1,0 +1,116 @@
+"""A TRL ``SFTTrainer`` baseline reproduced through the CLI only, as its user would: ``finetune import`` of its
+output folder over the sft recipe (``--data`` the baseline's file) → ``finetune run`` at a smaller micro-batch →
+``finetune compare``. Conversational prompt/completion rows, AdamW, cosine with a warm-up ratio, clipping active,
+every step logged, a short last window; full fine-tuning and LoRA (TRL draws the adapters from the seed).
+
+Negative twins: TRL's windows with finetune's own sample order, and a LoRA baseline whose adapters were drawn
+before TRL seeded (as a Trainer user's script does) — "differs", with the start named as not matched.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from finetune.cli import main
+from tests.helpers import tiny_chat_assets
+
+ROWS, SEED = 22, 42  # 22 = 5 × 4 + 2: the epoch ends in a short window
+# the tiny model's grad norms: 0.3–0.5 in full, 0.12–0.18 for the adapters; these limits clip some steps
+CLIP = {False: 0.34, True: 0.15}
+
+
+def prompt_completion(path) -> str:
+    """The tiny chat rows as TRL's conversational prompt/completion jsonl (single-turn; no system message)."""
+    rows = [json.loads(line) for line in open(tiny_chat_assets()["data"])]
+    out = []
+    for r in rows:
+        turns = [m for m in r["messages"] if m["role"] != "system"][:2]
+        out.append({"prompt": [turns[0]], "completion": [turns[1]]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in out[:ROWS]))
+    return str(path)
+
+
+def train_trl(out, data, lora: bool, drawn_before_seed: bool = False) -> None:
+    from datasets import load_dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    model_dir = tiny_chat_assets()["model"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora_cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                          task_type="CAUSAL_LM") if lora else None
+    if drawn_before_seed:  # the user's own script wraps the model, with whatever its RNG holds
+        torch.manual_seed(1234)
+        model, lora_cfg = get_peft_model(model, lora_cfg), None
+        model.save_pretrained(str(out) + "-initial")  # what such a user can keep: the adapters before step 1
+    args = SFTConfig(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                     num_train_epochs=1, learning_rate=1e-3 if lora else 5e-4, lr_scheduler_type="cosine",
+                     warmup_steps=0.2, max_grad_norm=CLIP[lora], logging_steps=1, seed=SEED, bf16=False,
+                     gradient_checkpointing=False, report_to=[], save_strategy="no", use_cpu=True,
+                     disable_tqdm=True)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=load_dataset("json", data_files=data)["train"],
+                         processing_class=AutoTokenizer.from_pretrained(model_dir), peft_config=lora_cfg)
+    trainer.train()
+    trainer.save_model()
+    trainer.save_state()
+
+
+def reproduce(tmp, baseline, data, *extra, imported=()) -> tuple[int, str]:
+    """import → run at micro-batch 2 → compare, each through the CLI; (compare's exit code, the run)."""
+    recipe = tmp / f"{baseline.name}{len(imported)}.yaml"
+    assert main(["import", str(baseline), "--recipe", "sft-smollm2", "--data", data, "--model",
+                 tiny_chat_assets()["model"], "-o", str(recipe), *imported]) == 0
+    mine = tmp / f"{baseline.name}{len(imported)}-mine"
+    assert main(["run", "--recipe", str(recipe), "--batch-size", "2", "--output-dir", str(mine),
+                 "--set", "model.generate_prompts=0", "--set", "output.plots=false", *extra]) == 0
+    return main(["compare", str(baseline), str(mine)]), mine
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return prompt_completion(tmp_path_factory.mktemp("trl") / "rows.jsonl")
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_trl_baseline_reproduced_through_the_cli_is_equivalent(tmp_path, data, lora, capsys):
+    baseline = tmp_path / ("trl-lora" if lora else "trl-full")
+    train_trl(baseline, data, lora)
+    capsys.readouterr()
+    code, mine = reproduce(tmp_path, baseline, data)
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "data.train_on                      completion" in out or "completion" in out
+    verdict = out.strip().splitlines()[-1]
+    assert verdict.startswith("verdict: equivalent — rests on settings; the Trainer's samples in all 6 windows"), out
+    for layer in ("loss curve ≤", "grad norm ≤", "clipping", "weights"):
+        assert layer in verdict, out
+    history = [json.loads(line) for line in open(mine / "history.jsonl")]
+    assert history[-1]["samples"] == 2 and any(h["grad_norm"] > CLIP[lora] for h in history)  # tail; clipping active
+
+
+def test_finetunes_own_order_is_told_apart(tmp_path, data, capsys):
+    baseline = tmp_path / "trl-full"
+    train_trl(baseline, data, lora=False)
+    capsys.readouterr()
+    code, _ = reproduce(tmp_path, baseline, data, "--set", "training.sample_order=finetune")
+    out = capsys.readouterr().out
+    assert code == 1 and "verdict: differs — window samples: step 1" in out, out
+
+
+def test_adapters_drawn_outside_trl_differ_and_the_start_is_named(tmp_path, data, capsys):
+    baseline = tmp_path / "user-lora"
+    train_trl(baseline, data, lora=True, drawn_before_seed=True)
+    capsys.readouterr()
+    code, _ = reproduce(tmp_path, baseline, data)
+    out = capsys.readouterr().out
+    verdict = out.strip().splitlines()[-1]
+    assert code == 1 and verdict.startswith("verdict: differs — grad norm: ") and "at step 1:" in verdict, out
+    assert verdict.endswith("give the adapters saved before the first step as peft.init_from"), out
+    # the same baseline, its saved initial adapters given to import: the reproduction starts where it did
+    code, _ = reproduce(tmp_path, baseline, data, imported=["--initial-adapter", f"{baseline}-initial"])
+    out = capsys.readouterr().out
+    assert code == 0 and "peft.init_from" in out and "verdict: equivalent" in out, out
