@@ -275,7 +275,7 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
                           lora_dropout=peft_cfg.dropout, target_modules=peft_cfg.target_modules,
                           modules_to_save=peft_cfg.modules_to_save)
         model = get_peft_model(model, lora)
-        if peft_cfg.init_from:
+        if getattr(peft_cfg, "init_from", None):  # a stand-in section (the planner's) may not have it
             load_initial_adapter(model, peft_cfg.init_from)
     precision.keep_trainable_fp32(model)
     if mixed_precision == "no":
