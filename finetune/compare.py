@@ -166,9 +166,8 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     a, b = read_run(Path(run_a)), read_run(Path(run_b))
     ha, hb = a["history"], b["history"]
     c = Comparison()
-    optimizer = setting(a["config"], "training.optimizer") or setting(b["config"], "training.optimizer")
-    c.eight_bit = next((o for o in (setting(a["config"], "training.optimizer"),
-                                    setting(b["config"], "training.optimizer")) if o in EIGHT_BIT), None)
+    optimizers = [setting(r["config"], "training.optimizer") for r in (a, b)]
+    c.eight_bit = next((o for o in optimizers if o in EIGHT_BIT), None)
     loss_rtol = loss_rtol if loss_rtol is not None else EIGHT_BIT_LOSS_RTOL if c.eight_bit else FP32_LOSS_RTOL
     _check_settings(c, a["config"], b["config"])
 
@@ -196,7 +195,7 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     clipping(c, steps, norms_a, norms_b, *(setting(r["config"], "training.max_grad_norm") if r["config"] else
                                            UNKNOWN for r in (a, b)))
     judge = weight_rtol is not None or not c.eight_bit
-    weights(c, a["weights"], b["weights"], optimizer, weight_rtol, judge)
+    weights(c, a["weights"], b["weights"], optimizers[0] or optimizers[1], weight_rtol, judge)
     return c
 
 
@@ -230,7 +229,7 @@ def per_step(c: Comparison, name: str, steps: list, xs: list, ys: list, rtol: fl
     c.add(name, bad is None, f"max relative difference {worst:.2e} at {len(pairs)} steps{' ' + what if what else ''}"
           f", tolerance {rtol:g}{band}" + ("" if bad is None else
                                            f"; first above at step {bad[0]}: {bad[1]:.7g} vs {bad[2]:.7g}"),
-          step=None if bad is None else bad[0], basis=f"{name} ≤ {rtol:g}")
+          step=None if bad is None else bad[0], basis=f"{name.removesuffix(' curve')} ≤ {rtol:.0e}")
 
 
 def _finite(x) -> bool:
@@ -289,7 +288,7 @@ def weights(c: Comparison, wa: dict | None, wb: dict | None, optimizer: str | No
         return
     # the weights are where every step ends: a per-step layer that differs names the cause first
     c.add("weights", value <= rtol, f"{measure} {value:.2e}{against} (tolerance {rtol:g}; {why})", step=math.inf,
-          basis=f"weights {value:.1e} ≤ {rtol:g} ({measure})")
+          basis=f"weights {'L2' if adaptive else 'max'} {value:.1e} ≤ {rtol:.0e}")
 
 
 def plot_comparison(run_a, run_b, path) -> Path:
@@ -299,11 +298,11 @@ def plot_comparison(run_a, run_b, path) -> Path:
     import matplotlib.pyplot as plt
 
     a, b = read_run(Path(run_a))["history"], read_run(Path(run_b))["history"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.5))
     for hist, name, style in ((a, Path(run_a).name, "-"), (b, Path(run_b).name, "--")):
-        axes[0].plot([h["step"] for h in hist], [h["loss"] for h in hist], style, label=name)
-        axes[1].plot([h["step"] for h in hist], [h["lr"] for h in hist], style, label=name)
-    return save_curves(fig, axes, ("window loss", "learning rate"), path)
+        for ax, key in zip(axes, ("loss", "lr", "grad_norm")):
+            ax.plot([h["step"] for h in hist], [h[key] for h in hist], style, label=name)
+    return save_curves(fig, axes, ("window loss", "learning rate", "grad norm (before clipping)"), path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -509,7 +508,7 @@ def _check_logged_loss(c: Comparison, logs: list, history: list, rtol: float, wh
     c.add("loss curve", bad is None, f"max relative difference {worst:.2e} at {len(logs)} logged steps{per}, "
           f"tolerance {rtol:g}" + (f" (band: {why})" if why else "") + (
               "" if bad is None else f"; first above at step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g}"),
-          step=bad[0] if bad else None, basis=f"loss curve ≤ {rtol:g} at {len(logs)} logged steps")
+          step=bad[0] if bad else None, basis=f"loss ≤ {rtol:.0e} at {len(logs)} logged steps")
 
 
 def _check_eval(c: Comparison, b, mine: dict, rtol: float, rounding: float) -> None:
@@ -527,7 +526,7 @@ def _check_eval(c: Comparison, b, mine: dict, rtol: float, rounding: float) -> N
         " (the card's 4 decimals allowed)" if rounding else "") + (
         "" if bad is None else f"; step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g} (the Trainer averages per-batch "
                                "means: equal to finetune's token mean when the set is one eval batch)"),
-        step=bad[0] if bad else None, basis=f"eval loss ≤ {rtol:g}")
+        step=bad[0] if bad else None, basis=f"eval loss ≤ {rtol:.0e}")
 
 
 def plot_against_baseline(baseline, run, path) -> Path:
