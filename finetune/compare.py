@@ -450,17 +450,15 @@ def _check_logged_norms(c: Comparison, b, logs: list, by_step: dict, rtol: float
 
 
 def start_notes(b, mine: dict, equivalent: bool) -> list:
-    """What the verdict cannot certify about where the two runs started: a LoRA baseline's random adapters, unless
-    TRL drew them (from the seed, replayed) or the run started from the baseline's saved ones (``peft.init_from``)."""
-    if not b.adapter_config or setting(mine["config"], "peft.init_from"):
+    """Why a LoRA baseline's steps may part from the first: its random adapters, drawn where the run cannot see,
+    unless the run started from the baseline's saved ones (``peft.init_from``). Said only when the runs differ: an
+    equivalent verdict shows the start matched (LoRA's B starts at zero, so from step 2 on the steps depend on A)."""
+    if equivalent or not b.adapter_config or setting(mine["config"], "peft.init_from"):
         return []
-    if b.trl:  # replayed when TRL wrapped the model itself; a model wrapped before SFTTrainer drew them elsewhere
-        return [] if equivalent else [
-            "if the adapters were wrapped before SFTTrainer (no peft_config=), their start was drawn outside TRL's "
-            "seeding and is not matched: give the adapters saved before the first step as peft.init_from"]
-    return ["the adapters' start is not matched: a Trainer baseline drew them in its own script (give its adapters "
-            "saved before the first step as peft.init_from); certified regardless: the windows, the lr, the settings "
-            "and step 1 (LoRA's B starts at zero)"]
+    where = ("wrapped before SFTTrainer (no peft_config=), they were drawn outside TRL's seeding" if b.trl else
+             "drawn in the baseline's own script other than right after set_seed(seed), they differ")
+    return [f"if the adapters were {where}: give the adapters saved before the first step as peft.init_from "
+            "(certified regardless: the windows, the lr, the settings and step 1)"]
 
 
 def _check_windows(c: Comparison, b, history: list, mine: dict, unchecked: list) -> None:

@@ -242,8 +242,9 @@ def _lora_start(b: Baseline, out: Imported, initial_adapter) -> None:
         out.not_carried.append("adapters' start: replayed — TRL draws them right after set_seed(seed) and finetune "
                                "seeds the same way before building the model (checked with TRL 1.16, peft 0.21)")
     else:
-        out.skip("the adapters' start", "unknown", "a Trainer baseline drew them in its own script; give "
-                 "--initial-adapter DIR (its adapters saved before the first step), else only step 1 can match")
+        out.skip("the adapters' start", "unknown", "a Trainer baseline drew them in its own script: the same only if "
+                 "it called set_seed(seed) right before get_peft_model; else give --initial-adapter DIR (its adapters "
+                 "saved before the first step)")
 
 
 def _quantization(b: Baseline, out: Imported, model_fields: set) -> None:

@@ -122,7 +122,8 @@ def test_adapters_drawn_outside_trl_differ_and_the_start_is_named(tmp_path, data
     out = capsys.readouterr().out
     verdict = out.strip().splitlines()[-1]
     assert code == 1 and verdict.startswith("verdict: differs — grad norm: ") and "at step 1:" in verdict, out
-    assert verdict.endswith("give the adapters saved before the first step as peft.init_from"), out
+    assert verdict.endswith("give the adapters saved before the first step as peft.init_from (certified regardless: "
+                            "the windows, the lr, the settings and step 1)"), out
     # the same baseline, its saved initial adapters given to import: the reproduction starts where it did
     code, _ = reproduce(tmp_path, baseline, data, imported=["--initial-adapter", f"{baseline}-initial"])
     out = capsys.readouterr().out
