@@ -37,21 +37,13 @@ def train(out: Path, kind: str, steps: int, b: int) -> Path:
     return out
 
 
-def measured(c, name: str) -> str:
-    detail = next(d for n, _, d, _ in c.checks if n == name)
-    return detail.split("difference ")[1].split()[0] if "difference" in detail else detail.split()[2]
-
-
-def largest(c) -> str:
-    return next(d for n, _, d, _ in c.checks if n == "weights").split("largest element ")[1].split(",")[0]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, nargs="*", help="only these run lengths")
     p.add_argument("--quick", action="store_true", help="two layouts per case")
     args = p.parse_args()
-    print("| run | layouts | loss | grad norm | weights, relative L2 | weights, largest element |\n|---|---|---|---|---|---|")
+    print("| run | layouts | loss | grad norm | weights, relative L2 | weights, largest element | verdict |\n"
+          "|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for kind, steps, layouts in CASES:
             if args.steps and steps not in args.steps:
@@ -59,10 +51,10 @@ def main() -> None:
             layouts = layouts[:2] if args.quick else layouts
             runs = {b: train(Path(tmp) / f"{kind}{steps}-{b}", kind, steps, b) for b in layouts}
             for x, y in itertools.combinations(layouts, 2):
-                c = compare_runs(runs[x], runs[y])
-                print(f"| {kind}, {steps} steps | ({x},{8 // x}) vs ({y},{8 // y}) | {measured(c, 'loss curve')} | "
-                      f"{measured(c, 'grad norm')} | {measured(c, 'weights')} | {largest(c)} | "
-                      f"{'equivalent' if c.equivalent else 'differs'}", flush=True)
+                m = (c := compare_runs(runs[x], runs[y])).measured
+                print(f"| {kind}, {steps} steps | ({x},{8 // x}) vs ({y},{8 // y}) | {m['loss curve']:.1e} | "
+                      f"{m['grad norm']:.1e} | {m['weights L2']:.1e} | {m['weights largest']:.1e} | "
+                      f"{'equivalent' if c.equivalent else 'differs'} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,11 +52,6 @@ def finetune(*args) -> None:
                    env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0"})
 
 
-def measured(c, name: str) -> str:
-    detail = next(d for n, _, d, _ in c.checks if n == name)
-    return detail.split("difference ")[1].split()[0] if "difference" in detail else detail.split()[2]
-
-
 def main() -> None:
     print("| baseline | loss | grad norm | weights (relative L2) | weights (largest element) | verdict |\n"
           "|---|---|---|---|---|---|")
@@ -72,11 +67,9 @@ def main() -> None:
             finetune("import", baseline, "--recipe", "sft-smollm2", "--data", data, "-o", recipe)
             finetune("run", "--recipe", recipe, "--batch-size", 2, "--output-dir", mine,
                      "--set", "model.generate_prompts=0", "--set", "training.eval_at_start=false")
-            c = compare_with_baseline(baseline, mine)
-            weights = next(d for n, _, d, _ in c.checks if n == "weights")
-            print(f"| {kind} | {measured(c, 'loss curve')} | {measured(c, 'grad norm')} | "
-                  f"{weights.split('relative L2 ')[1].split()[0]} | {weights.split('largest element ')[1].split(',')[0]}"
-                  f" | {'equivalent' if c.equivalent else 'differs'} |", flush=True)
+            m = (c := compare_with_baseline(baseline, mine)).measured
+            print(f"| {kind} | {m['loss curve']:.2e} | {m['grad norm']:.2e} | {m['weights L2']:.2e} | "
+                  f"{m['weights largest']:.2e} | {'equivalent' if c.equivalent else 'differs'} |", flush=True)
 
 
 if __name__ == "__main__":

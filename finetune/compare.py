@@ -50,6 +50,7 @@ EIGHT_BIT_LOSS_RTOL = 1e-2
 class Comparison:
     checks: list = field(default_factory=list)   # (name, ok, detail, step); ok None: reported, not judged
     bases: list = field(default_factory=list)    # what each passed judgement rests on, for the verdict line
+    measured: dict = field(default_factory=dict)  # each layer's largest difference, as a number (benchmarks read it)
     eight_bit: str | None = None                 # the 8-bit optimizer a run used: no fp32 equivalence to claim
     qualifier: str | None = None                 # what an "equivalent" verdict rests on (a band, unchecked items)
 
@@ -169,7 +170,7 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     optimizers = [setting(r["config"], "training.optimizer") for r in (a, b)]
     c.eight_bit = next((o for o in optimizers if o in EIGHT_BIT), None)
     loss_rtol = loss_rtol if loss_rtol is not None else EIGHT_BIT_LOSS_RTOL if c.eight_bit else FP32_LOSS_RTOL
-    _check_settings(c, a["config"], b["config"])
+    check_settings(c, run_settings(b["config"]), run_settings(a["config"]))
 
     ea, eb = a["metrics"].get("effective_batch_size"), b["metrics"].get("effective_batch_size")
     split = lambda m: f"{m.get('effective_batch_size')} ({m.get('gradient_accumulation_steps')} micro-batches/step)"
@@ -199,17 +200,34 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     return c
 
 
-def _check_settings(c: Comparison, ca: dict | None, cb: dict | None) -> None:
-    """The settings that shape the update beyond what the per-step layers see (``STEP_SETTINGS``), from each run's
-    ``config.yaml``."""
-    if ca is None or cb is None:
+def step_settings(values: dict) -> dict:
+    """The ``STEP_SETTINGS`` among dotted ``values`` (a run's, or what a baseline says), comparable: the adapted
+    modules are a set, so their list is sorted."""
+    return {k: sorted(v) if isinstance(v, list) and k.startswith("peft.") else v
+            for k, v in values.items() if k in STEP_SETTINGS}
+
+
+def run_settings(config: dict | None) -> dict | None:
+    """A run's ``STEP_SETTINGS`` from its resolved config (None without one)."""
+    return step_settings({k: setting(config, k) for k in STEP_SETTINGS}) if config else None
+
+
+def check_settings(c: Comparison, ours: dict | None, theirs: dict | None, whose: str = "") -> None:
+    """The update's settings beyond what the per-step layers see: each one ``theirs`` holds against ``ours``
+    (``whose``: the other side's name in the report, when it is a baseline)."""
+    if ours is None or theirs is None:
         c.add("settings", None, "not checkable: a run has no config.yaml")
         return
-    differ = [f"{k} {setting(ca, k)} vs {setting(cb, k)}" for k in STEP_SETTINGS if setting(ca, k) != setting(cb, k)]
-    optimizer = setting(ca, "training.optimizer")
-    c.add("settings", not differ, "; ".join(differ) if differ else
-          f"the same update: {optimizer}" + (" (8-bit optimizer: not the fp32 step)" if c.eight_bit else "") +
-          f", {len(STEP_SETTINGS) - 1} other settings equal", basis="settings")
+    if not theirs:
+        c.add("settings", None, f"not checkable: {whose} says none of the update's settings")
+        return
+    differ = [f"{k} {theirs[k]}{' in ' + whose if whose else ''} vs {ours.get(k)}" for k in theirs
+              if ours.get(k) != theirs[k]]
+    same = f"{whose}'s {len(theirs)} update settings" if whose else (
+        f"the same update: {theirs.get('training.optimizer')}" + (" (8-bit optimizer: not the fp32 step)"
+                                                                  if c.eight_bit else "") +
+        f", {len(theirs) - 1} other settings equal")
+    c.add("settings", not differ, "; ".join(differ) if differ else same, basis="settings")
 
 
 UNKNOWN = object()  # a side whose clipping setting is not known
@@ -223,7 +241,7 @@ def per_step(c: Comparison, name: str, steps: list, xs: list, ys: list, rtol: fl
     if not pairs:
         c.add(name, None, "not checkable: not logged on both sides")
         return
-    worst = max(_rel(x, y) for _, x, y in pairs)
+    worst = c.measured[name] = max(_rel(x, y) for _, x, y in pairs)
     bad = next(((s, x, y) for s, x, y in pairs if _rel(x, y) > rtol), None)
     band = f" (band: {why})" if why else ""
     c.add(name, bad is None, f"max relative difference {worst:.2e} at {len(pairs)} steps{' ' + what if what else ''}"
@@ -273,10 +291,8 @@ def weights(c: Comparison, wa: dict | None, wb: dict | None, optimizer: str | No
         c.add("weights", False, f"{shape}: shape {tuple(wa[shape].shape)} vs {tuple(wb[shape].shape)}",
               step=math.inf)
         return
-    biggest = max(float((wa[k].double() - wb[k].double()).abs().max()) for k in wa) / \
-        max(max(float(wb[k].double().abs().max()) for k in wb), 1e-30)
-    l2 = math.sqrt(sum(float((wa[k].double() - wb[k].double()).square().sum()) for k in wa)) / \
-        max(math.sqrt(sum(float(wb[k].double().square().sum()) for k in wb)), 1e-30)
+    biggest, l2 = weight_differences(wa, wb)
+    c.measured.update({"weights L2": l2, "weights largest": biggest})
     adaptive = optimizer in ADAPTIVE or optimizer is None
     measure, value = ("relative L2", l2) if adaptive else ("largest element", biggest)
     rtol = rtol if rtol is not None else ADAPTIVE_WEIGHT_RTOL if adaptive else FP32_WEIGHT_RTOL
@@ -289,6 +305,17 @@ def weights(c: Comparison, wa: dict | None, wb: dict | None, optimizer: str | No
     # the weights are where every step ends: a per-step layer that differs names the cause first
     c.add("weights", value <= rtol, f"{measure} {value:.2e}{against} (tolerance {rtol:g}; {why})", step=math.inf,
           basis=f"weights {'L2' if adaptive else 'max'} {value:.1e} ≤ {rtol:.0e}")
+
+
+def weight_differences(wa: dict, wb: dict) -> tuple[float, float]:
+    """(max |a − b| / max |b|, ‖a − b‖₂ / ‖b‖₂) over all tensors, in fp64, one pass over each."""
+    diff_max = ref_max = diff_sq = ref_sq = 0.0
+    for k, b in wb.items():
+        b = b.double()
+        d = wa[k].double() - b
+        diff_max, ref_max = max(diff_max, float(d.abs().max())), max(ref_max, float(b.abs().max()))
+        diff_sq, ref_sq = diff_sq + float(d.square().sum()), ref_sq + float(b.square().sum())
+    return diff_max / max(ref_max, 1e-30), math.sqrt(diff_sq) / max(math.sqrt(ref_sq), 1e-30)
 
 
 def plot_comparison(run_a, run_b, path) -> Path:
@@ -419,15 +446,7 @@ def _check_baseline_settings(c: Comparison, b, mine: dict) -> None:
     run's ``config.yaml``: a run that trained LoRA against a full fine-tuning, or another optimizer, differs."""
     from finetune.recipe_import import carry
 
-    said = {k: v for k, v in carry(b, set(), set()).values.items() if k in STEP_SETTINGS}
-    if not said:
-        c.add("settings", None, f"not checkable: the {b.kind} says none of the update's settings")
-        return
-    norm = lambda v: sorted(v) if isinstance(v, list) else v  # noqa: E731
-    differ = [f"{k} {v} in the baseline vs {setting(mine['config'], k)}" for k, v in said.items()
-              if norm(setting(mine["config"], k)) != norm(v)]
-    c.add("settings", not differ, "; ".join(differ) if differ else f"the baseline's {len(said)} update settings",
-          basis="settings")
+    check_settings(c, run_settings(mine["config"]), step_settings(carry(b, set(), set()).values), "the baseline")
 
 
 def _check_logged_norms(c: Comparison, b, logs: list, by_step: dict, rtol: float, why, mine: dict,
@@ -440,12 +459,11 @@ def _check_logged_norms(c: Comparison, b, logs: list, by_step: dict, rtol: float
         c.add("grad norm", None, f"not checkable: the {b.kind} logs no grad_norm (the Trainer computes it only "
                                  "when it clips)")
         return
-    steps = [e["step"] for e in logged]
+    steps, theirs = [e["step"] for e in logged], [e["grad_norm"] for e in logged]
     ours = [by_step[s]["grad_norm"] for s in steps]
-    per_step(c, "grad norm", steps, ours, [e["grad_norm"] for e in logged], rtol,
-             what="before clipping", why=why)
+    per_step(c, "grad norm", steps, ours, theirs, rtol, what="before clipping", why=why)
     limit = (b.get("max_grad_norm") or None) if "max_grad_norm" in b.args else UNKNOWN
-    clipping(c, steps, ours, [e["grad_norm"] for e in logged],
+    clipping(c, steps, ours, theirs,
              setting(mine["config"], "training.max_grad_norm") if mine["config"] else UNKNOWN, limit)
 
 
@@ -503,6 +521,7 @@ def _check_logged_loss(c: Comparison, logs: list, history: list, rtol: float, wh
         if d > rtol and bad is None:
             bad = (e["step"], e["loss"], mean)
     per = f" (each a mean over the {every} steps since the previous log)" if every > 1 else ""
+    c.measured["loss curve"] = worst
     c.add("loss curve", bad is None, f"max relative difference {worst:.2e} at {len(logs)} logged steps{per}, "
           f"tolerance {rtol:g}" + (f" (band: {why})" if why else "") + (
               "" if bad is None else f"; first above at step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g}"),

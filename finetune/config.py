@@ -180,6 +180,14 @@ class PeftConfig:
         "a folder with adapter_model.safetensors (or the file) to start the adapters from instead of peft's random "
         "draw: a baseline's adapters saved before its first step, so that the reproduction starts where it did", None)
 
+    @property
+    def init_file(self) -> Optional[Path]:
+        """The adapters file ``init_from`` names (a folder's ``adapter_model.safetensors``); None without one."""
+        if self.init_from is None:
+            return None
+        path = Path(self.init_from).expanduser()
+        return path / "adapter_model.safetensors" if path.is_dir() else path
+
 
 @dataclass
 class RecipeConfig:
@@ -399,8 +407,8 @@ def _validate_ranges(cfg: RecipeConfig, problems: list):
         need(p.r >= 1, f"peft.r: got {p.r}; must be an integer >= 1")
         need(p.alpha >= 1, f"peft.alpha: got {p.alpha}; must be an integer >= 1")
         need(0 <= p.dropout < 1, f"peft.dropout: got {p.dropout}; must be in [0, 1)")
-        need(p.init_from is None or Path(p.init_from).expanduser().exists(),
-             f"peft.init_from: {p.init_from} not found (give a folder with adapter_model.safetensors)")
+        need(p.init_file is None or p.init_file.is_file(),
+             f"peft.init_from: {p.init_file} not found (give a folder with adapter_model.safetensors)")
     o = cfg.output
     if o.save_every is not None:
         need(o.save_every >= 1, f"output.save_every: got {o.save_every}; must be an integer >= 1 or null")

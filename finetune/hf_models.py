@@ -276,7 +276,7 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
                           modules_to_save=peft_cfg.modules_to_save)
         model = get_peft_model(model, lora)
         if getattr(peft_cfg, "init_from", None):  # a stand-in section (the planner's) may not have it
-            load_initial_adapter(model, peft_cfg.init_from)
+            load_initial_adapter(model, peft_cfg.init_file)
     precision.keep_trainable_fp32(model)
     if mixed_precision == "no":
         precision.compute_in_fp32(model)
@@ -284,16 +284,12 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
     return model
 
 
-def load_initial_adapter(model, source) -> None:
-    """Set the adapters of peft ``model`` to those saved at ``source`` (``peft.init_from``); ConfigError when the
-    file is missing or its adapters are not this model's (other names, ranks or targets)."""
+def load_initial_adapter(model, path: Path) -> None:
+    """Set the adapters of peft ``model`` to those saved in ``path`` (``PeftConfig.init_file``, checked to exist at
+    load); ConfigError when its adapters are not this model's (other names, ranks or targets)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    path = Path(source).expanduser()
-    path = path / "adapter_model.safetensors" if path.is_dir() else path
-    if not path.is_file():
-        raise ConfigError(f"peft.init_from: {path} not found (give a folder with adapter_model.safetensors)")
     try:
         result = set_peft_model_state_dict(model, load_file(str(path)))
     except RuntimeError as e:  # a shape mismatch: another rank
