@@ -18,9 +18,11 @@ from typing import Callable, Optional
 
 import torch
 
+from finetune import zero_memory
 from finetune.errors import ConfigError
 from finetune.memory import GiB, PeakMeter
 from finetune.step_memory import HEADROOM, Profile, Setting, longest_batches, measure, without_saved
+from finetune.zero_memory import PERSISTENCE_THRESHOLD, REDUCE_BUCKET, Layout
 
 # memory of common cards (bytes); "8GiB" / "12GB" / "24" also work
 GPUS = {
@@ -105,6 +107,8 @@ class Plan:
     step_peak: int                 # predicted, at the recommendation (or at micro-batch 1 of the last setting tried)
     fits: bool
     note: str
+    processes: int                 # every number above is what one of them holds (``zero_memory.Layout``)
+    zero_stage: int
     settings: list = field(default_factory=list)   # every setting tried: label, largest micro-batch, its peak
     profiles: list = field(default_factory=list, repr=False)
 
@@ -120,21 +124,18 @@ class Plan:
     def table(self) -> str:
         p, b = self.profile(), max(self.micro_batch_size, 1)
         n = self.gradient_accumulation_steps or self.effective_batch_size
-        above = self.step_peak - p.weights - p.gradients - p.optimizer_state - p.buckets
+        layout = Layout(self.processes, self.zero_stage)
+        above = self.step_peak - p.weights - p.gradients - p.optimizer_state - p.buckets - p.gathered
         saved = min(p.part(p.saved, b), max(above, 0))
-        rows = [("weights", p.weights, f"{p.parameters / 1e6:.2f} M parameters"),
-                ("gradients", p.gradients, f"{p.trainable / 1e6:.2f} M trainable"),
-                ("optimizer state", p.optimizer_state, ""),
+        rows = fixed_rows(p, layout) + [
                 (f"saved activations × {b}", saved,
                  f"kept for backward, {self.sequence_length or '-'} tokens a sample, "
                  f"{'fp32' if self.precision == 'no' else self.precision}" if p.measured else
                  "not measured: the fixed part alone exceeds the card"),
                 ("loss head, temporaries", max(above - saved, 0),
                  "the rest: logits, backward, optimizer step" if p.measured else "not measured")]
-        if p.buckets:
-            rows.insert(3, ("DDP gradient buckets", p.buckets, "a copy of the gradients per process"))
         w = max([44] + [len(s["setting"]) + 2 for s in self.settings])
-        lines = [f"{'component':<28}{'memory':>12}  note", "-" * 76]
+        lines = [f"per process: {layout.describe()}", f"{'component':<28}{'memory':>12}  note", "-" * 76]
         lines += [f"{name:<28}{size(v):>12}  {note}" for name, v, note in rows]
         lines += ["-" * 76,
                   f"{'step peak':<28}{size(self.step_peak):>12}  predicted at {b} × {n}, {p.setting.label}",
@@ -153,6 +154,22 @@ class Plan:
                          f"{self.gradient_accumulation_steps} {flags} (effective batch {self.effective_batch_size})")
         lines.append(self.note)
         return "\n".join(lines)
+
+
+def fixed_rows(p: Profile, layout: Layout) -> list:
+    """The table's rows for what one process holds besides a micro-batch's own: weights, gradients, optimizer state,
+    and the layout's buckets and gathered weights, each saying how ``layout`` divides it (``zero_memory``)."""
+    n, stage = layout.processes, layout.zero_stage
+    rows = [("weights", p.weights, f"{p.parameters / 1e6:.2f} M parameters"
+             + (f"; ÷ {n}, those of ≤ {PERSISTENCE_THRESHOLD:,} elements whole" if stage == 3 else "")),
+            ("gradients", p.gradients, f"{p.trainable / 1e6:.2f} M trainable" + (f"; ÷ {n}" if stage >= 2 else "")),
+            ("optimizer state", p.optimizer_state, f"÷ {n}, with the fp32 copy of this partition" if stage else "")]
+    if p.buckets:
+        rows.append(("DDP gradient buckets", p.buckets, "a copy of the gradients") if stage == 0 else
+                    ("DeepSpeed reduce bucket", p.buckets, f"reduce_bucket_size: {REDUCE_BUCKET:,} elements"))
+    if p.gathered:
+        rows.append(("gathered weights", p.gathered, "whole parameters in forward and backward"))
+    return rows
 
 
 def rank(setting: Setting) -> int:
@@ -188,18 +205,19 @@ def switch(model, setting: Setting, enable_checkpointing: Optional[Callable]) ->
 
 class Subject:
     """What the planner measures settings on: a model of the recipe (or of one of its levers) with the micro-batches,
-    training settings and loss it trains with. ``fixed`` (weights + gradients + optimizer state) is None when only
-    measuring tells it; a subject that knows it is not measured where that alone exceeds the card."""
+    training settings and loss it trains with, priced per process of ``layout``. ``fixed`` (weights + gradients +
+    optimizer state, per process) is None when only measuring tells it; a subject that knows it is not measured
+    where that alone exceeds the card."""
 
     fixed: Optional[int] = None
 
     def __init__(self, model, batches: list, t, loss_fn=None, enable_checkpointing: Optional[Callable] = None,
-                 processes: int = 1, per_process: int = 1):
+                 layout: Layout = Layout(), per_process: int = 1):
         from finetune.items import is_causal_lm
         from finetune.loss_head import unsupported_reason
 
         self.model, self.batches, self.t, self.loss_fn = model, batches, t, loss_fn
-        self.enable_checkpointing, self.processes, self.per_process = enable_checkpointing, processes, per_process
+        self.enable_checkpointing, self.layout, self.per_process = enable_checkpointing, layout, per_process
         self.can_chunk = bool(is_causal_lm(model) and unsupported_reason(model) is None
                               and (loss_fn is None or t.chunked_loss))
         self.can_checkpoint = enable_checkpointing is not None
@@ -210,12 +228,13 @@ class Subject:
             switch(self.model, setting, self.enable_checkpointing)
         except ConfigError:
             return None
-        return measure(self.model, self.batches, setting, self.t, self.loss_fn, self.processes, self.per_process)
+        whole = measure(self.model, self.batches, setting, self.t, self.loss_fn, self.per_process)
+        return zero_memory.per_process(whole, self.layout, zero_memory.sizes_of(self.model))
 
 
 def make_plan(model, batches: list, gpu: str, effective: int, training=None, loss_fn=None,
               enable_checkpointing: Optional[Callable] = None, sequence_length: Optional[int] = None,
-              processes: int = 1, lora_model: Optional[Callable] = None, every_setting: bool = False,
+              layout: Layout = Layout(), lora_model: Optional[Callable] = None, every_setting: bool = False,
               levers: Optional[list] = None) -> Plan:
     """Measure the settings until the cheapest that fits ``gpu`` is known; recommend it with its micro-batch.
 
@@ -225,25 +244,26 @@ def make_plan(model, batches: list, gpu: str, effective: int, training=None, los
     LoRA model of the recipe, tried only when nothing that trains every weight fits (None: not offered).
     ``levers``: (Setting, a function returning its Subject) in ``LEVERS`` order, tried after LoRA the same way.
     ``every_setting``: measure them all (``Plan.predict`` then answers for any), not only until the pick is known.
+    ``layout``: the processes sharing ``effective`` and their ZeRO stage; every number is one process's.
     """
     from finetune.config import TrainingConfig
 
     t = training or TrainingConfig()
-    per_process = effective // processes
-    subject = Subject(model, batches, t, loss_fn, enable_checkpointing, processes, per_process)
+    per_process = effective // layout.processes
+    subject = Subject(model, batches, t, loss_fn, enable_checkpointing, layout, per_process)
     if lora_model is not None and not any("lora_" in name for name, _ in model.named_parameters()):
         levers = [(Setting(lora=True),
                    lambda: Subject(lora_model().to(next(model.parameters()).device), batches, t, loss_fn,
-                                   enable_checkpointing, processes, per_process)), *(levers or [])]
-    return plan_subjects(subject, levers or [], gpu, effective, processes, t, sequence_length, every_setting)
+                                   enable_checkpointing, layout, per_process)), *(levers or [])]
+    return plan_subjects(subject, levers or [], gpu, effective, layout, t, sequence_length, every_setting)
 
 
-def plan_subjects(subject, levers: list, gpu: str, effective: int, processes: int, t, sequence_length,
+def plan_subjects(subject, levers: list, gpu: str, effective: int, layout: Layout, t, sequence_length,
                   every_setting: bool = False) -> Plan:
     """``make_plan`` on subjects: the recipe's (its exact settings, cheapest first) and its levers', in order."""
     gpu_bytes = parse_gpu(gpu)
     budget = budget_for(gpu_bytes)
-    per_process = effective // processes
+    per_process = effective // layout.processes
     can_chunk = subject.can_chunk
     fits = lambda p: p.largest_micro_batch(per_process, budget) > 0  # noqa: E731
     # with the chunked head available, the settings without it are measured only to show what it saves
@@ -271,7 +291,7 @@ def plan_subjects(subject, levers: list, gpu: str, effective: int, processes: in
             break
         profiles.append(measure_lever(build(), dataclasses.replace(lever, checkpointing=checkpointing,
                                                                     chunked_loss=can_chunk), budget))
-    return finish_plan(gpu, gpu_bytes, budget, effective, per_process, t, sequence_length, profiles, pick())
+    return finish_plan(gpu, gpu_bytes, budget, effective, layout, t, sequence_length, profiles, pick())
 
 
 def measure_lever(subject, setting: Setting, budget: float) -> Profile:
@@ -283,8 +303,10 @@ def measure_lever(subject, setting: Setting, budget: float) -> Profile:
     return profile if profile is not None else subject.measure(dataclasses.replace(setting, checkpointing=False))
 
 
-def finish_plan(gpu, gpu_bytes, budget, effective, per_process, t, sequence_length, profiles,
+def finish_plan(gpu, gpu_bytes, budget, effective, layout: Layout, t, sequence_length, profiles,
                 chosen: Optional[Profile]) -> Plan:
+    per_process = effective // layout.processes
+
     def at_largest(p: Profile) -> tuple[int, int]:
         b = p.largest_micro_batch(per_process, budget)
         return b, p.step_peak(b or 1, per_process // (b or 1))
@@ -300,8 +322,8 @@ def finish_plan(gpu, gpu_bytes, budget, effective, per_process, t, sequence_leng
                 micro_batch_size=b, gradient_accumulation_steps=per_process // b if b else 0,
                 gradient_checkpointing=s.checkpointing, chunked_loss=s.chunked_loss, activation_offloading=s.offload,
                 lora=s.lora, lever_optimizer=s.optimizer, lever_base=s.base, lever_compute=s.compute, step_peak=peak,
-                fits=chosen is not None,
-                note=explain(chosen, profiles, gpu_bytes, budget, per_process, effective),
+                fits=chosen is not None, processes=layout.processes, zero_stage=layout.zero_stage,
+                note=explain(chosen, profiles, gpu_bytes, budget, per_process, effective, layout),
                 settings=[{"setting": p.setting.label, "micro_batch": at_largest(p)[0], "step_peak": at_largest(p)[1],
                            "measured": p.measured, "exact": rank(p.setting) < len(COST) - len(LEVERS)}
                           for p in profiles], profiles=profiles)
@@ -312,20 +334,21 @@ def fixed_part(p: Profile) -> int:
 
 
 def explain(chosen: Optional[Profile], profiles: list, gpu_bytes: int, budget: float, per_process: int,
-            effective: int) -> str:
-    """Why this recommendation: what the cheaper settings would have needed."""
+            effective: int, layout: Layout = Layout()) -> str:
+    """Why this recommendation: what the cheaper settings would have needed (on each process of ``layout``)."""
     if gpu_bytes <= CONTEXT:
         return (f"does not fit: {gpu_bytes / GiB:.1f} GiB is no more than the {CONTEXT / GiB:.1f} GiB the CUDA "
                 "context takes before any tensor")
     short = [f"{p.setting.label} needs {size(p.step_peak(1, per_process))} at 1 sample" if p.measured else
              f"{p.setting.label} needs {size(fixed_part(p))} for weights, gradients and optimizer state alone"
              for p in profiles if not p.largest_micro_batch(per_process, budget)]
-    room = f"{size(budget)} for tensors"
+    room = f"{size(budget)} for tensors" + ("" if layout == Layout() else f" on each process: {layout.describe()}")
     if chosen is None:
         fixed = min(fixed_part(p) for p in profiles)
-        hint = "use a shorter sequence, FSDP or DeepSpeed (accelerate_configs/), or a bigger card" if fixed < budget \
-            else "weights, gradients and optimizer state alone do not fit: FSDP or DeepSpeed (accelerate_configs/)" \
-            " or a bigger card"
+        sharding = "FSDP or DeepSpeed (accelerate_configs/; price it with --processes and --zero-stage)" \
+            if layout.zero_stage < 3 else "more processes"
+        hint = f"use a shorter sequence, {sharding}, or a bigger card" if fixed < budget \
+            else f"weights, gradients and optimizer state alone do not fit: {sharding} or a bigger card"
         return f"does not fit ({room}): " + "; ".join(short) + f" — {hint}"
     b = chosen.largest_micro_batch(per_process, budget)
     label = chosen.setting.label
@@ -356,23 +379,23 @@ def training_peak(job, t) -> tuple[int, object]:
 
 
 
-def plan_recipe(cfg, gpu: str, processes: int = 1) -> Plan:
+def plan_recipe(cfg, gpu: str, layout: Layout = Layout()) -> Plan:
     """``finetune plan`` for a recipe whose model this machine can build: every setting measured at full depth."""
     from finetune.execute import build_job
 
     parse_gpu(gpu)  # before building the model
     job = build_job(cfg)
-    effective = planned_window(cfg, job, processes)
+    effective = planned_window(cfg, job, layout.processes)
     batches, seq = longest_batches(job, sizes=(1, 2))
     t = cfg.training
 
     def subject(variant, built=None):
         built = built or build_job(variant)
         return Subject(built.model, batches, variant.training, built.loss_fn, checkpointing_of(built),
-                       processes, effective // processes)
+                       layout, effective // layout.processes)
 
     levers = [(lever, lambda lever=lever: subject(with_lever(cfg, lever))) for lever in recipe_levers(cfg)]
-    return plan_subjects(subject(cfg, job), levers, gpu, effective, processes, t, seq)
+    return plan_subjects(subject(cfg, job), levers, gpu, effective, layout, t, seq)
 
 
 def planned_window(cfg, job, processes: int) -> int:
@@ -435,6 +458,9 @@ def add_arguments(p) -> None:
     p.add_argument("--recipe", required=True, help="recipe name or YAML path")
     p.add_argument("--gpu", required=True, help="card memory: 8GiB, 24GB, or a name (t4, rtx4070, a100-40gb, …)")
     p.add_argument("--processes", type=int, default=1, help="processes (GPUs) sharing the effective batch")
+    p.add_argument("--zero-stage", default="0", metavar="{" + ",".join(map(str, zero_memory.ZERO_STAGES)) + "}",
+                   help="how the processes share the fixed part: " + "; ".join(
+                       f"{stage}: {text}" for stage, text in zero_memory.ZERO_STAGES.items()))
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--model-config", metavar="SOURCE",
                    help="plan for this architecture instead of the recipe's model (a folder with config.json, or a hub "
@@ -444,17 +470,18 @@ def add_arguments(p) -> None:
 
 
 def main(args, from_config: Optional[Callable] = None) -> int:
-    """The command. ``from_config(cfg, source, gpu, processes)`` plans ``--model-config`` (``finetune.plan_depth``,
+    """The command. ``from_config(cfg, source, gpu, layout)`` plans ``--model-config`` (``finetune.plan_depth``,
     which builds on this module)."""
     from finetune.config import load_recipe
 
     cfg = load_recipe(args.recipe, args.set)
     if args.processes < 1:
         raise ConfigError(f"--processes: got {args.processes}; must be >= 1")
+    layout = Layout(args.processes, zero_memory.parse_zero_stage(args.zero_stage))
     if args.model_config:
-        plan = from_config(cfg, args.model_config, args.gpu, args.processes)
+        plan = from_config(cfg, args.model_config, args.gpu, layout)
     else:
-        plan = plan_recipe(cfg, args.gpu, args.processes)
+        plan = plan_recipe(cfg, args.gpu, layout)
     if args.json:
         record = asdict(plan)
         record.pop("profiles")

@@ -21,8 +21,10 @@ from typing import Optional
 
 import torch
 
+from finetune import zero_memory
 from finetune.errors import ConfigError
 from finetune.step_memory import Profile, Setting, at_size, longest_batches
+from finetune.zero_memory import Layout
 
 DEPTHS = (1, 2)  # blocks measured: 2 of Llama-3.1-8B's width with its vocabulary hold 3 GB in bf16
 
@@ -41,23 +43,26 @@ def load_architecture(source: str):
 
 
 class Extrapolated:
-    """A planning subject (``finetune.plan.Subject``) for ``cfg`` whose model is ``config``'s architecture."""
+    """A planning subject (``finetune.plan.Subject``) for ``cfg`` whose model is ``config``'s architecture, priced
+    per process of ``layout``."""
 
-    def __init__(self, cfg, config, batches: list, processes: int, per_process: int, meta=None):
+    def __init__(self, cfg, config, batches: list, layout: Layout, per_process: int, meta=None):
         """``meta``: ``cfg``'s model already built on the meta device (else built here)."""
         from finetune.execute import build_job
         from finetune.hf_models import stand_in
 
         self.cfg, self.config, self.batches = cfg, config, batches
-        self.processes, self.per_process = processes, per_process
+        self.layout, self.per_process = layout, per_process
         self.depth = config.num_hidden_layers
         if meta is None:
             with stand_in(config, meta=True):
                 meta = build_job(cfg).model
         self.weights, self.gradients, self.optimizer_state = planned_fixed_part(meta, cfg)
-        self.fixed = self.weights + self.gradients + self.optimizer_state
+        self.sizes = zero_memory.sizes_of(meta)
         self.parameters = sum(p.numel() for p in meta.parameters())
         self.trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+        one = self.unmeasured(Setting())
+        self.fixed = one.weights + one.gradients + one.optimizer_state  # what one process holds
         from finetune.plan import Subject
 
         self.can_chunk = Subject(meta, batches, cfg.training).can_chunk
@@ -73,8 +78,9 @@ class Extrapolated:
 
             with stand_in(self.config, layers=min(DEPTHS[-1], self.depth)):
                 job = build_job(self.cfg)
+            # measured as one process holding everything: ``with_fixed`` spreads the full model over the layout
             self._measured = Subject(job.model, self.batches, self.cfg.training, job.loss_fn, checkpointing_of(job),
-                                     self.processes, self.per_process)
+                                     Layout(), self.per_process)
         return self._measured
 
     def measure(self, setting: Setting) -> Optional[Profile]:
@@ -89,12 +95,12 @@ class Extrapolated:
         return self.with_fixed(extrapolate(shallow, deep, DEPTHS[0], DEPTHS[-1], self.depth))
 
     def with_fixed(self, profile: Profile) -> Profile:
-        """``profile`` with the full model's exact fixed part."""
+        """``profile`` (one process holding everything) with the full model's exact fixed part, as one process of
+        the layout holds it."""
         profile.weights, profile.gradients, profile.optimizer_state = \
             self.weights, self.gradients, self.optimizer_state
         profile.parameters, profile.trainable = self.parameters, self.trainable
-        profile.buckets = self.gradients if self.processes > 1 else 0
-        return profile
+        return zero_memory.per_process(profile, self.layout, self.sizes)
 
     def unmeasured(self, setting: Setting) -> Profile:
         """``setting`` priced from the fixed part alone (it already exceeds the card: nothing is measured)."""
@@ -154,8 +160,9 @@ def first_blocks(model: torch.nn.Module, k: int):
         config.num_hidden_layers = depth
 
 
-def plan_from_config(cfg, source: str, gpu: str, processes: int = 1):
-    """``finetune plan`` for ``cfg`` with its model replaced by ``source``'s architecture (never built whole)."""
+def plan_from_config(cfg, source: str, gpu: str, layout: Layout = Layout()):
+    """``finetune plan`` for ``cfg`` with its model replaced by ``source``'s architecture (never built whole), per
+    process of ``layout``."""
     from finetune.execute import build_job
     from finetune.hf_models import stand_in
     from finetune.plan import parse_gpu, plan_subjects, planned_window, recipe_levers, with_lever
@@ -164,11 +171,11 @@ def plan_from_config(cfg, source: str, gpu: str, processes: int = 1):
     config = load_architecture(source)
     with stand_in(config, meta=True):  # the recipe's data, tokenizer and collation; its model on the meta device
         job = build_job(cfg)
-    effective = planned_window(cfg, job, processes)
+    effective = planned_window(cfg, job, layout.processes)
     batches, seq = longest_batches(job, sizes=(1, 2))
-    per_process = effective // processes
-    levers = [(lever, lambda lever=lever: Extrapolated(with_lever(cfg, lever), config, batches, processes,
+    per_process = effective // layout.processes
+    levers = [(lever, lambda lever=lever: Extrapolated(with_lever(cfg, lever), config, batches, layout,
                                                        per_process))
               for lever in recipe_levers(cfg)]
-    return plan_subjects(Extrapolated(cfg, config, batches, processes, per_process, job.model), levers, gpu,
-                         effective, processes, cfg.training, seq)
+    return plan_subjects(Extrapolated(cfg, config, batches, layout, per_process, job.model), levers, gpu,
+                         effective, layout, cfg.training, seq)

@@ -6,7 +6,8 @@ For one setting (checkpointing, the chunked loss head, offloading, LoRA) a ``Pro
 with the allocator's record (``memory.PeakMeter``) on the longest samples and joined by straight lines:
 
     step peak = weights + optimizer state + max(first micro-batch, gradients + later micro-batch,
-                                                gradients + optimizer step)   (+ DDP's gradient buckets)
+                                                gradients + optimizer step)
+                (+ the buckets of DDP or DeepSpeed, + ZeRO-3's gathered weights in the micro-batches)
 
 The first micro-batch of a window runs without gradients; every later one with the window's gradients held. The
 micro-step's peak holds what autograd saves for backward, the loss head's logits (or one chunk) and their gradient,
@@ -104,12 +105,13 @@ class Profile:
     gradients: int
     optimizer_state: int
     optimizer_step: int         # peak of the optimizer step above weights + gradients (its state and temporaries)
-    buckets: int                # DDP's gradient buckets (several processes), allocated once
+    buckets: int                # DDP's gradient buckets or DeepSpeed's reduce bucket (``zero_memory``)
     saved: list                 # what autograd saves for backward
     first: list                 # micro-step peak above its start, no gradients held (a window's first micro-batch)
     later: list                 # the same with the window's gradients held (every later micro-batch)
     floor: Optional[dict] = None  # offloading: the same setting's first / later without it, less what it saved
     measured: bool = True       # False: priced from its fixed part alone, which already exceeds the card
+    gathered: int = 0           # ZeRO-3: whole parameters gathered for forward and backward (``zero_memory``)
 
     def part(self, which: list, b: int) -> int:
         return at_size(which, b)
@@ -133,7 +135,8 @@ class Profile:
         micro = max(self.micro("first", b), self.micro("later", b))
         if n > 1:
             micro = max(micro, self.gradients + self.micro("later", b))
-        return self.weights + self.buckets + max(self.optimizer_state + micro, self.gradients + self.optimizer_step)
+        return self.weights + self.buckets + max(self.optimizer_state + self.gathered + micro,
+                                                 self.gradients + self.optimizer_step)
 
     def largest_micro_batch(self, per_process: int, budget: float) -> int:
         """The largest divisor of the per-process window whose step fits ``budget`` (0: none does)."""
@@ -251,8 +254,9 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def measure(model, batches, setting: Setting, t, loss_fn=None, processes: int = 1, up_to: int = 0) -> Profile:
-    """A Profile of ``setting`` on ``model`` (already switched to it)."""
+def measure(model, batches, setting: Setting, t, loss_fn=None, up_to: int = 0) -> Profile:
+    """A Profile of ``setting`` on ``model`` (already switched to it), one process holding everything
+    (``zero_memory.per_process`` spreads it over several)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     gradients = tensor_bytes(trainable)
     state, step = optimizer_step_bytes(model, t)
@@ -260,8 +264,7 @@ def measure(model, batches, setting: Setting, t, loss_fn=None, processes: int = 
     return Profile(setting=setting, parameters=sum(p.numel() for p in model.parameters()),
                    trainable=sum(p.numel() for p in trainable),
                    weights=held_bytes(model),
-                   gradients=gradients, optimizer_state=state, optimizer_step=step,
-                   buckets=gradients if processes > 1 else 0, **micro)
+                   gradients=gradients, optimizer_state=state, optimizer_step=step, buckets=0, **micro)
 
 
 def autocast_dtype(precision: str):

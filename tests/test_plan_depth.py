@@ -19,6 +19,7 @@ from finetune.optim import make_optimizer
 from finetune.plan import Subject, measuring_order, rank, recipe_levers, with_lever
 from finetune.plan_depth import DEPTHS, Extrapolated, first_blocks, load_architecture
 from finetune.step_memory import longest_batches
+from finetune.zero_memory import Layout
 from tests.helpers import ENV, ROOT, tiny_chat_assets
 
 LLAMA_8B = ROOT / "tests" / "assets" / "llama-3.1-8b"
@@ -143,8 +144,9 @@ def assert_depth_prediction(cfg, config, full_job, within=0.10, only=None) -> fl
     worst = naive = 0.0
     for variant, setting in rows:
         job = full_job(variant)
-        full = Subject(job.model, batches, variant.training, job.loss_fn, checkpointing_of(job), 1, 8).measure(setting)
-        extrapolated = Extrapolated(variant, config, batches, 1, 8)
+        full = Subject(job.model, batches, variant.training, job.loss_fn, checkpointing_of(job), Layout(),
+                       8).measure(setting)
+        extrapolated = Extrapolated(variant, config, batches, Layout(), 8)
         copy = extrapolated.copy().measure(setting)  # negative control: the shallow copy alone misses
         naive = max(naive, *(abs(extrapolated.with_fixed(copy).step_peak(b, n) / full.step_peak(b, n) - 1)
                              for b, n in shapes))
