@@ -237,6 +237,7 @@ class Saved:
     step: int                               # optimizer steps taken
     processes: Optional[int]                # the process layout it was saved on
     effective_batch_size: Optional[int]
+    engine: str                             # what wrote its model and optimizer files (distributed.launch_engine)
     state: TrainState
     settings: dict                          # its config.yaml, flat (``training.learning_rate`` → value)
 
@@ -254,7 +255,8 @@ def read(path: Path) -> Saved:
     except (OSError, ValueError, TypeError, yaml.YAMLError) as error:
         raise ConfigError(f"resume: checkpoint {path} cannot be read ({error})") from None
     return Saved(path=path, step=int(manifest["step"]), processes=manifest.get("processes"),
-                 effective_batch_size=manifest.get("effective_batch_size"), state=state, settings=settings)
+                 effective_batch_size=manifest.get("effective_batch_size"), engine=manifest.get("engine", "ddp"),
+                 state=state, settings=settings)
 
 
 def load_checkpoint(accelerator, path: Path, schedulers=None) -> TrainState:

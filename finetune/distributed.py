@@ -35,6 +35,47 @@ def amp_precision() -> str:
     return "fp16" if torch.cuda.is_available() else "bf16"
 
 
+def engine() -> Optional[str]:
+    """The sharding engine the launcher asked Accelerate for (``accelerate launch --config_file`` with
+    ``distributed_type: DEEPSPEED`` or ``FSDP``): "deepspeed", "fsdp", or None (DDP, or one process)."""
+    for name in ("deepspeed", "fsdp"):
+        if os.environ.get(f"ACCELERATE_USE_{name.upper()}", "false").lower() == "true":
+            return name
+    return None
+
+
+def launch_engine() -> str:
+    """What writes a run's checkpoints, by this launch: "ddp" (DDP or one process: Accelerate's files), "fsdp",
+    or "deepspeed-zero<stage>" (DeepSpeed's own files, partitioned per process)."""
+    name = engine()
+    if name == "deepspeed":
+        from accelerate.utils import DeepSpeedPlugin
+
+        return f"deepspeed-zero{DeepSpeedPlugin().zero_stage}"  # the stage as the launch config gives it
+    return name or "ddp"
+
+
+def _use_cpu_flag() -> bool:
+    """The launch config's ``use_cpu`` (Accelerate then makes every process a CPU process, whatever else it asks)."""
+    return os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("true", "1", "yes")
+
+
+def deepspeed_on_cpu() -> bool:
+    """DeepSpeed on a machine without an accelerator: DeepSpeed runs on the CPU, its processes joined over gloo.
+    Accelerate starts its DeepSpeed plugin only for a non-CPU Accelerator, so finetune asks for one (``cpu=False``)
+    and names the backend, which Accelerate would otherwise leave unset without a GPU."""
+    return engine() == "deepspeed" and not has_device()
+
+
+def _state_kwargs() -> dict:
+    """What Accelerate's process-group set-up is given: the CPU (gloo) without an accelerator; gloo explicitly for
+    DeepSpeed on the CPU."""
+    if deepspeed_on_cpu():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # said, DeepSpeed does not warn on every process it guessed
+        return {"cpu": False, "backend": "gloo"}
+    return {"cpu": not has_device()}
+
+
 def is_main_process() -> bool:
     """Whether this process speaks for the run: rank 0 of a launched run, or the only process.
 
@@ -58,17 +99,24 @@ def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
     if t.activation_offloading and not torch.cuda.is_available():
         raise ConfigError("training.activation_offloading: moves activations from GPU to host memory and needs CUDA; "
                           "on this machine there is no device memory to save")
-    for engine in ("FSDP", "DEEPSPEED"):  # Accelerate's plugins for these refuse to start without a GPU
-        if os.environ.get(f"ACCELERATE_USE_{engine}", "false").lower() == "true" and not has_device():
-            raise ConfigError(f"accelerate config: {engine.lower()} needs GPUs; on CPU use "
-                              "accelerate_configs/multi_cpu_2.yaml (DDP over gloo)")
+    check_sharding_launch()
+
+
+def check_sharding_launch() -> None:
+    """Refuse an FSDP launch that would silently not shard. Accelerate starts its FSDP plugin only on GPUs: with
+    ``use_cpu: true``, or without a GPU, each process trains on its own, unsynchronised, and exits 0 with a wrong
+    step. (DeepSpeed's launch ignores ``use_cpu``; finetune runs it on the CPU over gloo when there is no GPU.)"""
+    if engine() == "fsdp" and (_use_cpu_flag() or not has_device()):
+        raise ConfigError("accelerate config: FSDP does not shard here (with use_cpu: true or without a GPU, "
+                          "Accelerate's FSDP leaves each process training alone); run it on GPUs with use_cpu: "
+                          "false, or on the CPU use accelerate_configs/deepspeed_zero3.yaml (DeepSpeed over gloo)")
 
 
 def distributed_state() -> PartialState:
     """The process group Accelerate sets up from the launcher's environment. Without an accelerator we ask for the
     CPU explicitly: several processes then train with gloo DDP (``accelerate launch --multi_gpu`` or torchrun),
     which ``accelerate launch --cpu --num_processes 2`` does not give (it starts one process)."""
-    state = PartialState(cpu=not has_device())
+    state = PartialState(**_state_kwargs())
     if state.num_processes > 1 and not _shutdown_registered:
         atexit.register(shutdown)
         _shutdown_registered.append(True)
@@ -138,7 +186,12 @@ def shutdown() -> None:
 def make_accelerator(t: TrainingConfig, log_with=None, project_dir=None) -> Accelerator:
     """An Accelerator for this run: ``t.mixed_precision``, N = 1 (finetune places the window's sync itself). What
     this machine cannot run is refused before, once, by ``check_environment`` (at set-up)."""
-    kwargs = dict(mixed_precision=t.mixed_precision, log_with=log_with, project_dir=project_dir, cpu=not has_device())
+    from accelerate.utils import InitProcessGroupKwargs
+
+    state = _state_kwargs()
+    handlers = [InitProcessGroupKwargs(backend=state["backend"])] if "backend" in state else None
+    kwargs = dict(mixed_precision=t.mixed_precision, log_with=log_with, project_dir=project_dir, cpu=state["cpu"],
+                  kwargs_handlers=handlers)
     try:
         accelerator = Accelerator(**kwargs)
     except ValueError as error:
@@ -163,20 +216,79 @@ def restart_accelerate_state() -> None:
     GradientState._reset_state()
 
 
+def is_fsdp2(model) -> bool:
+    """Whether ``model`` is sharded with torch's ``fully_shard`` (FSDP2): by Accelerate's FSDP2 plugin, or by the
+    task itself (``Job.model`` already sharded on a device mesh, which is how FSDP2 runs on the CPU)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shards_weights(model) -> bool:
+    """Whether this process holds only a part of ``model``'s weights right now (ZeRO-3's partitions, FSDP2's
+    DTensor shards): a forward then needs every process (``generate(synced_gpus=True)``)."""
+    return any(str(getattr(p, "ds_status", "")).endswith("NOT_AVAILABLE") or hasattr(p, "device_mesh")
+               for p in model.parameters())
+
+
+def describe_engine(accelerator: Accelerator, model) -> str:
+    """What shards the run, for the banner: "DeepSpeed ZeRO-2 (clipping 1.0)", "FSDP2", or "" (DDP, one process)."""
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        config = accelerator.deepspeed_plugin.deepspeed_config
+        clip = config.get("gradient_clipping") or 0
+        return f"DeepSpeed ZeRO-{config['zero_optimization']['stage']} " \
+               f"({f'clipping at {clip:g}' if clip else 'no clipping'})"
+    if is_fsdp2(model):
+        return "FSDP2 (fully_shard)"
+    return "FSDP1" if accelerator.distributed_type == DistributedType.FSDP else ""
+
+
 def sync_gradients(accelerator: Accelerator, model, sync: bool):
-    """Context for one micro-batch's backward: gradients are all-reduced only on the window's last micro-batch
-    (``sync``); on the others ``accelerator.no_sync(model)`` keeps them local (a no-op with one process)."""
-    return contextlib.nullcontext() if sync else accelerator.no_sync(model)
+    """Context for one micro-batch's backward: gradients are reduced only on the window's last micro-batch
+    (``sync``); on the others they stay local: ``no_sync`` for DDP, FSDP2's ``set_requires_gradient_sync(False)``
+    (which skips the reduce-scatters; Accelerate's ``no_sync`` does it only for a model its plugin sharded), a no-op
+    with one process. DeepSpeed is told the window's end in ``backward``."""
+    if sync:
+        return contextlib.nullcontext()
+    if is_fsdp2(model):
+        return _fsdp2_no_sync(model)
+    return accelerator.no_sync(model)
 
 
-def configure_deepspeed(accelerator: Accelerator, micro_batch: int) -> None:
-    """Before ``accelerator.prepare`` under DeepSpeed. DeepSpeed sizes its engine from the micro-batch, which
-    Accelerate reads off a prepared DataLoader; finetune prepares none (its windows are its own), so it says it
-    here. DeepSpeed must not accumulate as well: finetune tells it where each window ends (``backward``), and a
-    DeepSpeed N > 1 would divide every loss by N once more."""
+@contextlib.contextmanager
+def _fsdp2_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def configure_deepspeed(accelerator: Accelerator, micro_batch: int, optims: list, on_nonfinite: str = "stop") -> None:
+    """Before ``accelerator.prepare`` under DeepSpeed, say in its config what finetune's recipe decides:
+
+    * the micro-batch: DeepSpeed sizes its engine from it, which Accelerate reads off a prepared DataLoader; finetune
+      prepares none (its windows are its own);
+    * no accumulation of DeepSpeed's own: finetune tells the engine where each window ends (``backward``), and a
+      DeepSpeed N > 1 would divide every loss by N once more;
+    * the clipping: ``training.max_grad_norm`` (None or 0: none, which DeepSpeed spells 0). Accelerate drops a
+      falsy ``gradient_clipping`` from its config and then fills in 1.0, so a run that asked for no clipping would
+      be clipped; a config that names another value than the recipe's is refused rather than silently overruled.
+    """
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     plugin = accelerator.deepspeed_plugin
+    config = plugin.deepspeed_config
+    if len(optims) != 1:
+        raise ConfigError(f"accelerate config: DeepSpeed drives one model and one optimizer; this task trains "
+                          f"{len(optims)} optimizers (use DDP: accelerate_configs/multi_gpu.yaml or multi_cpu_2.yaml)")
+    if on_nonfinite == "skip":  # the engine steps inside the window's last backward, before finetune sees the norm
+        raise ConfigError("training.on_nonfinite: skip cannot drop a window under DeepSpeed (its engine steps inside "
+                          "backward); use stop")
+    for section in ("optimizer", "scheduler"):
+        if section in config:
+            raise ConfigError(f"deepspeed config: remove its {section!r} section (finetune builds the optimizer and "
+                              "schedule from training.optimizer and training.lr_scheduler)")
     if plugin.is_auto("train_micro_batch_size_per_gpu"):
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
     steps = plugin.get_value("gradient_accumulation_steps")
@@ -184,12 +296,63 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int) -> None:
         raise ConfigError(f"deepspeed config: gradient_accumulation_steps is {steps}; set it to 1 or auto "
                           "(finetune accumulates each window itself: training.gradient_accumulation_steps or "
                           "training.effective_batch_size)")
+    max_grad_norm = optims[0].max_grad_norm
+    clip = deepspeed_clipping(max_grad_norm)
+    named = config.get("gradient_clipping", "auto")
+    if named not in ("auto", None) and clip != "auto" and float(named) != clip:
+        raise ConfigError(f"deepspeed config: gradient_clipping is {named} but training.max_grad_norm is "
+                          f"{max_grad_norm}; remove gradient_clipping from the accelerate / DeepSpeed config "
+                          "(finetune gives DeepSpeed the recipe's clipping) or make them equal")
+    plugin.deepspeed_config["gradient_clipping"] = clip
+
+
+def deepspeed_clipping(max_grad_norm: Optional[float]) -> float:
+    """DeepSpeed's ``gradient_clipping`` for the recipe's ``max_grad_norm``: DeepSpeed clips when it is above 0."""
+    return float(max_grad_norm or 0.0)
+
+
+def release_sharding(accelerator: Accelerator, model) -> None:
+    """After the last step, on every process: a ZeRO-3 model is made whole on each process and left a plain module
+    (DeepSpeed's hooks removed), so that what follows the run — saving it, a generated sample, an evaluation on the
+    main process alone — needs no collective. The engine is not used again."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED or \
+            accelerator.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage"] != 3:
+        return
+    import deepspeed
+
+    params = [p for p in accelerator.unwrap_model(model).parameters() if hasattr(p, "ds_tensor")]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        whole = [p.data.clone() for p in params]
+    accelerator.deepspeed_engine_wrapped.engine.destroy()
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for p, data in zip(params, whole):
+        p.data = data
+        p.ds_status = ZeroParamStatus.AVAILABLE  # whole from here: reading it gathers nothing
+
+
+@contextlib.contextmanager
+def whole_model(model):
+    """Inside it, every process's FSDP2 ``model`` holds all its weights, unsharded, and keeps them so through
+    forwards: to save it, generate with it or read it on one process (a forward on one process must not ask the
+    others for shards). A collective: every process enters and leaves it together. Other models (ZeRO-3 after
+    ``release_sharding``, ZeRO-1/2, DDP, one process) hold whole weights already."""
+    sharded = [m for m in model.modules() if is_fsdp2(m)]
+    for m in sharded:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
 
 
 def backward(accelerator: Accelerator, loss: torch.Tensor, sync: bool) -> None:
     """``accelerator.backward`` (loss scaling for fp16). DeepSpeed's engine keeps its own accumulation boundary and
     steps inside backward, so it is told explicitly whether this micro-batch ends the window (with N = 1 in its
-    config it does not rescale the loss). Not exercised without GPUs."""
+    config it does not rescale the loss)."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=sync)
     else:

@@ -121,8 +121,8 @@ def execute(cfg: RecipeConfig, prepared: Prepared, on_eval=None):
     resume_from = prepared.resume.path if prepared.resume else None
     result = loop.train(job, cfg.training, output, shape, resume_from, on_eval=on_eval)
     result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name}
-    if main:
-        write_outputs(cfg, job, result, out_dir)
+    with distributed.whole_model(result.model):  # sharded weights (ZeRO-3, FSDP2) whole on every process
+        distributed.agree(lambda: write_outputs(cfg, job, result, out_dir), main_only=True)
     return result
 
 
@@ -208,8 +208,24 @@ def check_resume(saved: checkpoint.Saved, cfg: RecipeConfig, shape: Shape) -> li
                if k not in neutral and old.get(k) != new.get(k)]
     if changed:
         notes.append("warning: resuming with settings that change the result: " + ", ".join(changed))
+    check_resume_engine(saved, processes)
     if saved.processes not in (None, processes):
         notes.append(f"resume: saved on {saved.processes} process{'es' if saved.processes > 1 else ''}, continuing "
                      f"on {processes} with the same windows (effective batch {effective}); random draws made per "
                      "process (dropout) cannot replay the same masks on another layout — the rest is exact")
     return notes
+
+
+def check_resume_engine(saved: checkpoint.Saved, processes: int) -> None:
+    """A checkpoint written by a sharding engine holds its model and optimizer state in that engine's files, split
+    per process: it resumes under the same engine (and ZeRO stage) on the same number of processes. Between DDP and
+    one process any layout resumes (elastic)."""
+    engine = distributed.launch_engine()
+    if saved.engine != engine:
+        raise ConfigError(f"resume: checkpoint {saved.path} was written under {saved.engine}, this launch is "
+                          f"{engine}; resume it with the launch config it was saved with (a DeepSpeed checkpoint's "
+                          "zero_to_fp32.py writes its weights whole)")
+    if saved.engine != "ddp" and saved.processes not in (None, processes):
+        raise ConfigError(f"resume: checkpoint {saved.path} was written by {saved.engine} on {saved.processes} "
+                          f"processes; it resumes on {saved.processes} (its state is split per process), not "
+                          f"{processes}")

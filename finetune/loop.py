@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from finetune import checkpoint, distributed, precision
 from finetune.auto_batch import AutoBatch
@@ -210,8 +211,9 @@ def setup(job: Job, t: TrainingConfig, output: Outputs, shape: Optional[Shape], 
     # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
     # process, so each raw scheduler is stepped exactly once per optimizer step.
     optims = make_optims(model, job.param_groups, t, shape.total_steps, lr_scale(t, shape.effective))
-    distributed.agree(lambda: distributed.configure_deepspeed(accelerator, shape.micro_batch))  # all refuse
-    model, *prepared = accelerator.prepare(model, *[o.optimizer for o in optims])
+    distributed.agree(lambda: distributed.configure_deepspeed(accelerator, shape.micro_batch, optims,
+                                                              t.on_nonfinite))  # all refuse
+    model, prepared = prepare(accelerator, model, [o.optimizer for o in optims])
     checkpoint.keep_task_state(accelerator, job.checkpointed)  # e.g. precomputed reference log-probs
     for o, p in zip(optims, prepared):
         o.optimizer = p
@@ -220,6 +222,9 @@ def setup(job: Job, t: TrainingConfig, output: Outputs, shape: Optional[Shape], 
                                                   job.length_of, job.loss_fn)
     if t.max_tokens_per_micro_batch and not (job.length_of or pack_length_of):
         raise ConfigError("training.max_tokens_per_micro_batch: this task gives no sample lengths (Job.length_of)")
+    if distributed.is_fsdp2(model) and accelerator.distributed_type != DistributedType.FSDP and output.save_every:
+        raise ConfigError("output.save_every: checkpoints of a model the task sharded itself (fully_shard) are not "
+                          "written; set output.save_every=null, or launch with accelerate_configs/fsdp.yaml (GPUs)")
     auto = AutoBatch(accelerator, model) if shape.auto else None
     if auto is not None:
         shape = auto.plan(shape, job, t)
@@ -230,6 +235,16 @@ def setup(job: Job, t: TrainingConfig, output: Outputs, shape: Optional[Shape], 
                pack_capacity=(t.pack_length or max(map(pack_length_of, range(len(job.train_data)))))
                if pack_length_of else None, pack_length_of=pack_length_of, packing_note=packing_note,
                head_note=head_note)
+
+
+def prepare(accelerator: Accelerator, model, optimizers: list) -> tuple:
+    """``accelerator.prepare`` the model and optimizers. A model the task already sharded with ``fully_shard``
+    (FSDP2 on a device mesh) is trained as it is: wrapped in DDP it would be synchronised twice."""
+    if distributed.is_fsdp2(model):
+        return model, list(accelerator.prepare(*optimizers)) if len(optimizers) > 1 else \
+            [accelerator.prepare(*optimizers)]
+    model, *prepared = accelerator.prepare(model, *optimizers)
+    return model, prepared
 
 
 def start_trackers(run: Run) -> None:
@@ -326,7 +341,8 @@ def after_step(run: Run, state: TrainState) -> None:
     done = state.optimizer_step >= run.shape.total_steps
     if output.save_every and output.dir is not None and (done or state.optimizer_step % output.save_every == 0):
         checkpoint.save_checkpoint(run.accelerator, state, output.dir, run.schedulers, output.settings,
-                                   output.keep_checkpoints, meta={"effective_batch_size": run.shape.effective})
+                                   output.keep_checkpoints, meta={"effective_batch_size": run.shape.effective,
+                                                                         "engine": distributed.launch_engine()})
 
 
 def evaluate(run: Run, step: int, epoch: int) -> dict:
@@ -349,6 +365,7 @@ def finish(run: Run, state: TrainState) -> TrainResult:
     # only a run that succeeded waits here: no process leaves (closing its connections) while another still has a
     # collective in flight; a process that failed must not wait for the others
     distributed.wait_for_everyone()
+    distributed.release_sharding(run.accelerator, run.model)
     return TrainResult(model=run.accelerator.unwrap_model(run.model), accelerator=run.accelerator, state=state,
                        effective_batch_size=run.shape.effective, gradient_accumulation_steps=run.shape.accumulation,
                        total_steps=run.shape.total_steps, train_samples=len(run.job.train_data))

@@ -100,6 +100,11 @@ def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_
     return WindowResult(window_items, real, padded, len(micro_batches), window_loss, window_extras)
 
 
+def whole(norm):
+    """A norm as a plain tensor: over FSDP2's sharded gradients torch returns it as a (replicated) DTensor."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 def optimizer_step(accelerator, optims: list, t: TrainingConfig, step: int, window) -> tuple[list, bool, list]:
     """Unscale → grad norm → clip → step → scheduler → zero_grad, for each optimizer. ``step`` is the number of
     the update being taken (for messages).
@@ -116,7 +121,7 @@ def optimizer_step(accelerator, optims: list, t: TrainingConfig, step: int, wind
         norms.append(clip(o.params, max_norm))
     # DeepSpeed's engine reports no norm when it does not clip: unknown (NaN in the history), not non-finite
     known = [n is not None for n in norms]
-    norms = torch.stack([torch.as_tensor(n if k else math.nan, dtype=torch.float32).cpu()
+    norms = torch.stack([torch.as_tensor(whole(n) if k else math.nan, dtype=torch.float32).cpu()
                          for n, k in zip(norms, known)]).tolist()  # one host sync
     lrs = [o.optimizer.param_groups[0]["lr"] for o in optims]
     if accelerator.scaler is not None:

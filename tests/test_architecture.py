@@ -123,6 +123,9 @@ ACCELERATE_EXCEPTIONS = {
     ("distributed.py", "restart_accelerate_state", "GradientState._reset_state"),
     # without a prepared DataLoader, Accelerate's error message asks for exactly this assignment
     ("distributed.py", "configure_deepspeed", "plugin.deepspeed_config['train_micro_batch_size_per_gpu']"),
+    # the recipe's clipping, where Accelerate would fill in 1.0 for a falsy or missing value (the plugin's config
+    # dict is what a user's DeepSpeed config file becomes; Accelerate fills only its "auto" entries)
+    ("distributed.py", "configure_deepspeed", "plugin.deepspeed_config['gradient_clipping']"),
 }
 
 

@@ -92,36 +92,3 @@ def test_two_machines_on_loopback(tmp_path):
     assert two["processes"] == 2
     w2, w1 = torch.tensor(two["weights"]), torch.tensor(one["weights"])
     assert float((w2 - w1).abs().max() / w1.abs().max()) <= 1e-5
-
-
-def test_fsdp_and_deepspeed_refused_without_gpu(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    proc = launch(str(ROOT / "finetune" / "run.py"), "--recipe", "minilm-sentiment", "--max-steps", "1",
-                  "--output-dir", str(tmp_path / "o"), config=str(ROOT / "accelerate_configs" / "fsdp.yaml"),
-                  port=29524)
-    assert proc.returncode != 0
-    assert "error: accelerate config: fsdp needs GPUs" in proc.stderr
-    assert "LOAD REPORT" not in proc.stderr  # refused before the model was built
-    assert not (tmp_path / "o").exists()
-
-
-def test_deepspeed_is_told_the_micro_batch_and_not_to_accumulate():
-    """finetune prepares no DataLoader, which is where Accelerate reads DeepSpeed's micro-batch from."""
-    from types import SimpleNamespace
-
-    from accelerate.utils import DeepSpeedPlugin, DistributedType
-
-    from finetune.errors import ConfigError
-
-    plugin = DeepSpeedPlugin(zero_stage=2)
-    assert plugin.is_auto("train_micro_batch_size_per_gpu")  # what accelerate.prepare refuses without a DataLoader
-    distributed.configure_deepspeed(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
-                                                    deepspeed_plugin=plugin), micro_batch=3)
-    assert plugin.get_value("train_micro_batch_size_per_gpu") == 3
-    distributed.configure_deepspeed(SimpleNamespace(distributed_type=DistributedType.MULTI_GPU), micro_batch=3)
-
-    accumulating = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=4)
-    with pytest.raises(ConfigError, match="^deepspeed config: gradient_accumulation_steps is 4; set it to 1 or auto"):
-        distributed.configure_deepspeed(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
-                                                        deepspeed_plugin=accumulating), micro_batch=3)

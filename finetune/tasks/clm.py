@@ -185,7 +185,7 @@ def build(cfg) -> Job:
         inputs = tokenizer(m.sample_prompt, return_tensors="pt").to(next(trained.parameters()).device)
         with torch.no_grad():
             out = trained.generate(**inputs, max_new_tokens=m.sample_tokens, do_sample=False,
-                                   pad_token_id=tokenizer.pad_token_id)
+                                   pad_token_id=tokenizer.pad_token_id, synced_gpus=False)  # main process alone
         text = tokenizer.decode(out[0], skip_special_tokens=True)
         print(f"sample: {text!r}", flush=True)
         return {"sample": text}

@@ -451,8 +451,11 @@ def answer(model, tokenizer, prompts: list, max_new_tokens: int) -> list[str]:
         ids[i, longest - len(p):] = torch.as_tensor(p)
         mask[i, longest - len(p):] = 1
     device = next(model.parameters()).device
+    # synced: every process takes each decoding step while weights are sharded (evaluation during a ZeRO-3 run);
+    # whole weights (after the run) let one process generate alone
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                         generation_config=generation_config(model, tokenizer, max_new_tokens))
+                         generation_config=generation_config(model, tokenizer, max_new_tokens),
+                         synced_gpus=distributed.shards_weights(model))
     model.train(was_training)
     return [tokenizer.decode(row[longest:], skip_special_tokens=True).strip() for row in out]
 
