@@ -29,6 +29,10 @@ def has_device() -> bool:
         bool(getattr(torch, "xpu", None) and torch.xpu.is_available())
 
 
+if not has_device():  # said, DeepSpeed (whoever imports it) does not warn on every process that it guessed the CPU
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def amp_precision() -> str:
     """What ``use_amp`` (``test_fine_tuning``, ``finetune run --use-amp``) means on this machine: fp16 on CUDA (with
     loss scaling), bf16 elsewhere (CPU autocast has no fp16; ``check_environment`` refuses it)."""
@@ -49,9 +53,7 @@ def launch_engine() -> str:
     or "deepspeed-zero<stage>" (DeepSpeed's own files, partitioned per process)."""
     name = engine()
     if name == "deepspeed":
-        from accelerate.utils import DeepSpeedPlugin
-
-        return f"deepspeed-zero{DeepSpeedPlugin().zero_stage}"  # the stage as the launch config gives it
+        return f"deepspeed-zero{launch_deepspeed_config()['zero_optimization']['stage']}"
     return name or "ddp"
 
 
@@ -71,7 +73,6 @@ def _state_kwargs() -> dict:
     """What Accelerate's process-group set-up is given: the CPU (gloo) without an accelerator; gloo explicitly for
     DeepSpeed on the CPU."""
     if deepspeed_on_cpu():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # said, DeepSpeed does not warn on every process it guessed
         return {"cpu": False, "backend": "gloo"}
     return {"cpu": not has_device()}
 
@@ -100,6 +101,8 @@ def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
         raise ConfigError("training.activation_offloading: moves activations from GPU to host memory and needs CUDA; "
                           "on this machine there is no device memory to save")
     check_sharding_launch()
+    if engine() == "deepspeed":
+        check_deepspeed(launch_deepspeed_config(), t.max_grad_norm, None, t.on_nonfinite)
 
 
 def check_sharding_launch() -> None:
@@ -269,19 +272,30 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int, optims: list
 
     * the micro-batch: DeepSpeed sizes its engine from it, which Accelerate reads off a prepared DataLoader; finetune
       prepares none (its windows are its own);
-    * no accumulation of DeepSpeed's own: finetune tells the engine where each window ends (``backward``), and a
-      DeepSpeed N > 1 would divide every loss by N once more;
+    * no accumulation of DeepSpeed's own (``check_deepspeed``);
     * the clipping: ``training.max_grad_norm`` (None or 0: none, which DeepSpeed spells 0). Accelerate drops a
       falsy ``gradient_clipping`` from its config and then fills in 1.0, so a run that asked for no clipping would
-      be clipped; a config that names another value than the recipe's is refused rather than silently overruled.
+      be clipped.
     """
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     plugin = accelerator.deepspeed_plugin
-    config = plugin.deepspeed_config
-    if len(optims) != 1:
+    check_deepspeed(plugin.deepspeed_config, optims[0].max_grad_norm if optims else None, len(optims), on_nonfinite)
+    if plugin.is_auto("train_micro_batch_size_per_gpu"):
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
+    plugin.deepspeed_config["gradient_clipping"] = deepspeed_clipping(optims[0].max_grad_norm)
+
+
+def check_deepspeed(config: dict, max_grad_norm: Optional[float], optimizers: Optional[int],
+                    on_nonfinite: str) -> None:
+    """Refuse what DeepSpeed would run differently from the recipe: its own accumulation (finetune tells the
+    engine where each window ends, and a DeepSpeed N > 1 would divide every loss by N once more), a clipping other
+    than the recipe's (refused rather than silently overruled), its own optimizer or schedule, a second optimizer,
+    and skipping a window. ``optimizers``: None before the task is built. Checked at set-up, before a model is
+    built (``check_environment``), and again with the optimizers (``configure_deepspeed``)."""
+    if optimizers not in (None, 1):
         raise ConfigError(f"accelerate config: DeepSpeed drives one model and one optimizer; this task trains "
-                          f"{len(optims)} optimizers (use DDP: accelerate_configs/multi_gpu.yaml or multi_cpu_2.yaml)")
+                          f"{optimizers} optimizers (use DDP: accelerate_configs/multi_gpu.yaml or multi_cpu_2.yaml)")
     if on_nonfinite == "skip":  # the engine steps inside the window's last backward, before finetune sees the norm
         raise ConfigError("training.on_nonfinite: skip cannot drop a window under DeepSpeed (its engine steps inside "
                           "backward); use stop")
@@ -289,21 +303,23 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int, optims: list
         if section in config:
             raise ConfigError(f"deepspeed config: remove its {section!r} section (finetune builds the optimizer and "
                               "schedule from training.optimizer and training.lr_scheduler)")
-    if plugin.is_auto("train_micro_batch_size_per_gpu"):
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
-    steps = plugin.get_value("gradient_accumulation_steps")
+    steps = config.get("gradient_accumulation_steps")
     if steps not in (None, "auto", 1):
         raise ConfigError(f"deepspeed config: gradient_accumulation_steps is {steps}; set it to 1 or auto "
                           "(finetune accumulates each window itself: training.gradient_accumulation_steps or "
                           "training.effective_batch_size)")
-    max_grad_norm = optims[0].max_grad_norm
-    clip = deepspeed_clipping(max_grad_norm)
-    named = config.get("gradient_clipping", "auto")
+    clip, named = deepspeed_clipping(max_grad_norm), config.get("gradient_clipping", "auto")
     if named not in ("auto", None) and clip != "auto" and float(named) != clip:
         raise ConfigError(f"deepspeed config: gradient_clipping is {named} but training.max_grad_norm is "
                           f"{max_grad_norm}; remove gradient_clipping from the accelerate / DeepSpeed config "
                           "(finetune gives DeepSpeed the recipe's clipping) or make them equal")
-    plugin.deepspeed_config["gradient_clipping"] = clip
+
+
+def launch_deepspeed_config() -> dict:
+    """The DeepSpeed config this launch gives Accelerate (its config file, or the accelerate config's fields)."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    return DeepSpeedPlugin().deepspeed_config
 
 
 def deepspeed_clipping(max_grad_norm: Optional[float]) -> float:

@@ -130,6 +130,8 @@ def build_checked(cfg: RecipeConfig, prepared: Prepared) -> tuple[Job, Shape]:
     """The job, and the run's shape over its data (checked against it: data the settings can't use; a resumed run
     that is already complete)."""
     job = build_job(cfg)
+    if distributed.engine() == "deepspeed":  # before the run's directory holds anything
+        distributed.check_deepspeed({}, None, len(job.param_groups or [job.model]), cfg.training.on_nonfinite)
     shape = prepared.shape.for_data(job, cfg.training)
     if prepared.resume is not None:
         done = prepared.resume.step

@@ -246,8 +246,8 @@ PLANTS = {
     "Accelerate's private method": ("steps.py", "    norms = []\n",
                                     "    norms = []\n    accelerator.gradient_state._set_sync_gradients(True)\n"),
     "a write through an alias of a plugin": (
-        "distributed.py", "    steps = plugin.get_value(",
-        "    plugin.deepspeed_config['gradient_accumulation_steps'] = 1\n    steps = plugin.get_value("),
+        "distributed.py", "    if plugin.is_auto(",
+        "    plugin.deepspeed_config['gradient_accumulation_steps'] = 1\n    if plugin.is_auto("),
     "the reset outside its one place": ("distributed.py", "        state.wait_for_everyone()\n",
                                         "        state.wait_for_everyone()\n    GradientState._reset_state()\n"),
 }
