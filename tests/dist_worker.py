@@ -71,6 +71,10 @@ CUSTOM = {
     "sft-smollm2": ["peft.enabled=false", "training.learning_rate=0.5"],
     # preference pairs: pairs per rank differ in the tail; the frozen reference copy; held-out rewards gathered
     "dpo-smollm2": ["peft.enabled=false", "training.learning_rate=0.5"],
+    # GRPO: every process generates the whole generation batch alike; token counts (dapo) summed over the ranks;
+    # 22 prompts × 4 completions in generation batches of 24: the last holds 16, its second window 4
+    "grpo-smollm2": ["peft.enabled=false", "training.learning_rate=0.5", "model.steps_per_generation=2",
+                     "training.epochs=1"],
 }
 
 
@@ -95,7 +99,7 @@ def record_collectives() -> list:
 
 def run(name, processes):
     if name in CUSTOM:
-        if name.startswith("sft"):
+        if name.startswith(("sft", "grpo")):
             tiny_chat_assets()
         if name.startswith("dpo"):
             tiny_pairs_assets()

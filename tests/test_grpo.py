@@ -1,0 +1,181 @@
+"""GRPO (finetune/tasks/grpo.py) on the tiny chat Llama: every loss type's step at (b, N) is the step of (b·N, 1)
+given the same rollouts, with a short last window and steps_per_generation ≠ N; the per-micro-batch mean the peers
+use is told apart; a resumed run is bit-identical; bad input is one line."""
+
+import json
+
+import pytest
+import torch
+
+from finetune import steps
+from finetune.loop import Outputs
+from finetune.tasks import grpo
+from tests.helpers import SMALL, refused_in_process, tiny_chat_assets
+
+EXACT = 1e-5
+# 13 prompts × 4 completions = 52 slots; a generation batch is steps_per_generation 2 × effective 6 = 12
+# completions (3 prompts), so the epoch's last generation batch holds 1 prompt and its window 4 completions
+BASE = ["peft.enabled=false", "data.count=13", "data.val_fraction=0", "training.effective_batch_size=null",
+        "training.optimizer=sgd", "training.learning_rate=0.5", "training.max_grad_norm=null",
+        "model.steps_per_generation=2", "model.max_completion_length=6", "training.eval_at_start=false",
+        "training.epochs=1"]
+EOS_BIAS = 5.0  # added to the end token's logit: completions end at varied lengths (else all run to the limit)
+
+
+def end_early(job):
+    """Make the tiny model stop often, so that completion lengths (the token counts) differ."""
+    bias = torch.zeros(job.model.lm_head.out_features)
+    bias[job.tokenizer.eos_token_id] = EOS_BIAS
+    job.model.lm_head.register_forward_hook(lambda module, args, out: out + bias.to(out.dtype))
+
+
+def grpo_run(b, n, *overrides, output=None, resume_from=None):
+    from accelerate.utils import set_seed
+
+    from finetune import loop
+    from finetune.config import load_recipe
+
+    tiny_chat_assets()
+    cfg = load_recipe("grpo-smollm2", [*SMALL["grpo-smollm2"], *BASE, f"training.batch_size={b}",
+                                       f"training.gradient_accumulation_steps={n}", *overrides])
+    set_seed(cfg.training.seed)
+    job = grpo.build(cfg)
+    end_early(job)
+    result = loop.train(job, cfg.training, output, print_banner=False, resume_from=resume_from)
+    weights = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
+    return weights, result, job
+
+
+def rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def rollouts_of(job) -> list:
+    """Every generation batch's record (the run's rollouts.jsonl)."""
+    return job.checkpointed[0].log
+
+
+@pytest.fixture(scope="module")
+def big_batch():
+    return {lt: grpo_run(6, 1, f"model.loss_type={lt}") for lt in grpo.LOSS_TYPES}
+
+
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_every_loss_type_takes_the_big_batch_step(big_batch, loss_type):
+    w1, r1, job1 = big_batch[loss_type]
+    w2, r2, job2 = grpo_run(2, 3, f"model.loss_type={loss_type}")  # N = 3 ≠ steps_per_generation 2
+    same = ("prompts", "completions", "rewards", "advantages")  # the same rollouts, to the token and the reward
+    assert [{k: r[k] for k in same} for r in rollouts_of(job2)] == [{k: r[k] for k in same} for r in rollouts_of(job1)]
+    lengths = {len(c) for record in rollouts_of(job1) for c in record["completions"]}
+    assert len(lengths) > 2  # completions of several lengths: token counts differ per micro-batch
+    assert [h["samples"] for h in r1.history][-1] == 4  # the short last window
+    assert rel(w2, w1) <= EXACT
+    assert [h["loss"] for h in r2.history] == pytest.approx([h["loss"] for h in r1.history], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
+def test_a_per_micro_batch_mean_is_told_apart(big_batch, monkeypatch, loss_type):
+    """The peers' reduction: each micro-batch's mean divided by N (TRL's grpo / bnpo)."""
+    monkeypatch.setattr(steps, "loss_weight", lambda items, window, processes: 1 / 3)
+    w2, _, _ = grpo_run(2, 3, f"model.loss_type={loss_type}")
+    assert rel(w2, big_batch[loss_type][0]) > 100 * EXACT
+
+
+def test_the_loss_tolerance_of_the_two_process_check_still_catches_a_wrong_loss(big_batch):
+    """tests/test_distributed.py accepts GRPO losses 1e-7 apart (they sum to about 0); 1e-6 apart is refused."""
+    from tests.helpers import assert_same_history
+    from tests.test_distributed import GRPO_LOSS_ABS
+
+    history = big_batch["grpo"][1].history
+    assert_same_history(history, history, loss_abs=GRPO_LOSS_ABS)
+    off = [{**h, "loss": h["loss"] + 10 * GRPO_LOSS_ABS} for h in history]
+    with pytest.raises(AssertionError, match="loss"):
+        assert_same_history(off, history, loss_abs=GRPO_LOSS_ABS)
+
+
+def test_loss_types_are_different_losses(big_batch):
+    """With completions of several lengths, the four normalisations give three different steps (bnpo = dapo)."""
+    w = {lt: big_batch[lt][0] for lt in grpo.LOSS_TYPES}
+    assert torch.equal(w["bnpo"], w["dapo"])
+    assert min(rel(w["grpo"], w["bnpo"]), rel(w["dr_grpo"], w["bnpo"]), rel(w["grpo"], w["dr_grpo"])) > 100 * EXACT
+
+
+def test_resume_mid_generation_batch_is_bit_identical(tmp_path):
+    """The checkpoint after step 3 falls inside a generation batch: its rollouts come back from the checkpoint."""
+    out = tmp_path / "run"
+    whole, _, _ = grpo_run(2, 3, "model.loss_type=grpo", "training.max_steps=6",
+                           output=Outputs(dir=out, save_every=3))
+    resumed, result, _ = grpo_run(2, 3, "model.loss_type=grpo", "training.max_steps=6",
+                                  resume_from=out / "checkpoints" / "step-000003")
+    assert result.optimizer_steps == 6 and torch.equal(resumed, whole)
+
+
+def test_rollouts_are_written_and_advantages_are_group_normalised(tmp_path):
+    from finetune.cli import run_main
+
+    tiny_chat_assets()
+    out = tmp_path / "run"
+    code = run_main(["--recipe", "grpo-smollm2", *[x for s in SMALL["grpo-smollm2"] for x in ("--set", s)],
+                     "--max-steps", "2", "--output-dir", str(out)])
+    assert code == 0
+    records = [json.loads(x) for x in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert records and {"prompts", "completions", "rewards", "advantages", "old_log_probs"} <= set(records[0])
+    adv = torch.tensor(records[0]["advantages"]).view(-1, 4)
+    assert adv.sum(1).abs().max() < 1e-6  # each prompt's group is centred
+
+
+def test_advantages_scale_as_trl():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0], dtype=torch.float64)
+    group = grpo.advantages(r, 4, "group")
+    assert group[:4].tolist() == pytest.approx(((r[:4] - 0.25) / (r[:4].std() + 1e-4)).tolist())
+    assert group[4:].abs().max() == 0  # a group with one reward has no signal
+    assert grpo.advantages(r, 4, "none")[:4].tolist() == pytest.approx((r[:4] - 0.25).tolist())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input: one line, exit 2
+
+
+def bad_reward_module(tmp_path, body):
+    path = tmp_path / "rewards.py"
+    path.write_text(body)
+    return f"model.reward_funcs=[{path}:reward]"
+
+
+@pytest.mark.parametrize("setting, message, when", [
+    (lambda p: bad_reward_module(p, "import no_such_module\n"), "model.reward_funcs: cannot load", "set-up"),
+    # found only when the rewards are first computed: the run's config.yaml and tracker folder exist by then
+    (lambda p: bad_reward_module(p, "def reward(prompts, completions, **kw):\n    return [1.0]\n"),
+     "returned 1 rewards for", "first step"),
+    (lambda p: "model.num_generations=5", "model.num_generations: 5 does not divide the generation batch", "set-up"),
+    (lambda p: "model.max_prompt_length=4", "model.max_prompt_length: prompt 0 has", "set-up"),
+    (lambda p: "training.shuffle=true", "training.shuffle: must be false for grpo", "set-up"),
+])
+def test_bad_input_is_one_line(capsys, tmp_path, setting, message, when):
+    tiny_chat_assets()
+    args = ["--recipe", "grpo-smollm2", *[x for s in SMALL["grpo-smollm2"] for x in ("--set", s)], "--set",
+            setting(tmp_path), "--max-steps", "1", "--output-dir", str(tmp_path / "o")]
+    refused_in_process(capsys, args, message)
+    left = {p.name for p in (tmp_path / "o").iterdir()} if (tmp_path / "o").exists() else set()
+    assert left <= ({"config.yaml", "finetune"} if when == "first step" else set())  # finetune/: the tracker
+
+
+def test_grpo_through_test_fine_tuning():
+    """The Python API trains the task's job (its hooks passed as keywords) and takes the loop's steps."""
+    from accelerate.utils import set_seed
+
+    from finetune import test_fine_tuning
+    from finetune.config import load_recipe
+
+    tiny_chat_assets()
+    cfg = load_recipe("grpo-smollm2", [*SMALL["grpo-smollm2"], *BASE, "training.batch_size=2",
+                                       "training.gradient_accumulation_steps=3", "model.loss_type=grpo",
+                                       "training.max_steps=4"])
+    set_seed(cfg.training.seed)
+    job = grpo.build(cfg)
+    end_early(job)
+    result = test_fine_tuning(job.model, config=cfg, train_data=job.train_data, collate_fn=job.collate_fn,
+                              loss_fn=job.loss_fn, count_items=job.count_items, before_window=job.before_window)
+    through_loop, _, _ = grpo_run(2, 3, "model.loss_type=grpo", "training.max_steps=4")
+    assert result.optimizer_steps == 4 and len(rollouts_of(job)) == 2
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in result.model.parameters()]), through_loop)
