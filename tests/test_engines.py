@@ -23,7 +23,7 @@ EXACT = 1e-5  # fp32 rounding over 8 steps: measured 7.0e-8 (MLP), 2.6e-8 to 1.2
 LAUNCHES = {
     "zero1": ("deepspeed_zero1.yaml", "deepspeed", "mlp,gpt2"),
     "zero2": ("deepspeed_zero2.yaml", "deepspeed", "mlp,gpt2,mlp:per_micro_batch_mean,mlp:accelerate_clipping"),
-    "zero3": ("deepspeed_zero3.yaml", "deepspeed", "mlp,gpt2"),
+    "zero3": ("deepspeed_zero3.yaml", "deepspeed", "mlp,gpt2,mlp:per_micro_batch_mean"),
     "fsdp2": ("multi_cpu_2.yaml", "fsdp2", "mlp,gpt2,mlp:per_micro_batch_mean"),
 }
 PORTS = {"zero1": 29560, "zero2": 29561, "zero3": 29562, "fsdp2": 29563}
@@ -75,7 +75,7 @@ def test_engine_takes_the_big_batch_step(engine_results, big_batch, name, case):
     assert torch.isfinite(torch.tensor(got["alone"]))  # after the run the main process can run the model alone
 
 
-@pytest.mark.parametrize("name", ["zero2", "fsdp2"])
+@pytest.mark.parametrize("name", ["zero2", "zero3", "fsdp2"])
 def test_a_per_micro_batch_mean_is_told_apart(engine_results, big_batch, name):
     """The negative control: dividing each micro-batch's mean by N (right only for full, equal windows)."""
     got = engine_results(name)["mlp:per_micro_batch_mean"]
