@@ -100,7 +100,44 @@ def read_run(run: Path) -> dict:
     from finetune.outputs import read_history, read_metrics
 
     return {"history": read_history(run, "compare"), "metrics": read_metrics(run), "weights": _weights(run),
-            "config": _config(run)}
+            "config": _config(run), "rollouts": _rollouts(run)}
+
+
+def _rollouts(run: Path) -> list | None:
+    """A GRPO run's rollouts.jsonl (one record per generation batch); None without one."""
+    import json
+
+    path = run / "rollouts.jsonl"
+    if not path.is_file():
+        return None
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+ROLLOUT_LOGP_ATOL = 1e-4  # old log-probs are recomputed by each run from its own weights: rounding apart
+
+
+def rollouts(c: Comparison, ra: list | None, rb: list | None) -> None:
+    """Online RL: both runs trained on the same rollouts — the same prompts, completion tokens, rewards and
+    advantages in every generation batch, and old log-probs within ``ROLLOUT_LOGP_ATOL``. (Without that, equal steps
+    are not even expected; with it, the steps are judged as any run's.)"""
+    if ra is None and rb is None:
+        return
+    if ra is None or rb is None:
+        c.add("rollouts", False, "only one of the runs recorded rollouts (rollouts.jsonl)")
+        return
+    exact = ("epoch", "batch", "prompts", "completions", "rewards", "advantages")
+    bad = next((i for i, (x, y) in enumerate(zip(ra, rb)) if any(x.get(k) != y.get(k) for k in exact)), None)
+    if bad is not None or len(ra) != len(rb):
+        where = f"generation batch {ra[bad]['batch']} of epoch {ra[bad]['epoch']}" if bad is not None else \
+            f"{len(ra)} vs {len(rb)} generation batches"
+        c.add("rollouts", False, f"differ at {where} (prompts, completions, rewards or advantages)")
+        return
+    worst = max((abs(u - v) for x, y in zip(ra, rb) for p, q in zip(x["old_log_probs"], y["old_log_probs"])
+                 for u, v in zip(p, q)), default=0.0)
+    c.measured["rollouts"] = worst
+    c.add("rollouts", worst <= ROLLOUT_LOGP_ATOL, f"{len(ra)} generation batches: the same completions, rewards and "
+          f"advantages; old log-probs within {worst:.1e} (tolerance {ROLLOUT_LOGP_ATOL:g})",
+          basis=f"the same rollouts ({len(ra)} generation batches)")
 
 
 def _config(run: Path) -> dict | None:
@@ -155,8 +192,14 @@ def rel_diff(a, b, trainable_only: bool = False) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+def _rel(a: float, b: float, floor: float = 1e-12) -> float:
+    return abs(a - b) / max(abs(a), abs(b), floor)
+
+
+# GRPO's loss is a sum of centred advantages times ratios near 1: it sums to about 0 (1e-8 at a first step), where a
+# relative difference is rounding over nothing. Its loss layer is judged relative to max(|a|, |b|, this floor), i.e.
+# to 1e-7 absolute at the fp32 tolerance; tests/test_grpo.py plants a 1e-6 difference that it must still catch.
+GRPO_LOSS_FLOOR = 1e-3
 
 
 def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: float | None = None) -> Comparison:
@@ -171,6 +214,7 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     c.eight_bit = next((o for o in optimizers if o in EIGHT_BIT), None)
     loss_rtol = loss_rtol if loss_rtol is not None else EIGHT_BIT_LOSS_RTOL if c.eight_bit else FP32_LOSS_RTOL
     check_settings(c, run_settings(b["config"]), run_settings(a["config"]))
+    rollouts(c, a["rollouts"], b["rollouts"])
 
     ea, eb = a["metrics"].get("effective_batch_size"), b["metrics"].get("effective_batch_size")
     split = lambda m: f"{m.get('effective_batch_size')} ({m.get('gradient_accumulation_steps')} micro-batches/step)"
@@ -189,7 +233,9 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
           step=None if bad is None else ha[bad]["step"])
 
     steps = [h["step"] for h in ha[:n]]
-    per_step(c, "loss curve", steps, [h["loss"] for h in ha[:n]], [h["loss"] for h in hb[:n]], loss_rtol)
+    grpo = all(r["config"] and r["config"].get("task") == "grpo" for r in (a, b))
+    per_step(c, "loss curve", steps, [h["loss"] for h in ha[:n]], [h["loss"] for h in hb[:n]], loss_rtol,
+             floor=GRPO_LOSS_FLOOR if grpo else 1e-12)
     norms_a, norms_b = [h["grad_norm"] for h in ha[:n]], [h["grad_norm"] for h in hb[:n]]
     # an 8-bit optimizer's state moves the weights, hence the later gradients, as far as the loss's band
     per_step(c, "grad norm", steps, norms_a, norms_b, max(GRAD_NORM_RTOL, loss_rtol), what="before clipping")
@@ -234,16 +280,17 @@ UNKNOWN = object()  # a side whose clipping setting is not known
 
 
 def per_step(c: Comparison, name: str, steps: list, xs: list, ys: list, rtol: float, what: str = "",
-             why: str | None = None) -> None:
+             why: str | None = None, floor: float = 1e-12) -> None:
     """One per-step layer: ``xs[i]`` against ``ys[i]`` at optimizer step ``steps[i]`` (pairs with a non-finite or
-    missing value are skipped: DeepSpeed reports no norm when it does not clip)."""
+    missing value are skipped: DeepSpeed reports no norm when it does not clip), relative to the larger magnitude or
+    ``floor``."""
     pairs = [(s, x, y) for s, x, y in zip(steps, xs, ys) if _finite(x) and _finite(y)]
     if not pairs:
         c.add(name, None, "not checkable: not logged on both sides")
         return
-    worst = c.measured[name] = max(_rel(x, y) for _, x, y in pairs)
-    bad = next(((s, x, y) for s, x, y in pairs if _rel(x, y) > rtol), None)
-    band = f" (band: {why})" if why else ""
+    worst = c.measured[name] = max(_rel(x, y, floor) for _, x, y in pairs)
+    bad = next(((s, x, y) for s, x, y in pairs if _rel(x, y, floor) > rtol), None)
+    band = f" (band: {why})" if why else f" (relative to at least {floor:g})" if floor > 1e-12 else ""
     c.add(name, bad is None, f"max relative difference {worst:.2e} at {len(pairs)} steps{' ' + what if what else ''}"
           f", tolerance {rtol:g}{band}" + ("" if bad is None else
                                            f"; first above at step {bad[0]}: {bad[1]:.7g} vs {bad[2]:.7g}"),

@@ -87,6 +87,9 @@ class TrainingConfig:
     seed: int = doc("seeds model init, sample order and dropout; sample order depends on nothing else", 42,
                     flag="--seed")
     shuffle: bool = doc("reshuffle samples every epoch (seeded)", True)
+    rollouts: Optional[str] = doc(
+        "grpo: a run's rollouts.jsonl to train on instead of generating (replays that run's rollouts, so that its "
+        "steps can be reproduced exactly); null: generate", None)
     sample_order: Literal["finetune", "trainer"] = doc(
         "how each epoch's order is drawn from the seed: finetune's own permutation, or HF Trainer's (its seedable "
         "random sampler seeded with seed + epoch; transformers 5.23 / accelerate 1.15), so that window k holds the "
@@ -396,6 +399,8 @@ def _validate_ranges(cfg: RecipeConfig, problems: list):
             problems.append(msg)
 
     m, d = cfg.model, cfg.data
+    need(cfg.training.rollouts is None or cfg.task == "grpo",
+         f"training.rollouts: only the grpo task trains on recorded rollouts (this recipe's task is {cfg.task})")
     if getattr(m, "dropout", None) is not None:
         need(0 <= m.dropout < 1, f"model.dropout: got {m.dropout}; must be in [0, 1) or null")
     if hasattr(d, "val_fraction"):

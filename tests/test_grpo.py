@@ -179,3 +179,55 @@ def test_grpo_through_test_fine_tuning():
     through_loop, _, _ = grpo_run(2, 3, "model.loss_type=grpo", "training.max_steps=4")
     assert result.optimizer_steps == 4 and len(rollouts_of(job)) == 2
     assert torch.equal(torch.cat([p.detach().reshape(-1) for p in result.model.parameters()]), through_loop)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# recorded rollouts: replayed, and compared
+
+
+def cli_run(tmp_path, name, *sets):
+    from finetune.cli import run_main
+
+    tiny_chat_assets()
+    out = tmp_path / name
+    args = [x for s in [*SMALL["grpo-smollm2"], *BASE, "output.tracker=none", *sets] for x in ("--set", s)]
+    assert run_main(["--recipe", "grpo-smollm2", *args, "--output-dir", str(out)]) == 0
+    return out
+
+
+def test_a_run_replayed_from_its_rollouts_takes_its_steps_and_compare_says_so(tmp_path):
+    from finetune.compare import compare_runs, read_run
+
+    recorded = cli_run(tmp_path, "recorded", "training.batch_size=6", "training.gradient_accumulation_steps=1")
+    replayed = cli_run(tmp_path, "replayed", "training.batch_size=2", "training.gradient_accumulation_steps=3",
+                       f"training.rollouts={recorded / 'rollouts.jsonl'}")
+    assert read_run(replayed)["rollouts"] == read_run(recorded)["rollouts"]
+    c = compare_runs(recorded, replayed)
+    by_name = {name: ok for name, ok, _, _ in c.checks}
+    assert by_name["rollouts"] is True and c.equivalent, c.checks  # every layer, the loss's (floored) included
+
+    # the loss layer's floor still catches a loss 1e-6 off where the loss is about 0 (the first step)
+    history = [json.loads(x) for x in (replayed / "history.jsonl").read_text().splitlines()]
+    history[0]["loss"] += 1e-6
+    (replayed / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
+    c = compare_runs(recorded, replayed)
+    assert c.first_difference is not None and c.first_difference.startswith("loss curve"), c.checks
+
+    # the negative control: one reward changed in the record is a different run, and compare names the rollouts
+    records = [json.loads(x) for x in (recorded / "rollouts.jsonl").read_text().splitlines()]
+    records[1]["rewards"][0] += 1.0
+    tampered = tmp_path / "tampered.jsonl"
+    tampered.write_text("".join(json.dumps(r) + "\n" for r in records))
+    other = cli_run(tmp_path, "other", "training.batch_size=2", "training.gradient_accumulation_steps=3",
+                    f"training.rollouts={tampered}")
+    c = compare_runs(recorded, other)
+    assert c.first_difference is not None and c.first_difference.startswith("rollouts")
+
+
+def test_rollouts_that_do_not_fit_the_run_are_refused(capsys, tmp_path):
+    recorded = cli_run(tmp_path, "recorded", "training.batch_size=6", "training.gradient_accumulation_steps=1")
+    args = ["--recipe", "grpo-smollm2", *[x for s in [*SMALL["grpo-smollm2"], *BASE, "training.batch_size=6",
+                                                      "training.gradient_accumulation_steps=1", "training.seed=7",
+                                                      f"training.rollouts={recorded / 'rollouts.jsonl'}"]
+                                          for x in ("--set", s)], "--output-dir", str(tmp_path / "o")]
+    refused_in_process(capsys, args, "training.rollouts: ")

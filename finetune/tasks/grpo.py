@@ -350,6 +350,8 @@ class Generator:
         self.m, self.seed, self.model, self.tokenizer = m, cfg.training.seed, model, tokenizer
         self.prompts, self.layout, self.rollouts, self.funcs, self.reference = prompts, layout, rollouts, funcs, reference
         self.weights = list(m.reward_weights or [1.0] * len(funcs))
+        self.replay_path = cfg.training.rollouts
+        self.replay = read_rollouts(self.replay_path) if self.replay_path else None
 
     def before_window(self, state) -> None:
         batch, _ = self.layout.locate(state.next_window * self.layout.effective)
@@ -361,6 +363,8 @@ class Generator:
         order = epoch_order(len(self.prompts), self.seed, epoch)
         L = self.layout
         chosen = [self.prompts[i] for i in order[batch * L.batch_prompts:(batch + 1) * L.batch_prompts]]
+        if self.replay is not None:
+            return self.replayed(epoch, batch, chosen)
         model, device = self.model, distributed.distributed_state().device
         was_training = model.training
         model.eval()
@@ -379,7 +383,28 @@ class Generator:
         self.rollouts.log.append({"epoch": epoch, "batch": batch, "prompts": [p["id"] for p in chosen],
                                   "completions": [x["ids"][x["prompt_length"]:].tolist() for x in samples],
                                   "rewards": rewards, "advantages": adv.tolist(),
-                                  "old_log_probs": [[round(v, 6) for v in x["old"].tolist()] for x in samples]})
+                                  "old_log_probs": [x["old"].tolist() for x in samples],
+                                  **({"ref_log_probs": [x["ref"].tolist() for x in samples]} if self.m.beta else {})})
+
+    def replayed(self, epoch: int, batch: int, chosen: list) -> None:
+        """The generation batch as the recorded run made it: its completions, rewards, advantages and log-probs."""
+        record = self.replay.get((epoch, batch))
+        if record is None:
+            raise ConfigError(f"training.rollouts: {self.replay_path} holds no generation batch {batch} of epoch "
+                              f"{epoch} (it holds {len(self.replay)}); train no further than the recorded run")
+        if record["prompts"] != [p["id"] for p in chosen]:
+            raise ConfigError(f"training.rollouts: {self.replay_path} batch {batch} of epoch {epoch} holds prompts "
+                              f"{record['prompts'][:4]}…, this run's are {[p['id'] for p in chosen][:4]}…; replay "
+                              "with the recorded run's data, seed and effective batch")
+        prompts = [p for p in chosen for _ in range(self.layout.group)]
+        ref = record.get("ref_log_probs") or [[0.0] * len(c) for c in record["completions"]]
+        samples = [{"ids": torch.tensor(p["ids"] + c), "prompt_length": len(p["ids"]), "prompt": p, "reward": r,
+                    "advantage": a, "old": torch.tensor(o, dtype=torch.float32),
+                    "ref": torch.tensor(f, dtype=torch.float32)}
+                   for p, c, r, a, o, f in zip(prompts, record["completions"], record["rewards"], record["advantages"],
+                                               record["old_log_probs"], ref)]
+        self.rollouts.key, self.rollouts.samples = (epoch, batch), samples
+        self.rollouts.log.append(record)
 
     def sample(self, prompts: list, device) -> list:
         """``num_generations`` completions of each prompt (left-padded together), cut after their end token."""
@@ -422,6 +447,16 @@ class Generator:
             ref = self.reference(ids, lengths, device) if self.m.beta else [torch.zeros_like(o) for o in old]
             for x, o, r in zip(part, old, ref):
                 x["old"], x["ref"] = o.cpu(), r.cpu()
+
+
+def read_rollouts(path) -> dict:
+    """(epoch, generation batch) → its record, from a run's rollouts.jsonl; one line when it cannot be read."""
+    try:
+        records = [json.loads(line) for line in Path(path).expanduser().read_text().splitlines() if line.strip()]
+        return {(r["epoch"], r["batch"]): r for r in records}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"training.rollouts: cannot read {path} as a run's rollouts.jsonl "
+                          f"({type(error).__name__}: {str(error)[:120]})") from None
 
 
 def make_reference(m: ModelConfig, model, peft_enabled: bool):
