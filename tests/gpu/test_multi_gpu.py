@@ -82,9 +82,10 @@ def one_gpu_recipe(tmp_path_factory):
     return history(out)
 
 
-@pytest.mark.parametrize("config", ["fsdp.yaml", "deepspeed_zero2.yaml"], ids=["fsdp", "deepspeed_zero2"])
+@pytest.mark.parametrize("config", ["fsdp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"],
+                         ids=["fsdp2", "deepspeed_zero2", "deepspeed_zero3"])
 def test_sharded_config_trains_a_recipe(config, one_gpu_recipe, tmp_path, figures):
-    """The shipped FSDP (full shard) and DeepSpeed ZeRO-2 configs on 2 GPUs run three optimizer steps of
+    """The shipped FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 configs on 2 GPUs run three optimizer steps of
     minilm-sentiment: each step holds the effective batch (32 samples) and the one-GPU run's window; the first
     step's grad norm (same weights, before any update) equals the one-GPU run's within 1e-5, and every step's loss
     and grad norm within 1e-4. Only the order of the sums differs; on the CPU, two gloo processes matched one within
@@ -93,7 +94,7 @@ def test_sharded_config_trains_a_recipe(config, one_gpu_recipe, tmp_path, figure
     if config.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs DeepSpeed: pip install deepspeed")
     out = tmp_path / "run"
-    port = 29543 if config == "fsdp.yaml" else 29544
+    port = {"fsdp.yaml": 29543, "deepspeed_zero2.yaml": 29544}.get(config, 29545)
     proc = launch(config, RUN, *RECIPE, "--output-dir", str(out), port=port)
     steps, ref = history(out), one_gpu_recipe
     figures("steps", f"{len(steps)} of 3; exit code {proc.returncode}")
