@@ -166,11 +166,23 @@ def load_reward(spec: str):
                           f"{str(error).splitlines()[0][:160] if str(error) else ''})") from None
 
 
-def score(funcs: list, weights: list, prompts: list, completions: list, completion_ids: list, extras: dict) -> list:
-    """Weighted sum of the reward functions, one float per completion; a wrong count is refused."""
+def load_rewards(m: ModelConfig) -> list:
+    """(spec, function, weight) for each reward function, loaded once."""
+    return [(spec, load_reward(spec), w) for spec, w in zip(m.reward_funcs, m.reward_weights or
+                                                              [1.0] * len(m.reward_funcs))]
+
+
+def score(funcs: list, prompts: list, texts: list, completion_ids: list) -> list:
+    """Weighted sum of the reward functions, one float per completion, called with TRL's arguments: ``prompts``
+    (one prompt entry per completion) as given, the completions as text or, for a conversational prompt, as
+    ``[{"role": "assistant", …}]``, and every other column of the prompt's row; a wrong count is refused."""
+    conversational = isinstance(prompts[0]["prompt"], list)
+    completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
+    extras = {k: [p["row"][k] for p in prompts] for k in prompts[0]["row"] if k != "prompt"}
     total = [0.0] * len(completions)
-    for (spec, f), w in zip(funcs, weights):
-        got = list(f(prompts=prompts, completions=completions, completion_ids=completion_ids, **extras))
+    for spec, f, w in funcs:
+        got = list(f(prompts=[p["prompt"] for p in prompts], completions=completions, completion_ids=completion_ids,
+                     **extras))
         if len(got) != len(completions):
             raise ConfigError(f"model.reward_funcs: {spec} returned {len(got)} rewards for {len(completions)} "
                               "completions; return one float per completion")
@@ -252,7 +264,6 @@ class Rollouts:
     def state_dict(self) -> dict:
         if not self.samples:
             return {"key": torch.tensor(self.key)}
-        pad = lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # noqa: E731
         s = self.samples
         return {"key": torch.tensor(self.key), "ids": pad([x["ids"] for x in s]),
                 "lengths": torch.tensor([len(x["ids"]) for x in s]),
@@ -270,11 +281,15 @@ class Rollouts:
                                                  state["advantage"].tolist(), state["reward"].tolist()))]
 
 
+def pad(rows: list, device=None) -> torch.Tensor:
+    """Rows of different lengths, right-padded with zeros into one tensor (on ``device``)."""
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(device)
+
+
 def token_log_probs(model, ids: list, prompt_lengths: list, temperature: float, device) -> list:
     """Each sequence's completion-token log-probs under ``model`` (logits divided by ``temperature``), one padded
     forward for the given sequences."""
-    batch = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True).to(device)
-    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(x) for x in ids], batch_first=True).to(device)
+    batch, mask = pad(ids, device), pad([torch.ones_like(x) for x in ids], device)
     logits = model(input_ids=batch, attention_mask=mask, use_cache=False).logits[:, :-1].float() / temperature
     logps = torch.log_softmax(logits, -1).gather(-1, batch[:, 1:, None]).squeeze(-1)
     return [logps[i, p - 1:len(x) - 1] for i, (x, p) in enumerate(zip(ids, prompt_lengths))]
@@ -310,7 +325,7 @@ def make_count(m: ModelConfig, rollouts: Rollouts, layout: Layout):
             return len(batch["prompts"])
         if m.loss_type in ("grpo", "dr_grpo"):
             return len(batch["slot"])
-        samples = [rollouts.samples[layout.locate(int(s))[1]] for s in batch["slot"]]
+        samples = [rollouts.samples[layout.locate(s)[1]] for s in batch["slot"].tolist()]
         return sum(len(x["ids"]) - x["prompt_length"] for x in samples)
     return count
 
@@ -319,15 +334,14 @@ def make_loss_fn(m: ModelConfig, rollouts: Rollouts, layout: Layout, reward_eval
     def loss_fn(model, batch):
         if "slot" not in batch:
             return reward_eval(model, batch)
-        samples = [rollouts.samples[layout.locate(int(s))[1]] for s in batch["slot"].tolist()]
+        samples = [rollouts.samples[layout.locate(s)[1]] for s in batch["slot"].tolist()]
         device = batch["slot"].device
         logps = token_log_probs(model, [x["ids"] for x in samples], [x["prompt_length"] for x in samples],
                                 m.temperature, device)
-        pad = lambda rows: torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(device)  # noqa: E731
-        mask = pad([torch.ones(len(x)) for x in logps])
+        mask = pad([torch.ones(len(x)) for x in logps], device)
         adv = torch.tensor([x["advantage"] for x in samples], device=device)[:, None]
-        per_token, kl, clipped = token_losses(m, pad(logps), pad([x["old"] for x in samples]),
-                                              pad([x["ref"] for x in samples]), adv)
+        per_token, kl, clipped = token_losses(m, pad(logps), pad([x["old"] for x in samples], device),
+                                              pad([x["ref"] for x in samples], device), adv)
         return {"loss": reduce(m, per_token, mask), "kl": reduce(m, kl, mask).detach(),
                 "clip_ratio": reduce(m, clipped, mask).detach()}
     return loss_fn
@@ -344,7 +358,6 @@ class Generator:
                  funcs: list, reference):
         self.m, self.seed, self.model, self.tokenizer = m, cfg.training.seed, model, tokenizer
         self.prompts, self.layout, self.rollouts, self.funcs, self.reference = prompts, layout, rollouts, funcs, reference
-        self.weights = list(m.reward_weights or [1.0] * len(funcs))
         self.replay_path = cfg.training.rollouts
         self.replay = read_rollouts(self.replay_path) if self.replay_path else None
 
@@ -368,7 +381,7 @@ class Generator:
             for c in range(0, len(chosen), self.m.generation_chunk):
                 torch.manual_seed(step_seed(self.seed, epoch, batch, c) % 2**63)
                 samples += self.sample(chosen[c:c + self.m.generation_chunk], device)
-        rewards = self.rewards(chosen, samples)
+        rewards = self.rewards(samples)
         adv = advantages(torch.tensor(rewards, dtype=torch.float64), L.group, self.m.scale_rewards)
         for x, r, a in zip(samples, rewards, adv.tolist()):
             x.update(reward=r, advantage=a)
@@ -423,13 +436,10 @@ class Generator:
                             "prompt": p})
         return samples
 
-    def rewards(self, prompts: list, samples: list) -> list:
-        texts = [self.tokenizer.decode(x["ids"][x["prompt_length"]:], skip_special_tokens=True) for x in samples]
-        conversational = isinstance(prompts[0]["prompt"], list)
-        completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
-        extras = {k: [x["prompt"]["row"][k] for x in samples] for k in prompts[0]["row"] if k != "prompt"}
-        return score(self.funcs, self.weights, [x["prompt"]["prompt"] for x in samples], completions,
-                     [x["ids"][x["prompt_length"]:].tolist() for x in samples], extras)
+    def rewards(self, samples: list) -> list:
+        ids = [x["ids"][x["prompt_length"]:].tolist() for x in samples]
+        texts = [self.tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+        return score(self.funcs, [x["prompt"] for x in samples], texts, ids)
 
     def log_probs(self, samples: list, device) -> None:
         """The policy's (old) and the reference's log-probs of every completion token, a chunk of sequences at a
@@ -476,16 +486,12 @@ def make_reference(m: ModelConfig, model, peft_enabled: bool):
 
 def make_reward_eval(m: ModelConfig, tokenizer, funcs: list):
     """Validation: greedy completions of the held-out prompts, scored; the "loss" is minus their mean reward."""
-    weights = list(m.reward_weights or [1.0] * len(funcs))
 
     def reward_eval(model, batch):
         prompts = batch["prompts"]
         texts = sft.answer(model, tokenizer, [p["ids"] for p in prompts], m.max_completion_length)
-        conversational = isinstance(prompts[0]["prompt"], list)
-        completions = [[{"role": "assistant", "content": t}] if conversational else t for t in texts]
-        extras = {k: [p["row"][k] for p in prompts] for k in prompts[0]["row"] if k != "prompt"}
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        rewards = score(funcs, weights, [p["prompt"] for p in prompts], completions, ids, extras)
+        rewards = score(funcs, prompts, texts, ids)
         return {"loss": -torch.tensor(rewards).mean(), "reward": torch.tensor(rewards).mean()}
     return reward_eval
 
@@ -545,7 +551,7 @@ def layout_of(cfg, prompts: int) -> Layout:
 
 def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
-    funcs = [(spec, load_reward(spec)) for spec in m.reward_funcs]
+    funcs = load_rewards(m)
     rows = load_prompts(d)
     train_rows, val_rows = split_samples(rows, d.val_fraction, d.split_seed, d.limit)
     model, tokenizer = sft.load_model(sft.ModelConfig(name_or_path=m.name_or_path, chat_template=m.chat_template,
