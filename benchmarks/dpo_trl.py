@@ -54,7 +54,7 @@ def model_path(tiny: bool, folder: Path) -> str:
     """SmolLM2's converted folder, or a tiny Llama with SmolLM2's tokenizer saved in ``folder``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from finetune.hf_models import resolve_model_path
+    from finetune.models.hf import resolve_model_path
 
     path = resolve_model_path(SMOLLM)
     if not tiny:

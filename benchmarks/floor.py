@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from finetune.compare import compare_runs
+from finetune.reproduce.compare import compare_runs
 
 CASES = [("LoRA", 8, (8, 4, 2)), ("full", 8, (8, 2)), ("LoRA", 32, (8, 4)), ("LoRA", 128, (8, 4))]
 

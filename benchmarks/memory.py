@@ -49,10 +49,10 @@ import torch  # noqa: E402
 from finetune import loop  # noqa: E402
 from finetune.config import TrainingConfig  # noqa: E402
 from finetune.job import Job  # noqa: E402
-from finetune.memory import PeakMeter  # noqa: E402
-from finetune.modeling import enable_checkpointing  # noqa: E402
-from finetune.plan import make_plan, training_peak  # noqa: E402
-from finetune.step_memory import Setting  # noqa: E402
+from finetune.memory.measure import PeakMeter  # noqa: E402
+from finetune.memory.plan import make_plan, training_peak  # noqa: E402
+from finetune.memory.step import Setting  # noqa: E402
+from finetune.models.forward import enable_checkpointing  # noqa: E402
 
 MB = 2 ** 20
 SEQ = 128
@@ -214,7 +214,7 @@ def smollm2(n: int, seq: int):
     """SmolLM2-135M-Instruct (the sft-smollm2 recipe's model, fp32, dropout off) and ``n`` blocks of ``seq`` tokens
     of the Python docs in its tokenizer: (model, samples, collate)."""
     from finetune.config import load_recipe
-    from finetune.modeling import set_dropout
+    from finetune.models.forward import set_dropout
     from finetune.tasks import sft
 
     model, tokenizer = sft.load_model(load_recipe("sft-smollm2").model)
@@ -291,8 +291,8 @@ def sft_model(overrides: list, lora: bool = True):
     sft task loads it (``model.dtype`` / ``model.quantization`` through ``precision_kwargs``, LoRA by
     ``apply_peft``; ``lora=False``: the base it would wrap), dropout off: (model, tokenizer, recipe)."""
     from finetune.config import load_recipe
-    from finetune.hf_models import apply_peft, precision_kwargs
-    from finetune.modeling import set_dropout
+    from finetune.models.forward import set_dropout
+    from finetune.models.hf import apply_peft, precision_kwargs
     from finetune.tasks import sft
 
     cfg = load_recipe("sft-smollm2", overrides)
@@ -352,7 +352,7 @@ def quantized_share(model) -> dict:
     """For a model with 4-bit layers: the bytes of those layers' weights with their quantization state, and what the
     same weights take in fp32 (the part of the model bitsandbytes quantizes: the projections, not the embedding,
     norms or head)."""
-    from finetune.precision import quantized_modules
+    from finetune.models.precision import quantized_modules
 
     layers = [m for _, m in quantized_modules(model)]
     if not layers:
@@ -443,7 +443,7 @@ def head_peaks(model, tokens: int) -> dict:
     states through ``model``'s frozen output layer (what TRL's step holds beyond finetune's is mostly here)."""
     from trl.kernels import ChunkedLogProbFunction
 
-    from finetune.loss_head import chunked_linear_cross_entropy
+    from finetune.models.loss_head import chunked_linear_cross_entropy
 
     weight = model.get_output_embeddings().weight.detach()
     g = torch.Generator().manual_seed(0)

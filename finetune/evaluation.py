@@ -14,7 +14,7 @@ from finetune import distributed
 from finetune.config import TrainingConfig
 from finetune.items import count_items, is_causal_lm
 from finetune.job import Job
-from finetune.modeling import compute_loss
+from finetune.models.forward import compute_loss
 
 METRICS_DIR = Path(__file__).resolve().parent / "metrics"
 

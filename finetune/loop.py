@@ -25,15 +25,16 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from finetune import checkpoint, distributed, precision
-from finetune.auto_batch import AutoBatch
+from finetune import checkpoint, distributed
 from finetune.config import TrainingConfig, flatten
 from finetune.errors import ConfigError
 from finetune.evaluation import run_eval
 from finetune.items import count_items, is_causal_lm
 from finetune.job import Job
-from finetune.memory import MemoryMonitor, is_oom
-from finetune.modeling import enable_checkpointing, enable_chunked_head
+from finetune.memory.auto_batch import AutoBatch
+from finetune.memory.measure import MemoryMonitor, is_oom
+from finetune.models import precision
+from finetune.models.forward import enable_checkpointing, enable_chunked_head
 from finetune.optim import Optim, lr_scale, make_optims
 from finetune.packing import decide_packing
 from finetune.runlog import RunLog, banner

@@ -156,7 +156,7 @@ def packing_problem(model, data, length_of, loss_fn=None, rtol: float = 1e-4):
     logits, and the item-weighted loss, each gives alone? Returns None when they do, else what differs. Catches a
     model whose attention ignores packed positions and a ``loss_fn`` that drops ``position_ids``."""
     from finetune.items import count_items
-    from finetune.modeling import compute_loss
+    from finetune.models.forward import compute_loss
 
     picks = sorted(range(min(len(data), 64)), key=length_of)[:2]
     rows = PackedRows([{"input_ids": _tokens(data[i]["input_ids"])[:16]} for i in picks])

@@ -9,7 +9,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from finetune import distributed, precision
+from finetune import distributed
+from finetune.models import precision
 from finetune.optim import lr_scale
 from finetune.outputs import atomic_write_text
 from finetune.state import TrainState

@@ -66,7 +66,7 @@ def reported_metrics(cfg) -> list:
     import torch
 
     from finetune.execute import build_job
-    from finetune.modeling import compute_loss
+    from finetune.models.forward import compute_loss
 
     job = build_job(cfg)
     if job.val_data is None or len(job.val_data) == 0:

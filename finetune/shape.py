@@ -28,7 +28,7 @@ class Shape:
     micro_batch: int      # samples per micro-batch on each process (batch_size: auto: the one being tried)
     accumulation: int     # N: micro-batches per process in a full window
     processes: int
-    auto: bool = False    # batch_size: auto — an out-of-memory error picks a smaller micro_batch (finetune.auto_batch)
+    auto: bool = False    # batch_size: auto — an out-of-memory error picks a smaller micro_batch (memory.auto_batch)
     total_steps: int = 0  # optimizer steps of the whole run; 0 until the training set is known (``for_data``)
 
     @property
@@ -61,7 +61,7 @@ def plan_shape(t: TrainingConfig, processes: int) -> Shape:
     """The split of ``t``'s effective batch over ``processes`` processes.
 
     ``batch_size: auto`` starts from the largest candidate, the whole window in one micro-batch
-    (``finetune.auto_batch`` then picks the micro-batch the planner predicts to fit).
+    (``finetune.memory.auto_batch`` then picks the micro-batch the planner predicts to fit).
 
     Raises:
         ConfigError: an effective batch that does not split into micro-batches × processes; ``batch_size: auto`` on

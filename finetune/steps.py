@@ -17,8 +17,8 @@ from accelerate.utils import send_to_device
 from finetune import distributed
 from finetune.config import TrainingConfig
 from finetune.items import batch_len
-from finetune.memory import fake_oom_check
-from finetune.modeling import compute_loss, offload_activations
+from finetune.memory.measure import fake_oom_check
+from finetune.models.forward import compute_loss, offload_activations
 
 
 class NonFiniteError(RuntimeError):

@@ -57,7 +57,7 @@ def main(mode: str, rank: int, world: int, tmp: Path) -> dict:
         old_scheme(target)
         return {"path": str(target)}
     if mode == "gguf":
-        from finetune.hf_models import resolve_model_path
+        from finetune.models.hf import resolve_model_path
 
         return {"path": resolve_model_path(str(tmp / "tiny.gguf"))}
     build = {"group": save_tiny_model, "lock": lambda out: save_tiny_model(out, seconds=2 * LATE),

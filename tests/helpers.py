@@ -6,8 +6,8 @@ import copy
 
 import torch
 
-from finetune.compare import flat, rel_diff  # noqa: F401  (the suite's measure: every parameter)
 from finetune.data import pad_collate as _pad_collate
+from finetune.reproduce.compare import flat, rel_diff  # noqa: F401  (the suite's measure: every parameter)
 
 
 class MLP(torch.nn.Module):
@@ -204,7 +204,7 @@ def write_tiny_chat(out: Path) -> None:
 
 def write_tiny_gguf(path: Path) -> Path:
     """A GGUF file of a 2-layer Llama (hidden 16, fp32 tensors) with a byte-level BPE tokenizer and a chat template,
-    written with the ``gguf`` package: what ``finetune.hf_models.gguf_folder`` converts, in a second."""
+    written with the ``gguf`` package: what ``finetune.models.hf.gguf_folder`` converts, in a second."""
     import gguf
     import numpy as np
 

@@ -17,8 +17,8 @@ import pytest
 
 from finetune import steps
 from finetune.cli import run_main
-from finetune.compare import FP32_LOSS_RTOL, GRAD_NORM_RTOL, compare_runs
 from finetune.data import split_samples
+from finetune.reproduce.compare import FP32_LOSS_RTOL, GRAD_NORM_RTOL, compare_runs
 from tests.helpers import SMALL, tiny_chat_assets
 
 CLIP = 0.34  # the tiny model's grad norms are 0.3–0.5: some steps clip, some do not

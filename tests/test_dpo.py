@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from finetune.config import ConfigError, load_recipe
 from finetune.loop import Outputs
-from finetune.loss_head import model_sequence_log_probs, sequence_log_probs
+from finetune.models.loss_head import model_sequence_log_probs, sequence_log_probs
 from finetune.tasks import dpo
 from tests.helpers import SMALL, assert_one_error_line, cli, refused_in_process, tiny_pairs_assets
 from tests.helpers import dpo_recipe_run as run

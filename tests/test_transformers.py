@@ -175,7 +175,7 @@ def test_dropout_zero_reaches_attention_that_reads_a_float():
     holds only while the RNG stream happens to line up (one process on CPU), not across processes."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.modeling import set_dropout
+    from finetune.models.forward import set_dropout
 
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.5, batch_first=True)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.plan import make_plan
-from finetune.step_memory import Setting
-from finetune.zero_memory import Layout, Sizes, per_process, sizes_of
+from finetune.memory.plan import make_plan
+from finetune.memory.sharded import Layout, Sizes, per_process, sizes_of
+from finetune.memory.step import Setting
 from tests import zero_worker
 from tests.helpers import ACCELERATE, ENV, ROOT, TINY, assert_one_error_line
 

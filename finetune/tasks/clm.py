@@ -20,10 +20,10 @@ import torch
 from finetune import cache
 from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, refuse_precision_for_new_model
 from finetune.data import check_data_source, load_local_table, pad_collate, split
-from finetune.hf_models import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
-from finetune.hf_models import from_config as new_model
 from finetune.job import Job
-from finetune.modeling import set_dropout
+from finetune.models.forward import set_dropout
+from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
+from finetune.models.hf import from_config as new_model
 
 
 @dataclass

@@ -10,7 +10,7 @@ its generation prompt); the log-probabilities count the completion tokens only.
 rejected ones), its loss the mean over its pairs; the loop weights it by its share of the window's pairs, so the
 window's loss is the mean over all its pairs and ``(b, N)`` takes the step of ``(b·N, 1)`` — a short last window and
 a short last micro-batch included. The logged rewards, accuracy, margin and log-probs are window means the same way.
-Log-probabilities are sums over completion tokens through the chunked head (``finetune.loss_head``): no
+Log-probabilities are sums over completion tokens through the chunked head (``finetune.models.loss_head``): no
 ``[tokens, vocab]`` logits.
 
 The reference: with LoRA the same model with its adapters disabled (no copy); without, a frozen copy kept in
@@ -36,13 +36,14 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from finetune import distributed, precision
+from finetune import distributed
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import parse_rows, split_samples
-from finetune.hf_models import apply_peft, peft_save_hook, precision_kwargs
 from finetune.job import Job
-from finetune.loss_head import model_sequence_log_probs
-from finetune.modeling import set_dropout
+from finetune.models import precision
+from finetune.models.forward import set_dropout
+from finetune.models.hf import apply_peft, peft_save_hook, precision_kwargs
+from finetune.models.loss_head import model_sequence_log_probs
 from finetune.tasks import sft
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -355,7 +356,7 @@ class Reference:
 
 def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of the untuned model that never trains, its weights kept in ``dtype`` (computing in fp32 without
-    mixed precision, as ``finetune.precision`` makes a bf16 base compute)."""
+    mixed precision, as ``finetune.models.precision`` makes a bf16 base compute)."""
     frozen = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
     if dtype != torch.float32:
         precision.compute_in_fp32(frozen)

@@ -39,9 +39,9 @@ import torch
 from finetune import distributed
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import split_samples
-from finetune.hf_models import apply_peft, peft_save_hook, precision_kwargs
 from finetune.job import Job
-from finetune.modeling import set_dropout
+from finetune.models.forward import set_dropout
+from finetune.models.hf import apply_peft, peft_save_hook, precision_kwargs
 from finetune.shape import plan_shape
 from finetune.tasks import sft
 from finetune.windows import epoch_order, step_seed

@@ -16,9 +16,9 @@ from typing import Literal, Optional
 from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, refuse_precision_for_new_model
 from finetune.data import check_data_source, load_local_table, split
 from finetune.evaluation import load_metric
-from finetune.hf_models import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
 from finetune.job import Job
-from finetune.modeling import set_dropout
+from finetune.models.forward import set_dropout
+from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
 
 
 @dataclass

@@ -34,7 +34,9 @@ from finetune import distributed
 from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, require_at_least_one
 from finetune.data import load_local_table, parse_rows, split_samples
 from finetune.evaluation import load_metric
-from finetune.hf_models import (
+from finetune.job import Job
+from finetune.models.forward import set_dropout
+from finetune.models.hf import (
     apply_peft,
     gguf_file,
     peft_save_hook,
@@ -42,8 +44,6 @@ from finetune.hf_models import (
     pretrained,
     resolve_model_path,
 )
-from finetune.job import Job
-from finetune.modeling import set_dropout
 
 ROLES = ("system", "user", "assistant")
 FILE_TYPES = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}

@@ -42,7 +42,7 @@ from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, r
 from finetune.data import split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
-from finetune.modeling import set_dropout
+from finetune.models.forward import set_dropout
 from finetune.windows import step_seed
 
 SIDE = 16

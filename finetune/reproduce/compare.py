@@ -421,15 +421,15 @@ def loss_band(b, mine: dict) -> tuple[float, str | None]:
 
 def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
                           loss_rtol: float | None = None) -> Comparison:
-    """Check finetune run ``run`` against a baseline another tool trained (``finetune.baselines``), in order:
+    """Check finetune run ``run`` against a baseline another tool trained (``finetune.reproduce.baselines``), in order:
     effective batch, optimizer steps, the samples of every window (the Trainer's order recomputed from the
     baseline's seed), the lr and the training loss at every logged step (our mean over the steps each log entry
     covers: ``logging_steps`` > 1 logs a mean), the evaluation loss, the weights. What the baseline does not show
     (a model card has no lr, no weights) is reported as not checkable. Raises ConfigError when the two models differ
     or the baseline is unreadable."""
-    from finetune.baselines import read_baseline
     from finetune.errors import ConfigError
-    from finetune.recipe_import import model_difference
+    from finetune.reproduce.baselines import read_baseline
+    from finetune.reproduce.importer import model_difference
 
     b, mine = read_baseline(baseline, "compare"), _mine(Path(run))
     diff = model_difference(b.model_config, mine["model_config"])
@@ -491,7 +491,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
 def _check_baseline_settings(c: Comparison, b, mine: dict) -> None:
     """The update settings the baseline's arguments and files say (as ``finetune import`` carries them) against this
     run's ``config.yaml``: a run that trained LoRA against a full fine-tuning, or another optimizer, differs."""
-    from finetune.recipe_import import carry
+    from finetune.reproduce.importer import carry
 
     check_settings(c, run_settings(mine["config"]), step_settings(carry(b, set(), set()).values), "the baseline")
 
@@ -600,7 +600,7 @@ def plot_against_baseline(baseline, run, path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from finetune.baselines import read_baseline
+    from finetune.reproduce.baselines import read_baseline
 
     b, hist = read_baseline(baseline, "compare"), read_run(Path(run))["history"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))

@@ -1,5 +1,5 @@
 """A step's memory as a function of the micro-batch, measured on the model itself: what ``finetune plan``
-(``finetune.plan``) recommends from and what ``batch_size: auto`` starts from.
+(``finetune.memory.plan``) recommends from and what ``batch_size: auto`` starts from.
 
 For one setting (checkpointing, the chunked loss head, offloading, LoRA) a ``Profile`` holds the fixed bytes
 (weights, gradients, the optimizer's state and step) and the micro-step's peak at a few micro-batch sizes, measured
@@ -22,8 +22,8 @@ from typing import Optional
 
 import torch
 
-from finetune.fixed_memory import held_bytes, state_bytes
-from finetune.memory import PeakMeter, SavedTensors, offload_to_host
+from finetune.memory.fixed import held_bytes, state_bytes
+from finetune.memory.measure import PeakMeter, SavedTensors, offload_to_host
 
 HEADROOM = 0.9        # plan to use at most 90 % of what is free (fragmentation)
 
@@ -154,7 +154,7 @@ def without_saved(profile: Profile) -> dict:
 def micro_step(model, batch, loss_fn, autocast_dtype, offload: bool, device) -> tuple[int, int]:
     """(peak bytes above the start, bytes saved for backward) of one forward and backward of ``batch``; gradients
     accumulate into whatever ``.grad`` holds."""
-    from finetune.modeling import compute_loss
+    from finetune.models.forward import compute_loss
 
     autocast = torch.autocast(torch.device(device).type, dtype=autocast_dtype) if autocast_dtype is not None \
         else contextlib.nullcontext()
@@ -177,7 +177,7 @@ def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None,
     chunk of the chunked loss head (its buffer grows with the tokens up to one chunk, then stays). The random state
     is restored afterwards (dropout draws here must not shift the run's); gradients are cleared."""
     from finetune.items import batch_len
-    from finetune.loss_head import chunk_size
+    from finetune.models.loss_head import chunk_size
 
     device = next(model.parameters()).device
     model.train()
@@ -256,7 +256,7 @@ def tensor_bytes(tensors) -> int:
 
 def measure(model, batches, setting: Setting, t, loss_fn=None, up_to: int = 0) -> Profile:
     """A Profile of ``setting`` on ``model`` (already switched to it), one process holding everything
-    (``zero_memory.per_process`` spreads it over several)."""
+    (``sharded.per_process`` spreads it over several)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     gradients = tensor_bytes(trainable)
     state, step = optimizer_step_bytes(model, t)

@@ -1,6 +1,6 @@
 """``finetune import SOURCE [-o recipe.yaml] [--recipe BASE]``: a finetune recipe from a baseline's settings.
 
-``SOURCE`` is anything :func:`finetune.baselines.read_baseline` reads. The recipe gets the baseline's effective
+``SOURCE`` is anything :func:`baselines.read_baseline` reads. The recipe gets the baseline's effective
 batch, learning rate, schedule and warm-up (a warm-up ratio becomes steps as transformers computes them:
 ``ceil(steps × ratio)``), epochs or max steps, optimizer, betas, weight decay, ``max_grad_norm``, seed, mixed
 precision, LoRA, max length / completion-only loss where the task has them, quantization, and the Trainer's sample
@@ -18,8 +18,8 @@ import math
 import sys
 from pathlib import Path
 
-from finetune.baselines import Baseline, read_baseline
 from finetune.errors import ConfigError
+from finetune.reproduce.baselines import Baseline, read_baseline
 
 OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
               "adamw_torch_4bit": None, "sgd": "sgd", "lion_32bit": "lion", "lion": "lion",
@@ -328,7 +328,7 @@ def model_config_of(model_section) -> dict | None:
 
     name = getattr(model_section, "name_or_path", None)
     if name:
-        from finetune.hf_models import resolve_model_path
+        from finetune.models.hf import resolve_model_path
 
         folder = Path(resolve_model_path(name)) if not name.startswith("gguf:") else None
         if folder is not None and (folder / "config.json").is_file():

@@ -76,7 +76,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         w, b = _autocast(weight, hidden.device), _autocast(bias, hidden.device)
         frozen_low = not weight.requires_grad and weight.dtype != hidden.dtype
         if frozen_low and not torch.is_autocast_enabled(hidden.device.type):
-            # a frozen head kept in bf16 / fp16 under fp32 compute (finetune.precision): used in the hidden states'
+            # a frozen head kept in bf16 / fp16 under fp32 compute (models.precision): used in the hidden states'
             # dtype, as the plain head uses it
             w, b = w.to(hidden.dtype), None if b is None else b.to(hidden.dtype)
         grad_h = torch.empty_like(hidden) if wants[0] else None
@@ -253,7 +253,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype the plain head's linear runs in: autocast's when it is on (for fp32 / bf16 / fp16 inputs), else the
-    hidden states' (a frozen bf16 / fp16 head under fp32 compute is used in fp32, as ``finetune.precision`` does)."""
+    hidden states' (a frozen bf16 / fp16 head under fp32 compute is used in fp32, as ``models.precision`` does)."""
     if torch.is_autocast_enabled(hidden.device.type) and hidden.is_floating_point() and hidden.dtype != torch.float64:
         return torch.get_autocast_dtype(hidden.device.type)
     return hidden.dtype

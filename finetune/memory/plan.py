@@ -1,7 +1,7 @@
 """``finetune plan --recipe R --gpu 8GiB``: will the baseline fit on my card, and with what?
 
 The planner predicts the **peak of one optimizer step** — the most bytes allocated at any moment — for each
-combination of the memory settings (``step_memory.Profile``: weights, gradients, the optimizer's state and step,
+combination of the memory settings (``step.Profile``: weights, gradients, the optimizer's state and step,
 and the micro-batch's measured peak: saved activations, the loss head, backward's temporaries), and recommends the
 cheapest that fits the card: the settings are tried in the order of what they cost (``COST``), each with the largest
 micro-batch that divides the window and fits. It builds the recipe's model on this machine and measures its
@@ -11,18 +11,17 @@ micro-batches of the longest training samples rather than guessing.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from finetune import zero_memory
 from finetune.errors import ConfigError
-from finetune.memory import GiB, PeakMeter
-from finetune.step_memory import HEADROOM, Profile, Setting, longest_batches, measure, without_saved
-from finetune.zero_memory import PERSISTENCE_THRESHOLD, REDUCE_BUCKET, Layout
+from finetune.memory import sharded
+from finetune.memory.measure import GiB, PeakMeter
+from finetune.memory.sharded import PERSISTENCE_THRESHOLD, REDUCE_BUCKET, Layout
+from finetune.memory.step import HEADROOM, Profile, Setting, longest_batches, measure, without_saved
 
 # memory of common cards (bytes); "8GiB" / "12GB" / "24" also work
 GPUS = {
@@ -107,7 +106,7 @@ class Plan:
     step_peak: int                 # predicted, at the recommendation (or at micro-batch 1 of the last setting tried)
     fits: bool
     note: str
-    processes: int                 # every number above is what one of them holds (``zero_memory.Layout``)
+    processes: int                 # every number above is what one of them holds (``sharded.Layout``)
     zero_stage: int
     settings: list = field(default_factory=list)   # every setting tried: label, largest micro-batch, its peak
     profiles: list = field(default_factory=list, repr=False)
@@ -192,7 +191,7 @@ def measuring_order(can_chunk: bool, can_checkpoint: bool) -> list[Setting]:
 
 def switch(model, setting: Setting, enable_checkpointing: Optional[Callable]) -> None:
     """Put ``model`` in ``setting`` (checkpointing is only ever switched on: see ``measuring_order``)."""
-    from finetune.loss_head import chunked_loss_enabled, disable_chunked_loss, enable_chunked_loss
+    from finetune.models.loss_head import chunked_loss_enabled, disable_chunked_loss, enable_chunked_loss
 
     if setting.chunked_loss and not chunked_loss_enabled(model):
         enable_chunked_loss(model)
@@ -214,7 +213,7 @@ class Subject:
     def __init__(self, model, batches: list, t, loss_fn=None, enable_checkpointing: Optional[Callable] = None,
                  layout: Layout = Layout(), per_process: int = 1):
         from finetune.items import is_causal_lm
-        from finetune.loss_head import unsupported_reason
+        from finetune.models.loss_head import unsupported_reason
 
         self.model, self.batches, self.t, self.loss_fn = model, batches, t, loss_fn
         self.enable_checkpointing, self.layout, self.per_process = enable_checkpointing, layout, per_process
@@ -229,7 +228,7 @@ class Subject:
         except ConfigError:
             return None
         whole = measure(self.model, self.batches, setting, self.t, self.loss_fn, self.per_process)
-        return zero_memory.per_process(whole, self.layout, zero_memory.sizes_of(self.model))
+        return sharded.per_process(whole, self.layout, sharded.sizes_of(self.model))
 
 
 def make_plan(model, batches: list, gpu: str, effective: int, training=None, loss_fn=None,
@@ -412,7 +411,7 @@ def planned_window(cfg, job, processes: int) -> int:
 
 
 def checkpointing_of(job) -> Callable:
-    from finetune.modeling import enable_checkpointing
+    from finetune.models.forward import enable_checkpointing
 
     return lambda m: enable_checkpointing(m, job.enable_checkpointing)
 
@@ -451,41 +450,3 @@ def with_lever(cfg, lever: Setting):
         sections.setdefault(section, {})[name] = value
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)
                                        for section, fields in sections.items()})
-
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--recipe", required=True, help="recipe name or YAML path")
-    p.add_argument("--gpu", required=True, help="card memory: 8GiB, 24GB, or a name (t4, rtx4070, a100-40gb, …)")
-    p.add_argument("--processes", type=int, default=1, help="processes (GPUs) sharing the effective batch")
-    p.add_argument("--zero-stage", default="0", metavar="{" + ",".join(map(str, zero_memory.ZERO_STAGES)) + "}",
-                   help="how the processes share the fixed part: " + "; ".join(
-                       f"{stage}: {text}" for stage, text in zero_memory.ZERO_STAGES.items()))
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--model-config", metavar="SOURCE",
-                   help="plan for this architecture instead of the recipe's model (a folder with config.json, or a hub "
-                        "id): its fixed part counted on the meta device, a micro-step measured on a few of its blocks "
-                        "and extrapolated; the full model is never built")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-
-
-def main(args, from_config: Optional[Callable] = None) -> int:
-    """The command. ``from_config(cfg, source, gpu, layout)`` plans ``--model-config`` (``finetune.plan_depth``,
-    which builds on this module)."""
-    from finetune.config import load_recipe
-
-    cfg = load_recipe(args.recipe, args.set)
-    if args.processes < 1:
-        raise ConfigError(f"--processes: got {args.processes}; must be >= 1")
-    layout = Layout(args.processes, zero_memory.parse_zero_stage(args.zero_stage))
-    if args.model_config:
-        plan = from_config(cfg, args.model_config, args.gpu, layout)
-    else:
-        plan = plan_recipe(cfg, args.gpu, layout)
-    if args.json:
-        record = asdict(plan)
-        record.pop("profiles")
-        print(json.dumps(record))
-    else:
-        print(plan.table())
-    return 0 if plan.fits else 1

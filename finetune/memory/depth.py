@@ -1,12 +1,12 @@
 """Plans for models larger than the machine that plans: ``finetune plan --model-config SOURCE``.
 
 SOURCE is a folder holding a ``config.json`` or a hub id; the full model is never built. The recipe runs with a
-stand-in for its model (``hf_models.stand_in``): its own data, tokenizer, loss and settings.
+stand-in for its model (``finetune.models.hf.stand_in``): its own data, tokenizer, loss and settings.
 
 * The fixed part — weights, gradients, optimizer state — comes from a meta-device build of the whole model, counted
-  per dtype, quantization and optimizer (``finetune.fixed_memory``): exact, and free.
+  per dtype, quantization and optimizer (``finetune.memory.fixed``): exact, and free.
 * What a micro-step adds — saved activations, the loss head, backward's temporaries — is measured as
-  ``finetune.step_memory`` measures it, on a depth-reduced copy: ``DEPTHS[-1]`` blocks with random weights at the
+  ``finetune.memory.step`` measures it, on a depth-reduced copy: ``DEPTHS[-1]`` blocks with random weights at the
   real width, vocabulary and sequence length, then on its first ``DEPTHS[0]`` blocks. Every block is the same, so
   what one more block adds is the difference over the blocks between them, and the full depth's micro-step is the
   deeper measurement plus that much per block left.
@@ -21,10 +21,10 @@ from typing import Optional
 
 import torch
 
-from finetune import zero_memory
 from finetune.errors import ConfigError
-from finetune.step_memory import Profile, Setting, at_size, longest_batches
-from finetune.zero_memory import Layout
+from finetune.memory import sharded
+from finetune.memory.sharded import Layout
+from finetune.memory.step import Profile, Setting, at_size, longest_batches
 
 DEPTHS = (1, 2)  # blocks measured: 2 of Llama-3.1-8B's width with its vocabulary hold 3 GB in bf16
 
@@ -33,7 +33,7 @@ def load_architecture(source: str):
     """The transformers config of ``source`` (a folder with config.json, or a hub id), with its depth."""
     from transformers import AutoConfig
 
-    from finetune.hf_models import from_pretrained
+    from finetune.models.hf import from_pretrained
 
     config = from_pretrained(AutoConfig, source, "--model-config")
     if not isinstance(getattr(config, "num_hidden_layers", None), int):
@@ -43,13 +43,13 @@ def load_architecture(source: str):
 
 
 class Extrapolated:
-    """A planning subject (``finetune.plan.Subject``) for ``cfg`` whose model is ``config``'s architecture, priced
-    per process of ``layout``."""
+    """A planning subject (``finetune.memory.plan.Subject``) for ``cfg`` whose model is ``config``'s architecture,
+    priced per process of ``layout``."""
 
     def __init__(self, cfg, config, batches: list, layout: Layout, per_process: int, meta=None):
         """``meta``: ``cfg``'s model already built on the meta device (else built here)."""
         from finetune.execute import build_job
-        from finetune.hf_models import stand_in
+        from finetune.models.hf import stand_in
 
         self.cfg, self.config, self.batches = cfg, config, batches
         self.layout, self.per_process = layout, per_process
@@ -58,12 +58,12 @@ class Extrapolated:
             with stand_in(config, meta=True):
                 meta = build_job(cfg).model
         self.weights, self.gradients, self.optimizer_state = planned_fixed_part(meta, cfg)
-        self.sizes = zero_memory.sizes_of(meta)
+        self.sizes = sharded.sizes_of(meta)
         self.parameters = sum(p.numel() for p in meta.parameters())
         self.trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
         one = self.unmeasured(Setting())
         self.fixed = one.weights + one.gradients + one.optimizer_state  # what one process holds
-        from finetune.plan import Subject
+        from finetune.memory.plan import Subject
 
         self.can_chunk = Subject(meta, batches, cfg.training).can_chunk
         self.can_checkpoint = True
@@ -73,8 +73,8 @@ class Extrapolated:
         """The depth-reduced copy, built on first use: the recipe's model with ``DEPTHS[-1]`` random blocks."""
         if self._measured is None:
             from finetune.execute import build_job
-            from finetune.hf_models import stand_in
-            from finetune.plan import Subject, checkpointing_of
+            from finetune.memory.plan import Subject, checkpointing_of
+            from finetune.models.hf import stand_in
 
             with stand_in(self.config, layers=min(DEPTHS[-1], self.depth)):
                 job = build_job(self.cfg)
@@ -100,7 +100,7 @@ class Extrapolated:
         profile.weights, profile.gradients, profile.optimizer_state = \
             self.weights, self.gradients, self.optimizer_state
         profile.parameters, profile.trainable = self.parameters, self.trainable
-        return zero_memory.per_process(profile, self.layout, self.sizes)
+        return sharded.per_process(profile, self.layout, self.sizes)
 
     def unmeasured(self, setting: Setting) -> Profile:
         """``setting`` priced from the fixed part alone (it already exceeds the card: nothing is measured)."""
@@ -113,8 +113,8 @@ class Extrapolated:
 def planned_fixed_part(meta_model, cfg) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) of training the meta-built ``meta_model`` as ``cfg`` says."""
     from finetune.config import PretrainedModelConfig
-    from finetune.fixed_memory import fixed_part
-    from finetune.hf_models import unquantized_modules
+    from finetune.memory.fixed import fixed_part
+    from finetune.models.hf import unquantized_modules
 
     m, t = cfg.model, cfg.training
     quantization = m.quantization if isinstance(m, PretrainedModelConfig) else "none"
@@ -164,8 +164,8 @@ def plan_from_config(cfg, source: str, gpu: str, layout: Layout = Layout()):
     """``finetune plan`` for ``cfg`` with its model replaced by ``source``'s architecture (never built whole), per
     process of ``layout``."""
     from finetune.execute import build_job
-    from finetune.hf_models import stand_in
-    from finetune.plan import parse_gpu, plan_subjects, planned_window, recipe_levers, with_lever
+    from finetune.memory.plan import parse_gpu, plan_subjects, planned_window, recipe_levers, with_lever
+    from finetune.models.hf import stand_in
 
     parse_gpu(gpu)
     config = load_architecture(source)

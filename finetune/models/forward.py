@@ -69,11 +69,11 @@ def enable_checkpointing(model: torch.nn.Module, hook=None) -> None:
 
 
 def enable_chunked_head(model: torch.nn.Module, requested) -> str:
-    """``training.chunked_loss``: the exact chunked loss head (``finetune.loss_head``) on a supported causal LM.
+    """``training.chunked_loss``: the exact chunked loss head (``finetune.models.loss_head``) on a supported causal LM.
     Returns the banner's word on it. Must run before ``accelerator.prepare`` (Accelerate wraps forward in autocast;
     the head sits beneath)."""
     from finetune.items import is_causal_lm
-    from finetune.loss_head import chunked_loss_enabled, enable_chunked_loss, unsupported_reason
+    from finetune.models.loss_head import chunked_loss_enabled, enable_chunked_loss, unsupported_reason
 
     if chunked_loss_enabled(model):
         return "chunked (enabled on the model given)"

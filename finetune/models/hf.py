@@ -15,8 +15,9 @@ from typing import Optional
 
 import torch
 
-from finetune import cache, distributed, precision
+from finetune import cache, distributed
 from finetune.errors import ConfigError
+from finetune.models import precision
 
 # Heads that train in full beside LoRA adapters (a classifier, peft's modules_to_save) or that transformers keeps
 # unquantized by default (the LM head): never quantized.
@@ -176,7 +177,7 @@ class StandIn:
         for key in set(kwargs) - LOADING_KEYWORDS:  # the rest of from_pretrained's keywords override the config
             setattr(config, key, kwargs.pop(key))
         dtype, remote = kwargs.get("dtype", torch.float32), kwargs.get("trust_remote_code", False)
-        if self.meta:  # quantization only changes the bytes counted (finetune.fixed_memory), not the structure
+        if self.meta:  # quantization only changes the bytes counted (finetune.memory.fixed), not the structure
             with init_empty_weights(include_buffers=True):
                 return cls.from_config(config, dtype=dtype, trust_remote_code=remote)
         torch.manual_seed(0)
@@ -265,7 +266,7 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
     train). ``task_type``: peft's name, e.g. "CAUSAL_LM" or "SEQ_CLS" (which also trains the new head).
 
     What trains is then made fp32 (master weights); frozen weights kept in bf16 / fp16 compute in fp32 when
-    ``mixed_precision`` is "no" (``finetune.precision``)."""
+    ``mixed_precision`` is "no" (``finetune.models.precision``)."""
     if peft_cfg is not None and peft_cfg.enabled:
         try:
             from peft import LoraConfig, get_peft_model

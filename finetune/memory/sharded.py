@@ -1,8 +1,8 @@
 """What one process holds when several train together: DDP, or DeepSpeed ZeRO stage 1, 2 or 3.
 
-``finetune plan --processes N --zero-stage S`` measures one process holding everything (``step_memory.Profile``)
-and turns it into what the busiest of the N holds (``per_process``). Measured on DeepSpeed 0.19.8 in fp32 training
-(``tests/test_zero_memory.py``), with the DeepSpeed defaults that finetune's accelerate configs keep (they set no
+``finetune plan --processes N --zero-stage S`` measures one process holding everything
+(``finetune.memory.step.Profile``) and turns it into what the busiest of the N holds (``per_process``).
+Measured on DeepSpeed 0.19.8 in fp32 training (``tests/test_zero_memory.py``), with the DeepSpeed defaults that finetune's accelerate configs keep (they set no
 bucket or threshold):
 
 * DDP (stage 0): everything, plus DDP's gradient buckets (a copy of the gradients);
@@ -27,7 +27,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from finetune.errors import ConfigError
-from finetune.step_memory import Profile
+from finetune.memory.step import Profile
 
 # what each stage partitions over the processes, by ``--zero-stage``
 ZERO_STAGES = {0: "DDP: every process holds everything",

@@ -1,6 +1,6 @@
 """Memory while training: what autograd saves for backward, the device monitor, and the pieces of out-of-memory
-handling that ``finetune.auto_batch`` (``batch_size: auto``) uses. The planner that uses these measurements is
-``finetune.plan``."""
+handling that ``finetune.memory.auto_batch`` (``batch_size: auto``) uses. The planner that uses these measurements is
+``finetune.memory.plan``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from finetune.modeling import compute_loss
+from finetune.models.forward import compute_loss
 
 GiB = 1024 ** 3
 WARN_AT = 0.85  # monitoring: warn once at this share of device memory

@@ -3,7 +3,7 @@ out-of-memory error.
 
 Only the split changes, never the effective batch: the micro-batch is a divisor of the window and N follows
 (``Shape.with_micro_batch``), so the optimizer steps are the baseline's whatever micro-batch the run settles on.
-The prediction comes from the planner's measurements (``finetune.step_memory``); ``shape.plan_shape`` refuses auto on
+The prediction comes from the planner's measurements (``finetune.memory.step``); ``shape.plan_shape`` refuses auto on
 several processes (an out-of-memory error on one rank would leave the others waiting).
 """
 
@@ -16,7 +16,7 @@ from finetune import distributed
 from finetune.config import TrainingConfig
 from finetune.errors import ConfigError
 from finetune.job import Job
-from finetune.memory import free_memory, smaller_micro_batch
+from finetune.memory.measure import free_memory, smaller_micro_batch
 from finetune.shape import Shape
 
 
@@ -32,11 +32,12 @@ class AutoBatch:
         self.accelerator, self.model = accelerator, model
 
     def plan(self, shape: Shape, job: Job, t: TrainingConfig) -> Shape:
-        """``shape`` in the largest micro-batch dividing its window whose step is predicted to fit the device
-        (``step_memory.auto_profile``, measured on this model in this run's settings); one sample when none is."""
+        """``shape`` in the largest micro-batch dividing its window whose step is predicted to fit the
+        device (``finetune.memory.step.auto_profile``, measured on this model in this run's settings); one sample when
+        none is."""
         from accelerate.utils import send_to_device
 
-        from finetune.step_memory import auto_profile, device_budget, longest_batches, tensor_bytes
+        from finetune.memory.step import auto_profile, device_budget, longest_batches, tensor_bytes
 
         device = self.accelerator.device
         batches = [send_to_device(b, device) for b in longest_batches(job, sizes=(1, 2))[0]]
