@@ -21,7 +21,7 @@ import torch
 
 from finetune.cli import run_main
 from finetune.config import ConfigError, load_recipe
-from finetune.models.hf import resolve_model_path
+from finetune.models.hf import gguf_file, resolve_model_path
 from finetune.tasks import sft
 from tests.helpers import (
     CHATML,
@@ -365,7 +365,7 @@ def test_real_recipe_through_the_cli(smollm_run):
 def test_gguf_forms_name_the_same_converted_model():
     """``gguf:PACKAGE/FILE`` and the file's path give the same cached fp32 folder (converted by the CLI run or
     here), with no quantization marking left."""
-    path = sft.gguf_file(SMOLLM)
+    path = gguf_file(SMOLLM)
     assert path is not None and path.is_file()
     folder = resolve_model_path(SMOLLM)
     assert resolve_model_path(str(path)) == folder

@@ -25,12 +25,10 @@ as the rejected one (see ``stdlib_pairs``).
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Optional
 
 import torch
@@ -44,14 +42,14 @@ from finetune.models import precision
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, peft_save_hook, precision_kwargs
 from finetune.models.loss_head import model_sequence_log_probs
-from finetune.tasks import sft
+from finetune.tasks import chat
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 PRECOMPUTE_PAIRS = 8  # pairs per forward when precomputing: fixed, so the numbers never depend on the run's batch
 
 
 @dataclass
-class ModelConfig(sft.ChatModelConfig):
+class ModelConfig(chat.ChatModelConfig):
     loss_type: Literal["sigmoid", "ipo", "hinge"] = doc(
         "sigmoid: DPO, −log σ(β·Δ); ipo: (Δ/length − 1/(2β))² on per-token log-ratios; hinge: max(0, 1 − β·Δ) "
         "(Δ: the chosen minus the rejected log-ratio to the reference; TRL 1.16's formulas)", "sigmoid")
@@ -75,7 +73,7 @@ class DataConfig(BaseDataConfig):
 
 def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
-    sft.validate_chat_model(m, problems)
+    chat.validate_chat_model(m, problems)
     if not (m.beta > 0 and math.isfinite(m.beta)):
         problems.append(f"model.beta: got {m.beta}; must be a number > 0")
     if not 0 <= m.label_smoothing < 0.5:
@@ -85,13 +83,7 @@ def validate(cfg, problems: list) -> None:
                         "set it to 0")
     if d.max_length < 2:
         problems.append(f"data.max_length: got {d.max_length}; must be an integer >= 2")
-    source = Path(d.source).expanduser()
-    if d.source != "stdlib-pairs" and not source.exists() and not sft.is_hub_id(d.source):
-        problems.append(f"data.source: {d.source} not found; use 'stdlib-pairs', a data file, a saved dataset "
-                        "folder or a hub dataset id (org/name)")
-    elif source.is_file() and source.suffix.lower().lstrip(".") not in sft.FILE_TYPES:
-        problems.append(f"data.source: unsupported file type {source.suffix or '(none)'}; use "
-                        f"{', '.join(sft.FILE_TYPES)}")
+    chat.validate_source(d.source, "stdlib-pairs", problems)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -100,7 +92,7 @@ def validate(cfg, problems: list) -> None:
 
 @functools.lru_cache(maxsize=1)
 def stdlib_pairs() -> tuple:
-    """Preference pairs from this interpreter's standard library (``sft.stdlib_qa``): for each question "what does
+    """Preference pairs from this interpreter's standard library (``chat.stdlib_qa``): for each question "what does
     ``f`` do?", chosen = the first paragraph of ``f``'s docstring, rejected = the first paragraph of another
     function's docstring (the next one in a seeded cycle through every question; never the same text).
 
@@ -108,7 +100,7 @@ def stdlib_pairs() -> tuple:
     length distribution, so neither length nor style nor fluency tells them apart — only whether the answer is
     about the function asked for. Returns ``({"prompt", "chosen", "rejected"}, …)`` in a fixed order.
     """
-    rows = sft.stdlib_qa()
+    rows = chat.stdlib_qa()
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
     pairs = [None] * len(rows)
     for k, i in enumerate(order):
@@ -124,7 +116,7 @@ def stdlib_pairs() -> tuple:
 # rows → (prompt, chosen, rejected) messages
 
 
-def _messages(value, what: str, roles=sft.ROLES) -> list:
+def _messages(value, what: str, roles=chat.ROLES) -> list:
     """A column as messages: text becomes one turn (user for the prompt, assistant for a completion)."""
     if isinstance(value, str):
         if not value.strip():
@@ -354,15 +346,6 @@ class Reference:
         self.cache = {key.split(".", 1)[1]: values.float().cpu() for key, values in state.items()}
 
 
-def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A copy of the untuned model that never trains, its weights kept in ``dtype`` (computing in fp32 without
-    mixed precision, as ``finetune.models.precision`` makes a bf16 base compute)."""
-    frozen = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
-    if dtype != torch.float32:
-        precision.compute_in_fp32(frozen)
-    return frozen
-
-
 def adapters_off_log_probs(model, batch) -> torch.Tensor:
     """Log-probs of the base under a peft model: its adapters disabled, in eval mode, outside DDP (no gradient)."""
     from accelerate.utils import extract_model_from_parallel
@@ -423,20 +406,18 @@ def reference_kind(cfg) -> str:
 def load_rows(d: DataConfig) -> list:
     if d.source == "stdlib-pairs":
         return list(stdlib_pairs())
-    return sft.load_rows(sft.DataConfig(source=d.source, split=d.split))
+    return chat.load_table(d.source, d.split)
 
 
 def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
     pairs = pairs_of(load_rows(d), d)
     train_pairs, val_pairs = split_samples(pairs, d.val_fraction, d.split_seed, d.limit)
-    model, tokenizer = sft.load_model(sft.ModelConfig(name_or_path=m.name_or_path, chat_template=m.chat_template,
-                                                      trust_remote_code=m.trust_remote_code),
-                                      **precision_kwargs(cfg))
+    model, tokenizer = chat.load_model(m, **precision_kwargs(cfg))
     set_dropout(model, m.dropout)
     kind = reference_kind(cfg)
     # the frozen copy is taken before anything trains
-    reference = Reference(kind, frozen_copy(model, precision.DTYPES[m.dtype]) if kind == "copy" else None,
+    reference = Reference(kind, chat.frozen_copy(model, precision.DTYPES[m.dtype]) if kind == "copy" else None,
                           adapters=cfg.peft.enabled)
     model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
 

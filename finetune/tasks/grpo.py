@@ -43,14 +43,14 @@ from finetune.job import Job
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, peft_save_hook, precision_kwargs
 from finetune.shape import plan_shape
-from finetune.tasks import sft
+from finetune.tasks import chat
 from finetune.windows import epoch_order, step_seed
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
 @dataclass
-class ModelConfig(sft.ChatModelConfig):
+class ModelConfig(chat.ChatModelConfig):
     reward_funcs: list = doc(
         "reward functions, each 'module:function' or 'path/to/file.py:function', called as TRL calls its "
         "reward_funcs: f(prompts=…, completions=…, completion_ids=…, **extra columns) → one float per completion",
@@ -89,7 +89,7 @@ class DataConfig(BaseDataConfig):
 
 def validate(cfg, problems: list) -> None:
     m, d, t = cfg.model, cfg.data, cfg.training
-    sft.validate_chat_model(m, problems)
+    chat.validate_chat_model(m, problems)
     for name, low in (("num_generations", 2), ("num_iterations", 1), ("max_completion_length", 1),
                       ("generation_chunk", 1), ("max_prompt_length", 1)):
         if not isinstance(getattr(m, name), int) or getattr(m, name) < low:
@@ -112,9 +112,7 @@ def validate(cfg, problems: list) -> None:
     if t.shuffle:
         problems.append("training.shuffle: must be false for grpo (the task shuffles its prompts per epoch; the "
                         "windows follow the generation batches in order)")
-    if d.source != "sums" and not Path(d.source).expanduser().exists() and not sft.is_hub_id(d.source):
-        problems.append(f"data.source: {d.source} not found; use 'sums', a data file, a saved dataset folder or a "
-                        "hub dataset id (org/name)")
+    chat.validate_source(d.source, "sums", problems)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -416,7 +414,7 @@ class Generator:
 
     def sample(self, prompts: list, device) -> list:
         """``num_generations`` completions of each prompt (left-padded together), cut after their end token."""
-        gen = sft.generation_config(self.model, self.tokenizer, self.m.max_completion_length)
+        gen = chat.generation_config(self.model, self.tokenizer, self.m.max_completion_length)
         gen.update(do_sample=True, temperature=self.m.temperature, top_p=self.m.top_p, top_k=0,
                    num_return_sequences=self.layout.group)
         longest = max(len(p["ids"]) for p in prompts)
@@ -468,9 +466,8 @@ def make_reference(m: ModelConfig, model, peft_enabled: bool):
     """The reference's token log-probs: the base with the adapters off (LoRA), or a frozen copy."""
     if not m.beta:
         return None
-    from finetune.tasks.dpo import frozen_copy
 
-    copy = None if peft_enabled else frozen_copy(model, torch.float32)
+    copy = None if peft_enabled else chat.frozen_copy(model, torch.float32)
 
     def reference(ids, lengths, device):
         if copy is None:
@@ -489,7 +486,7 @@ def make_reward_eval(m: ModelConfig, tokenizer, funcs: list):
 
     def reward_eval(model, batch):
         prompts = batch["prompts"]
-        texts = sft.answer(model, tokenizer, [p["ids"] for p in prompts], m.max_completion_length)
+        texts = chat.answer(model, tokenizer, [p["ids"] for p in prompts], m.max_completion_length)
         ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         rewards = score(funcs, prompts, texts, ids)
         return {"loss": -torch.tensor(rewards).mean(), "reward": torch.tensor(rewards).mean()}
@@ -509,7 +506,7 @@ def held_out_metrics(preds: list, refs: list) -> dict:
 
 
 def load_prompts(d: DataConfig) -> list:
-    rows = sums(d.count) if d.source == "sums" else sft.load_rows(sft.DataConfig(source=d.source, split=d.split))
+    rows = sums(d.count) if d.source == "sums" else chat.load_table(d.source, d.split)
     if rows and "prompt" not in rows[0]:
         raise ConfigError(f"data.source: {d.source} has no 'prompt' column (columns: {', '.join(rows[0])})")
     return rows
@@ -554,9 +551,7 @@ def build(cfg) -> Job:
     funcs = load_rewards(m)
     rows = load_prompts(d)
     train_rows, val_rows = split_samples(rows, d.val_fraction, d.split_seed, d.limit)
-    model, tokenizer = sft.load_model(sft.ModelConfig(name_or_path=m.name_or_path, chat_template=m.chat_template,
-                                                      trust_remote_code=m.trust_remote_code),
-                                      **precision_kwargs(cfg))
+    model, tokenizer = chat.load_model(m, **precision_kwargs(cfg))
     tokenizer.padding_side = "left"
     set_dropout(model, m.dropout)
     model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
