@@ -23,7 +23,13 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from finetune.errors import ConfigError
-from finetune.registry import list_recipes, recipe_path, resolve_task, task_module  # noqa: F401  (re-exported)
+from finetune.registry import (  # noqa: F401  (list_recipes, recipe_path: re-exported)
+    list_recipes,
+    recipe_path,
+    resolve_task,
+    section_class,
+    task_module,
+)
 
 
 def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, alias: Optional[str] = None,
@@ -466,8 +472,8 @@ def config_from_dict(raw: dict, name: str = "custom", folder: Optional[Path] = N
     module = task_module(task)
     cfg = RecipeConfig(
         task=task,
-        model=build_section(module.ModelConfig, raw.get("model"), "model", problems),
-        data=build_section(module.DataConfig, raw.get("data"), "data", problems),
+        model=build_section(section_class(module, "ModelConfig"), raw.get("model"), "model", problems),
+        data=build_section(section_class(module, "DataConfig"), raw.get("data"), "data", problems),
         training=build_section(TrainingConfig, raw.get("training"), "training", problems),
         output=build_section(OutputConfig, raw.get("output"), "output", problems),
         peft=build_section(PeftConfig, raw.get("peft"), "peft", problems),
@@ -529,10 +535,6 @@ def load_recipe(name_or_path: str, overrides=None) -> RecipeConfig:
                           "data, training, output")
     raw = apply_overrides(raw, overrides)
     return config_from_dict(raw, name=path.stem, folder=path.parent)
-
-
-def dump_config(cfg: RecipeConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
 def flatten(tree: dict, prefix: str = "", sep: str = ".") -> dict:

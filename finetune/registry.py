@@ -24,7 +24,8 @@ import yaml
 from finetune.errors import ConfigError
 
 # what a task module defines (a dataclass for each of the recipe's own sections)
-TASK_API = "build(cfg) -> Job and the ModelConfig and DataConfig dataclasses (the recipe's model and data sections)"
+TASK_API = ("build(cfg) -> Job, and ModelConfig / DataConfig dataclasses for the recipe's model / data sections "
+            "if it has settings there")
 
 
 def recipes_dir() -> Path:
@@ -37,7 +38,10 @@ def recipes_dir() -> Path:
 
 
 def available_tasks() -> list[str]:
-    return sorted(p.stem for p in (Path(__file__).parent / "tasks").glob("*.py") if not p.stem.startswith("_"))
+    """The built-in tasks: the modules of ``finetune/tasks`` that define ``build`` (``chat`` is what three of them
+    share, not a task)."""
+    return sorted(p.stem for p in (Path(__file__).parent / "tasks").glob("*.py")
+                  if not p.stem.startswith("_") and "\ndef build(" in p.read_text(encoding="utf-8"))
 
 
 def allowed_tasks() -> str:
@@ -73,8 +77,9 @@ def resolve_task(name, relative_to: Optional[Path] = None) -> str:
 
 def task_module(name, relative_to: Optional[Path] = None):
     """Import the task ``name`` names (see ``resolve_task``): ``finetune.tasks.<name>``, a module, or a file. It must
-    define ``build``, ``ModelConfig`` and ``DataConfig``. ConfigError naming ``task`` when it is not found, does not
-    import (a syntax error, a missing dependency, an exception) or is not a task."""
+    define ``build``; ``ModelConfig`` and ``DataConfig``, when it defines them, must be dataclasses (a task without
+    them has empty model and data sections). ConfigError naming ``task`` when it is not found, does not import (a
+    syntax error, a missing dependency, an exception) or is not a task."""
     name = resolve_task(name, relative_to)
     if name in available_tasks():
         module = importlib.import_module(f"finetune.tasks.{name}")
@@ -82,15 +87,24 @@ def task_module(name, relative_to: Optional[Path] = None):
         module = _import_file(Path(name))
     else:
         module = _import_module(name)
-    missing = [a for a in ("build", "ModelConfig", "DataConfig") if not hasattr(module, a)]
-    if missing or not callable(module.build):
-        raise ConfigError(f"task: {name} has no {', '.join(missing) or 'callable build'}; a task module defines "
-                          f"{TASK_API}")
-    not_dataclasses = [a for a in ("ModelConfig", "DataConfig") if not _is_dataclass_type(getattr(module, a))]
+    if not callable(getattr(module, "build", None)):
+        raise ConfigError(f"task: {name} has no {'callable ' if hasattr(module, 'build') else ''}build; a task "
+                          f"module defines {TASK_API}")
+    not_dataclasses = [a for a in ("ModelConfig", "DataConfig") if not _is_dataclass_type(section_class(module, a))]
     if not_dataclasses:
         raise ConfigError(f"task: {name}: {' and '.join(not_dataclasses)} must be a dataclass; a task module defines "
                           f"{TASK_API}")
     return module
+
+
+@dataclasses.dataclass
+class NoSettings:
+    """The model or data section of a task that declares none: it holds no keys."""
+
+
+def section_class(module, name: str) -> type:
+    """The dataclass of a task's ``model`` or ``data`` section (``name``: ModelConfig or DataConfig)."""
+    return getattr(module, name, NoSettings)
 
 
 def _is_dataclass_type(obj) -> bool:

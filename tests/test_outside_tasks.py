@@ -133,6 +133,37 @@ def test_a_task_module_on_the_python_path_trains(tmp_path):
         "importable here (is its folder on PYTHONPATH?)"]
 
 
+BUILD_ONLY = '''
+"""Builds its model and data in build() alone: no model or data settings."""
+import torch
+
+from finetune.job import Job
+
+
+def build(cfg):
+    x = torch.linspace(0, 3, 24).unsqueeze(-1)
+    model = torch.nn.Linear(1, 1)
+    return Job(model=model, train_data=[{"x": a, "y": 2 * a} for a in x],
+               loss_fn=lambda m, b: (m(b["x"]) - b["y"]).pow(2).mean())
+'''
+
+
+def test_a_task_with_build_alone_trains_and_its_sections_are_empty(tmp_path):
+    (tmp_path / "only.py").write_text(BUILD_ONLY)
+    recipe = tmp_path / "only.yaml"
+    recipe.write_text(yaml.safe_dump({"task": "./only.py", "training": {"batch_size": 2, "effective_batch_size": 8,
+                                                                        "learning_rate": 0.05},
+                                      "output": {"plots": False, "save_model": False}}))
+    cfg = load_recipe(str(recipe))
+    assert cfg.to_dict()["model"] == {} and cfg.to_dict()["data"] == {}
+    assert run_main(["--recipe", str(recipe), "--output-dir", str(tmp_path / "run")]) == 0
+    assert [h["step"] for h in history(tmp_path / "run")] == [1, 2, 3]
+    # its sections hold no keys: a setting given there is refused, one line naming it
+    with pytest.raises(ConfigError) as refused:
+        load_recipe(str(recipe), ["model.hidden=8"])
+    assert refused.value.problems[0].startswith("model.hidden: unknown key")
+
+
 def test_a_relative_task_path_is_taken_from_the_recipes_folder(tmp_path, monkeypatch):
     recipe = user_folder(tmp_path / "a" / "b", task="../tasks/my_task.py")
     (tmp_path / "a" / "tasks").mkdir()
@@ -163,8 +194,8 @@ BAD = [
     ("./my_task.txt", {}, {}, "task: got './my_task.txt'; a task file is a Python file ending in .py; allowed: "),
     ("nopkg.wave", {}, {}, "task: got 'nopkg.wave'; allowed: one of clm, "),
     ("./empty.py", {"empty.py": "x = 1\n"}, {},
-     "task: {dir}/empty.py has no build, ModelConfig, DataConfig; a task module defines build(cfg) -> Job and the "
-     "ModelConfig and DataConfig dataclasses (the recipe's model and data sections)"),
+     "task: {dir}/empty.py has no build; a task module defines build(cfg) -> Job, and ModelConfig / DataConfig "
+     "dataclasses for the recipe's model / data sections if it has settings there"),
     ("./plain.py", {"plain.py": "class ModelConfig:\n    pass\nDataConfig = ModelConfig\ndef build(cfg):\n    pass\n"},
      {}, "task: {dir}/plain.py: ModelConfig and DataConfig must be a dataclass; a task module defines build(cfg)"),
     ("./syntax.py", {"syntax.py": "import torch\n\ndef build(cfg:\n    pass\n"}, {},
