@@ -52,7 +52,8 @@ from finetune.config import TrainingConfig  # noqa: E402
 from finetune.distributed import restart_accelerate_state  # noqa: E402
 from finetune.job import Job  # noqa: E402
 from finetune.optim import make_optimizer  # noqa: E402
-from finetune.reproduce import compare
+from finetune.reproduce import compare  # noqa: E402
+from finetune.shape import shape_for  # noqa: E402
 from finetune.steps import token_counts  # noqa: E402
 from finetune.windows import batch_len, membership_hash  # noqa: E402
 
@@ -429,7 +430,7 @@ def run_finetune(model, data, collate, b: int, n: int, *, lr: float, epochs: int
     job = Job(model=model, train_data=data, collate_fn=collate,
               length_of=(lambda i: lengths[i]) if lengths is not None else None,
               before_window=lambda state: run.starts.append(clocks()))  # after the window's micro-batches are fetched
-    result = loop.train(job, t, print_banner=False)
+    result = loop.train(job, t, shape_for(job, t), loop.Outputs(banner=False))
     run.end = clocks()
     t_end = run.end[0]
     run.samples = [h["samples"] for h in result["history"]]

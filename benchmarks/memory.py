@@ -53,6 +53,7 @@ from finetune.memory.measure import PeakMeter  # noqa: E402
 from finetune.memory.plan import make_plan, training_peak  # noqa: E402
 from finetune.memory.step import Setting  # noqa: E402
 from finetune.models.forward import enable_checkpointing  # noqa: E402
+from finetune.shape import shape_for  # noqa: E402
 
 MB = 2 ** 20
 SEQ = 128
@@ -118,7 +119,8 @@ def finetune_steps(model, data, collate, b: int, n: int, steps: int, checkpointi
     """finetune's loop over ``steps`` windows of b × N samples (AdamW); returns its result."""
     job = Job(model=model, train_data=data[:b * n * steps], collate_fn=collate, before_window=before_window)
     with C.quiet():
-        return loop.train(job, training(b, n, steps, checkpointing, chunked), print_banner=False)
+        t = training(b, n, steps, checkpointing, chunked)
+        return loop.train(job, t, shape_for(job, t), loop.Outputs(banner=False))
 
 
 def accelerate_steps(model, data, collate, b: int, n: int, steps: int, before_window=None) -> None:
@@ -375,7 +377,7 @@ def finetune_clocked(model, data, collate, t: TrainingConfig) -> list:
     job = Job(model=model, train_data=data[:t.batch_size * t.gradient_accumulation_steps * t.max_steps],
               collate_fn=collate, before_window=lambda state: marks.append(C.clocks()))
     with C.quiet():
-        loop.train(job, t, print_banner=False)
+        loop.train(job, t, shape_for(job, t), loop.Outputs(banner=False))
     return step_times([*marks, C.clocks()])
 
 

@@ -260,9 +260,10 @@ def read(path: Path) -> Saved:
                  state=state, settings=settings)
 
 
-def load_checkpoint(accelerator, path: Path, schedulers=None) -> TrainState:
-    """Restore model, optimizers, schedulers (name → scheduler), scaler and random states; return the TrainState."""
-    saved = read(path)
+def load_checkpoint(accelerator, saved: Saved, schedulers=None) -> TrainState:
+    """Restore model, optimizers, schedulers (name → scheduler), scaler and random states from the checkpoint
+    ``saved`` (read once at set-up); return its TrainState."""
+    path = saved.path
     with quantized_layers_left_out(accelerator):
         accelerator.load_state(str(path))  # tensors via safetensors / torch.load(weights_only=True)
     scheduler_states = json.loads((path / SCHEDULER).read_text()) if (path / SCHEDULER).is_file() else {}

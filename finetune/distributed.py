@@ -186,14 +186,15 @@ def shutdown() -> None:
         time.sleep(GLOO_GRACE_SECONDS)
 
 
-def make_accelerator(t: TrainingConfig, log_with=None, project_dir=None) -> Accelerator:
-    """An Accelerator for this run: ``t.mixed_precision``, N = 1 (finetune places the window's sync itself). What
-    this machine cannot run is refused before, once, by ``check_environment`` (at set-up)."""
+def make_accelerator(mixed_precision: str = "no", log_with=None, project_dir=None) -> Accelerator:
+    """An Accelerator for this run: ``mixed_precision`` (training.mixed_precision), N = 1 (finetune places the
+    window's sync itself). What this machine cannot run is refused before, once, by ``check_environment`` (at
+    set-up)."""
     from accelerate.utils import InitProcessGroupKwargs
 
     state = _state_kwargs()
     handlers = [InitProcessGroupKwargs(backend=state["backend"])] if "backend" in state else None
-    kwargs = dict(mixed_precision=t.mixed_precision, log_with=log_with, project_dir=project_dir, cpu=state["cpu"],
+    kwargs = dict(mixed_precision=mixed_precision, log_with=log_with, project_dir=project_dir, cpu=state["cpu"],
                   kwargs_handlers=handlers)
     try:
         accelerator = Accelerator(**kwargs)

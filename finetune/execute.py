@@ -11,8 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import yaml
+
 from finetune import checkpoint, distributed, loop, outputs, runlock
-from finetune.config import RecipeConfig, dump_config, flatten, result_neutral_fields
+from finetune.config import RecipeConfig, flatten, result_neutral_fields
 from finetune.errors import ConfigError
 from finetune.job import Job
 from finetune.registry import task_module
@@ -57,6 +59,8 @@ class Prepared:
     out_dir: Path                       # the run's output directory (locked by the main process)
     resume: Optional[checkpoint.Saved]  # the checkpoint the run continues, or None
     shape: Shape                        # the split of the effective batch (its steps are counted once the data is)
+    settings: dict                      # the recipe as the run uses it: its config.yaml (written once the job is
+                                        # built), what trackers and checkpoints record
 
 
 def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes: int, rank: int,
@@ -64,6 +68,7 @@ def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes
     """What every process checks before a model is built: that the effective batch splits over ``processes``, the
     checkpoint to resume, and what this machine can run. Returns (the checkpoint or None, the run's shape before
     the data is known). With ``speak``, rank 0 prints the notes on resuming (e.g. a new effective split)."""
+    distributed.check_environment(cfg.training, cfg.output.tracker)
     shape = plan_shape(cfg.training, processes)
     saved = None
     if resume is not None:
@@ -74,7 +79,6 @@ def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes
         if speak and rank == 0:
             for note in notes:
                 print(note, file=sys.stderr)
-    distributed.check_environment(cfg.training, cfg.output.tracker)
     return saved, shape
 
 
@@ -87,7 +91,7 @@ def prepare(cfg: RecipeConfig, resume: Optional[str] = None) -> Prepared:
     out_dir = distributed.agree(lambda: claim_output_dir(cfg, resume), main_only=True)
     saved, shape = distributed.agree(lambda: check_run(cfg, resume, out_dir, state.num_processes,
                                                        state.process_index))
-    return Prepared(out_dir, saved, shape)
+    return Prepared(out_dir, saved, shape, as_run(cfg, shape).to_dict())
 
 
 def check_before_launch(cfg: RecipeConfig, resume: Optional[str], processes: int) -> Path:
@@ -109,20 +113,17 @@ def execute(cfg: RecipeConfig, prepared: Prepared, on_eval=None):
         quiet_libraries()
     out_dir = prepared.out_dir
     job, shape = distributed.agree(lambda: build_checked(cfg, prepared))
-    run_cfg = as_run(cfg, shape)
     if main:
-        warn_about_schedule(cfg.training, shape.total_steps)
         out_dir.mkdir(parents=True, exist_ok=True)
-        outputs.atomic_write_text(out_dir / "config.yaml", dump_config(run_cfg))
+        outputs.atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(prepared.settings, sort_keys=False))
     output = loop.Outputs(dir=out_dir, save_every=cfg.output.save_every, keep_checkpoints=cfg.output.keep_checkpoints,
                           tracker=None if cfg.output.tracker == "none" else cfg.output.tracker,
-                          settings=run_cfg.to_dict())
+                          settings=prepared.settings, on_eval=on_eval)
     start = time.perf_counter()
-    resume_from = prepared.resume.path if prepared.resume else None
-    result = loop.train(job, cfg.training, output, shape, resume_from, on_eval=on_eval)
+    result = loop.train(job, cfg.training, shape, output, prepared.resume)
     result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name}
     with distributed.whole_model(result.model):  # sharded weights (ZeRO-3, FSDP2) whole on every process
-        distributed.agree(lambda: write_outputs(cfg, job, result, out_dir), main_only=True)
+        distributed.agree(lambda: outputs.write_outputs(cfg.output, job, result, out_dir), main_only=True)
     return result
 
 
@@ -149,14 +150,6 @@ def as_run(cfg: RecipeConfig, shape: Shape) -> RecipeConfig:
                                                                  gradient_accumulation_steps=shape.accumulation))
 
 
-def warn_about_schedule(t, steps: int) -> None:
-    """One line when the warm-up does not end before the run does (the learning rate never reaches its peak)."""
-    if t.warmup_steps and t.warmup_steps >= steps and t.lr_scheduler != "constant":
-        print(f"warning: training.warmup_steps: {t.warmup_steps} is not below the run's {steps} optimizer steps; "
-              f"the learning rate never reaches training.learning_rate ({t.learning_rate:g})", file=sys.stderr,
-              flush=True)
-
-
 def quiet_libraries() -> None:
     """One process speaks: the others keep quiet about loading and mapping."""
     import datasets
@@ -165,21 +158,6 @@ def quiet_libraries() -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-
-
-def write_outputs(cfg: RecipeConfig, job: Job, result, out_dir: Path) -> None:
-    """metrics.json, plots, the model (main process only), and the closing line."""
-    if job.summarize is not None:
-        result.extra_metrics.update(job.summarize(result.model, out_dir))
-    outputs.write_metrics(result, out_dir)
-    if cfg.output.plots and result.history:
-        outputs.write_plots(result.history, out_dir, result.val_history)
-    if cfg.output.save_model:
-        outputs.save_model(result.model, out_dir, job.tokenizer, job.save)
-    final = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.final_metrics.items())
-    pad = f"; padding {1 - result.tokens / result.padded_tokens:.0%}" if result.padded_tokens else ""
-    print(f"done: {result.optimizer_steps} optimizer steps in {result.extra_metrics['train_seconds']} s;"
-          f" {final}{pad}; outputs in {out_dir}", flush=True)
 
 
 def check_resume(saved: checkpoint.Saved, cfg: RecipeConfig, shape: Shape) -> list[str]:

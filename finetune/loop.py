@@ -28,7 +28,7 @@ from accelerate.utils import DistributedType
 from finetune import checkpoint, distributed
 from finetune.config import TrainingConfig, flatten
 from finetune.errors import ConfigError
-from finetune.evaluation import run_eval
+from finetune.evaluation import report, run_eval
 from finetune.items import count_items, is_causal_lm
 from finetune.job import Job
 from finetune.memory.auto_batch import AutoBatch
@@ -38,22 +38,24 @@ from finetune.models.forward import enable_checkpointing, enable_chunked_head
 from finetune.optim import Optim, lr_scale, make_optims
 from finetune.packing import decide_packing
 from finetune.runlog import RunLog, banner
-from finetune.shape import Shape, plan_shape
+from finetune.shape import Shape
 from finetune.state import TrainState
 from finetune.steps import NonFiniteError, WindowResult, accumulate_window, optimizer_step  # noqa: F401
-from finetune.windows import stream_windows
+from finetune.windows import WindowSpec, stream_windows
 
 
 @dataclass(frozen=True)
 class Outputs:
-    """Where a run writes; the default writes nothing. ``finetune.execute`` fills it from the recipe's output
-    section."""
+    """What a run writes and whom it tells; the default writes nothing. ``finetune.execute`` fills it from the
+    recipe's output section."""
 
     dir: Optional[Path] = None              # history.jsonl and checkpoints/ (and the trackers' files)
     save_every: Optional[int] = None        # optimizer steps between checkpoints (and one at the end)
     keep_checkpoints: int = 2
     tracker: Optional[str] = None           # an Accelerate tracker: tensorboard, wandb, mlflow
     settings: Optional[dict] = None         # the run's settings: what the trackers record, each checkpoint's config
+    banner: bool = True                     # say what the run will do before the first step (main process)
+    on_eval: Optional[Callable] = None      # called with every evaluation's record (a search prunes there)
 
     def __post_init__(self):
         if self.dir is not None:  # a str from the Python API
@@ -76,9 +78,7 @@ class Run:
     counter: Callable                 # micro-batch → items its mean loss averages over
     monitor: MemoryMonitor
     auto: Optional[AutoBatch]         # batch_size: auto — a smaller micro-batch after an out-of-memory error
-    on_eval: Optional[Callable]       # called with every evaluation's record
-    pack_capacity: Optional[int]      # tokens per packed row; None: windows are not packed
-    pack_length_of: Optional[Callable]  # sample index → tokens, what packing packs by
+    windows: WindowSpec               # how the samples become windows (the stream, the banner)
     packing_note: str                 # what the banner says about packing
     head_note: str                    # what the banner says about the loss head
 
@@ -136,26 +136,23 @@ class TrainResult:
 # the loop
 
 
-def train(job: Job, t: TrainingConfig, output: Optional[Outputs] = None, shape: Optional[Shape] = None,
-          resume_from: Optional[Path] = None, *, accelerator: Optional[Accelerator] = None,
-          on_eval: Optional[Callable] = None, print_banner: bool = True) -> TrainResult:
-    """Train ``job`` with the settings ``t``; write what ``output`` asks for (nothing by default).
+def train(job: Job, t: TrainingConfig, shape: Shape, output: Optional[Outputs] = None,
+          resume: Optional[checkpoint.Saved] = None, accelerator: Optional[Accelerator] = None) -> TrainResult:
+    """Train ``job`` with the settings ``t`` in ``shape`` (computed at set-up: ``shape.plan_shape(…).for_data(…)``);
+    write what ``output`` asks for (nothing by default).
 
     Args:
-        shape: the run's shape from set-up (``finetune.execute``); None: checked and computed here (the Python API).
-        resume_from: a checkpoint directory; the run continues at its next window with the same sample order and
-            random state.
+        resume: a checkpoint (``checkpoint.read``); the run continues at its next window with the same sample order
+            and random state.
         accelerator: an Accelerator made by the caller (default: ``distributed.make_accelerator``).
-        on_eval: called with every evaluation's record (a hyper-parameter search prunes there).
-        print_banner: say what the run will do before the first step.
     """
-    run = setup(job, t, output or Outputs(), shape, accelerator, on_eval)
-    if print_banner and distributed.is_main_process():
+    run = setup(job, t, shape, output or Outputs(), accelerator)
+    if run.output.banner and distributed.is_main_process():
         print(banner(run), flush=True)
     start_trackers(run)
-    state = start_state(run, resume_from)
+    state = start_state(run, resume)
     with RunLog(run.accelerator, run.output.dir, state, run.shape.total_steps, run.shape.effective,
-                run.output.tracker, rewrite=resume_from is not None) as log:
+                run.output.tracker, rewrite=resume is not None) as log:
         windows = open_stream(run, state)
         while state.optimizer_step < run.shape.total_steps:
             window, micro_batches, epoch_windows = next(windows, (None, None, None))
@@ -170,7 +167,8 @@ def train(job: Job, t: TrainingConfig, output: Optional[Outputs] = None, shape: 
             except Exception as error:  # batch_size: auto out of memory → the same window, smaller micro-batches
                 if run.auto is None or not is_oom(error):
                     raise
-                run = dataclasses.replace(run, shape=run.auto.shrink(run.shape, window, rng))
+                smaller = run.auto.shrink(run.shape, window, rng)
+                run = dataclasses.replace(run, shape=smaller, windows=run.windows.with_micro_batch(smaller))
                 windows = open_stream(run, state)
                 continue
             norms, skipped, lrs = optimizer_step(run.accelerator, run.optims, t, state.optimizer_step + 1, window)
@@ -187,17 +185,10 @@ def train(job: Job, t: TrainingConfig, output: Optional[Outputs] = None, shape: 
 # set-up
 
 
-def setup(job: Job, t: TrainingConfig, output: Outputs, shape: Optional[Shape], accelerator: Optional[Accelerator],
-          on_eval: Optional[Callable]) -> Run:
-    """Make the Accelerator, prepare the model and optimizers; with no ``shape``, first check what ``execute``
-    checks (this machine, the split of the batch, the data) and compute it."""
-    if shape is None:
-        processes = accelerator.num_processes if accelerator is not None else \
-            distributed.distributed_state().num_processes
-        distributed.check_environment(t)
-        shape = plan_shape(t, processes).for_data(job, t)
+def setup(job: Job, t: TrainingConfig, shape: Shape, output: Outputs, accelerator: Optional[Accelerator]) -> Run:
+    """Make the Accelerator, prepare the model and optimizers, settle how the samples become windows."""
     if accelerator is None:
-        accelerator = distributed.make_accelerator(t, log_with=output.tracker,
+        accelerator = distributed.make_accelerator(t.mixed_precision, log_with=output.tracker,
                                                    project_dir=str(output.dir) if output.dir else None)
     torch.backends.cudnn.benchmark = t.cudnn_benchmark
 
@@ -229,13 +220,13 @@ def setup(job: Job, t: TrainingConfig, output: Outputs, shape: Optional[Shape], 
     auto = AutoBatch(accelerator, model) if shape.auto else None
     if auto is not None:
         shape = auto.plan(shape, job, t)
+    capacity = (t.pack_length or max(map(pack_length_of, range(len(job.train_data))))) if pack_length_of else None
     return Run(job=job, t=t, shape=shape, output=output, accelerator=accelerator, model=model,
                forward_model=torch.compile(model, mode=t.compile_mode) if t.compile else model, optims=optims,
                counter=job.count_items or (lambda b: count_items(b, t.items, causal)),
-               monitor=MemoryMonitor(accelerator.device), auto=auto, on_eval=on_eval,
-               pack_capacity=(t.pack_length or max(map(pack_length_of, range(len(job.train_data)))))
-               if pack_length_of else None, pack_length_of=pack_length_of, packing_note=packing_note,
-               head_note=head_note)
+               monitor=MemoryMonitor(accelerator.device), auto=auto,
+               windows=WindowSpec.of(t, shape, len(job.train_data), job.length_of, pack_length_of, capacity),
+               packing_note=packing_note, head_note=head_note)
 
 
 def prepare(accelerator: Accelerator, model, optimizers: list) -> tuple:
@@ -259,11 +250,11 @@ def start_trackers(run: Run) -> None:
         "config/physical_batch_size": run.shape.micro_batch})
 
 
-def start_state(run: Run, resume_from: Optional[Path]) -> TrainState:
+def start_state(run: Run, resume: Optional[checkpoint.Saved]) -> TrainState:
     """The state the run starts from: the checkpoint's (its model, optimizers and random state restored with it),
     or a fresh one — holding the untuned model's evaluation with ``training.eval_at_start``."""
-    if resume_from is not None:
-        return checkpoint.load_checkpoint(run.accelerator, resume_from, run.schedulers)
+    if resume is not None:
+        return checkpoint.load_checkpoint(run.accelerator, resume, run.schedulers)
     if run.job.val_data is not None and run.t.eval_at_start:
         return TrainState(val_history=[evaluate(run, step=0, epoch=0)])
     return TrainState()
@@ -271,10 +262,9 @@ def start_state(run: Run, resume_from: Optional[Path]) -> TrainState:
 
 def open_stream(run: Run, state: TrainState):
     """The windows from where the state stands (its epoch and next window) to the end of training."""
-    a, shape = run.accelerator, run.shape
-    return stream_windows(run.job, run.t, shape.micro_batch, shape.accumulation, shape.processes, a.process_index,
-                          state.epoch, state.next_window, pin_memory=a.device.type == "cuda",
-                          pack_capacity=run.pack_capacity, pack_length_of=run.pack_length_of)
+    a = run.accelerator
+    return stream_windows(run.job, run.windows, a.process_index, state.epoch, state.next_window,
+                          pin_memory=a.device.type == "cuda", num_workers=run.t.num_workers)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -348,10 +338,12 @@ def after_step(run: Run, state: TrainState) -> None:
 
 def evaluate(run: Run, step: int, epoch: int) -> dict:
     """The validation record after optimizer step ``step`` (0: the untuned model), also handed to ``on_eval``."""
-    record = run_eval(run.job, run.forward_model, run.accelerator, run.t, run.shape.micro_batch, step, epoch,
-                      run.output.tracker)
-    if run.on_eval is not None:
-        run.on_eval(record)
+    metrics = run_eval(run.job, run.forward_model, run.accelerator, run.counter, run.shape.micro_batch,
+                       run.t.num_workers)
+    record = {"step": step, "epoch": epoch, **metrics}
+    report(record, run.accelerator, run.output.tracker)
+    if run.output.on_eval is not None:
+        run.output.on_eval(record)
     return record
 
 

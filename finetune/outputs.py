@@ -171,3 +171,19 @@ def save_model(model: torch.nn.Module, out_dir, tokenizer=None, save_hook=None) 
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(target)
     return target
+
+
+def write_outputs(o, job, result, out_dir: Path) -> None:
+    """What the recipe's output section ``o`` asks for: metrics.json, plots, the model (main process only), and the
+    closing line."""
+    if job.summarize is not None:
+        result.extra_metrics.update(job.summarize(result.model, out_dir))
+    write_metrics(result, out_dir)
+    if o.plots and result.history:
+        write_plots(result.history, out_dir, result.val_history)
+    if o.save_model:
+        save_model(result.model, out_dir, job.tokenizer, job.save)
+    final = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.final_metrics.items())
+    pad = f"; padding {1 - result.tokens / result.padded_tokens:.0%}" if result.padded_tokens else ""
+    print(f"done: {result.optimizer_steps} optimizer steps in {result.extra_metrics['train_seconds']} s;"
+          f" {final}{pad}; outputs in {out_dir}", flush=True)

@@ -14,7 +14,6 @@ from finetune.models import precision
 from finetune.optim import lr_scale
 from finetune.outputs import atomic_write_text
 from finetune.state import TrainState
-from finetune.windows import windows_per_epoch
 
 
 class RunLog:
@@ -69,10 +68,9 @@ class RunLog:
 
 def banner(run) -> str:
     """What the run will do, said once before the first step (``run``: ``loop.Run``)."""
-    t, shape, accelerator = run.t, run.shape, run.accelerator
-    n_train, total_steps, world, effective = len(run.job.train_data), shape.total_steps, shape.processes, \
-        shape.effective
-    per_epoch = windows_per_epoch(n_train, shape.micro_batch, shape.accumulation, world)
+    t, shape, accelerator, windows = run.t, run.shape, run.accelerator, run.windows
+    n_train, total_steps, world, effective = windows.samples, shape.total_steps, shape.processes, shape.effective
+    per_epoch = windows.per_epoch
     split = f"{shape.micro_batch} × {shape.accumulation}" + (f" × {world} processes" if world > 1 else "")
     tail = n_train - (per_epoch - 1) * effective
     tail_text = "every window is full" if tail == effective else \
@@ -90,10 +88,9 @@ def banner(run) -> str:
         *([f"LR scaling: {t.scale_lr} from the baseline's batch {t.reference_batch_size} to {effective}: "
            f"{t.learning_rate:g} × {lr_scale(t, effective):.4g}"] if t.scale_lr != "none" else []),
         *([f"Loss head: {run.head_note}"] if run.head_note else []),
-        *([f"Packing: {run.packing_note}" + (f", rows of {run.pack_capacity} tokens" if run.pack_capacity else "")]
-          if run.packing_note else []),
-        *([f"Padding: {padding_share(run):.1%} of the tokens of epoch 0"]
-          if run.job.length_of or run.pack_length_of else []),
+        *([f"Packing: {run.packing_note}" + (f", rows of {windows.pack_capacity} tokens" if windows.pack_capacity
+                                              else "")] if run.packing_note else []),
+        *([f"Padding: {padding_share(windows):.1%} of the tokens of epoch 0"] if windows.length_of else []),
         f"Mixed precision: {t.mixed_precision}, device: {accelerator.device}",
         *([f"Weights: {weights}"] if (weights := precision.describe(accelerator.unwrap_model(run.model))) else []),
         "=" * 60,
@@ -101,23 +98,17 @@ def banner(run) -> str:
     return "\n".join(lines)
 
 
-def padding_share(run) -> float:
-    """Padded share of the tokens the first epoch's micro-batches will hold, from the plan (every process)."""
-    from finetune.windows import plan_epoch
-
-    t, shape, length_of, real, padded = run.t, run.shape, run.pack_length_of or run.job.length_of, 0, 0
-    sort = t.sort_within_window if t.sort_within_window is not None else True
-    for rank in range(shape.processes):
-        for w in plan_epoch(len(run.job.train_data), shape.micro_batch, shape.accumulation, shape.processes, rank,
-                            t.seed, 0, t.shuffle,
-                            sort_key=length_of if sort else None, length_of=length_of,
-                            max_tokens=t.max_tokens_per_micro_batch, pack_capacity=run.pack_capacity,
-                            sample_order=t.sample_order):
+def padding_share(windows) -> float:
+    """Padded share of the tokens the first epoch's micro-batches will hold, from the plan (every process;
+    ``windows``: the run's ``WindowSpec``, with sample lengths)."""
+    real = padded = 0
+    for rank in range(windows.processes):
+        for w in windows.epoch(0, rank):
             for mb, active, counts in zip(w.micro_batches, w.active, w.token_counts or [None] * len(w.active)):
                 if not active:
                     continue
                 if counts is None:
-                    lengths = [length_of(i) for i in mb]
+                    lengths = [windows.length_of(i) for i in mb]
                     counts = (sum(lengths), len(lengths) * max(lengths))
                 real, padded = real + counts[0], padded + counts[1]
     return 1 - real / padded if padded else 0.0

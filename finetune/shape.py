@@ -13,12 +13,14 @@ only reads the result.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
+from typing import Optional
 
 from finetune.config import TrainingConfig
 from finetune.errors import ConfigError
 from finetune.job import Job
-from finetune.windows import resolve_accumulation, windows_per_epoch
+from finetune.windows import windows_per_epoch
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,9 @@ class Shape:
         """
         check_job(job, t, self)
         steps = t.epochs * windows_per_epoch(len(job.train_data), self.micro_batch, self.accumulation, self.processes)
-        return dataclasses.replace(self, total_steps=min(steps, t.max_steps) if t.max_steps else steps)
+        steps = min(steps, t.max_steps) if t.max_steps else steps
+        warn_about_schedule(t, steps)
+        return dataclasses.replace(self, total_steps=steps)
 
 
 def plan_shape(t: TrainingConfig, processes: int) -> Shape:
@@ -73,6 +77,50 @@ def plan_shape(t: TrainingConfig, processes: int) -> Shape:
         raise ConfigError("training.batch_size: auto runs on one process (an out-of-memory error on one rank "
                           "would leave the others waiting); give a number with several processes")
     return Shape(micro_batch=t.effective_batch_size, accumulation=1, processes=1, auto=True)
+
+
+def shape_for(job: Job, t: TrainingConfig, processes: Optional[int] = None) -> Shape:
+    """``plan_shape`` then ``for_data``, for a caller that holds the job already (the Python API, the planner);
+    ``finetune.execute`` takes the same two steps apart, the first before the model is built. ``processes``: this
+    launch's (default)."""
+    if processes is None:
+        from finetune.distributed import distributed_state
+
+        processes = distributed_state().num_processes
+    return plan_shape(t, processes).for_data(job, t)
+
+
+def resolve_accumulation(t, processes: int) -> int:
+    """N from ``t.effective_batch_size`` when given (it must split exactly, and agree with an N given beside it),
+    else ``t.gradient_accumulation_steps`` (1 when null) (``t``: a TrainingConfig). With ``batch_size: auto`` the
+    loop starts at N = 1 and shrinks micro-batches."""
+    if t.batch_size == "auto":
+        return 1
+    if t.effective_batch_size is None:
+        return t.gradient_accumulation_steps or 1
+    per_step = t.batch_size * processes
+    if t.effective_batch_size % per_step:
+        raise ConfigError(
+            f"training.effective_batch_size: {t.effective_batch_size} is not a multiple of batch_size × processes "
+            f"= {t.batch_size} × {processes}; pick a batch_size that divides {t.effective_batch_size // processes}")
+    n = t.effective_batch_size // per_step
+    if t.gradient_accumulation_steps not in (None, n):
+        raise ConfigError(
+            f"training.gradient_accumulation_steps: {t.gradient_accumulation_steps} contradicts "
+            f"training.effective_batch_size {t.effective_batch_size}, which makes N = {n} with batch_size "
+            f"{t.batch_size} on {processes} process{'es' if processes > 1 else ''}; give one of them")
+    return n
+
+
+def warn_about_schedule(t, steps: int) -> None:
+    """One line (main process) when the warm-up does not end before the run does (the learning rate never reaches
+    its peak)."""
+    from finetune.distributed import is_main_process
+
+    if is_main_process() and t.warmup_steps and t.warmup_steps >= steps and t.lr_scheduler != "constant":
+        print(f"warning: training.warmup_steps: {t.warmup_steps} is not below the run's {steps} optimizer steps; "
+              f"the learning rate never reaches training.learning_rate ({t.learning_rate:g})", file=sys.stderr,
+              flush=True)
 
 
 def check_job(job: Job, t: TrainingConfig, shape: Shape) -> None:

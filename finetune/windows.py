@@ -16,6 +16,7 @@ runs one (a copy of the window's first sample) with weight 0, so every process j
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass
@@ -23,7 +24,6 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from finetune.errors import ConfigError
 from finetune.items import batch_len, count_items, is_causal_lm  # noqa: F401  (re-exported: the loop counts here)
 from finetune.packing import PackedRows, collate_rows, pack_rows
 
@@ -89,28 +89,6 @@ def step_seed(*keys: int) -> int:
 
 def windows_per_epoch(n: int, micro_batch: int, accum: int, world: int = 1) -> int:
     return math.ceil(n / (micro_batch * accum * world))
-
-
-def resolve_accumulation(t, processes: int) -> int:
-    """N from ``t.effective_batch_size`` when given (it must split exactly, and agree with an N given beside it),
-    else ``t.gradient_accumulation_steps`` (1 when null) (``t``: a TrainingConfig). With ``batch_size: auto`` the
-    loop starts at N = 1 and shrinks micro-batches."""
-    if t.batch_size == "auto":
-        return 1
-    if t.effective_batch_size is None:
-        return t.gradient_accumulation_steps or 1
-    per_step = t.batch_size * processes
-    if t.effective_batch_size % per_step:
-        raise ConfigError(
-            f"training.effective_batch_size: {t.effective_batch_size} is not a multiple of batch_size × processes "
-            f"= {t.batch_size} × {processes}; pick a batch_size that divides {t.effective_batch_size // processes}")
-    n = t.effective_batch_size // per_step
-    if t.gradient_accumulation_steps not in (None, n):
-        raise ConfigError(
-            f"training.gradient_accumulation_steps: {t.gradient_accumulation_steps} contradicts "
-            f"training.effective_batch_size {t.effective_batch_size}, which makes N = {n} with batch_size "
-            f"{t.batch_size} on {processes} process{'es' if processes > 1 else ''}; give one of them")
-    return n
 
 
 def plan_epoch(
@@ -189,28 +167,66 @@ def token_budget_chunks(members, length_of, max_tokens: int) -> list[tuple]:
     return chunks
 
 
-def stream_windows(job, t, micro_batch: int, accum: int, world: int, rank: int, epoch: int, first: int,
-                   pin_memory: bool = False, pack_capacity: Optional[int] = None,
-                   pack_length_of: Optional[Callable] = None):
+@dataclass(frozen=True)
+class WindowSpec:
+    """How a run's samples become windows: ``plan_epoch``'s arguments, settled once at set-up (``loop.setup``) and
+    read by the loop's stream, the banner and ``finetune compare``."""
+
+    samples: int                        # the training set's size
+    micro_batch: int
+    accumulation: int                   # N
+    processes: int
+    seed: int
+    epochs: int = 1
+    shuffle: bool = True
+    sample_order: str = "finetune"
+    sort_key: Optional[Callable] = None     # sample index → length: each window ordered by it (less padding)
+    length_of: Optional[Callable] = None    # sample index → tokens, for token budgets and packing
+    max_tokens: Optional[int] = None        # padded tokens per micro-batch (its size then varies)
+    pack_capacity: Optional[int] = None     # tokens per packed row; None: not packed
+
+    @classmethod
+    def of(cls, t, shape, samples: int, length_of: Optional[Callable] = None,
+           pack_length_of: Optional[Callable] = None, pack_capacity: Optional[int] = None) -> WindowSpec:
+        """The spec of a run with settings ``t`` (a TrainingConfig) in ``shape`` over ``samples`` samples whose
+        lengths the task gives as ``length_of``. Windows are sorted by length unless ``t.sort_within_window`` says
+        otherwise, whenever the lengths are known."""
+        sort = t.sort_within_window if t.sort_within_window is not None else length_of is not None
+        return cls(samples, shape.micro_batch, shape.accumulation, shape.processes, t.seed, t.epochs, t.shuffle,
+                   t.sample_order, sort_key=length_of if sort else None, length_of=pack_length_of or length_of,
+                   max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity)
+
+    @property
+    def per_epoch(self) -> int:
+        return windows_per_epoch(self.samples, self.micro_batch, self.accumulation, self.processes)
+
+    def with_micro_batch(self, shape) -> WindowSpec:
+        """The same windows cut as ``shape`` cuts them (``batch_size: auto`` after an out-of-memory error)."""
+        return dataclasses.replace(self, micro_batch=shape.micro_batch, accumulation=shape.accumulation)
+
+    def epoch(self, epoch: int, rank: int = 0) -> list[Window]:
+        """Every window of ``epoch`` as process ``rank`` sees it."""
+        return plan_epoch(self.samples, self.micro_batch, self.accumulation, self.processes, rank, self.seed, epoch,
+                          self.shuffle, sort_key=self.sort_key, length_of=self.length_of, max_tokens=self.max_tokens,
+                          pack_capacity=self.pack_capacity, sample_order=self.sample_order)
+
+
+def stream_windows(job, spec: WindowSpec, rank: int, epoch: int, first: int, pin_memory: bool = False,
+                   num_workers: int = 0):
     """Yield (window, its micro-batches for this process, windows in its epoch) from window ``first`` of ``epoch``
-    to the end of the last epoch, in windows of ``micro_batch × accum × world`` samples. Each window's micro-batches
-    are collated ahead, so they can be counted before the first backward. The position comes in as arguments: the
-    stream depends on nothing the loop mutates.
-    ``pack_capacity``: pack each window's samples (lengths from ``pack_length_of``) into rows of that many tokens
-    (``finetune.packing``)."""
-    sort = t.sort_within_window if t.sort_within_window is not None else job.length_of is not None
-    data, collate = (PackedRows(job.train_data), collate_rows) if pack_capacity else (job.train_data, job.collate_fn)
-    for e in range(epoch, t.epochs):
-        windows = plan_epoch(len(job.train_data), micro_batch, accum, world, rank, t.seed, e, t.shuffle,
-                             sort_key=job.length_of if sort else None, length_of=pack_length_of or job.length_of,
-                             max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity,
-                             sample_order=t.sample_order)
+    to the end of the last epoch, as ``spec`` cuts them. Each window's micro-batches are collated
+    ahead, so they can be counted before the first backward. The position comes in as arguments: the stream
+    depends on nothing the loop mutates."""
+    packed = spec.pack_capacity is not None
+    data, collate = (PackedRows(job.train_data), collate_rows) if packed else (job.train_data, job.collate_fn)
+    for e in range(epoch, spec.epochs):
+        windows = spec.epoch(e, rank)
         todo = windows[first if e == epoch else 0:]
         # The loader gets its own generator: iter() would otherwise draw a seed from the global RNG, and a run
         # resumed mid-epoch would then see different dropout masks than the uninterrupted one.
         loader = torch.utils.data.DataLoader(
-            data, batch_sampler=WindowSampler(todo), collate_fn=collate, num_workers=t.num_workers,
-            pin_memory=pin_memory, generator=torch.Generator().manual_seed(t.seed + e))
+            data, batch_sampler=WindowSampler(todo), collate_fn=collate, num_workers=num_workers,
+            pin_memory=pin_memory, generator=torch.Generator().manual_seed(spec.seed + e))
         batches = iter(loader)
         for window in todo:
             yield window, [next(batches) for _ in window.micro_batches], len(windows)

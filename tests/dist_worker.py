@@ -10,7 +10,7 @@ import sys
 import torch
 from accelerate.utils import set_seed
 
-from finetune import distributed, loop, test_fine_tuning
+from finetune import distributed, test_fine_tuning
 from finetune.config import load_recipe, task_module
 from tests.helpers import (
     EXACT,
@@ -23,6 +23,7 @@ from tests.helpers import (
     tiny_gpt2,
     tiny_pairs_assets,
     token_data,
+    train_quietly,
 )
 
 # (name, effective batch split, dataset): tails chosen so the last window splits unevenly over 2 processes
@@ -106,7 +107,7 @@ def run(name, processes):
         cfg = load_recipe(name, [*SMALL[name], *EXACT, "training.batch_size=3",
                                  f"training.gradient_accumulation_steps={4 // processes}", *CUSTOM[name]])
         set_seed(cfg.training.seed)
-        result = loop.train(task_module(cfg.task).build(cfg), cfg.training, print_banner=False)
+        result = train_quietly(task_module(cfg.task).build(cfg), cfg.training)
     else:
         case = CASES[name]
         torch.manual_seed(0)

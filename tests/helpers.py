@@ -21,6 +21,20 @@ class MLP(torch.nn.Module):
         return {"loss": torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)}
 
 
+def train_quietly(job, t, output=None, resume_from=None, accelerator=None):
+    """``loop.train`` as a recipe run calls it — its shape computed at set-up, the checkpoint read once — without the
+    banner (the suite's output stays readable)."""
+    import dataclasses
+
+    from finetune import checkpoint, loop
+    from finetune.shape import shape_for
+
+    processes = accelerator.num_processes if accelerator is not None else None
+    output = dataclasses.replace(output or loop.Outputs(), banner=False)
+    resume = checkpoint.read(Path(resume_from)) if resume_from is not None else None
+    return loop.train(job, t, shape_for(job, t, processes), output, resume, accelerator)
+
+
 def regression_data(n, d_in=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, d_in, generator=g)
@@ -304,7 +318,6 @@ def dpo_recipe_run(b, n, *overrides, job_hook=None, output=None, resume_from=Non
     (result, the job, the trainable weights before training)."""
     from accelerate.utils import set_seed
 
-    from finetune import loop
     from finetune.config import load_recipe
     from finetune.tasks import dpo
 
@@ -317,7 +330,7 @@ def dpo_recipe_run(b, n, *overrides, job_hook=None, output=None, resume_from=Non
     if job_hook is not None:
         job_hook(job)
     start = {k: p.detach().clone() for k, p in job.model.named_parameters() if p.requires_grad}
-    result = loop.train(job, cfg.training, output, print_banner=False, resume_from=resume_from)
+    result = train_quietly(job, cfg.training, output, resume_from)
     return result, job, start
 
 
@@ -327,7 +340,6 @@ def sft_recipe_run(b, n, *overrides, job_hook=None):
     (result, the trainable weights before training)."""
     from accelerate.utils import set_seed
 
-    from finetune import loop
     from finetune.config import load_recipe
     from finetune.tasks import sft
 
@@ -341,7 +353,7 @@ def sft_recipe_run(b, n, *overrides, job_hook=None):
     if job_hook is not None:
         job_hook(job)
     start = {k: p.detach().clone() for k, p in job.model.named_parameters() if p.requires_grad}
-    return loop.train(job, cfg.training, print_banner=False), start
+    return train_quietly(job, cfg.training), start
 
 
 # ---------------------------------------------------------------------------------------------------------------

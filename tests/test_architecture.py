@@ -228,8 +228,8 @@ def test_one_writer_of_the_state_and_none_of_accelerate():
 # Writes the checker must find: the bugs it exists for, planted into a copy of the real source (a line of it
 # replaced), and the ways around a name check (an alias, setattr, a private member).
 PLANTS = {
-    "evaluate appends to the state": ("loop.py", "    if run.on_eval is not None:\n",
-                                      "    run.state.val_history.append(record)\n    if run.on_eval is not None:\n"),
+    "evaluate appends to the state": ("loop.py", "    if run.output.on_eval is not None:\n",
+                                      "    run.state.val_history.append(record)\n    if run.output.on_eval is not None:\n"),
     "a hook adds val_* to the stored record": (
         "loop.py", "    if run.job.after_step is not None:\n",
         "    state.history[-1].update({'val_loss': 0.0})\n    if run.job.after_step is not None:\n"),
@@ -319,3 +319,132 @@ def test_one_way_to_ask_for_the_main_process():
     assert main_process_questions(ast.parse("if run.accelerator.is_main_process: pass"))
     assert main_process_questions(ast.parse("if state.is_main_process: pass"))
     assert not main_process_questions(ast.parse("if distributed.is_main_process(): pass"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the package's folders: the core never reaches into reproduce/, tasks never into each other
+
+
+def reproduce_importers(graph: dict) -> list:
+    """Modules outside finetune/reproduce that import it: only the command line may (``finetune compare``,
+    ``finetune import``); the loop, its set-up and the tasks never depend on how a baseline is read or compared."""
+    return sorted(m for m, deps in graph.items() if not m.startswith("finetune.reproduce") and m != "finetune.cli"
+                  and any(d.startswith("finetune.reproduce") for d in deps))
+
+
+def test_only_the_command_line_imports_reproduce():
+    graph = _graph()
+    assert reproduce_importers(graph) == []
+    graph["finetune.loop"] = graph["finetune.loop"] | {"finetune.reproduce.compare"}  # negative control
+    assert reproduce_importers(graph) == ["finetune.loop"]
+
+
+def task_to_task_imports(graph: dict) -> list:
+    """(task, task) for every task module importing another: what chat tasks share lives in finetune.tasks.chat,
+    which is not a task."""
+    from finetune.registry import available_tasks
+
+    tasks = {f"finetune.tasks.{t}" for t in available_tasks()}
+    return sorted((m, d) for m in tasks for d in graph.get(m, ()) if d in tasks)
+
+
+def test_tasks_never_import_each_other():
+    graph = _graph()
+    assert "finetune.tasks.chat" in graph["finetune.tasks.grpo"] and task_to_task_imports(graph) == []
+    graph["finetune.tasks.grpo"] = graph["finetune.tasks.grpo"] | {"finetune.tasks.dpo"}  # negative control
+    assert task_to_task_imports(graph) == [("finetune.tasks.grpo", "finetune.tasks.dpo")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one way through the code: a run's configuration, followed from the command line
+
+TRACED_TASK = '''
+import torch
+from finetune.job import Job
+
+
+def build(cfg):
+    rows = [{"x": a, "y": 2 * a} for a in torch.linspace(0, 3, 30).unsqueeze(-1)]
+    return Job(model=torch.nn.Linear(1, 1), train_data=rows[:24], val_data=rows[24:],
+               loss_fn=lambda m, b: (m(b["x"]) - b["y"]).pow(2).mean())
+'''
+# computed once per run: called more often, a fact would have two sources
+SET_UP_ONCE = ("finetune.shape.plan_shape", "finetune.shape.Shape.for_data", "finetune.checkpoint.find_checkpoint",
+               "finetune.checkpoint.read", "finetune.windows.WindowSpec.of", "finetune.distributed.make_accelerator",
+               "finetune.distributed.check_environment", "build")
+
+
+def traced_run(argv: list) -> tuple[list, dict]:
+    """Run ``finetune run argv`` in this process under a profiler. Returns (the configuration's path: each finetune
+    function that receives the recipe or one of its sections as an argument, not as ``self``, in the order of its
+    first call, as (module, function); calls per finetune function, by ``module.qualname``)."""
+    import dataclasses
+    import sys
+    from collections import Counter
+
+    from finetune.cli import run_main
+    from finetune.config import RecipeConfig
+
+    sections, path, calls = set(), [], Counter()
+
+    def profile(frame, event, arg):
+        module = frame.f_globals.get("__name__", "")
+        if event != "call" or not module.startswith("finetune"):
+            return
+        code = frame.f_code
+        if "__create_fn__" in code.co_qualname:  # a dataclass's generated __init__: storing, not following
+            return
+        name = code.co_qualname if module.startswith("finetune.") else code.co_name  # a task file: its module
+        calls[f"{module}.{name}" if module.startswith("finetune.") else name] += 1
+        args = [frame.f_locals.get(n) for n in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+                if n != "self"]
+        for value in args:
+            if isinstance(value, RecipeConfig):
+                sections.update(id(section) for f in dataclasses.fields(value)
+                                if dataclasses.is_dataclass(section := getattr(value, f.name, None)))
+        if any(isinstance(v, RecipeConfig) or id(v) in sections for v in args) and (module, name) not in path:
+            path.append((module, name))
+
+    sys.setprofile(profile)
+    try:
+        assert run_main(argv) == 0
+    finally:
+        sys.setprofile(None)
+    return path, calls
+
+
+def stays(path: list) -> list:
+    """The modules the configuration stays in, in order: consecutive functions of one module are one stay."""
+    out = []
+    for module, _ in path:
+        if not out or out[-1] != module:
+            out.append(module)
+    return out
+
+
+def returns(modules: list) -> list:
+    """The stays in a module the configuration had already left."""
+    return [m for i, m in enumerate(modules) if m in modules[:i]]
+
+
+def test_a_run_follows_its_configuration_in_12_stays_and_3_returns_and_sets_up_once(tmp_path):
+    (tmp_path / "traced.py").write_text(TRACED_TASK)
+    recipe = tmp_path / "traced.yaml"
+    recipe.write_text("task: ./traced.py\ntraining: {batch_size: 2, effective_batch_size: 8, learning_rate: 0.05, "
+                      "eval_at_start: true}\noutput: {plots: false, save_model: false, save_every: 2}\n")
+    out = str(tmp_path / "run")
+    fresh = traced_run(["--recipe", str(recipe), "--output-dir", out, "--max-steps", "2"])
+    resumed = traced_run(["--recipe", str(recipe), "--output-dir", out, "--resume", "latest"])
+    for (path, calls), what in ((fresh, "fresh"), (resumed, "resumed")):
+        modules = stays(path)
+        shown = " → ".join(modules)
+        assert len(modules) <= 12 and len(returns(modules)) <= 3, f"{what}: {len(modules)} stays, returns " \
+            f"{returns(modules)}: {shown}"
+        assert modules[0] == "finetune.config" and "finetune.loop" in modules, shown
+        twice = {f: n for f, n in calls.items() if any(f.endswith(s) for s in SET_UP_ONCE) and n != 1}
+        assert not twice, f"{what}: set-up called more than once: {twice}"
+    assert resumed[1]["finetune.checkpoint.read"] == 1 and "finetune.checkpoint.read" not in fresh[1]
+    # negative controls: a shape computed again after the loop began is a return, and a second call is counted
+    planted = [*fresh[0], ("finetune.shape", "plan_shape")]
+    assert returns(stays(planted))[-1] == "finetune.shape"
+    assert stays([("a", "f"), ("a", "g"), ("b", "h"), ("a", "k")]) == ["a", "b", "a"]

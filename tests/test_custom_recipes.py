@@ -24,9 +24,8 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-from finetune import loop
 from finetune.config import load_recipe, task_module
-from tests.helpers import ENV, EXACT, ROOT, RUN, SMALL, rel_diff
+from tests.helpers import ENV, EXACT, ROOT, RUN, SMALL, rel_diff, train_quietly
 
 CLI_ARGS = {
     "ode-latent": ["--set", "data.limit=16"],
@@ -80,7 +79,7 @@ def run(name, b, n, *overrides, val=False, before_window=None, job_hook=None):
         job_hook(job)
     if before_window is not None:
         job.before_window = before_window(job)
-    return loop.train(job, cfg.training, print_banner=False), job
+    return train_quietly(job, cfg.training), job
 
 
 def params(model, prefix=""):

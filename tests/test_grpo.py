@@ -10,7 +10,7 @@ import torch
 from finetune import steps
 from finetune.loop import Outputs
 from finetune.tasks import grpo
-from tests.helpers import SMALL, refused_in_process, tiny_chat_assets
+from tests.helpers import SMALL, refused_in_process, tiny_chat_assets, train_quietly
 
 EXACT = 1e-5
 # 13 prompts × 4 completions = 52 slots; a generation batch is steps_per_generation 2 × effective 6 = 12
@@ -32,7 +32,6 @@ def end_early(job):
 def grpo_run(b, n, *overrides, output=None, resume_from=None):
     from accelerate.utils import set_seed
 
-    from finetune import loop
     from finetune.config import load_recipe
 
     tiny_chat_assets()
@@ -41,7 +40,7 @@ def grpo_run(b, n, *overrides, output=None, resume_from=None):
     set_seed(cfg.training.seed)
     job = grpo.build(cfg)
     end_early(job)
-    result = loop.train(job, cfg.training, output, print_banner=False, resume_from=resume_from)
+    result = train_quietly(job, cfg.training, output, resume_from)
     weights = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
     return weights, result, job
 

@@ -118,7 +118,7 @@ def _fp16_accelerator(init_scale):
     """A CPU Accelerator wired like an fp16 one: a real GradScaler scales the loss in backward and the prepared
     optimizer steps through it — the ordering under test is the loop's, with Accelerate's real plumbing (the forward
     stays fp32 so the numbers can be compared exactly)."""
-    acc = make_accelerator(TrainingConfig())
+    acc = make_accelerator()
     acc.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
     acc.state._mixed_precision = "fp16"
     return acc

@@ -26,6 +26,7 @@ from tests.helpers import (
     load_weights,
     regression_data,
     same_bytes,
+    train_quietly,
 )
 
 ARGS = ["--recipe", TINY, "--save-every", "3", "--set", "data.limit=200"]  # 23 windows per epoch, 2 epochs
@@ -148,11 +149,11 @@ def test_checkpoints_load_without_pickle(uninterrupted, monkeypatch):
                                       hidden_size=32, num_attention_heads=2, intermediate_size=64)
     model = AutoModelForSequenceClassification.from_config(arch)
     t = TrainingConfig()
-    acc = make_accelerator(t)
+    acc = make_accelerator(t.mixed_precision)
     opt = make_optimizer(model, t)
     sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=10)
     model, opt = acc.prepare(model, opt)
-    state = checkpoint.load_checkpoint(acc, latest, {"model": sched})
+    state = checkpoint.load_checkpoint(acc, checkpoint.read(latest), {"model": sched})
     assert state.optimizer_step == json.loads((latest / "manifest.json").read_text())["step"]
     assert calls and all(w is True for w in calls), calls
     assert sched.last_epoch == state.optimizer_step
@@ -170,7 +171,7 @@ def test_a_resumed_history_has_seconds_on_every_line(tmp_path):
     def train(out, resume_from=None):
         torch.manual_seed(0)
         job = Job(model=MLP(), train_data=data[:20], val_data=data[20:])
-        return loop.train(job, t, loop.Outputs(dir=out, save_every=2), resume_from=resume_from, print_banner=False)
+        return train_quietly(job, t, loop.Outputs(dir=out, save_every=2), resume_from)
 
     full = tmp_path / "full"
     train(full)  # 5 steps: checkpoints after 2, 4 and 5

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from finetune import test_fine_tuning
-from tests.helpers import cli, copy_model, pad_collate, rel_diff, tiny_gpt2, token_data
+from tests.helpers import cli, copy_model, pad_collate, rel_diff, tiny_gpt2, token_data, train_quietly
 
 SGD = dict(optimizer="sgd", learning_rate=0.3, max_grad_norm=None, n_epochs=2, seed=3)
 
@@ -114,7 +114,6 @@ def test_length_sorted_micro_batches_take_the_same_steps():
     """Sorting a window's samples by length before cutting micro-batches changes the padding, not the step."""
     from finetune import Job
     from finetune.config import TrainingConfig
-    from finetune.loop import train
 
     model, data = tiny_gpt2(), token_data(29, lo=2, hi=20)
     lengths = [len(s["input_ids"]) for s in data]
@@ -123,7 +122,7 @@ def test_length_sorted_micro_batches_take_the_same_steps():
         t = TrainingConfig(batch_size=b, gradient_accumulation_steps=n, sort_within_window=sort, optimizer="sgd",
                            learning_rate=0.3, max_grad_norm=None, epochs=2, seed=3)
         job = Job(model=copy_model(model), train_data=data, collate_fn=pad_collate, length_of=lambda i: lengths[i])
-        return train(job, t, print_banner=False)
+        return train_quietly(job, t)
 
     big, sorted_small = run(6, 1, False), run(2, 3, True)
     assert rel_diff(sorted_small["model"], big["model"]) <= 1e-5

@@ -365,6 +365,7 @@ def training_peak(job, t) -> tuple[int, object]:
     ``t.max_steps`` ≥ 2 that is the peak of a steady optimizer step (the optimizer's state exists from the first on),
     which is what ``finetune plan`` predicts. A model on the CPU that trains on a GPU comes to it inside the run."""
     from finetune import loop
+    from finetune.shape import shape_for
 
     device = next(job.model.parameters()).device
     if torch.cuda.is_available():
@@ -372,7 +373,7 @@ def training_peak(job, t) -> tuple[int, object]:
     held = 0 if device.type == "cuda" and next(job.model.parameters()).device.type != "cuda" else \
         sum(x.numel() * x.element_size() for x in list(job.model.parameters()) + list(job.model.buffers()))
     with PeakMeter(device) as meter:
-        result = loop.train(job, t, print_banner=False)
+        result = loop.train(job, t, shape_for(job, t), loop.Outputs(banner=False))
     return held + meter.peak, result
 
 
@@ -399,10 +400,9 @@ def plan_recipe(cfg, gpu: str, layout: Layout = Layout()) -> Plan:
 
 def planned_window(cfg, job, processes: int) -> int:
     """The effective batch the plan is for; ConfigError when it is larger than the training set."""
-    from finetune.windows import resolve_accumulation
+    from finetune.shape import plan_shape
 
-    t = cfg.training
-    effective = t.effective_batch_size or (t.batch_size * resolve_accumulation(t, processes) * processes)
+    effective = plan_shape(cfg.training, processes).effective
     n_train = len(job.train_data)
     if effective > n_train:  # every window would be the whole set: a micro-batch above it is never used
         raise ConfigError(f"training.effective_batch_size: {effective} is larger than the {n_train} training "

@@ -2,8 +2,8 @@
 
 ``finetune plan --processes N --zero-stage S`` measures one process holding everything
 (``finetune.memory.step.Profile``) and turns it into what the busiest of the N holds (``per_process``).
-Measured on DeepSpeed 0.19.8 in fp32 training (``tests/test_zero_memory.py``), with the DeepSpeed defaults that finetune's accelerate configs keep (they set no
-bucket or threshold):
+Measured on DeepSpeed 0.19.8 in fp32 training (``tests/test_zero_memory.py``), with the DeepSpeed defaults that
+finetune's accelerate configs keep (they set no bucket or threshold):
 
 * DDP (stage 0): everything, plus DDP's gradient buckets (a copy of the gradients);
 * ZeRO-1: the optimizer's state over N, plus an fp32 copy of this process's share of the trainable weights

@@ -400,15 +400,15 @@ def _mine(run: Path) -> dict:
     return out
 
 
-def loss_band(b, mine: dict) -> tuple[float, str | None]:
+def loss_band(base, mine: dict) -> tuple[float, str | None]:
     """The relative tolerance of the training loss, and why it is wider than an exact replay's (None: exact)."""
     t = mine["config"].get("training") or {}
-    precision = "bf16" if b.get("bf16") else "fp16" if b.get("fp16") else None
+    precision = "bf16" if base.get("bf16") else "fp16" if base.get("fp16") else None
     ours = t.get("mixed_precision")
     if precision or ours not in (None, "no"):
         return MIXED_PRECISION_BAND, (f"mixed precision ({precision or 'fp32'} baseline, {ours or 'no'} here) "
                                       "rounds each side differently")
-    cfg, adapter = b.model_config or {}, b.adapter_config or {}
+    cfg, adapter = base.model_config or {}, base.adapter_config or {}
     drops = {k: v for k, v in cfg.items() if ("dropout" in k or k.endswith("pdrop")) and
              isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
     if adapter.get("lora_dropout"):
@@ -431,108 +431,108 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     from finetune.reproduce.baselines import read_baseline
     from finetune.reproduce.importer import model_difference
 
-    b, mine = read_baseline(baseline, "compare"), _mine(Path(run))
-    diff = model_difference(b.model_config, mine["model_config"])
+    base, mine = read_baseline(baseline, "compare"), _mine(Path(run))
+    diff = model_difference(base.model_config, mine["model_config"])
     if diff:
         raise ConfigError(f"compare: the baseline's model differs from {run}'s: {diff}")
     history, c, unchecked = mine["history"], Comparison(), []
-    card = b.kind == "model card"
-    _check_baseline_settings(c, b, mine)
+    card = base.kind == "model card"
+    _check_baseline_settings(c, base, mine)
 
-    eb, em = b.effective_batch(), mine["metrics"].get("effective_batch_size")
+    eb, em = base.effective_batch(), mine["metrics"].get("effective_batch_size")
     c.add("effective batch", eb == em if eb is not None else None,
-          f"{eb} ({b.kind}) vs {em} ({mine['metrics'].get('gradient_accumulation_steps')} micro-batches/step)"
-          if eb is not None else f"not in the {b.kind}")
-    steps = b.max_steps or b.get("schedule_steps")
+          f"{eb} ({base.kind}) vs {em} ({mine['metrics'].get('gradient_accumulation_steps')} micro-batches/step)"
+          if eb is not None else f"not in the {base.kind}")
+    steps = base.max_steps or base.get("schedule_steps")
     c.add("optimizer steps", steps == len(history) if steps else None,
-          f"{steps} vs {len(history)}" if steps else f"not in the {b.kind}")
-    _check_windows(c, b, history, mine, unchecked)
+          f"{steps} vs {len(history)}" if steps else f"not in the {base.kind}")
+    _check_windows(c, base, history, mine, unchecked)
 
     by_step = {h["step"]: h for h in history}
-    logs = [e for e in b.logs if e["step"] in by_step]
-    if not b.logs:
+    logs = [e for e in base.logs if e["step"] in by_step]
+    if not base.logs:
         unchecked.append("lr schedule")
-        c.add("lr schedule", None, f"not checkable: the {b.kind} logs no learning rate")
+        c.add("lr schedule", None, f"not checkable: the {base.kind} logs no learning rate")
     else:
         bad = next((e for e in logs if _rel(e.get("learning_rate", float("nan")), by_step[e["step"]]["lr"]) > 1e-9),
                    None)
-        c.add("lr schedule", bad is None and len(logs) == len(b.logs),
-              f"identical at all {len(logs)} logged steps" if bad is None and len(logs) == len(b.logs) else
+        c.add("lr schedule", bad is None and len(logs) == len(base.logs),
+              f"identical at all {len(logs)} logged steps" if bad is None and len(logs) == len(base.logs) else
               f"step {bad['step']}: {bad.get('learning_rate'):.6g} vs {by_step[bad['step']]['lr']:.6g}" if bad else
-              f"{len(b.logs) - len(logs)} logged steps are past this run's last step",
+              f"{len(base.logs) - len(logs)} logged steps are past this run's last step",
               step=bad["step"] if bad else None)
 
-    band, why = loss_band(b, mine)
+    band, why = loss_band(base, mine)
     band = loss_rtol if loss_rtol is not None else band
-    if b.logs:
-        _check_logged_loss(c, b.logs, history, band, why, int(b.get("logging_steps") or 1))
-        _check_logged_norms(c, b, logs, by_step, max(band, GRAD_NORM_RTOL), why, mine, unchecked)
-    elif b.card_losses:
+    if base.logs:
+        _check_logged_loss(c, base.logs, history, band, why, int(base.get("logging_steps") or 1))
+        _check_logged_norms(c, base, logs, by_step, max(band, GRAD_NORM_RTOL), why, mine, unchecked)
+    elif base.card_losses:
         unchecked.append("training loss")
         c.add("loss curve", None, "not checkable: the card's Training Loss is the mean over logging_steps, which "
                                   "the card does not say")
-    _check_eval(c, b, mine, band, CARD_ROUNDING if card else 0.0)
+    _check_eval(c, base, mine, band, CARD_ROUNDING if card else 0.0)
 
-    if b.weights is None:
+    if base.weights is None:
         unchecked.append("weights")
-        c.add("weights", None, f"not checkable: the {b.kind} holds no weights")
+        c.add("weights", None, f"not checkable: the {base.kind} holds no weights")
     else:
         from safetensors.torch import load_file
 
-        weights(c, mine["weights"], load_file(str(b.weights)), setting(mine["config"], "training.optimizer"),
-                weight_rtol, against=f" against {b.weights.name}")
+        weights(c, mine["weights"], load_file(str(base.weights)), setting(mine["config"], "training.optimizer"),
+                weight_rtol, against=f" against {base.weights.name}")
     notes = ([f"loss held to {band:g}, not {FP32_LOSS_RTOL:g}: {why}"] if why else []) + \
-        ([f"not checkable from the {b.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
-        start_notes(b, mine, c.equivalent)
+        ([f"not checkable from the {base.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
+        start_notes(base, mine, c.equivalent)
     c.qualifier = "; ".join(notes) or None
     return c
 
 
-def _check_baseline_settings(c: Comparison, b, mine: dict) -> None:
+def _check_baseline_settings(c: Comparison, base, mine: dict) -> None:
     """The update settings the baseline's arguments and files say (as ``finetune import`` carries them) against this
     run's ``config.yaml``: a run that trained LoRA against a full fine-tuning, or another optimizer, differs."""
     from finetune.reproduce.importer import carry
 
-    check_settings(c, run_settings(mine["config"]), step_settings(carry(b, set(), set()).values), "the baseline")
+    check_settings(c, run_settings(mine["config"]), step_settings(carry(base, set(), set()).values), "the baseline")
 
 
-def _check_logged_norms(c: Comparison, b, logs: list, by_step: dict, rtol: float, why, mine: dict,
+def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: float, why, mine: dict,
                         unchecked: list) -> None:
     """The grad norm the baseline logged at each logged step (the Trainer logs the norm of the step it logs at,
     before clipping, not a mean) against this run's, and the clipping each side applied."""
     logged = [e for e in logs if _finite(e.get("grad_norm"))]
     if not logged:
         unchecked.append("grad norm")
-        c.add("grad norm", None, f"not checkable: the {b.kind} logs no grad_norm (the Trainer computes it only "
+        c.add("grad norm", None, f"not checkable: the {base.kind} logs no grad_norm (the Trainer computes it only "
                                  "when it clips)")
         return
     steps, theirs = [e["step"] for e in logged], [e["grad_norm"] for e in logged]
     ours = [by_step[s]["grad_norm"] for s in steps]
     per_step(c, "grad norm", steps, ours, theirs, rtol, what="before clipping", why=why)
-    limit = (b.get("max_grad_norm") or None) if "max_grad_norm" in b.args else UNKNOWN
+    limit = (base.get("max_grad_norm") or None) if "max_grad_norm" in base.args else UNKNOWN
     clipping(c, steps, ours, theirs,
              setting(mine["config"], "training.max_grad_norm") if mine["config"] else UNKNOWN, limit)
 
 
-def start_notes(b, mine: dict, equivalent: bool) -> list:
+def start_notes(base, mine: dict, equivalent: bool) -> list:
     """Why a LoRA baseline's steps may part from the first: its random adapters, drawn where the run cannot see,
     unless the run started from the baseline's saved ones (``peft.init_from``). Said only when the runs differ: an
     equivalent verdict shows the start matched (LoRA's B starts at zero, so from step 2 on the steps depend on A)."""
-    if equivalent or not b.adapter_config or setting(mine["config"], "peft.init_from"):
+    if equivalent or not base.adapter_config or setting(mine["config"], "peft.init_from"):
         return []
-    where = ("wrapped before SFTTrainer (no peft_config=), they were drawn outside TRL's seeding" if b.trl else
+    where = ("wrapped before SFTTrainer (no peft_config=), they were drawn outside TRL's seeding" if base.trl else
              "drawn in the baseline's own script other than right after set_seed(seed), they differ")
     return [f"if the adapters were {where}: give the adapters saved before the first step as peft.init_from "
             "(certified regardless: the windows, the lr, the settings and step 1)"]
 
 
-def _check_windows(c: Comparison, b, history: list, mine: dict, unchecked: list) -> None:
+def _check_windows(c: Comparison, base, history: list, mine: dict, unchecked: list) -> None:
     """Each window's samples against the Trainer's batch: its order recomputed from the baseline's seed (data_seed
     when set) and effective batch over this run's training set."""
-    from finetune.windows import membership_hash, plan_epoch
+    from finetune.windows import WindowSpec, membership_hash
 
-    seed = b.get("data_seed") if b.get("data_seed") is not None else b.get("seed")
-    size, epochs = b.effective_batch(), sorted({h["epoch"] for h in history})
+    seed = base.get("data_seed") if base.get("data_seed") is not None else base.get("seed")
+    size, epochs = base.effective_batch(), sorted({h["epoch"] for h in history})
     # the training set is this run's (the baseline's data are the user's); older runs do not record its size
     n = mine["metrics"].get("train_samples") or (
         sum(h["samples"] for h in history if h["epoch"] == 0) if len(epochs) > 1 else None)
@@ -542,8 +542,9 @@ def _check_windows(c: Comparison, b, history: list, mine: dict, unchecked: list)
         unchecked.append("window samples")
         c.add("window samples", None, f"not checkable: {what} is unknown")
         return
-    trainer = {(e, w.index): membership_hash(w.samples) for e in epochs
-               for w in plan_epoch(n, size, 1, 1, 0, int(seed), e, sample_order="trainer")}
+    windows = WindowSpec(samples=n, micro_batch=size, accumulation=1, processes=1, seed=int(seed),
+                         sample_order="trainer")  # membership only: how a window splits does not matter
+    trainer = {(e, w.index): membership_hash(w.samples) for e in epochs for w in windows.epoch(e)}
     bad = next((h for h in history if trainer.get((h["epoch"], h["window"])) != h.get("window_hash")), None)
     order = (mine["config"].get("training") or {}).get("sample_order", "finetune")
     c.add("window samples", bad is None, f"all {len(history)} windows held the Trainer's batches (seed {seed})"
@@ -575,14 +576,14 @@ def _check_logged_loss(c: Comparison, logs: list, history: list, rtol: float, wh
           step=bad[0] if bad else None, basis=f"loss ≤ {rtol:.0e} at {len(logs)} logged steps")
 
 
-def _check_eval(c: Comparison, b, mine: dict, rtol: float, rounding: float) -> None:
+def _check_eval(c: Comparison, base, mine: dict, rtol: float, rounding: float) -> None:
     ours = {v["step"]: v["loss"] for v in mine["metrics"].get("val_history", []) if "loss" in v}
-    pairs = [(s, loss, ours[s]) for s, loss in b.evals if s in ours]
-    if not b.evals:
-        c.add("eval loss", None, f"the {b.kind} holds no evaluation")
+    pairs = [(s, loss, ours[s]) for s, loss in base.evals if s in ours]
+    if not base.evals:
+        c.add("eval loss", None, f"the {base.kind} holds no evaluation")
         return
     if not pairs:
-        c.add("eval loss", False, f"this run evaluated at none of the baseline's steps ({[s for s, _ in b.evals]})")
+        c.add("eval loss", False, f"this run evaluated at none of the baseline's steps ({[s for s, _ in base.evals]})")
         return
     worst = max(_rel(x, y) for _, x, y in pairs)
     bad = next(((s, x, y) for s, x, y in pairs if abs(x - y) > rtol * abs(y) + rounding), None)

@@ -59,15 +59,15 @@ class Imported:
         self.not_carried.append(f"not carried: {setting}={value} — {why}")
 
 
-def carry(b: Baseline, model_fields: set, data_fields: set, steps: int | None = None,
+def carry(base: Baseline, model_fields: set, data_fields: set, steps: int | None = None,
           initial_adapter=None) -> Imported:
     """Map the baseline's settings onto recipe fields (``section.name``); ``steps``: the optimizer steps the run
     took, when the source does not say them (for a warm-up ratio)."""
     out = Imported()
-    src = lambda name: b.args[name][1]  # noqa: E731
-    get = b.get
+    src = lambda name: base.args[name][1]  # noqa: E731
+    get = base.get
 
-    total = b.effective_batch()
+    total = base.effective_batch()
     if total:
         if get("total_train_batch_size"):
             where = f"{src('total_train_batch_size')}: total_train_batch_size"
@@ -80,27 +80,27 @@ def carry(b: Baseline, model_fields: set, data_fields: set, steps: int | None = 
     for name, field in (("learning_rate", "training.learning_rate"), ("weight_decay", "training.weight_decay")):
         if get(name) is not None:
             out.set(field, float(get(name)), src(name))
-    _scheduler(b, out, steps)
-    _length(b, out)
-    _optimizer(b, out)
-    if "max_grad_norm" in b.args:
+    _scheduler(base, out, steps)
+    _length(base, out)
+    _optimizer(base, out)
+    if "max_grad_norm" in base.args:
         norm = get("max_grad_norm")
         out.set("training.max_grad_norm", float(norm) if norm else None, src("max_grad_norm"))
-    _seed_and_order(b, out)
+    _seed_and_order(base, out)
     if get("bf16") or get("fp16"):
         which = "bf16" if get("bf16") else "fp16"
         out.set("training.mixed_precision", which, src(which))
-    elif "bf16" in b.args or "fp16" in b.args:
-        out.set("training.mixed_precision", "no", src("bf16" if "bf16" in b.args else "fp16"))
+    elif "bf16" in base.args or "fp16" in base.args:
+        out.set("training.mixed_precision", "no", src("bf16" if "bf16" in base.args else "fp16"))
     if get("gradient_checkpointing"):
         out.set("training.gradient_checkpointing", True, src("gradient_checkpointing"))
-    _eval(b, out)
-    if _lora(b, out):
-        _lora_start(b, out, initial_adapter)
-    _quantization(b, out, model_fields)
-    _data(b, out, data_fields)
-    if b.kind == "model card":  # the card lists only some arguments: the others are the recipe's own
-        missing = [f"{k} (Trainer default {v})" for k, v in CARD_OMITS.items() if k not in b.args]
+    _eval(base, out)
+    if _lora(base, out):
+        _lora_start(base, out, initial_adapter)
+    _quantization(base, out, model_fields)
+    _data(base, out, data_fields)
+    if base.kind == "model card":  # the card lists only some arguments: the others are the recipe's own
+        missing = [f"{k} (Trainer default {v})" for k, v in CARD_OMITS.items() if k not in base.args]
         if missing:
             out.not_carried.append("not in the model card, the recipe's values kept: " + ", ".join(missing))
     for name, why in NO_COUNTERPART.items():
@@ -109,30 +109,30 @@ def carry(b: Baseline, model_fields: set, data_fields: set, steps: int | None = 
     return out
 
 
-def _scheduler(b: Baseline, out: Imported, steps_given: int | None) -> None:
-    get = b.get
+def _scheduler(base: Baseline, out: Imported, steps_given: int | None) -> None:
+    get = base.get
     kind = get("lr_scheduler_type")
     if kind is not None:
         if str(kind) in SCHEDULERS:
-            out.set("training.lr_scheduler", str(kind), b.args["lr_scheduler_type"][1])
+            out.set("training.lr_scheduler", str(kind), base.args["lr_scheduler_type"][1])
         else:
             out.skip("lr_scheduler_type", kind, f"finetune's schedulers are {', '.join(sorted(SCHEDULERS))}")
     # transformers 5: warmup_steps below 1 is a ratio (TrainingArguments has no warmup_ratio); older arguments and
     # axolotl have warmup_ratio. Both become ceil(steps × ratio), as TrainingArguments.get_warmup_steps computes.
     steps, ratio, ratio_src = get("warmup_steps"), get("warmup_ratio"), None
     if steps is not None and 0 < float(steps) < 1:
-        ratio, ratio_src = float(steps), b.args["warmup_steps"][1]
+        ratio, ratio_src = float(steps), base.args["warmup_steps"][1]
     elif steps is not None and float(steps) >= 1:
-        out.set("training.warmup_steps", int(steps), b.args["warmup_steps"][1])
+        out.set("training.warmup_steps", int(steps), base.args["warmup_steps"][1])
         return
     elif ratio:
-        ratio, ratio_src = float(ratio), b.args["warmup_ratio"][1]
+        ratio, ratio_src = float(ratio), base.args["warmup_ratio"][1]
     if not ratio:
         if steps is not None:
-            out.set("training.warmup_steps", 0, b.args["warmup_steps"][1])
+            out.set("training.warmup_steps", 0, base.args["warmup_steps"][1])
         return
     total = get("schedule_steps") or (get("max_steps") if (get("max_steps") or -1) > 0 else None)
-    where = b.args["schedule_steps" if get("schedule_steps") else "max_steps"][1] if total else "--steps"
+    where = base.args["schedule_steps" if get("schedule_steps") else "max_steps"][1] if total else "--steps"
     total = total or steps_given
     if total:
         out.set("training.warmup_steps", math.ceil(int(total) * ratio),
@@ -142,84 +142,84 @@ def _scheduler(b: Baseline, out: Imported, steps_given: int | None) -> None:
                  f"--steps N, or set training.warmup_steps=ceil({ratio:g} × N) (transformers rounds up)")
 
 
-def _length(b: Baseline, out: Imported) -> None:
-    get = b.get
+def _length(base: Baseline, out: Imported) -> None:
+    get = base.get
     epochs, max_steps = get("num_train_epochs"), get("max_steps")
     if max_steps is not None and int(max_steps) > 0:
-        out.set("training.max_steps", int(max_steps), b.args["max_steps"][1])
+        out.set("training.max_steps", int(max_steps), base.args["max_steps"][1])
         out.set("training.epochs", max(1, math.ceil(int(max_steps) / max(1, int(get("schedule_steps") or
                                                                                 max_steps)))), "derived")
     elif epochs is not None:
         if float(epochs) != int(float(epochs)):
-            out.set("training.epochs", math.ceil(float(epochs)), b.args["num_train_epochs"][1])
+            out.set("training.epochs", math.ceil(float(epochs)), base.args["num_train_epochs"][1])
             out.skip("num_train_epochs", epochs, "finetune trains whole epochs; set training.max_steps to the "
                      "baseline's step count to stop where it stopped")
         else:
-            out.set("training.epochs", int(float(epochs)), b.args["num_train_epochs"][1])
+            out.set("training.epochs", int(float(epochs)), base.args["num_train_epochs"][1])
 
 
-def _optimizer(b: Baseline, out: Imported) -> None:
-    get = b.get
+def _optimizer(base: Baseline, out: Imported) -> None:
+    get = base.get
     optim = get("optim")
     if optim is not None:
         ours = OPTIMIZERS.get(str(optim).lower())
         if ours:
-            out.set("training.optimizer", ours, b.args["optim"][1])
+            out.set("training.optimizer", ours, base.args["optim"][1])
         else:
             out.skip("optim", optim, "finetune's optimizers are adamw, sgd, lion, adamw8bit, paged_adamw8bit")
     if get("adam_beta1") is not None or get("adam_beta2") is not None:
         betas = [float(get("adam_beta1", 0.9)), float(get("adam_beta2", 0.999))]
-        out.set("training.betas", betas, b.args["adam_beta1" if "adam_beta1" in b.args else "adam_beta2"][1])
+        out.set("training.betas", betas, base.args["adam_beta1" if "adam_beta1" in base.args else "adam_beta2"][1])
     eps = get("adam_epsilon")
     if eps is not None and float(eps) != 1e-8:
         out.skip("adam_epsilon", eps, "finetune's AdamW uses torch's eps 1e-8")
 
 
-def _seed_and_order(b: Baseline, out: Imported) -> None:
-    get = b.get
+def _seed_and_order(base: Baseline, out: Imported) -> None:
+    get = base.get
     seed, data_seed = get("seed"), get("data_seed")
     if data_seed is not None and data_seed != seed:
-        out.set("training.seed", int(data_seed), f"{b.args['data_seed'][1]}: data_seed, the seed of the order")
+        out.set("training.seed", int(data_seed), f"{base.args['data_seed'][1]}: data_seed, the seed of the order")
         if seed is not None:
             out.skip("seed", seed, f"finetune has one seed; data_seed={data_seed} is taken, for the sample order "
                      "(dropout and new weights draw from it too)")
     elif seed is not None:
-        out.set("training.seed", int(seed), b.args["seed"][1])
+        out.set("training.seed", int(seed), base.args["seed"][1])
     strategy = str(get("train_sampling_strategy") or "random")
     if get("packing") or get("group_by_length") or strategy not in ("random", "sequential"):
         return  # their order is not a seeded permutation of the samples (said by their own not-carried lines)
     if strategy == "sequential":
-        out.set("training.shuffle", False, b.args["train_sampling_strategy"][1])
+        out.set("training.shuffle", False, base.args["train_sampling_strategy"][1])
     else:
         out.set("training.sample_order", "trainer",
                 "HF Trainer's random sampler (axolotl and TRL train with it too)")
 
 
-def _eval(b: Baseline, out: Imported) -> None:
-    strategy = str(b.get("eval_strategy") or b.get("evaluation_strategy") or "")
-    if strategy == "steps" and b.get("eval_steps"):
-        out.set("training.eval_every", int(b.get("eval_steps")), b.args["eval_steps"][1])
+def _eval(base: Baseline, out: Imported) -> None:
+    strategy = str(base.get("eval_strategy") or base.get("evaluation_strategy") or "")
+    if strategy == "steps" and base.get("eval_steps"):
+        out.set("training.eval_every", int(base.get("eval_steps")), base.args["eval_steps"][1])
 
 
-def _lora(b: Baseline, out: Imported) -> bool:
+def _lora(base: Baseline, out: Imported) -> bool:
     """LoRA's settings, or that there is none; True when the baseline trained adapters."""
-    a, get = b.adapter_config, b.get
+    a, get = base.adapter_config, base.get
     if a and a.get("peft_type", "LORA") == "LORA":
         where = "adapter_config.json"
         values = {"r": a.get("r"), "alpha": a.get("lora_alpha"), "dropout": a.get("lora_dropout"),
                   "target_modules": a.get("target_modules"), "modules_to_save": a.get("modules_to_save")}
     elif get("adapter") in ("lora", "qlora"):
-        where = b.args["adapter"][1].split(":")[0]
+        where = base.args["adapter"][1].split(":")[0]
         values = {"r": get("lora_r"), "alpha": get("lora_alpha"), "dropout": get("lora_dropout"),
                   "target_modules": get("lora_target_modules"), "modules_to_save": None}
         if get("lora_target_linear"):
             out.skip("lora_target_linear", True, "finetune names the adapted modules; list the model's linear "
                      "layers in peft.target_modules")
-    elif b.kind == "Trainer folder" and b.weights is not None and b.weights.name == "model.safetensors":
-        out.set("peft.enabled", False, f"{b.weights.name} and no adapter_config.json: every weight trained")
+    elif base.kind == "Trainer folder" and base.weights is not None and base.weights.name == "model.safetensors":
+        out.set("peft.enabled", False, f"{base.weights.name} and no adapter_config.json: every weight trained")
         return False
     else:
-        out.skip("LoRA or not", "unknown", f"the {b.kind} does not say; the recipe's peft section is kept")
+        out.skip("LoRA or not", "unknown", f"the {base.kind} does not say; the recipe's peft section is kept")
         return False
     out.set("peft.enabled", True, where)
     for key, value in values.items():
@@ -233,12 +233,12 @@ def _lora(b: Baseline, out: Imported) -> bool:
     return True
 
 
-def _lora_start(b: Baseline, out: Imported, initial_adapter) -> None:
+def _lora_start(base: Baseline, out: Imported, initial_adapter) -> None:
     """Where the adapters start: the baseline's saved initial adapters, TRL's draw replayed from the seed, or
     unknown (said)."""
     if initial_adapter is not None:
         out.set("peft.init_from", str(initial_adapter), "--initial-adapter: the adapters before the first step")
-    elif b.trl:
+    elif base.trl:
         out.not_carried.append("adapters' start: replayed — TRL draws them right after set_seed(seed) and finetune "
                                "seeds the same way before building the model (checked with TRL 1.16, peft 0.21)")
     else:
@@ -247,8 +247,8 @@ def _lora_start(b: Baseline, out: Imported, initial_adapter) -> None:
                  "saved before the first step)")
 
 
-def _quantization(b: Baseline, out: Imported, model_fields: set) -> None:
-    get, q = b.get, (b.model_config or {}).get("quantization_config") or {}
+def _quantization(base: Baseline, out: Imported, model_fields: set) -> None:
+    get, q = base.get, (base.model_config or {}).get("quantization_config") or {}
     kind = None
     if get("load_in_4bit") or q.get("load_in_4bit"):
         kind = str(get("bnb_4bit_quant_type") or q.get("bnb_4bit_quant_type") or "nf4")
@@ -256,7 +256,7 @@ def _quantization(b: Baseline, out: Imported, model_fields: set) -> None:
         kind = "int8"
     if kind is None:
         return
-    where = b.args["load_in_4bit" if get("load_in_4bit") else "load_in_8bit"][1].split(":")[0] \
+    where = base.args["load_in_4bit" if get("load_in_4bit") else "load_in_8bit"][1].split(":")[0] \
         if get("load_in_4bit") or get("load_in_8bit") else "config.json: quantization_config"
     if "quantization" in model_fields and kind in ("nf4", "fp4", "int8"):
         out.set("model.quantization", kind, where)
@@ -264,43 +264,43 @@ def _quantization(b: Baseline, out: Imported, model_fields: set) -> None:
         out.skip("quantization", kind, "this recipe's task has no model.quantization")
 
 
-def _data(b: Baseline, out: Imported, data_fields: set) -> None:
-    get = b.get
+def _data(base: Baseline, out: Imported, data_fields: set) -> None:
+    get = base.get
     length = get("max_length") or get("max_seq_length")
     if length:
-        name = "max_length" if "max_length" in b.args else "max_seq_length"
+        name = "max_length" if "max_length" in base.args else "max_seq_length"
         field = next((f for f in ("max_length", "seq_len") if f in data_fields), None)
         if field:
-            out.set(f"data.{field}", int(length), b.args[name][1])
+            out.set(f"data.{field}", int(length), base.args[name][1])
         else:
             out.skip(name, length, "this recipe's task has no data.max_length / data.seq_len")
     if get("packing"):
         out.skip("packing", True, "it packs the whole data set before sampling, so its batches are of packed rows; "
                  "finetune's training.packing packs inside each window (the same samples, other batches)")
-    train_on, key = _train_on(b)
+    train_on, key = _train_on(base)
     if train_on is not None:
         if "train_on" in data_fields:
-            out.set("data.train_on", train_on, f"{b.args[key][1]}: {key}={get(key)}" + (
+            out.set("data.train_on", train_on, f"{base.args[key][1]}: {key}={get(key)}" + (
                 " (TRL's default: the loss after the prompt, on prompt/completion rows; rows of messages train on "
                 "every token there: set data.train_on=all for those)" if train_on == "completion" else ""))
         elif train_on != "all":
             out.skip(key, get(key), "this recipe's task trains on every token (no data.train_on)")
-    if "system_prompt" in data_fields and b.kind != "axolotl YAML":
+    if "system_prompt" in data_fields and base.kind != "axolotl YAML":
         out.set("data.system_prompt", None, "the baseline's rows as they are: a Trainer / TRL run adds no system "
                                             "message (the template's own default stays)")
 
 
-def _train_on(b: Baseline) -> tuple:
+def _train_on(base: Baseline) -> tuple:
     """(data.train_on, the argument it comes from) — (None, None) when the source says nothing."""
-    get = b.get
-    if "train_on_inputs" in b.args:  # axolotl
+    get = base.get
+    if "train_on_inputs" in base.args:  # axolotl
         return ("all" if get("train_on_inputs") else "assistant"), "train_on_inputs"
     if get("assistant_only_loss"):
         return "assistant", "assistant_only_loss"
-    if "completion_only_loss" in b.args and get("completion_only_loss") is not False:
+    if "completion_only_loss" in base.args and get("completion_only_loss") is not False:
         return "completion", "completion_only_loss"  # TRL: None means on for prompt/completion rows
-    if "assistant_only_loss" in b.args or "completion_only_loss" in b.args:
-        return "all", next(k for k in ("completion_only_loss", "assistant_only_loss") if k in b.args)
+    if "assistant_only_loss" in base.args or "completion_only_loss" in base.args:
+        return "all", next(k for k in ("completion_only_loss", "assistant_only_loss") if k in base.args)
     return None, None
 
 
@@ -348,10 +348,10 @@ def model_difference(baseline: dict | None, mine: dict | None) -> str | None:
     return None
 
 
-def _skeleton(b: Baseline) -> dict:
+def _skeleton(base: Baseline) -> dict:
     """A clm recipe on the baseline's base model (none when the source does not name it: said as missing)."""
-    return {"task": "clm", "description": f"imported from {b.path}",
-            "model": {"name_or_path": b.base_model} if b.base_model else {}}
+    return {"task": "clm", "description": f"imported from {base.path}",
+            "model": {"name_or_path": base.base_model} if base.base_model else {}}
 
 
 def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None,
@@ -360,50 +360,59 @@ def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None
     file; ``model``: its base model), what was carried and the baseline. Raises ConfigError (one line) for bad input, a recipe that would not
     validate, or a model that differs from the baseline's. A baseline that names no base model, imported without
     ``base``, gives a recipe whose ``model.name_or_path`` is missing (``Imported.missing`` says so)."""
-    from finetune.config import apply_overrides, config_from_dict, read_yaml, recipe_path, resolve_task, task_module
+    from finetune.config import (
+        apply_overrides,
+        config_from_dict,
+        read_yaml,
+        recipe_path,
+        resolve_task,
+        section_class,
+        task_module,
+    )
 
-    b = read_baseline(source, "import")
-    raw = read_yaml(recipe_path(base)) if base else _skeleton(b)
+    baseline = read_baseline(source, "import")
+    raw = read_yaml(recipe_path(base)) if base else _skeleton(baseline)
     if not isinstance(raw, dict):
         raise ConfigError(f"--recipe: {base} is not a recipe (a YAML mapping)")
     folder = recipe_path(base).parent if base else None
     module = task_module(resolve_task(raw.get("task"), folder))
     fields = lambda cls: {f for f in getattr(cls, "__dataclass_fields__", {})}  # noqa: E731
-    imported = carry(b, fields(module.ModelConfig), fields(module.DataConfig), steps, initial_adapter)
-    _training_file(imported, data, fields(module.DataConfig))
+    model_fields, data_fields = (fields(section_class(module, n)) for n in ("ModelConfig", "DataConfig"))
+    imported = carry(baseline, model_fields, data_fields, steps, initial_adapter)
+    _training_file(imported, data, data_fields)
     if not base and data is None:
-        imported.skip("the data set", "unknown", f"not in the {b.kind}; this recipe trains on the clm task's default "
-                      "data until you set data.source (or give --recipe BASE, or --data FILE)")
+        imported.skip("the data set", "unknown", f"not in the {baseline.kind}; this recipe trains on the clm task's "
+                      "default data until you set data.source (or give --recipe BASE, or --data FILE)")
     ours = ((raw.get("model") or {}).get("name_or_path") if isinstance(raw.get("model"), dict) else None)
     if model is not None:
         imported.set("model.name_or_path", str(model), "--model")
-    elif not b.base_model and base:
-        imported.skip("the base model", "unknown", f"the {b.kind} does not name it; the recipe's {ours} is kept: "
-                      "give --model if the baseline fine-tuned another")
-    elif b.base_model and base and ours and ours != b.base_model and not Path(str(ours)).exists():
+    elif not baseline.base_model and base:
+        imported.skip("the base model", "unknown", f"the {baseline.kind} does not name it; the recipe's {ours} is "
+                      "kept: give --model if the baseline fine-tuned another")
+    elif baseline.base_model and base and ours and ours != baseline.base_model and not Path(str(ours)).exists():
         # the same model in another form (the recipe's packaged GGUF, the baseline's hub id) or another model: the
         # baseline's is the one it trained; the architecture check below still refuses a different one
-        imported.set("model.name_or_path", b.base_model, f"the baseline's base model (the recipe's {ours} replaced; "
-                     "its task and data kept)")
+        imported.set("model.name_or_path", baseline.base_model, f"the baseline's base model (the recipe's {ours} "
+                     "replaced; its task and data kept)")
     raw = apply_overrides(raw, [(name.split("."), value) for name, value in imported.values.items()])
     if not base:
         raw.setdefault("name", Path(source).stem)
-    if not b.base_model and not base and model is None:
+    if not baseline.base_model and not base and model is None:
         imported.missing.append("model.name_or_path: the baseline does not name the model it fine-tuned; add it "
                                 "(--set model.name_or_path=MODEL when you run) or give --recipe BASE")
-        return raw, imported, b
+        return raw, imported, baseline
     cfg = config_from_dict(raw, name=raw.get("name") or "imported", folder=folder)
-    diff = model_difference(b.model_config, model_config_of(cfg.model))
+    diff = model_difference(baseline.model_config, model_config_of(cfg.model))
     if diff:
-        raise ConfigError(f"import: the baseline's model ({b.path / 'config.json'}) differs from the recipe's "
+        raise ConfigError(f"import: the baseline's model ({baseline.path / 'config.json'}) differs from the recipe's "
                           f"model.name_or_path: {diff}")
-    return raw, imported, b
+    return raw, imported, baseline
 
 
-def table(imported: Imported, b: Baseline) -> str:
+def table(imported: Imported, base: Baseline) -> str:
     rows = [("field", "value", "from")] + [(n, _show(v), s) for n, v, s in imported.rows]
     width = [max(len(r[i]) for r in rows) for i in range(2)]
-    lines = [f"{b.kind}: {b.path}"] + [f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}" for r in rows]
+    lines = [f"{base.kind}: {base.path}"] + [f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}" for r in rows]
     return "\n".join(lines + imported.not_carried)
 
 
@@ -418,13 +427,14 @@ def main(args) -> int:
                                "-imported.yaml")
     if out.exists() and not args.force:
         raise ConfigError(f"import: -o {out} exists; give another path or --force")
-    raw, imported, b = import_recipe(args.source, args.recipe, args.steps, args.data, args.initial_adapter, args.model)
-    print(table(imported, b))
-    if b.unknown:  # listed, not fatal: axolotl grows keys faster than this list
-        print(f"warning: {b.path.name}: keys finetune does not know, not read: {', '.join(b.unknown)}",
+    raw, imported, baseline = import_recipe(args.source, args.recipe, args.steps, args.data, args.initial_adapter,
+                                            args.model)
+    print(table(imported, baseline))
+    if baseline.unknown:  # listed, not fatal: axolotl grows keys faster than this list
+        print(f"warning: {baseline.path.name}: keys finetune does not know, not read: {', '.join(baseline.unknown)}",
               file=sys.stderr)
     command = f"finetune run --recipe {out} --batch-size B"
-    out.write_text(f"# {command}\n# imported from {args.source} ({b.kind}) by finetune import\n"
+    out.write_text(f"# {command}\n# imported from {args.source} ({baseline.kind}) by finetune import\n"
                    + yaml.safe_dump(raw, sort_keys=False))
     print(f"wrote {out}: run it with {command} (your micro-batch; N = effective batch / B)")
     for line in imported.missing:

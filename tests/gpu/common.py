@@ -9,10 +9,10 @@ import importlib.util
 import pytest
 import torch
 
-from finetune import loop
 from finetune.config import TrainingConfig
 from finetune.job import Job
 from finetune.reproduce.compare import flat, rel_diff  # noqa: F401  (the measure of the CPU suite: every parameter)
+from tests.helpers import train_quietly
 
 NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
 # Every module under tests/gpu starts with `pytestmark = GPU`: selected by `-m gpu` (make test-gpu), deselected by
@@ -130,7 +130,7 @@ def train_and_measure(model, data, collate, b: int, n: int, **training) -> tuple
 
     t = TrainingConfig(batch_size=b, gradient_accumulation_steps=n, max_steps=2, shuffle=False,
                        sort_within_window=False, **{"learning_rate": 1e-5, **training})
-    result = loop.train(Job(model=model, train_data=data[:b * n * 2], collate_fn=collate,
-                            before_window=before_window), t, print_banner=False)
+    result = train_quietly(Job(model=model, train_data=data[:b * n * 2], collate_fn=collate,
+                               before_window=before_window), t)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base, result

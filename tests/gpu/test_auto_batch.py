@@ -10,10 +10,10 @@ import re
 import torch
 from accelerate.utils import set_seed
 
-from finetune import loop
 from finetune.config import TrainingConfig
 from finetune.job import Job
 from tests.gpu.common import GPU, causal_lm_collate, causal_lm_data, flat, gpt2, rel_diff, release, train_and_measure
+from tests.helpers import train_quietly
 
 pytestmark = GPU
 
@@ -26,7 +26,7 @@ def run(model, data, batch_size):
     """One epoch of 64 samples in windows of 32 (two optimizer steps); ``batch_size`` a number or "auto"."""
     t = TrainingConfig(batch_size=batch_size, effective_batch_size=EFFECTIVE, seed=5, **SGD)
     set_seed(t.seed)
-    return loop.train(Job(model=model, train_data=data, collate_fn=causal_lm_collate), t, print_banner=False)
+    return train_quietly(Job(model=model, train_data=data, collate_fn=causal_lm_collate), t)
 
 
 def fits(model, data, batch_size) -> bool:

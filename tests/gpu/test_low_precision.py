@@ -8,12 +8,11 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-from finetune import loop
 from finetune.config import load_recipe
 from finetune.models import precision
 from finetune.tasks import sft
 from tests.gpu.common import GPU, flat, rel_diff, update_share
-from tests.helpers import EXACT, SMALL, tiny_chat_assets
+from tests.helpers import EXACT, SMALL, tiny_chat_assets, train_quietly
 
 pytestmark = GPU
 TOLERANCE = {"no": 1e-5, "bf16": 5e-2}
@@ -29,7 +28,7 @@ def run(b: int, n: int, mixed_precision: str):
     job = sft.build(cfg)
     job.val_data = None
     start = flat(job.model, trainable_only=True)
-    return loop.train(job, cfg.training, print_banner=False), start
+    return train_quietly(job, cfg.training), start
 
 
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"], ids=["fp32", "bf16"])

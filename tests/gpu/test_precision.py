@@ -27,12 +27,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import GradScalerKwargs, set_seed
 
-from finetune import loop
 from finetune.config import TrainingConfig
 from finetune.distributed import make_accelerator, restart_accelerate_state
 from finetune.job import Job
 from tests.gpu.common import GPU, flat, rel_diff, update_share
-from tests.helpers import MLP, pad_collate, regression_data, tiny_gpt2, token_data
+from tests.helpers import MLP, pad_collate, regression_data, tiny_gpt2, token_data, train_quietly
 
 pytestmark = GPU
 
@@ -44,7 +43,7 @@ def accelerator_for(precision: str) -> Accelerator:
     """fp32 and bf16: the Accelerator finetune makes. fp16: the same through Accelerate's API, with a GradScaler
     starting at ``INIT_SCALE`` rather than 65 536, so that which windows overflow is decided by the test alone."""
     if precision != "fp16":
-        return make_accelerator(TrainingConfig(mixed_precision=precision))
+        return make_accelerator(precision)
     restart_accelerate_state()
     return Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=INIT_SCALE)])
 
@@ -59,7 +58,7 @@ def train(model, data, b: int, n: int, precision: str, collate=None, count_items
     set_seed(t.seed)
     job = Job(model=model, train_data=data, collate_fn=collate, count_items=count_items,
               before_window=before_window, after_step=after_step)
-    return loop.train(job, t, accelerator=accelerator or accelerator_for(precision), print_banner=False)
+    return train_quietly(job, t, accelerator=accelerator or accelerator_for(precision))
 
 
 class Overflowing(MLP):
