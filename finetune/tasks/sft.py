@@ -31,7 +31,7 @@ from typing import Literal, Optional
 import torch
 
 from finetune import distributed
-from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, require_at_least_one
+from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc
 from finetune.data import load_local_table, parse_rows, split_samples
 from finetune.evaluation import load_metric
 from finetune.hf_models import (
@@ -64,9 +64,10 @@ class ChatModelConfig(PretrainedModelConfig):
 @dataclass
 class ModelConfig(ChatModelConfig):
     generate_prompts: int = doc("held-out prompts answered greedily at each evaluation for token F1 / exact "
-                                "match (the first N; 0: no generative metric)", 24)
-    max_new_tokens: int = doc("longest generated answer, in tokens", 32)
-    samples_saved: int = doc("prompt / generated / reference triples written to samples.jsonl at the end", 8)
+                                "match (the first N; 0: no generative metric)", 24, at_least=0)
+    max_new_tokens: int = doc("longest generated answer, in tokens", 32, at_least=1)
+    samples_saved: int = doc("prompt / generated / reference triples written to samples.jsonl at the end", 8,
+                             at_least=0)
 
 
 @dataclass
@@ -78,7 +79,8 @@ class DataConfig(BaseDataConfig):
         "tokens the loss counts: the assistant's turns (everything else -100); completion: everything after the "
         "prompt (the conversation through its last user turn, with the generation prompt), the template's text after "
         "the answer included, as TRL's completion_only_loss on prompt/completion rows; or every token", "assistant")
-    max_length: int = doc("longest conversation, in tokens: longer ones are dropped (counted at set-up)", 256)
+    max_length: int = doc("longest conversation, in tokens: longer ones are dropped (counted at set-up)", 256,
+                          at_least=2)
     system_prompt: Optional[str] = doc("system message put first in every conversation that has none (null: "
                                        "none; the template may add its own default)", None)
 
@@ -99,13 +101,6 @@ def validate_chat_model(m, problems: list) -> None:
 def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
     validate_chat_model(m, problems)
-    if m.generate_prompts < 0:
-        problems.append(f"model.generate_prompts: got {m.generate_prompts}; must be an integer >= 0")
-    require_at_least_one(m, ["max_new_tokens"], problems, "model")
-    if m.samples_saved < 0:
-        problems.append(f"model.samples_saved: got {m.samples_saved}; must be an integer >= 0")
-    if d.max_length < 2:
-        problems.append(f"data.max_length: got {d.max_length}; must be an integer >= 2")
     source = Path(d.source).expanduser()
     if d.source != "stdlib-qa" and not source.exists() and not is_hub_id(d.source):
         problems.append(f"data.source: {d.source} not found; use 'stdlib-qa', a data file, a saved dataset folder "
