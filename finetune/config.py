@@ -32,8 +32,77 @@ from finetune.registry import (  # noqa: F401  (list_recipes, recipe_path: re-ex
 )
 
 
+def _show(bound) -> str:
+    """A bound as the messages write it: 2**32 - 1 (a seed's upper end) by name, other numbers as they are."""
+    return "2**32 - 1" if bound == 2**32 - 1 else str(bound)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Range:
+    """The numbers a field allows: a lower and/or an upper bound, each included or not; for a list field, how many
+    numbers it holds, each within the bounds. Declared on the field through ``doc(at_least=…, above=…, at_most=…,
+    below=…, length=…)``, so that validation, error messages and help text come from one place.
+
+        >>> r = Range(low=0, high=1, high_open=True)
+        >>> r.allows(0), r.allows(1), r.describe(float)
+        (True, False, 'in [0, 1)')
+    """
+
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    length: Optional[int] = None
+
+    def _within(self, x) -> bool:
+        return ((self.low is None or (x > self.low if self.low_open else x >= self.low))
+                and (self.high is None or (x < self.high if self.high_open else x <= self.high)))
+
+    def allows(self, value) -> bool:
+        """Whether ``value`` (already of the field's type) is allowed. What the type allows besides numbers (null,
+        auto) is not a number and passes: the range bounds the numbers only."""
+        if self.length is not None:
+            return (isinstance(value, list) and len(value) == self.length
+                    and all(_is_number(x) and self._within(x) for x in value))
+        return not _is_number(value) or self._within(value)
+
+    def bounds(self) -> str:
+        """``>= 1``, ``> 0``, ``in [0, 1)``, ``<= 1`` …; for a list field ``2 numbers in [0, 1)`` (the help text's)."""
+        if self.low is None and self.high is None:
+            return f"{self.length} numbers"
+        if self.low is not None and self.high is not None:
+            text = (f"in {'(' if self.low_open else '['}{_show(self.low)}, {_show(self.high)}"
+                    f"{')' if self.high_open else ']'}")
+        elif self.low is not None:
+            text = f"{'>' if self.low_open else '>='} {_show(self.low)}"
+        else:
+            text = f"{'<' if self.high_open else '<='} {_show(self.high)}"
+        return f"{self.length} numbers {text}" if self.length is not None else text
+
+    def describe(self, tp) -> str:
+        """What follows ``must be`` in an error message, for a field of type ``tp``: ``an integer >= 1 or null``,
+        ``a number > 0``, ``in [0, 1)`` (an interval says it is a number), ``an integer >= 1 or auto``."""
+        options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        others = [a for a in options if typing.get_origin(a) is Literal or a is type(None)]
+        alternatives = ["null" if a is type(None) else " or ".join(map(str, typing.get_args(a))) for a in others]
+        if self.length is not None:
+            text = self.bounds()
+        elif int in options:
+            text = f"an integer {self.bounds()}"
+        elif self.low is not None and self.high is not None:
+            text = self.bounds()
+        else:
+            text = f"a number {self.bounds()}"
+        return " or ".join([text, *alternatives])
+
+
 def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, alias: Optional[str] = None,
-        affects_result: bool = True, **kw):
+        affects_result: bool = True, at_least=None, above=None, at_most=None, below=None,
+        length: Optional[int] = None, **kw):
     """A dataclass field and everything said about it, in one place.
 
     Args:
@@ -43,10 +112,31 @@ def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, a
         alias: another name for it in ``test_fine_tuning()`` and ``finetune search --param`` (``n_epochs``).
         affects_result: False when changing it between a checkpoint and its resumption leaves the steps alone
             (worker count, logging, checkpoint cadence); resuming warns about the others.
+        at_least, above: the lowest allowed number, included (``>=``) or not (``>``); give one at most.
+        at_most, below: the highest allowed number, included (``<=``) or not (``<``); give one at most.
+        length: for a list of numbers: how many it holds (the bounds apply to each).
+
+    The bounds become a ``Range`` in the field's metadata (``metadata["range"]``): every recipe section is checked
+    against it on load (``check_ranges``), and the help text ends with it (``; allowed: >= 1``).
+
+        >>> @dataclass
+        ... class Section:
+        ...     epochs: int = doc("passes over the training data", 1, at_least=1)
+        >>> problems = []
+        >>> check_ranges(Section(epochs=0), "training", problems)
+        >>> problems
+        ['training.epochs: got 0; must be an integer >= 1']
     """
+    if (at_least is not None and above is not None) or (at_most is not None and below is not None):
+        raise TypeError("doc(): give at_least or above, at_most or below — one bound a side")
+    bounded = any(b is not None for b in (at_least, above, at_most, below)) or length is not None
+    allowed = Range(low=above if above is not None else at_least, high=below if below is not None else at_most,
+                    low_open=above is not None, high_open=below is not None, length=length) if bounded else None
     if default is not dataclasses.MISSING:
         kw["default"] = default
-    return field(metadata={"help": text, "flag": flag, "alias": alias, "affects_result": affects_result}, **kw)
+    shown = f"{text}; allowed: {allowed.bounds()}" if allowed else text
+    return field(metadata={"help": shown, "flag": flag, "alias": alias, "affects_result": affects_result,
+                           "range": allowed}, **kw)
 
 
 @dataclass
@@ -54,35 +144,37 @@ class TrainingConfig:
     batch_size: Union[int, Literal["auto"]] = doc(
         "micro-batch: samples per process per forward/backward; auto: the largest that fits (needs "
         "effective_batch_size; on out-of-memory the same window is retried with a smaller one)", 8,
-        flag="--batch-size", affects_result=False)
+        flag="--batch-size", affects_result=False, at_least=1)
     gradient_accumulation_steps: Optional[int] = doc(
         "N: micro-batches per process per optimizer step (null: derived from effective_batch_size, else 1)", None,
-        flag="--grad-accum-steps", affects_result=False)
+        flag="--grad-accum-steps", affects_result=False, at_least=1)
     effective_batch_size: Optional[int] = doc(
         "samples per optimizer step over all processes; when set, N = this / (batch_size × processes), exact", None,
-        flag="--effective-batch-size", affects_result=False)
+        flag="--effective-batch-size", affects_result=False, at_least=1)
     learning_rate: float = doc("peak learning rate (at reference_batch_size when scale_lr is set)", 5e-5,
-                               flag="--lr", alias="lr")
+                               flag="--lr", alias="lr", at_least=0)
     scale_lr: Literal["none", "linear", "sqrt"] = doc(
         "scale learning_rate by (effective batch / reference_batch_size) or its square root — for a run that can't "
         "use the baseline's batch; none keeps it", "none")
-    reference_batch_size: Optional[int] = doc("the baseline's effective batch that learning_rate belongs to", None)
-    epochs: int = doc("passes over the training data", 1, flag="--epochs", alias="n_epochs")
+    reference_batch_size: Optional[int] = doc("the baseline's effective batch that learning_rate belongs to", None,
+                                              at_least=1)
+    epochs: int = doc("passes over the training data", 1, flag="--epochs", alias="n_epochs", at_least=1)
     max_steps: Optional[int] = doc("stop after this many optimizer steps (null: run all epochs)", None,
-                                   flag="--max-steps")
+                                   flag="--max-steps", at_least=1)
     optimizer: Literal["adamw", "sgd", "lion", "adamw8bit", "paged_adamw8bit"] = doc(
         "adamw (no decay on biases/norms), sgd, lion, or bitsandbytes' adamw8bit / paged_adamw8bit (AdamW with its "
         "state block-quantized to 8 bits; paged: the state can spill to host memory; not the fp32 AdamW update)",
         "adamw")
-    weight_decay: float = doc("decoupled weight decay (adamw, lion) or L2 (sgd)", 0.0)
-    momentum: float = doc("sgd momentum", 0.0)
-    betas: list = doc("adamw / lion betas", dataclasses.MISSING, default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = doc("decoupled weight decay (adamw, lion) or L2 (sgd)", 0.0, at_least=0)
+    momentum: float = doc("sgd momentum", 0.0, at_least=0, below=1)
+    betas: list = doc("adamw / lion betas", dataclasses.MISSING, length=2, at_least=0, below=1,
+                       default_factory=lambda: [0.9, 0.999])
     lr_scheduler: Literal[
         "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
         "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay",
     ] = doc("transformers.get_scheduler name; stepped once per optimizer step", "linear")
-    warmup_steps: int = doc("warm-up length in optimizer steps", 0)
-    max_grad_norm: Optional[float] = doc("clip the total L2 grad norm to this (null: no clipping)", 1.0)
+    warmup_steps: int = doc("warm-up length in optimizer steps", 0, at_least=0)
+    max_grad_norm: Optional[float] = doc("clip the total L2 grad norm to this (null: no clipping)", 1.0, above=0)
     mixed_precision: Literal["no", "fp16", "bf16"] = doc("autocast precision through Accelerate", "no",
                                                          flag="--mixed-precision")
     gradient_checkpointing: bool = doc("recompute activations in backward (HF models or the task's hook)", False,
@@ -91,7 +183,7 @@ class TrainingConfig:
     compile_mode: Optional[str] = doc("torch.compile mode (default, reduce-overhead, max-autotune)", None)
     cudnn_benchmark: bool = doc("torch.backends.cudnn.benchmark", False, affects_result=False)
     seed: int = doc("seeds model init, sample order and dropout; sample order depends on nothing else", 42,
-                    flag="--seed")
+                    flag="--seed", at_least=0, at_most=2**32 - 1)
     shuffle: bool = doc("reshuffle samples every epoch (seeded)", True)
     rollouts: Optional[str] = doc(
         "grpo: a run's rollouts.jsonl to train on instead of generating (replays that run's rollouts, so that its "
@@ -104,18 +196,18 @@ class TrainingConfig:
         "what the loss averages over, used to weight micro-batches: auto detects label tokens (-100 ignored, "
         "shifted for causal LMs), else samples", "auto")
     eval_every: Optional[int] = doc("evaluate every K optimizer steps (null: at the end of each epoch)", None,
-                                    affects_result=False)
+                                    affects_result=False, at_least=1)
     eval_at_start: bool = doc("also evaluate before the first optimizer step (the untuned model's metrics)", False,
                               affects_result=False)
     on_nonfinite: Literal["stop", "skip"] = doc(
         "non-finite loss/grad: stop the run, or skip the window's update", "stop", affects_result=False)
-    num_workers: int = doc("DataLoader worker processes", 0, affects_result=False)
+    num_workers: int = doc("DataLoader worker processes", 0, affects_result=False, at_least=0)
     sort_within_window: Optional[bool] = doc(
         "order each window's samples by length before cutting micro-batches (less padding; same windows, same "
         "steps); null: on when the task knows sample lengths (text tasks)", None)
     max_tokens_per_micro_batch: Optional[int] = doc(
         "cut each window into micro-batches of at most this many padded tokens (their size varies; windows and "
-        "steps stay the same); null: batch_size samples each", None)
+        "steps stay the same); null: batch_size samples each", None, at_least=1)
     chunked_loss: Optional[bool] = doc(
         "causal LMs: compute the loss head in chunks of tokens, never holding the [tokens, vocab] logits or their "
         "gradient (the same loss and gradients to fp32 rounding); null: on where the model is supported; true: "
@@ -128,8 +220,9 @@ class TrainingConfig:
         "on where the model keeps packed samples apart (checked at set-up), else sorted windows; true: refuse if "
         "it can't", None, affects_result=False)
     pack_length: Optional[int] = doc("tokens per packed row (null: the longest training sample)", None,
-                                     affects_result=False)
-    ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9, affects_result=False)
+                                     affects_result=False, at_least=2)
+    ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9, affects_result=False,
+                          at_least=0, below=1)
 
 
 @dataclass
@@ -144,15 +237,16 @@ class OutputConfig:
         "experiment tracker through Accelerate (tensorboard writes under the output dir; wandb / mlflow need their "
         "package and account)", "tensorboard", affects_result=False)
     save_every: Optional[int] = doc("checkpoint every K optimizer steps and at the end (null: no checkpoints)", None,
-                                    flag="--save-every", affects_result=False)
+                                    flag="--save-every", affects_result=False, at_least=1)
     keep_checkpoints: int = doc("how many of the newest checkpoints to keep", 2, flag="--keep-last",
-                                affects_result=False)
+                                affects_result=False, at_least=1)
 
 
 @dataclass
 class BaseModelConfig:
     name_or_path: Optional[str] = doc("hub id or local directory of a pretrained model", None)
-    dropout: Optional[float] = doc("dropout probability for every dropout layer (null: model default; 0: off)", None)
+    dropout: Optional[float] = doc("dropout probability for every dropout layer (null: model default; 0: off)", None,
+                                   at_least=0, below=1)
     trust_remote_code: bool = doc("allow model code from the checkpoint directory", False)
 
 
@@ -171,17 +265,18 @@ class PretrainedModelConfig(BaseModelConfig):
 
 @dataclass
 class BaseDataConfig:
-    val_fraction: float = doc("fraction of the data held out for validation", 0.1)
-    split_seed: int = doc("seed of the train/validation split (independent of training.seed)", 0)
-    limit: Optional[int] = doc("use only the first N samples (after the split) — for smoke runs", None)
+    val_fraction: float = doc("fraction of the data held out for validation", 0.1, at_least=0, below=1)
+    split_seed: int = doc("seed of the train/validation split (independent of training.seed)", 0,
+                          at_least=0, at_most=2**32 - 1)
+    limit: Optional[int] = doc("use only the first N samples (after the split) — for smoke runs", None, at_least=1)
 
 
 @dataclass
 class PeftConfig:
     enabled: bool = doc("train LoRA adapters (peft) instead of all weights", False)
-    r: int = doc("LoRA rank", 8)
-    alpha: int = doc("LoRA alpha (the update is scaled by alpha / r)", 16)
-    dropout: float = doc("dropout on the LoRA branch (0 for an exact reproduction check)", 0.0)
+    r: int = doc("LoRA rank", 8, at_least=1)
+    alpha: int = doc("LoRA alpha (the update is scaled by alpha / r)", 16, at_least=1)
+    dropout: float = doc("dropout on the LoRA branch (0 for an exact reproduction check)", 0.0, at_least=0, below=1)
     target_modules: Optional[list] = doc("module names to adapt (null: peft's default for the architecture)", None)
     modules_to_save: Optional[list] = doc("modules trained in full beside the adapters (e.g. [classifier])", None)
     merge: bool = doc("also save the model with the adapters merged in (model-merged/)", False)
@@ -296,58 +391,42 @@ def build_section(cls, raw, section: str, problems: list):
     return cls(**kwargs)
 
 
-def require_at_least_one(section, names, problems: list, prefix: str) -> None:
-    """One ``prefix.name: got …; must be an integer >= 1`` line per field of ``section`` below 1."""
-    for name in names:
-        if getattr(section, name) < 1:
-            problems.append(f"{prefix}.{name}: got {getattr(section, name)}; must be an integer >= 1")
+def check_ranges(section, prefix: str, problems: list) -> None:
+    """One ``prefix.name: got …; must be …`` line per field of the dataclass instance ``section`` whose value is
+    outside the range its ``doc(...)`` declares; fields without one are not checked here.
+
+        >>> problems = []
+        >>> check_ranges(TrainingConfig(epochs=0), "training", problems)
+        >>> problems
+        ['training.epochs: got 0; must be an integer >= 1']
+    """
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        allowed, value = f.metadata.get("range"), getattr(section, f.name)
+        if allowed is not None and not allowed.allows(value):
+            problems.append(f"{prefix}.{f.name}: got {value}; must be {allowed.describe(hints[f.name])}")
+
+
+def in_range(section, name: str) -> bool:
+    """Whether field ``name`` of ``section`` is within its declared range (True without one). A cross-field check
+    asks it first, so that a value its range refuses is reported once, by the range."""
+    allowed = next(f.metadata.get("range") for f in dataclasses.fields(section) if f.name == name)
+    return allowed is None or allowed.allows(getattr(section, name))
 
 
 def validate_training(t: TrainingConfig, problems: list):
-    """Range checks of the training section; appends one line per problem."""
-
-    def need(ok, msg):
-        if not ok:
-            problems.append(msg)
-
-    if t.batch_size == "auto":
-        need(t.effective_batch_size is not None,
-             "training.batch_size: auto needs training.effective_batch_size (the window the micro-batches split)")
-    else:
-        need(t.batch_size >= 1, f"training.batch_size: got {t.batch_size}; must be an integer >= 1 or auto")
-    if t.gradient_accumulation_steps is not None:
-        need(t.gradient_accumulation_steps >= 1, f"training.gradient_accumulation_steps: got "
-             f"{t.gradient_accumulation_steps}; must be an integer >= 1 or null")
-    if t.effective_batch_size is not None:
-        need(t.effective_batch_size >= 1,
-             f"training.effective_batch_size: got {t.effective_batch_size}; must be an integer >= 1")
-    need(t.learning_rate >= 0, f"training.learning_rate: got {t.learning_rate}; must be >= 0")
+    """The training section: each field's declared range, then the checks that involve more than one field or the
+    machine; appends one line per problem."""
+    check_ranges(t, "training", problems)
+    # Not field ranges: each depends on another field, or on what is installed.
+    if t.batch_size == "auto" and t.effective_batch_size is None:
+        problems.append("training.batch_size: auto needs training.effective_batch_size (the window the micro-batches "
+                        "split)")
     if t.optimizer.endswith("8bit"):  # bitsandbytes' (finetune.optim.EIGHT_BIT)
         need_bitsandbytes("training.optimizer", t.optimizer, problems)
-    if t.scale_lr != "none":
-        need(t.reference_batch_size is not None and t.reference_batch_size >= 1,
-             f"training.reference_batch_size: got {t.reference_batch_size}; scale_lr={t.scale_lr} needs the "
-             "baseline's effective batch (an integer >= 1)")
-    need(t.epochs >= 1, f"training.epochs: got {t.epochs}; must be an integer >= 1")
-    if t.max_steps is not None:
-        need(t.max_steps >= 1, f"training.max_steps: got {t.max_steps}; must be an integer >= 1 or null")
-    need(t.weight_decay >= 0, f"training.weight_decay: got {t.weight_decay}; must be >= 0")
-    need(t.warmup_steps >= 0, f"training.warmup_steps: got {t.warmup_steps}; must be an integer >= 0")
-    if t.max_grad_norm is not None:
-        need(t.max_grad_norm > 0, f"training.max_grad_norm: got {t.max_grad_norm}; must be > 0 or null")
-    need(0 <= t.momentum < 1, f"training.momentum: got {t.momentum}; must be in [0, 1)")
-    need(len(t.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas),
-         f"training.betas: got {t.betas}; must be two numbers in [0, 1)")
-    need(0 <= t.ema_beta < 1, f"training.ema_beta: got {t.ema_beta}; must be in [0, 1)")
-    need(t.num_workers >= 0, f"training.num_workers: got {t.num_workers}; must be an integer >= 0")
-    need(0 <= t.seed < 2**32, f"training.seed: got {t.seed}; must be an integer in [0, 2**32 - 1]")
-    if t.max_tokens_per_micro_batch is not None:
-        need(t.max_tokens_per_micro_batch >= 1, f"training.max_tokens_per_micro_batch: got "
-             f"{t.max_tokens_per_micro_batch}; must be an integer >= 1 or null")
-    if t.pack_length is not None:
-        need(t.pack_length >= 2, f"training.pack_length: got {t.pack_length}; must be an integer >= 2 or null")
-    if t.eval_every is not None:
-        need(t.eval_every >= 1, f"training.eval_every: got {t.eval_every}; must be an integer >= 1 or null")
+    if t.scale_lr != "none" and t.reference_batch_size is None:
+        problems.append(f"training.reference_batch_size: got None; scale_lr={t.scale_lr} needs the baseline's "
+                        "effective batch (an integer >= 1)")
 
 
 def bitsandbytes_installed() -> bool:
@@ -397,35 +476,19 @@ def refuse_precision_for_new_model(m: PretrainedModelConfig, problems: list) -> 
 
 def _validate_ranges(cfg: RecipeConfig, problems: list):
     validate_training(cfg.training, problems)
+    for name in ("model", "data", "output"):
+        check_ranges(getattr(cfg, name), name, problems)
     if isinstance(cfg.model, PretrainedModelConfig):
         validate_precision(cfg, problems)
-
-    def need(ok, msg):
-        if not ok:
-            problems.append(msg)
-
-    m, d = cfg.model, cfg.data
-    need(cfg.training.rollouts is None or cfg.task == "grpo",
-         f"training.rollouts: only the grpo task trains on recorded rollouts (this recipe's task is {cfg.task})")
-    if getattr(m, "dropout", None) is not None:
-        need(0 <= m.dropout < 1, f"model.dropout: got {m.dropout}; must be in [0, 1) or null")
-    if hasattr(d, "val_fraction"):
-        need(0 <= d.val_fraction < 1, f"data.val_fraction: got {d.val_fraction}; must be in [0, 1)")
-    if hasattr(d, "split_seed"):
-        need(0 <= d.split_seed < 2**32, f"data.split_seed: got {d.split_seed}; must be an integer in [0, 2**32 - 1]")
+    # Not field ranges: these depend on the task, or on peft.enabled.
+    if cfg.training.rollouts is not None and cfg.task != "grpo":
+        problems.append(f"training.rollouts: only the grpo task trains on recorded rollouts (this recipe's task is "
+                        f"{cfg.task})")
     p = cfg.peft
-    if p.enabled:
-        need(p.r >= 1, f"peft.r: got {p.r}; must be an integer >= 1")
-        need(p.alpha >= 1, f"peft.alpha: got {p.alpha}; must be an integer >= 1")
-        need(0 <= p.dropout < 1, f"peft.dropout: got {p.dropout}; must be in [0, 1)")
-        need(p.init_file is None or p.init_file.is_file(),
-             f"peft.init_from: {p.init_file} not found (give a folder with adapter_model.safetensors)")
-    o = cfg.output
-    if o.save_every is not None:
-        need(o.save_every >= 1, f"output.save_every: got {o.save_every}; must be an integer >= 1 or null")
-    need(o.keep_checkpoints >= 1, f"output.keep_checkpoints: got {o.keep_checkpoints}; must be an integer >= 1")
-    if getattr(d, "limit", None) is not None:
-        need(d.limit >= 1, f"data.limit: got {d.limit}; must be an integer >= 1 or null")
+    if p.enabled:  # a disabled peft section is never read: its numbers cannot be wrong
+        check_ranges(p, "peft", problems)
+        if p.init_file is not None and not p.init_file.is_file():
+            problems.append(f"peft.init_from: {p.init_file} not found (give a folder with adapter_model.safetensors)")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ class DataConfig(BaseDataConfig):
     source: str = doc("'pydoc' (the Python docs shipped with Python) or a txt / json / jsonl / csv / parquet file",
                       "pydoc")
     text_field: str = doc("column holding the text (json / csv / parquet)", "text")
-    seq_len: int = doc("tokens per sample: longer texts are truncated (or, with packing, cut into blocks)", 128)
+    seq_len: int = doc("tokens per sample: longer texts are truncated (or, with packing, cut into blocks)", 128,
+                       at_least=2)
     packing: bool = doc("concatenate all texts and cut blocks of seq_len (no padding) instead of one text a sample",
                         False)
     min_chars: int = doc("drop texts shorter than this", 40)
@@ -55,8 +56,6 @@ def validate(cfg, problems: list) -> None:
         refuse_precision_for_new_model(m, problems)
     if m.config is not None and "model_type" not in m.config:
         problems.append("model.config: needs model_type (e.g. gpt2, llama)")
-    if d.seq_len < 2:
-        problems.append(f"data.seq_len: got {d.seq_len}; must be >= 2")
     check_data_source(d.source, "pydoc", problems)
 
 

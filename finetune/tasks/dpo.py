@@ -26,7 +26,6 @@ as the rejected one (see ``stdlib_pairs``).
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -53,9 +52,9 @@ class ModelConfig(chat.ChatModelConfig):
     loss_type: Literal["sigmoid", "ipo", "hinge"] = doc(
         "sigmoid: DPO, −log σ(β·Δ); ipo: (Δ/length − 1/(2β))² on per-token log-ratios; hinge: max(0, 1 − β·Δ) "
         "(Δ: the chosen minus the rejected log-ratio to the reference; TRL 1.16's formulas)", "sigmoid")
-    beta: float = doc("β: how far the policy may move from the reference (> 0; IPO's τ)", 0.1)
+    beta: float = doc("β: how far the policy may move from the reference (IPO's τ)", 0.1, above=0)
     label_smoothing: float = doc("sigmoid only: the probability that a pair's label is flipped (conservative DPO: "
-                                 "−(1−ε)·log σ(β·Δ) − ε·log σ(−β·Δ)); in [0, 0.5)", 0.0)
+                                 "−(1−ε)·log σ(β·Δ) − ε·log σ(−β·Δ))", 0.0, at_least=0, below=0.5)
     precompute_ref_log_probs: bool = doc(
         "compute the reference log-probs once at set-up and keep them per sample (saved with checkpoints) instead "
         "of a reference forward per micro-batch; without LoRA no frozen copy is then kept", False)
@@ -67,22 +66,18 @@ class DataConfig(BaseDataConfig):
                       "/ json / parquet / csv file, a datasets.save_to_disk folder, or a hub dataset id, with "
                       "prompt / chosen / rejected", "stdlib-pairs")
     split: str = doc("split of a hub dataset or of a saved DatasetDict", "train")
-    max_length: int = doc("longest prompt + completion, in tokens: longer pairs are dropped (counted at set-up)", 256)
+    max_length: int = doc("longest prompt + completion, in tokens: longer pairs are dropped (counted at set-up)", 256,
+                          at_least=2)
     system_prompt: Optional[str] = doc("system message put first in every prompt that has none (null: none)", None)
 
 
 def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
     chat.validate_chat_model(m, problems)
-    if not (m.beta > 0 and math.isfinite(m.beta)):
-        problems.append(f"model.beta: got {m.beta}; must be a number > 0")
-    if not 0 <= m.label_smoothing < 0.5:
-        problems.append(f"model.label_smoothing: got {m.label_smoothing}; must be in [0, 0.5)")
-    elif m.label_smoothing and m.loss_type != "sigmoid":
+    # Not a field range: whether label_smoothing may be set depends on loss_type.
+    if m.label_smoothing and m.loss_type != "sigmoid":
         problems.append(f"model.label_smoothing: applies to loss_type sigmoid only (got loss_type {m.loss_type}); "
                         "set it to 0")
-    if d.max_length < 2:
-        problems.append(f"data.max_length: got {d.max_length}; must be an integer >= 2")
     chat.validate_source(d.source, "stdlib-pairs", problems)
 
 

@@ -29,7 +29,6 @@ import dataclasses
 import importlib
 import importlib.util
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
@@ -56,16 +55,20 @@ class ModelConfig(chat.ChatModelConfig):
         "reward_funcs: f(prompts=…, completions=…, completion_ids=…, **extra columns) → one float per completion",
         dataclasses.MISSING, default_factory=lambda: ["finetune.tasks.grpo:sum_reward"])
     reward_weights: Optional[list] = doc("weight of each reward function (null: 1 each)", None)
-    num_generations: int = doc("completions sampled per prompt (the group its advantages are normalised in)", 4)
+    num_generations: int = doc("completions sampled per prompt (the group its advantages are normalised in)", 4,
+                               at_least=2)
     steps_per_generation: Optional[int] = doc(
-        "optimizer steps per generation batch (null: training.gradient_accumulation_steps, as TRL)", None)
-    num_iterations: int = doc("times each generation batch is trained on (μ)", 1)
-    temperature: float = doc("sampling temperature (also divides the logits of every log-prob)", 1.0)
-    top_p: float = doc("nucleus sampling: keep the smallest set of tokens with this much probability", 1.0)
-    max_completion_length: int = doc("tokens sampled per completion at most", 16)
-    epsilon: float = doc("clipping ε of the ratio (lower side)", 0.2)
-    epsilon_high: Optional[float] = doc("clipping ε of the ratio's upper side (null: epsilon)", None)
-    beta: float = doc("weight of the KL to the reference model (0: no reference kept, as TRL's default)", 0.0)
+        "optimizer steps per generation batch (null: training.gradient_accumulation_steps, as TRL)", None,
+        at_least=1)
+    num_iterations: int = doc("times each generation batch is trained on (μ)", 1, at_least=1)
+    temperature: float = doc("sampling temperature (also divides the logits of every log-prob)", 1.0, above=0)
+    top_p: float = doc("nucleus sampling: keep the smallest set of tokens with this much probability", 1.0,
+                       above=0, at_most=1)
+    max_completion_length: int = doc("tokens sampled per completion at most", 16, at_least=1)
+    epsilon: float = doc("clipping ε of the ratio (lower side)", 0.2, at_least=0)
+    epsilon_high: Optional[float] = doc("clipping ε of the ratio's upper side (null: epsilon)", None, at_least=0)
+    beta: float = doc("weight of the KL to the reference model (0: no reference kept, as TRL's default)", 0.0,
+                      at_least=0)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = doc(
         "how token losses are averaged over an optimizer step's completions (module docstring; docs/grpo.md)",
         "dapo")
@@ -73,8 +76,9 @@ class ModelConfig(chat.ChatModelConfig):
         "advantage = reward − its group's mean, divided by the group's std (group), the generation batch's std "
         "(batch), or nothing (none)", "group")
     generation_chunk: int = doc("prompts generated together: fixed, so completions never depend on the training "
-                                "split", 8)
-    max_prompt_length: int = doc("longest prompt in tokens (with its chat template); longer ones are refused", 128)
+                                "split", 8, at_least=1)
+    max_prompt_length: int = doc("longest prompt in tokens (with its chat template); longer ones are refused", 128,
+                                 at_least=1)
 
 
 @dataclass
@@ -90,20 +94,6 @@ class DataConfig(BaseDataConfig):
 def validate(cfg, problems: list) -> None:
     m, d, t = cfg.model, cfg.data, cfg.training
     chat.validate_chat_model(m, problems)
-    for name, low in (("num_generations", 2), ("num_iterations", 1), ("max_completion_length", 1),
-                      ("generation_chunk", 1), ("max_prompt_length", 1)):
-        if not isinstance(getattr(m, name), int) or getattr(m, name) < low:
-            problems.append(f"model.{name}: got {getattr(m, name)}; must be an integer >= {low}")
-    if m.steps_per_generation is not None and m.steps_per_generation < 1:
-        problems.append(f"model.steps_per_generation: got {m.steps_per_generation}; must be an integer >= 1 or null")
-    if not m.temperature > 0:
-        problems.append(f"model.temperature: got {m.temperature}; must be > 0")
-    if not 0 < m.top_p <= 1:
-        problems.append(f"model.top_p: got {m.top_p}; must be in (0, 1]")
-    for name in ("epsilon", "epsilon_high", "beta"):
-        value = getattr(m, name)
-        if value is not None and not (value >= 0 and math.isfinite(value)):
-            problems.append(f"model.{name}: got {value}; must be a number >= 0")
     if not m.reward_funcs:
         problems.append("model.reward_funcs: give at least one 'module:function'")
     if m.reward_weights is not None and len(m.reward_weights) != len(m.reward_funcs or []):

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
+from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, in_range
 from finetune.data import split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
@@ -38,43 +38,39 @@ CHANNELS = 4
 
 @dataclass
 class ModelConfig(BaseModelConfig):
-    hidden_channels: int = doc("channels of the velocity network's hidden convolutions", 64)
+    hidden_channels: int = doc("channels of the velocity network's hidden convolutions", 64, at_least=8)
     solver: Literal["euler", "rk4"] = doc("torchdiffeq fixed-step method", "rk4")
-    ode_integration_steps: int = doc("solver steps from t=0 to t=1", 10)
+    ode_integration_steps: int = doc("solver steps from t=0 to t=1", 10, at_least=1)
     ode_memory: Literal["none", "checkpoint", "adjoint"] = doc(
         "none: backprop through every step; checkpoint: recompute each step in backward; adjoint: odeint_adjoint",
         "checkpoint")
     swd_weight: float = doc("weight of the sliced Wasserstein term", 1.0)
     content_weight: float = doc("weight of the content term (MSE to the target latent)", 1.0)
-    swd_projections: int = doc("random projections of the SWD (drawn anew every optimizer step)", 32)
-    swd_max_samples: int = doc("patches per sample the SWD compares (a subset drawn every optimizer step)", 256)
+    swd_projections: int = doc("random projections of the SWD (drawn anew every optimizer step)", 32, at_least=1)
+    swd_max_samples: int = doc("patches per sample the SWD compares (a subset drawn every optimizer step)", 256,
+                               at_least=1)
     swd_patch: int = doc("patch side in latent pixels (stride: half of it)", 4)
 
 
 @dataclass
 class DataConfig(BaseDataConfig):
-    size: int = doc("latent side in pixels (digits are upsampled to it)", 32)
+    size: int = doc("latent side in pixels (digits are upsampled to it)", 32, at_least=8)
     diffusivity: list = doc("heat-equation diffusivity per latent channel (pixels² per unit time)",
-                            default_factory=lambda: [0.25, 0.5, 1.0, 2.0])
+                            length=CHANNELS, at_least=0, default_factory=lambda: [0.25, 0.5, 1.0, 2.0])
     diffusion_time: float = doc("how long the target latents diffuse (the ODE runs from t=0 to t=1)", 1.0)
     encoder_seed: int = doc("seed of the fixed random encoder that turns digits into latents", 0)
 
 
 def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
-    require_at_least_one(m, ("hidden_channels", "ode_integration_steps", "swd_projections", "swd_max_samples"),
-                         problems, "model")
-    if m.hidden_channels % 8:
+    # Not field ranges: a multiple, a bound set by another field, a combination.
+    if in_range(m, "hidden_channels") and m.hidden_channels % 8:
         problems.append(f"model.hidden_channels: got {m.hidden_channels}; must be a multiple of 8 (GroupNorm)")
-    if not 1 <= m.swd_patch <= d.size:
+    if in_range(d, "size") and not 1 <= m.swd_patch <= d.size:
         problems.append(f"model.swd_patch: got {m.swd_patch}; must be in [1, data.size]")
     if m.ode_memory == "adjoint" and m.dropout:
         problems.append("model.dropout: must be 0 or null with ode_memory=adjoint (the backward solve would "
                         "redraw the masks)")
-    if len(d.diffusivity) != CHANNELS or not all(isinstance(k, (int, float)) and k >= 0 for k in d.diffusivity):
-        problems.append(f"data.diffusivity: got {d.diffusivity}; must be {CHANNELS} numbers >= 0")
-    if d.size < 8:
-        problems.append(f"data.size: got {d.size}; must be >= 8")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -38,17 +38,16 @@ class DataConfig(BaseDataConfig):
     target: Literal["polarity", "valence"] = doc(
         "polarity: classify (accuracy); valence: regress the number (MAE, Pearson r; model.num_labels must be 1)",
         "polarity")
-    max_length: int = doc("truncate texts to this many tokens (padding is per micro-batch)", 64)
+    max_length: int = doc("truncate texts to this many tokens (padding is per micro-batch)", 64, at_least=2)
 
 
 def validate(cfg, problems: list) -> None:
+    # Not a field range: how many labels are allowed depends on data.target.
     regression = cfg.data.target == "valence"
     if regression and cfg.model.num_labels != 1:
         problems.append(f"model.num_labels: got {cfg.model.num_labels}; data.target valence needs 1")
     if not regression and cfg.model.num_labels < 2:
         problems.append(f"model.num_labels: got {cfg.model.num_labels}; must be >= 2 for classification")
-    if cfg.data.max_length < 2:
-        problems.append(f"data.max_length: got {cfg.data.max_length}; must be >= 2")
     check_data_source(cfg.data.source, "vader", problems)
     if cfg.model.config is not None:
         refuse_precision_for_new_model(cfg.model, problems)

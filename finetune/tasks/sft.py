@@ -24,7 +24,7 @@ from typing import Literal, Optional
 import torch
 
 from finetune import distributed
-from finetune.config import BaseDataConfig, ConfigError, doc, require_at_least_one
+from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import parse_rows, split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
@@ -45,9 +45,10 @@ from finetune.tasks.chat import (
 @dataclass
 class ModelConfig(ChatModelConfig):
     generate_prompts: int = doc("held-out prompts answered greedily at each evaluation for token F1 / exact "
-                                "match (the first N; 0: no generative metric)", 24)
-    max_new_tokens: int = doc("longest generated answer, in tokens", 32)
-    samples_saved: int = doc("prompt / generated / reference triples written to samples.jsonl at the end", 8)
+                                "match (the first N; 0: no generative metric)", 24, at_least=0)
+    max_new_tokens: int = doc("longest generated answer, in tokens", 32, at_least=1)
+    samples_saved: int = doc("prompt / generated / reference triples written to samples.jsonl at the end", 8,
+                             at_least=0)
 
 
 @dataclass
@@ -59,7 +60,8 @@ class DataConfig(BaseDataConfig):
         "tokens the loss counts: the assistant's turns (everything else -100); completion: everything after the "
         "prompt (the conversation through its last user turn, with the generation prompt), the template's text after "
         "the answer included, as TRL's completion_only_loss on prompt/completion rows; or every token", "assistant")
-    max_length: int = doc("longest conversation, in tokens: longer ones are dropped (counted at set-up)", 256)
+    max_length: int = doc("longest conversation, in tokens: longer ones are dropped (counted at set-up)", 256,
+                          at_least=2)
     system_prompt: Optional[str] = doc("system message put first in every conversation that has none (null: "
                                        "none; the template may add its own default)", None)
 
@@ -67,18 +69,7 @@ class DataConfig(BaseDataConfig):
 def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
     validate_chat_model(m, problems)
-    if m.generate_prompts < 0:
-        problems.append(f"model.generate_prompts: got {m.generate_prompts}; must be an integer >= 0")
-    require_at_least_one(m, ["max_new_tokens"], problems, "model")
-    if m.samples_saved < 0:
-        problems.append(f"model.samples_saved: got {m.samples_saved}; must be an integer >= 0")
-    if d.max_length < 2:
-        problems.append(f"data.max_length: got {d.max_length}; must be an integer >= 2")
     validate_source(d.source, "stdlib-qa", problems)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the default data: the standard library's docstrings
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, require_at_least_one
+from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, in_range
 from finetune.data import split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
@@ -50,19 +50,22 @@ SIDE = 16
 
 @dataclass
 class ModelConfig(BaseModelConfig):
-    channels: int = doc("channels of the first convolution (the second has twice as many)", 32)
-    latent_dim: int = doc("VAE latent dimensions", 16)
-    kl_weight: float = doc("KL weight after the warm-up (1: the ELBO with per-pixel variance 1/2)", 1.0)
-    kl_warmup_steps: int = doc("optimizer steps over which the KL weight rises linearly from 0 (0: no warm-up)", 100)
+    channels: int = doc("channels of the first convolution (the second has twice as many)", 32, at_least=8)
+    latent_dim: int = doc("VAE latent dimensions", 16, at_least=1)
+    kl_weight: float = doc("KL weight after the warm-up (1: the ELBO with per-pixel variance 1/2)", 1.0, at_least=0)
+    kl_warmup_steps: int = doc("optimizer steps over which the KL weight rises linearly from 0 (0: no warm-up)", 100,
+                               at_least=0)
     gan: bool = doc("train a discriminator and add an adversarial term to the generator", True)
-    adv_weight: float = doc("weight of the generator's adversarial term", 0.05)
-    d_channels: int = doc("channels of the discriminator's first convolution", 32)
+    adv_weight: float = doc("weight of the generator's adversarial term", 0.05, at_least=0)
+    d_channels: int = doc("channels of the discriminator's first convolution", 32, at_least=8)
     d_learning_rate: Optional[float] = doc("discriminator learning rate (null: training.learning_rate)", None)
-    d_betas: list = doc("discriminator adamw betas", default_factory=lambda: [0.5, 0.999])
-    r1_gamma: float = doc("R1 penalty strength γ (0: off)", 1.0)
-    r1_interval: int = doc("apply R1 on windows where optimizer_step % r1_interval == 0 (optimizer steps)", 4)
+    d_betas: list = doc("discriminator adamw betas", length=2, at_least=0, below=1,
+                         default_factory=lambda: [0.5, 0.999])
+    r1_gamma: float = doc("R1 penalty strength γ (0: off)", 1.0, at_least=0)
+    r1_interval: int = doc("apply R1 on windows where optimizer_step % r1_interval == 0 (optimizer steps)", 4,
+                           at_least=1)
     perceptual: str = doc("none, edges (built-in fixed filter bank) or package.module:factory", "edges")
-    perceptual_weight: float = doc("weight of the perceptual term", 0.5)
+    perceptual_weight: float = doc("weight of the perceptual term", 0.5, at_least=0)
     checkpoint_perceptual: bool = doc("recompute the feature network's activations in backward", False)
 
 
@@ -73,14 +76,9 @@ class DataConfig(BaseDataConfig):
 
 def validate(cfg, problems: list) -> None:
     m = cfg.model
-    require_at_least_one(m, ("channels", "latent_dim", "d_channels", "r1_interval"), problems, "model")
-    if m.channels % 8 or m.d_channels % 8:
+    # Not field ranges: multiples, and a name that must have a given shape.
+    if any(in_range(m, name) and getattr(m, name) % 8 for name in ("channels", "d_channels")):
         problems.append("model.channels / model.d_channels: must be multiples of 8 (GroupNorm)")
-    for name in ("kl_weight", "adv_weight", "r1_gamma", "perceptual_weight", "kl_warmup_steps"):
-        if getattr(m, name) < 0:
-            problems.append(f"model.{name}: got {getattr(m, name)}; must be >= 0")
-    if len(m.d_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in m.d_betas):
-        problems.append(f"model.d_betas: got {m.d_betas}; must be two numbers in [0, 1)")
     if m.perceptual not in ("none", "edges") and ":" not in m.perceptual:
         problems.append(f"model.perceptual: got {m.perceptual!r}; allowed: none, edges, package.module:factory")
 

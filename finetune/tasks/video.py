@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune.config import BaseDataConfig, BaseModelConfig, doc, require_at_least_one
+from finetune.config import BaseDataConfig, BaseModelConfig, doc, in_range
 from finetune.data import split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
@@ -32,35 +32,35 @@ SPEED_SCALE = 100.0  # px/s; the model regresses speed / SPEED_SCALE
 
 @dataclass
 class ModelConfig(BaseModelConfig):
-    channels: int = doc("channels of the frame encoder's first convolution (then ×2, ×4)", 16)
-    dim: int = doc("token width of the temporal transformer", 64)
-    layers: int = doc("temporal transformer layers", 2)
-    heads: int = doc("attention heads", 4)
+    channels: int = doc("channels of the frame encoder's first convolution (then ×2, ×4)", 16, at_least=4)
+    dim: int = doc("token width of the temporal transformer", 64, at_least=1)
+    layers: int = doc("temporal transformer layers", 2, at_least=1)
+    heads: int = doc("attention heads", 4, at_least=1)
     checkpoint_frames: bool = doc("encode each frame under activation checkpointing (recomputed in backward)", False)
 
 
 @dataclass
 class DataConfig(BaseDataConfig):
-    clips: int = doc("clips generated (before the split)", 1200)
-    frames: int = doc("frames per clip", 8)
-    size: int = doc("frame side in pixels", 32)
-    min_speed: float = doc("slowest ball, px/s", 20.0)
-    max_speed: float = doc("fastest ball, px/s", 120.0)
-    min_interval: float = doc("shortest frame interval, s", 1 / 30)
-    max_interval: float = doc("longest frame interval, s", 1 / 10)
+    clips: int = doc("clips generated (before the split)", 1200, at_least=2)
+    frames: int = doc("frames per clip", 8, at_least=2)
+    size: int = doc("frame side in pixels", 32, at_least=8)
+    min_speed: float = doc("slowest ball, px/s", 20.0, above=0)
+    max_speed: float = doc("fastest ball, px/s", 120.0, above=0)
+    min_interval: float = doc("shortest frame interval, s", 1 / 30, above=0)
+    max_interval: float = doc("longest frame interval, s", 1 / 10, above=0)
     noise: float = doc("sensor noise (standard deviation; the ball's peak is 1)", 0.05)
     generate_seed: int = doc("seed of the generated clips", 0)
 
 
 def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
-    require_at_least_one(m, ("channels", "dim", "layers", "heads"), problems, "model")
-    if m.channels % 4 or m.dim % m.heads:
+    # Not field ranges: multiples, and bounds set by another field.
+    if ((in_range(m, "channels") and m.channels % 4)
+            or (in_range(m, "dim") and in_range(m, "heads") and m.dim % m.heads)):
         problems.append("model.channels must be a multiple of 4 and model.dim a multiple of model.heads")
-    if d.clips < 2 or d.frames < 2 or d.size < 8:
-        problems.append("data.clips >= 2, data.frames >= 2 and data.size >= 8 are needed")
-    if not 0 < d.min_speed <= d.max_speed or not 0 < d.min_interval <= d.max_interval:
-        problems.append("data.min_speed <= max_speed and data.min_interval <= max_interval, all > 0")
+    if (all(in_range(d, name) for name in ("min_speed", "max_speed", "min_interval", "max_interval"))
+            and (d.min_speed > d.max_speed or d.min_interval > d.max_interval)):
+        problems.append("data.min_speed <= max_speed and data.min_interval <= max_interval are needed")
 
 
 # ---------------------------------------------------------------------------------------------------------------
