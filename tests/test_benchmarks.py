@@ -82,3 +82,21 @@ def test_weight_bytes_count_the_4bit_quantization_state():
     assert scales > 0
     held = memory.tensor_bytes([*model.parameters(), *model.buffers()])
     assert memory.weight_bytes(model) == held + scales > held
+
+
+def test_grpo_trl_benchmark_core_on_a_tiny_model(tmp_path):
+    """benchmarks/grpo_trl.py's measurement on the tiny Llama, one case (two optimizer steps per generation batch,
+    steps_per_generation ≠ N) at a small size: finetune's (b, N) takes its (b·N, 1) step for bnpo; TRL's
+    bnpo, which normalises each micro-batch by its own tokens, is told apart on the same uneven completions (the
+    negative control)."""
+    pytest.importorskip("trl")
+    grpo_trl = _benchmark("grpo_trl")
+    path = grpo_trl.smollm2_path(True, tmp_path)
+    res = grpo_trl.measure(path, tmp_path, 2, 2, 2, 6, 0.1, loss_types=("bnpo",), case_names=("spg ≠ N",),
+                           memory=False, log=lambda *_: None)
+    lengths = res["lengths"]["spg ≠ N"]
+    assert len(set(lengths)) > 1, lengths  # uneven completions, or bnpo's reductions would agree
+    e = res["errors"]
+    assert e[("spg ≠ N", "bnpo", "finetune")] <= 1e-5, e
+    assert e[("spg ≠ N", "bnpo", "TRL GRPOTrainer")] > 1e-3, e
+    assert res["tokens_per_s"]["finetune"] > 0 and res["tokens_per_s"]["TRL GRPOTrainer"] > 0
