@@ -148,6 +148,21 @@ def sum_reward(prompts, completions, answer, **_) -> list:
     return scores
 
 
+def number_only_reward(prompts, completions, **_) -> list:
+    """1 when the completion is a number and nothing else (a final full stop allowed), else 0: the format the
+    prompt asks for ("Answer with the number only."), whether or not the number is right."""
+    import re
+
+    return [1.0 if re.fullmatch(r"-?\d+\.?", completion_text(c).strip()) else 0.0 for c in completions]
+
+
+def number_answer_reward(prompts, completions, answer, **_) -> list:
+    """Half ``number_only_reward``, half ``sum_reward``: 1 for the bare right sum, 0.6 for a bare wrong number, 0.1
+    for words around a number, 0 for none. The same as both functions with ``reward_weights: [0.5, 0.5]``."""
+    return [0.5 * f + 0.5 * s for f, s in zip(number_only_reward(prompts, completions),
+                                              sum_reward(prompts, completions, answer))]
+
+
 def load_reward(spec: str):
     """The function ``spec`` names: 'package.module:function' or 'path/to/file.py:function'."""
     where, _, name = spec.rpartition(":")
