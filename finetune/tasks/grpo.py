@@ -85,6 +85,7 @@ class DataConfig(BaseDataConfig):
     split: str = doc("split of a hub dataset or of a saved DatasetDict", "train")
     system_prompt: Optional[str] = doc("system message put first in every prompt that has none (null: none)", None)
     count: int = doc("prompts 'sums' makes", 200)
+    max_operand: int = doc("largest operand of 'sums' (operands from 1; smaller ones are easier sums)", 49)
 
 
 def validate(cfg, problems: list) -> None:
@@ -94,6 +95,8 @@ def validate(cfg, problems: list) -> None:
                       ("generation_chunk", 1), ("max_prompt_length", 1)):
         if not isinstance(getattr(m, name), int) or getattr(m, name) < low:
             problems.append(f"model.{name}: got {getattr(m, name)}; must be an integer >= {low}")
+    if not isinstance(d.max_operand, int) or d.max_operand < 1:
+        problems.append(f"data.max_operand: got {d.max_operand}; must be an integer >= 1")
     if m.steps_per_generation is not None and m.steps_per_generation < 1:
         problems.append(f"model.steps_per_generation: got {m.steps_per_generation}; must be an integer >= 1 or null")
     if not m.temperature > 0:
@@ -121,12 +124,13 @@ def validate(cfg, problems: list) -> None:
 # prompts and rewards
 
 
-def sums(count: int, seed: int = 0) -> list:
-    """Arithmetic prompts ("What is 12 plus 7?") with their ``answer``: a reward a program can check."""
+def sums(count: int, seed: int = 0, max_operand: int = 49) -> list:
+    """Arithmetic prompts ("What is 12 plus 7?"), operands 1 to ``max_operand``, with their ``answer``: a reward a
+    program can check."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(count):
-        a, b = (int(x) for x in torch.randint(1, 50, (2,), generator=g))
+        a, b = (int(x) for x in torch.randint(1, max_operand + 1, (2,), generator=g))
         rows.append({"prompt": [{"role": "user", "content": f"What is {a} plus {b}? Answer with the number only."}],
                      "answer": str(a + b)})
     return rows
@@ -148,19 +152,24 @@ def sum_reward(prompts, completions, answer, **_) -> list:
     return scores
 
 
-def number_only_reward(prompts, completions, **_) -> list:
-    """1 when the completion is a number and nothing else (a final full stop allowed), else 0: the format the
-    prompt asks for ("Answer with the number only."), whether or not the number is right."""
+def stated_sum(text: str):
+    """The number a completion gives as its answer: the one after its first "=" ("7 + 4 = 11"), else its first
+    number ("11", "The answer is 11."); None when it holds no number."""
     import re
 
-    return [1.0 if re.fullmatch(r"-?\d+\.?", completion_text(c).strip()) else 0.0 for c in completions]
+    after = re.search(r"=\s*(-?\d+)", text)
+    numbers = re.findall(r"-?\d+", text)
+    return after.group(1) if after else numbers[0] if numbers else None
 
 
-def number_answer_reward(prompts, completions, answer, **_) -> list:
-    """Half ``number_only_reward``, half ``sum_reward``: 1 for the bare right sum, 0.6 for a bare wrong number, 0.1
-    for words around a number, 0 for none. The same as both functions with ``reward_weights: [0.5, 0.5]``."""
-    return [0.5 * f + 0.5 * s for f, s in zip(number_only_reward(prompts, completions),
-                                              sum_reward(prompts, completions, answer))]
+def answer_reward(prompts, completions, answer, **_) -> list:
+    """1 when the completion gives the right sum (``stated_sum``: "11", "7 + 4 = 11"), 0.1 when it gives another
+    number, else 0: it pays for correctness, not for a format, so one number for every prompt earns little."""
+    scores = []
+    for completion, right in zip(completions, answer):
+        said = stated_sum(completion_text(completion))
+        scores.append(1.0 if said == str(right) else 0.1 if said is not None else 0.0)
+    return scores
 
 
 def load_reward(spec: str):
@@ -524,7 +533,8 @@ def held_out_metrics(preds: list, refs: list) -> dict:
 
 
 def load_prompts(d: DataConfig) -> list:
-    rows = sums(d.count) if d.source == "sums" else sft.load_rows(sft.DataConfig(source=d.source, split=d.split))
+    rows = sums(d.count, max_operand=d.max_operand) if d.source == "sums" else \
+        sft.load_rows(sft.DataConfig(source=d.source, split=d.split))
     if rows and "prompt" not in rows[0]:
         raise ConfigError(f"data.source: {d.source} has no 'prompt' column (columns: {', '.join(rows[0])})")
     return rows
