@@ -268,7 +268,8 @@ SMALL["sft-smollm2"] = [f"model.name_or_path={TINY_CHAT / 'model'}", f"data.sour
 
 
 # GRPO on the tiny chat model: arithmetic prompts, the recipe's reward, short completions
-SMALL["grpo-smollm2"] = [f"model.name_or_path={TINY_CHAT / 'model'}", "data.count=30", "data.val_fraction=0.2",
+SMALL["grpo-smollm2"] = [f"model.name_or_path={TINY_CHAT / 'model'}", "data.count=30", "data.max_operand=49",
+                         "data.val_fraction=0.2", "model.num_generations=4", "model.temperature=1.0",
                          "model.max_completion_length=6", "training.batch_size=4", "training.effective_batch_size=8"]
 
 

@@ -149,6 +149,7 @@ def bad_reward_module(tmp_path, body):
     (lambda p: "model.num_generations=5", "model.num_generations: 5 does not divide the generation batch", "set-up"),
     (lambda p: "model.max_prompt_length=4", "model.max_prompt_length: prompt 0 has", "set-up"),
     (lambda p: "training.shuffle=true", "training.shuffle: must be false for grpo", "set-up"),
+    (lambda p: "data.max_operand=0", "data.max_operand: got 0; must be an integer >= 1", "set-up"),
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, setting, message, when):
     tiny_chat_assets()
@@ -157,6 +158,14 @@ def test_bad_input_is_one_line(capsys, tmp_path, setting, message, when):
     refused_in_process(capsys, args, message)
     left = {p.name for p in (tmp_path / "o").iterdir()} if (tmp_path / "o").exists() else set()
     assert left <= ({"config.yaml", "finetune"} if when == "first step" else set())  # finetune/: the tracker
+
+
+def test_answer_reward_pays_the_right_sum_in_any_format():
+    rows = grpo.sums(40, max_operand=9)
+    assert all(2 <= int(r["answer"]) <= 18 for r in rows)
+    texts = ["19", "12 + 7 = 19", "The answer is 19.", "12 + 7 = 20", "12", "To solve this", "19 = 12 + 7"]
+    assert grpo.answer_reward(None, texts, ["19"] * len(texts)) == [1.0, 1.0, 1.0, 0.1, 0.1, 0.0, 0.1]
+    assert grpo.sum_reward(None, texts, ["19"] * len(texts)) == [1.0, 0.2, 1.0, 0.2, 0.2, 0.0, 1.0]
 
 
 def test_grpo_through_test_fine_tuning():

@@ -89,6 +89,8 @@ class DataConfig(BaseDataConfig):
     split: str = doc("split of a hub dataset or of a saved DatasetDict", "train")
     system_prompt: Optional[str] = doc("system message put first in every prompt that has none (null: none)", None)
     count: int = doc("prompts 'sums' makes", 200)
+    max_operand: int = doc("largest operand of 'sums' (operands from 1; smaller ones are easier sums)", 49,
+                           at_least=1)
 
 
 def validate(cfg, problems: list) -> None:
@@ -109,12 +111,13 @@ def validate(cfg, problems: list) -> None:
 # prompts and rewards
 
 
-def sums(count: int, seed: int = 0) -> list:
-    """Arithmetic prompts ("What is 12 plus 7?") with their ``answer``: a reward a program can check."""
+def sums(count: int, seed: int = 0, max_operand: int = 49) -> list:
+    """Arithmetic prompts ("What is 12 plus 7?"), operands 1 to ``max_operand``, with their ``answer``: a reward a
+    program can check."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(count):
-        a, b = (int(x) for x in torch.randint(1, 50, (2,), generator=g))
+        a, b = (int(x) for x in torch.randint(1, max_operand + 1, (2,), generator=g))
         rows.append({"prompt": [{"role": "user", "content": f"What is {a} plus {b}? Answer with the number only."}],
                      "answer": str(a + b)})
     return rows
@@ -133,6 +136,26 @@ def sum_reward(prompts, completions, answer, **_) -> list:
     for completion, right in zip(completions, answer):
         numbers = re.findall(r"-?\d+", completion_text(completion))
         scores.append(1.0 if numbers and numbers[0] == str(right) else 0.2 if numbers else 0.0)
+    return scores
+
+
+def stated_sum(text: str):
+    """The number a completion gives as its answer: the one after its first "=" ("7 + 4 = 11"), else its first
+    number ("11", "The answer is 11."); None when it holds no number."""
+    import re
+
+    after = re.search(r"=\s*(-?\d+)", text)
+    numbers = re.findall(r"-?\d+", text)
+    return after.group(1) if after else numbers[0] if numbers else None
+
+
+def answer_reward(prompts, completions, answer, **_) -> list:
+    """1 when the completion gives the right sum (``stated_sum``: "11", "7 + 4 = 11"), 0.1 when it gives another
+    number, else 0: it pays for correctness, not for a format, so one number for every prompt earns little."""
+    scores = []
+    for completion, right in zip(completions, answer):
+        said = stated_sum(completion_text(completion))
+        scores.append(1.0 if said == str(right) else 0.1 if said is not None else 0.0)
     return scores
 
 
@@ -345,7 +368,8 @@ class Generator:
     def __init__(self, m: ModelConfig, cfg, model, tokenizer, prompts: list, layout: Layout, rollouts: Rollouts,
                  funcs: list, reference):
         self.m, self.seed, self.model, self.tokenizer = m, cfg.training.seed, model, tokenizer
-        self.prompts, self.layout, self.rollouts, self.funcs, self.reference = prompts, layout, rollouts, funcs, reference
+        self.prompts, self.layout, self.rollouts = prompts, layout, rollouts
+        self.funcs, self.reference = funcs, reference
         self.replay_path = cfg.training.rollouts
         self.replay = read_rollouts(self.replay_path) if self.replay_path else None
 
@@ -496,7 +520,7 @@ def held_out_metrics(preds: list, refs: list) -> dict:
 
 
 def load_prompts(d: DataConfig) -> list:
-    rows = sums(d.count) if d.source == "sums" else chat.load_table(d.source, d.split)
+    rows = sums(d.count, max_operand=d.max_operand) if d.source == "sums" else chat.load_table(d.source, d.split)
     if rows and "prompt" not in rows[0]:
         raise ConfigError(f"data.source: {d.source} has no 'prompt' column (columns: {', '.join(rows[0])})")
     return rows
