@@ -429,7 +429,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     or the baseline is unreadable."""
     from finetune.errors import ConfigError
     from finetune.reproduce.baselines import read_baseline
-    from finetune.reproduce.importer import model_difference
+    from finetune.reproduce.settings import model_difference
 
     base, mine = read_baseline(baseline, "compare"), _mine(Path(run))
     diff = model_difference(base.model_config, mine["model_config"])
@@ -491,7 +491,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
 def _check_baseline_settings(c: Comparison, base, mine: dict) -> None:
     """The update settings the baseline's arguments and files say (as ``finetune import`` carries them) against this
     run's ``config.yaml``: a run that trained LoRA against a full fine-tuning, or another optimizer, differs."""
-    from finetune.reproduce.importer import carry
+    from finetune.reproduce.settings import carry
 
     check_settings(c, run_settings(mine["config"]), step_settings(carry(base, set(), set()).values), "the baseline")
 

@@ -1,0 +1,337 @@
+"""A baseline's settings as finetune's recipe values: what ``finetune import`` writes into a recipe and what
+``finetune compare`` checks a run against. ``carry`` turns a :class:`baselines.Baseline` into recipe fields, each
+with where it came from, and says which settings have no counterpart; ``model_difference`` tells two models'
+architectures apart."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from finetune.reproduce.baselines import Baseline
+
+OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
+              "adamw_torch_4bit": None, "sgd": "sgd", "lion_32bit": "lion", "lion": "lion",
+              "adamw_bnb_8bit": "adamw8bit", "adamw_8bit": "adamw8bit", "bnb_8bit": "adamw8bit",
+              "paged_adamw_8bit": "paged_adamw8bit"}
+SCHEDULERS = {"linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+              "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"}
+# settings that change the step and that finetune has no counterpart for: TrainingArguments name → why
+NO_COUNTERPART = {
+    "neftune_noise_alpha": "finetune has no NEFTune",
+    "label_smoothing_factor": "finetune's losses have no label smoothing",
+    "lr_scheduler_kwargs": "finetune passes no scheduler arguments",
+    "cosine_min_lr_ratio": "finetune passes no scheduler arguments",
+    "group_by_length": "finetune draws no length-grouped order; its windows sort by length inside (same samples)",
+    "tf32": "finetune leaves torch's matmul precision as it is",
+}
+# TrainingArguments defaults: a setting at its default needs no line
+DEFAULTS = {"neftune_noise_alpha": None, "label_smoothing_factor": 0.0, "lr_scheduler_kwargs": None,
+            "cosine_min_lr_ratio": None, "group_by_length": False, "tf32": None}
+
+
+# what a model card never lists, with the Trainer's defaults
+CARD_OMITS = {"weight_decay": 0.0, "max_grad_norm": 1.0, "data_seed": None, "bf16": False}
+
+
+class Imported:
+    """The recipe being written: ``set`` records each value with its source, ``skip`` each setting not carried."""
+
+    def __init__(self):
+        self.rows, self.not_carried, self.values, self.missing = [], [], {}, []
+
+    def set(self, name: str, value, source: str) -> None:
+        self.values[name] = value
+        self.rows.append((name, value, source))
+
+    def skip(self, setting: str, value, why: str) -> None:
+        self.not_carried.append(f"not carried: {setting}={value} — {why}")
+
+
+def carry(base: Baseline, model_fields: set, data_fields: set, steps: int | None = None,
+          initial_adapter=None) -> Imported:
+    """Map the baseline's settings onto recipe fields (``section.name``); ``steps``: the optimizer steps the run
+    took, when the source does not say them (for a warm-up ratio)."""
+    out = Imported()
+    src = lambda name: base.args[name][1]  # noqa: E731
+    get = base.get
+
+    total = base.effective_batch()
+    if total:
+        if get("total_train_batch_size"):
+            where = f"{src('total_train_batch_size')}: total_train_batch_size"
+        else:
+            devices = get("num_devices")
+            where = f"{src('per_device_train_batch_size')} × accumulation × " + (
+                f"{devices} devices" if devices else "1 process (the source names no process count)")
+        out.set("training.effective_batch_size", total, where)
+        out.set("training.gradient_accumulation_steps", None, "derived from the effective batch and your micro-batch")
+    for name, field in (("learning_rate", "training.learning_rate"), ("weight_decay", "training.weight_decay")):
+        if get(name) is not None:
+            out.set(field, float(get(name)), src(name))
+    _scheduler(base, out, steps)
+    _length(base, out)
+    _optimizer(base, out)
+    if "max_grad_norm" in base.args:
+        norm = get("max_grad_norm")
+        out.set("training.max_grad_norm", float(norm) if norm else None, src("max_grad_norm"))
+    _seed_and_order(base, out)
+    if get("bf16") or get("fp16"):
+        which = "bf16" if get("bf16") else "fp16"
+        out.set("training.mixed_precision", which, src(which))
+    elif "bf16" in base.args or "fp16" in base.args:
+        out.set("training.mixed_precision", "no", src("bf16" if "bf16" in base.args else "fp16"))
+    if get("gradient_checkpointing"):
+        out.set("training.gradient_checkpointing", True, src("gradient_checkpointing"))
+    _eval(base, out)
+    if _lora(base, out):
+        _lora_start(base, out, initial_adapter)
+    _quantization(base, out, model_fields)
+    _data(base, out, data_fields)
+    if base.kind == "model card":  # the card lists only some arguments: the others are the recipe's own
+        missing = [f"{k} (Trainer default {v})" for k, v in CARD_OMITS.items() if k not in base.args]
+        if missing:
+            out.not_carried.append("not in the model card, the recipe's values kept: " + ", ".join(missing))
+    for name, why in NO_COUNTERPART.items():
+        if get(name, DEFAULTS[name]) not in (DEFAULTS[name], {}, 0, 0.0, False):
+            out.skip(name, get(name), why)
+    return out
+
+
+def _scheduler(base: Baseline, out: Imported, steps_given: int | None) -> None:
+    get = base.get
+    kind = get("lr_scheduler_type")
+    if kind is not None:
+        if str(kind) in SCHEDULERS:
+            out.set("training.lr_scheduler", str(kind), base.args["lr_scheduler_type"][1])
+        else:
+            out.skip("lr_scheduler_type", kind, f"finetune's schedulers are {', '.join(sorted(SCHEDULERS))}")
+    # transformers 5: warmup_steps below 1 is a ratio (TrainingArguments has no warmup_ratio); older arguments and
+    # axolotl have warmup_ratio. Both become ceil(steps × ratio), as TrainingArguments.get_warmup_steps computes.
+    steps, ratio, ratio_src = get("warmup_steps"), get("warmup_ratio"), None
+    if steps is not None and 0 < float(steps) < 1:
+        ratio, ratio_src = float(steps), base.args["warmup_steps"][1]
+    elif steps is not None and float(steps) >= 1:
+        out.set("training.warmup_steps", int(steps), base.args["warmup_steps"][1])
+        return
+    elif ratio:
+        ratio, ratio_src = float(ratio), base.args["warmup_ratio"][1]
+    if not ratio:
+        if steps is not None:
+            out.set("training.warmup_steps", 0, base.args["warmup_steps"][1])
+        return
+    total = get("schedule_steps") or (get("max_steps") if (get("max_steps") or -1) > 0 else None)
+    where = base.args["schedule_steps" if get("schedule_steps") else "max_steps"][1] if total else "--steps"
+    total = total or steps_given
+    if total:
+        out.set("training.warmup_steps", math.ceil(int(total) * ratio),
+                f"{ratio_src}: ratio {ratio:g} × {total} steps ({where}), rounded up as transformers does")
+    else:
+        out.skip("warmup ratio", ratio, "this source does not say how many optimizer steps the run took; give "
+                 f"--steps N, or set training.warmup_steps=ceil({ratio:g} × N) (transformers rounds up)")
+
+
+def _length(base: Baseline, out: Imported) -> None:
+    get = base.get
+    epochs, max_steps = get("num_train_epochs"), get("max_steps")
+    if max_steps is not None and int(max_steps) > 0:
+        out.set("training.max_steps", int(max_steps), base.args["max_steps"][1])
+        out.set("training.epochs", max(1, math.ceil(int(max_steps) / max(1, int(get("schedule_steps") or
+                                                                                max_steps)))), "derived")
+    elif epochs is not None:
+        if float(epochs) != int(float(epochs)):
+            out.set("training.epochs", math.ceil(float(epochs)), base.args["num_train_epochs"][1])
+            out.skip("num_train_epochs", epochs, "finetune trains whole epochs; set training.max_steps to the "
+                     "baseline's step count to stop where it stopped")
+        else:
+            out.set("training.epochs", int(float(epochs)), base.args["num_train_epochs"][1])
+
+
+def _optimizer(base: Baseline, out: Imported) -> None:
+    get = base.get
+    optim = get("optim")
+    if optim is not None:
+        ours = OPTIMIZERS.get(str(optim).lower())
+        if ours:
+            out.set("training.optimizer", ours, base.args["optim"][1])
+        else:
+            out.skip("optim", optim, "finetune's optimizers are adamw, sgd, lion, adamw8bit, paged_adamw8bit")
+    if get("adam_beta1") is not None or get("adam_beta2") is not None:
+        betas = [float(get("adam_beta1", 0.9)), float(get("adam_beta2", 0.999))]
+        out.set("training.betas", betas, base.args["adam_beta1" if "adam_beta1" in base.args else "adam_beta2"][1])
+    eps = get("adam_epsilon")
+    if eps is not None and float(eps) != 1e-8:
+        out.skip("adam_epsilon", eps, "finetune's AdamW uses torch's eps 1e-8")
+
+
+def _seed_and_order(base: Baseline, out: Imported) -> None:
+    get = base.get
+    seed, data_seed = get("seed"), get("data_seed")
+    if data_seed is not None and data_seed != seed:
+        out.set("training.seed", int(data_seed), f"{base.args['data_seed'][1]}: data_seed, the seed of the order")
+        if seed is not None:
+            out.skip("seed", seed, f"finetune has one seed; data_seed={data_seed} is taken, for the sample order "
+                     "(dropout and new weights draw from it too)")
+    elif seed is not None:
+        out.set("training.seed", int(seed), base.args["seed"][1])
+    strategy = str(get("train_sampling_strategy") or "random")
+    if get("packing") or get("group_by_length") or strategy not in ("random", "sequential"):
+        return  # their order is not a seeded permutation of the samples (said by their own not-carried lines)
+    if strategy == "sequential":
+        out.set("training.shuffle", False, base.args["train_sampling_strategy"][1])
+    else:
+        out.set("training.sample_order", "trainer",
+                "HF Trainer's random sampler (axolotl and TRL train with it too)")
+
+
+def _eval(base: Baseline, out: Imported) -> None:
+    strategy = str(base.get("eval_strategy") or base.get("evaluation_strategy") or "")
+    if strategy == "steps" and base.get("eval_steps"):
+        out.set("training.eval_every", int(base.get("eval_steps")), base.args["eval_steps"][1])
+
+
+def _lora(base: Baseline, out: Imported) -> bool:
+    """LoRA's settings, or that there is none; True when the baseline trained adapters."""
+    a, get = base.adapter_config, base.get
+    if a and a.get("peft_type", "LORA") == "LORA":
+        where = "adapter_config.json"
+        values = {"r": a.get("r"), "alpha": a.get("lora_alpha"), "dropout": a.get("lora_dropout"),
+                  "target_modules": a.get("target_modules"), "modules_to_save": a.get("modules_to_save")}
+    elif get("adapter") in ("lora", "qlora"):
+        where = base.args["adapter"][1].split(":")[0]
+        values = {"r": get("lora_r"), "alpha": get("lora_alpha"), "dropout": get("lora_dropout"),
+                  "target_modules": get("lora_target_modules"), "modules_to_save": None}
+        if get("lora_target_linear"):
+            out.skip("lora_target_linear", True, "finetune names the adapted modules; list the model's linear "
+                     "layers in peft.target_modules")
+    elif base.kind == "Trainer folder" and base.weights is not None and base.weights.name == "model.safetensors":
+        out.set("peft.enabled", False, f"{base.weights.name} and no adapter_config.json: every weight trained")
+        return False
+    else:
+        out.skip("LoRA or not", "unknown", f"the {base.kind} does not say; the recipe's peft section is kept")
+        return False
+    out.set("peft.enabled", True, where)
+    for key, value in values.items():
+        if value is not None:
+            if key == "target_modules" and isinstance(value, str):
+                value = [value] if value != "all-linear" else None
+                if value is None:
+                    out.skip("target_modules", "all-linear", "finetune names the adapted modules; list them")
+                    continue
+            out.set(f"peft.{key}", sorted(value) if isinstance(value, (list, set)) else value, where)
+    return True
+
+
+def _lora_start(base: Baseline, out: Imported, initial_adapter) -> None:
+    """Where the adapters start: the baseline's saved initial adapters, TRL's draw replayed from the seed, or
+    unknown (said)."""
+    if initial_adapter is not None:
+        out.set("peft.init_from", str(initial_adapter), "--initial-adapter: the adapters before the first step")
+    elif base.trl:
+        out.not_carried.append("adapters' start: replayed — TRL draws them right after set_seed(seed) and finetune "
+                               "seeds the same way before building the model (checked with TRL 1.16, peft 0.21)")
+    else:
+        out.skip("the adapters' start", "unknown", "a Trainer baseline drew them in its own script: the same only if "
+                 "it called set_seed(seed) right before get_peft_model; else give --initial-adapter DIR (its adapters "
+                 "saved before the first step)")
+
+
+def _quantization(base: Baseline, out: Imported, model_fields: set) -> None:
+    get, q = base.get, (base.model_config or {}).get("quantization_config") or {}
+    kind = None
+    if get("load_in_4bit") or q.get("load_in_4bit"):
+        kind = str(get("bnb_4bit_quant_type") or q.get("bnb_4bit_quant_type") or "nf4")
+    elif get("load_in_8bit") or q.get("load_in_8bit"):
+        kind = "int8"
+    if kind is None:
+        return
+    where = base.args["load_in_4bit" if get("load_in_4bit") else "load_in_8bit"][1].split(":")[0] \
+        if get("load_in_4bit") or get("load_in_8bit") else "config.json: quantization_config"
+    if "quantization" in model_fields and kind in ("nf4", "fp4", "int8"):
+        out.set("model.quantization", kind, where)
+    else:
+        out.skip("quantization", kind, "this recipe's task has no model.quantization")
+
+
+def _data(base: Baseline, out: Imported, data_fields: set) -> None:
+    get = base.get
+    length = get("max_length") or get("max_seq_length")
+    if length:
+        name = "max_length" if "max_length" in base.args else "max_seq_length"
+        field = next((f for f in ("max_length", "seq_len") if f in data_fields), None)
+        if field:
+            out.set(f"data.{field}", int(length), base.args[name][1])
+        else:
+            out.skip(name, length, "this recipe's task has no data.max_length / data.seq_len")
+    if get("packing"):
+        out.skip("packing", True, "it packs the whole data set before sampling, so its batches are of packed rows; "
+                 "finetune's training.packing packs inside each window (the same samples, other batches)")
+    train_on, key = _train_on(base)
+    if train_on is not None:
+        if "train_on" in data_fields:
+            out.set("data.train_on", train_on, f"{base.args[key][1]}: {key}={get(key)}" + (
+                " (TRL's default: the loss after the prompt, on prompt/completion rows; rows of messages train on "
+                "every token there: set data.train_on=all for those)" if train_on == "completion" else ""))
+        elif train_on != "all":
+            out.skip(key, get(key), "this recipe's task trains on every token (no data.train_on)")
+    if "system_prompt" in data_fields and base.kind != "axolotl YAML":
+        out.set("data.system_prompt", None, "the baseline's rows as they are: a Trainer / TRL run adds no system "
+                                            "message (the template's own default stays)")
+
+
+def _train_on(base: Baseline) -> tuple:
+    """(data.train_on, the argument it comes from) — (None, None) when the source says nothing."""
+    get = base.get
+    if "train_on_inputs" in base.args:  # axolotl
+        return ("all" if get("train_on_inputs") else "assistant"), "train_on_inputs"
+    if get("assistant_only_loss"):
+        return "assistant", "assistant_only_loss"
+    if "completion_only_loss" in base.args and get("completion_only_loss") is not False:
+        return "completion", "completion_only_loss"  # TRL: None means on for prompt/completion rows
+    if "assistant_only_loss" in base.args or "completion_only_loss" in base.args:
+        return "all", next(k for k in ("completion_only_loss", "assistant_only_loss") if k in base.args)
+    return None, None
+
+
+def training_file(out: Imported, data: str | None, data_fields: set) -> None:
+    """``--data FILE``: the baseline's training file, whole and in its order (the Trainer's order draws from it)."""
+    if data is None:
+        return
+    out.set("data.source", str(data), "--data")
+    for name, value in (("val_fraction", 0.0), ("limit", None)):
+        if name in data_fields:
+            out.set(f"data.{name}", value, "--data: the baseline trained on the whole file, in its order")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the model check and the command
+
+
+ARCHITECTURE = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size", "n_embd", "n_layer", "n_head")
+
+
+def model_config_of(model_section) -> dict | None:
+    """The architecture a recipe's model section names: its checkpoint's config.json, or ``model.config``."""
+    import json
+
+    name = getattr(model_section, "name_or_path", None)
+    if name:
+        from finetune.models.hf import resolve_model_path
+
+        folder = Path(resolve_model_path(name)) if not name.startswith("gguf:") else None
+        if folder is not None and (folder / "config.json").is_file():
+            return {**json.loads((folder / "config.json").read_text()), **(getattr(model_section, "config", None)
+                                                                          or {})}
+        return None
+    return getattr(model_section, "config", None)
+
+
+def model_difference(baseline: dict | None, mine: dict | None) -> str | None:
+    """``hidden_size 64 vs 128`` for the first architecture field both name and disagree on; None when none."""
+    if not baseline or not mine:
+        return None
+    for key in ARCHITECTURE:
+        if key in baseline and key in mine and baseline[key] != mine[key]:
+            return f"{key} {baseline[key]} vs {mine[key]}"
+    return None
