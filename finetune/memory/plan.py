@@ -157,7 +157,7 @@ class Plan:
 
 def fixed_rows(p: Profile, layout: Layout) -> list:
     """The table's rows for what one process holds besides a micro-batch's own: weights, gradients, optimizer state,
-    and the layout's buckets and gathered weights, each saying how ``layout`` divides it (``zero_memory``)."""
+    and the layout's buckets and gathered weights, each saying how ``layout`` divides it (``memory.sharded``)."""
     n, stage = layout.processes, layout.zero_stage
     rows = [("weights", p.weights, f"{p.parameters / 1e6:.2f} M parameters"
              + (f"; ÷ {n}, those of ≤ {PERSISTENCE_THRESHOLD:,} elements whole" if stage == 3 else "")),

@@ -105,13 +105,13 @@ class Profile:
     gradients: int
     optimizer_state: int
     optimizer_step: int         # peak of the optimizer step above weights + gradients (its state and temporaries)
-    buckets: int                # DDP's gradient buckets or DeepSpeed's reduce bucket (``zero_memory``)
+    buckets: int                # DDP's gradient buckets or DeepSpeed's reduce bucket (``memory.sharded``)
     saved: list                 # what autograd saves for backward
     first: list                 # micro-step peak above its start, no gradients held (a window's first micro-batch)
     later: list                 # the same with the window's gradients held (every later micro-batch)
     floor: Optional[dict] = None  # offloading: the same setting's first / later without it, less what it saved
     measured: bool = True       # False: priced from its fixed part alone, which already exceeds the card
-    gathered: int = 0           # ZeRO-3: whole parameters gathered for forward and backward (``zero_memory``)
+    gathered: int = 0           # ZeRO-3: whole parameters gathered for forward and backward (``memory.sharded``)
 
     def part(self, which: list, b: int) -> int:
         return at_size(which, b)
