@@ -72,10 +72,11 @@ CUSTOM = {
     "sft-smollm2": ["peft.enabled=false", "training.learning_rate=0.5"],
     # preference pairs: pairs per rank differ in the tail; the frozen reference copy; held-out rewards gathered
     "dpo-smollm2": ["peft.enabled=false", "training.learning_rate=0.5"],
-    # GRPO: every process generates the whole generation batch alike; token counts (dapo) summed over the ranks;
-    # 22 prompts × 4 completions in generation batches of 24: the last holds 16, its second window 4
+    # GRPO: the processes take turns at the generation batch's chunks of 2 prompts and gather them; token counts
+    # (dapo) summed over the ranks; 22 prompts × 4 completions in generation batches of 24: the last holds 16, its
+    # second window 4
     "grpo-smollm2": ["peft.enabled=false", "training.learning_rate=0.5", "model.steps_per_generation=2",
-                     "training.epochs=1"],
+                     "model.generation_chunk=2", "training.epochs=1"],
 }
 
 
@@ -107,7 +108,9 @@ def run(name, processes):
         cfg = load_recipe(name, [*SMALL[name], *EXACT, "training.batch_size=3",
                                  f"training.gradient_accumulation_steps={4 // processes}", *CUSTOM[name]])
         set_seed(cfg.training.seed)
-        result = train_quietly(task_module(cfg.task).build(cfg), cfg.training)
+        job = task_module(cfg.task).build(cfg)
+        generated = count_generated(job)
+        result = train_quietly(job, cfg.training)
     else:
         case = CASES[name]
         torch.manual_seed(0)
@@ -123,7 +126,25 @@ def run(name, processes):
             "history": [{k: v for k, v in h.items() if k != "seconds"} for h in result["history"]],
             "val": result["val_history"], "effective": result["effective_batch_size"],
             "processes": result["accelerator"].num_processes, "main": result["accelerator"].is_main_process,
-            "shutdown_at_exit": bool(distributed._shutdown_registered)}
+            "shutdown_at_exit": bool(distributed._shutdown_registered),
+            **(rollouts_of(job, generated) if name.startswith("grpo") else {})}
+
+
+def count_generated(job) -> list:
+    """For a grpo job: a list that grows by the prompts this process samples completions for."""
+    generator = getattr(job.before_window, "__self__", None)
+    if generator is None or not hasattr(generator, "sample"):
+        return []
+    counted, sample = [], generator.sample
+    generator.sample = lambda prompts, device: counted.extend(p["id"] for p in prompts) or sample(prompts, device)
+    return counted
+
+
+def rollouts_of(job, generated: list) -> dict:
+    """The run's rollouts (completion tokens, rewards) and the prompts this process generated for."""
+    log = next(c for c in job.checkpointed if hasattr(c, "log")).log
+    return {"rollouts": [{k: r[k] for k in ("epoch", "batch", "prompts", "completions", "rewards")} for r in log],
+            "generated": generated}
 
 
 if __name__ == "__main__":

@@ -50,6 +50,10 @@ def test_two_processes_match_one(two_process_results, case):
     # GRPO's loss sums to about 0 (centred advantages): its steps' losses agree to 1e-7 absolute (test_grpo's
     # negative control differs by more)
     assert_same_history(two["history"], one["history"], loss_abs=GRPO_LOSS_ABS if case.startswith("grpo") else 0.0)
+    if case.startswith("grpo"):  # the same rollouts, each process having sampled only its share of the prompts
+        assert two["rollouts"] == one["rollouts"]
+        prompts = sum(len(r["prompts"]) for r in one["rollouts"])
+        assert len(one["generated"]) == prompts and 0 < len(two["generated"]) < prompts
     # validation: every sample once, same loss
     assert [v["loss"] for v in two["val"]] == pytest.approx([v["loss"] for v in one["val"]], rel=1e-5)
     # the run ends with a barrier, after its last reduce / gather (loop.finish)

@@ -363,7 +363,8 @@ def make_loss_fn(m: ModelConfig, rollouts: Rollouts, layout: Layout, reward_eval
 
 
 class Generator:
-    """Makes the generation batch a window needs (``before_window``), on every process alike."""
+    """Makes the generation batch a window needs (``before_window``): each process generates its share of the
+    chunks, and every process ends up holding the whole batch (``shared_chunks``)."""
 
     def __init__(self, m: ModelConfig, cfg, model, tokenizer, prompts: list, layout: Layout, rollouts: Rollouts,
                  funcs: list, reference):
@@ -385,26 +386,52 @@ class Generator:
         chosen = [self.prompts[i] for i in order[batch * L.batch_prompts:(batch + 1) * L.batch_prompts]]
         if self.replay is not None:
             return self.replayed(epoch, batch, chosen)
-        model, device = self.model, distributed.distributed_state().device
-        was_training = model.training
-        model.eval()
-        samples = []
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for c in range(0, len(chosen), self.m.generation_chunk):
-                torch.manual_seed(step_seed(self.seed, epoch, batch, c) % 2**63)
-                samples += self.sample(chosen[c:c + self.m.generation_chunk], device)
-        rewards = self.rewards(samples)
+        was_training = self.model.training
+        self.model.eval()
+        samples = self.shared_chunks(epoch, batch, chosen)
+        self.model.train(was_training)
+        rewards = [x["reward"] for x in samples]
         adv = advantages(torch.tensor(rewards, dtype=torch.float64), L.group, self.m.scale_rewards)
-        for x, r, a in zip(samples, rewards, adv.tolist()):
-            x.update(reward=r, advantage=a)
-        self.log_probs(samples, device)
-        model.train(was_training)
+        for x, a in zip(samples, adv.tolist()):
+            x["advantage"] = a
         self.rollouts.key, self.rollouts.samples = (epoch, batch), samples
         self.rollouts.log.append({"epoch": epoch, "batch": batch, "prompts": [p["id"] for p in chosen],
                                   "completions": [x["ids"][x["prompt_length"]:].tolist() for x in samples],
                                   "rewards": rewards, "advantages": adv.tolist(),
                                   "old_log_probs": [x["old"].tolist() for x in samples],
                                   **({"ref_log_probs": [x["ref"].tolist() for x in samples]} if self.m.beta else {})})
+
+    def shared_chunks(self, epoch: int, batch: int, chosen: list) -> list:
+        """The generation batch's completions, each scored and with its old (and reference) log-probs, in prompt
+        order. Its chunks of ``generation_chunk`` prompts are dealt round-robin to the processes and gathered: a
+        chunk's sampling is seeded from (seed, epoch, batch, chunk) alone and its log-probs are taken on the same
+        weights on every process, so the batch is the same on any number of processes. With sharded weights
+        (ZeRO-3, FSDP2) every process generates every chunk: each decoding step gathers weights from all of them."""
+        state = distributed.distributed_state()
+        device, world, rank = state.device, state.num_processes, state.process_index
+        if distributed.shards_weights(self.model):
+            world, rank = 1, 0
+        starts = list(range(0, len(chosen), self.m.generation_chunk))
+        mine = starts[rank::world]
+
+        def make() -> list:  # a refusal (a reward function's wrong count) stops every process alike
+            made = []
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                for c in mine:
+                    torch.manual_seed(step_seed(self.seed, epoch, batch, c) % 2**63)
+                    part = self.sample(chosen[c:c + self.m.generation_chunk], device)
+                    for x, r in zip(part, self.rewards(part)):
+                        x["reward"] = r
+                    self.log_probs(part, device)
+                    made.append((c, part))
+            return made
+
+        made = distributed.agree(make)
+        if world > 1:
+            from accelerate.utils import gather_object
+
+            made = gather_object(made)
+        return [x for _, part in sorted(made, key=lambda m: m[0]) for x in part]
 
     def replayed(self, epoch: int, batch: int, chosen: list) -> None:
         """The generation batch as the recorded run made it: its completions, rewards, advantages and log-probs."""
