@@ -4,6 +4,7 @@ handling that ``finetune.memory.auto_batch`` (``batch_size: auto``) uses. The pl
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -81,6 +82,9 @@ class PeakMeter:
         self.cuda = torch.device(device or "cpu").type == "cuda"
 
     def __enter__(self):
+        # garbage left by earlier work (reference cycles holding tensors) would otherwise be freed inside the block
+        # whenever the collector happens to run, and count as a negative allocation against this block's peak
+        gc.collect()
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
