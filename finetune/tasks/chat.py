@@ -41,6 +41,16 @@ class ChatModelConfig(PretrainedModelConfig):
                                        "without one (null: the tokenizer's own)", None)
 
 
+def split_field():
+    """The data section's ``split``, as every chat task declares it."""
+    return doc("split of a hub dataset or of a saved DatasetDict", "train")
+
+
+def system_prompt_field(what: str = "prompt"):
+    """The data section's ``system_prompt``: a system message for every ``what`` (prompt, conversation) without one."""
+    return doc(f"system message put first in every {what} that has none (null: none)", None)
+
+
 def validate_chat_model(m, problems: list) -> None:
     """The model source and chat template of a chat task's model section; one line per problem."""
     if not m.name_or_path:

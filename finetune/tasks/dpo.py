@@ -65,10 +65,10 @@ class DataConfig(BaseDataConfig):
     source: str = doc("'stdlib-pairs' (standard-library docstrings: the function's own against another's), a jsonl "
                       "/ json / parquet / csv file, a datasets.save_to_disk folder, or a hub dataset id, with "
                       "prompt / chosen / rejected", "stdlib-pairs")
-    split: str = doc("split of a hub dataset or of a saved DatasetDict", "train")
+    split: str = chat.split_field()
     max_length: int = doc("longest prompt + completion, in tokens: longer pairs are dropped (counted at set-up)", 256,
                           at_least=2)
-    system_prompt: Optional[str] = doc("system message put first in every prompt that has none (null: none)", None)
+    system_prompt: Optional[str] = chat.system_prompt_field()
 
 
 def validate(cfg, problems: list) -> None:

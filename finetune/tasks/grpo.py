@@ -86,8 +86,8 @@ class DataConfig(BaseDataConfig):
     source: str = doc("'sums' (arithmetic prompts with an answer column), or a jsonl / json / parquet / csv file, "
                       "a datasets.save_to_disk folder or a hub dataset id with a prompt column (text or messages) "
                       "and any other columns the reward functions read", "sums")
-    split: str = doc("split of a hub dataset or of a saved DatasetDict", "train")
-    system_prompt: Optional[str] = doc("system message put first in every prompt that has none (null: none)", None)
+    split: str = chat.split_field()
+    system_prompt: Optional[str] = chat.system_prompt_field()
     count: int = doc("prompts 'sums' makes", 200)
     max_operand: int = doc("largest operand of 'sums' (operands from 1; smaller ones are easier sums)", 49,
                            at_least=1)

@@ -36,6 +36,7 @@ from finetune.tasks.chat import (
     answer,
     load_model,
     load_table,
+    split_field,
     stdlib_qa,
     validate_chat_model,
     validate_source,
@@ -55,7 +56,7 @@ class ModelConfig(ChatModelConfig):
 class DataConfig(BaseDataConfig):
     source: str = doc("'stdlib-qa' (the standard library's docstrings as questions and answers), a jsonl / json / "
                       "parquet / csv file, a datasets.save_to_disk folder, or a hub dataset id", "stdlib-qa")
-    split: str = doc("split of a hub dataset or of a saved DatasetDict", "train")
+    split: str = split_field()
     train_on: Literal["assistant", "completion", "all"] = doc(
         "tokens the loss counts: the assistant's turns (everything else -100); completion: everything after the "
         "prompt (the conversation through its last user turn, with the generation prompt), the template's text after "
