@@ -15,8 +15,8 @@ Two cases, each a single generation batch:
 * ``steps_per_generation = N``: one optimizer step of b·N completions;
 * ``steps_per_generation ≠ N``: a generation batch of 2·b·N completions for two optimizer steps (the second starts
   from the first's weights, its ratios against the generation-time log-probs). TRL counts ``steps_per_generation``
-  in micro-batches (its ``generation_batch_size`` fixes the batch: 2N at (b, N), 2 at (b·N, 1)); finetune counts it
-  in optimizer steps (2 at both).
+  in micro-batches (its ``generation_batch_size`` fixes the batch: 2N at (b, N), 2 at (b·N, 1)); both tools are given
+  the batch as ``generation_batch_size`` = 2·b·N completions.
 
 Reported per loss type (grpo, bnpo, dr_grpo, dapo) and tool: max |Δ(b, N) − Δ(b·N, 1)| / max |Δ(b·N, 1)| over all
 weights (Δ: the change from the initial weights); beside them, how far TRL's big-batch step is from finetune's
@@ -193,7 +193,7 @@ def finetune_config(path: str, data_file: Path, rollouts, loss_type: str, b: int
     return load_recipe("grpo-smollm2", [
         f"model.name_or_path={path}", f"data.source={data_file}", "data.val_fraction=0", "data.limit=null",
         "data.system_prompt=null", "model.dropout=0", "peft.enabled=false", f"model.num_generations={group}",
-        f"model.steps_per_generation={steps if steps > 1 else 'null'}", "model.num_iterations=1",
+        f"model.generation_batch_size={steps * b * n}", "model.num_iterations=1",
         "model.temperature=1.0", f"model.max_completion_length={max_len}", "model.epsilon=0.2", "model.beta=0",
         f"model.loss_type={loss_type}", "model.scale_rewards=group", f"training.batch_size={b}",
         f"training.gradient_accumulation_steps={n}", "training.effective_batch_size=null", "training.optimizer=sgd",

@@ -380,6 +380,9 @@ def build_section(cls, raw, section: str, problems: list):
     known = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
+        if key in getattr(cls, "RETIRED", {}):  # a key a release took away: say what replaced it
+            problems.append(f"{section}.{key}: {cls.RETIRED[key]}")
+            continue
         if key not in known:
             problems.append(f"{section}.{key}: unknown key; allowed: {', '.join(known)}")
             continue

@@ -75,7 +75,7 @@ CUSTOM = {
     # GRPO: the processes take turns at the generation batch's chunks of 2 prompts and gather them; token counts
     # (dapo) summed over the ranks; 22 prompts × 4 completions in generation batches of 24: the last holds 16, its
     # second window 4
-    "grpo-smollm2": ["peft.enabled=false", "training.learning_rate=0.5", "model.steps_per_generation=2",
+    "grpo-smollm2": ["peft.enabled=false", "training.learning_rate=0.5", "model.generation_batch_size=24",
                      "model.generation_chunk=2", "training.epochs=1"],
 }
 

@@ -44,6 +44,8 @@ def test_list_recipes():
 def test_every_recipe_loads_and_validates(name):
     cfg = load_recipe(name)
     assert cfg.name == name and cfg.description
+    # the baseline's batch is stated, so that --batch-size (or another process count) changes N, never the step
+    assert cfg.training.effective_batch_size is not None, f"{name} states N, not its effective batch"
     text = (ROOT / "recipes" / f"{name}.yaml").read_text()
     assert text.startswith("# accelerate launch -q finetune/run.py --recipe " + name)  # -q: an error is one line
 

@@ -1,8 +1,9 @@
 """GRPO (finetune/tasks/grpo.py) on the tiny chat Llama: every loss type's step at (b, N) is the step of (b·N, 1)
-given the same rollouts, with a short last window and steps_per_generation ≠ N; the per-micro-batch mean the peers
+given the same rollouts, with a short last window and generation batches of 2 optimizer steps at N = 3; the per-micro-batch mean the peers
 use is told apart; a resumed run is bit-identical; bad input is one line."""
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -13,11 +14,11 @@ from finetune.tasks import grpo
 from tests.helpers import SMALL, refused_in_process, tiny_chat_assets, train_quietly
 
 EXACT = 1e-5
-# 13 prompts × 4 completions = 52 slots; a generation batch is steps_per_generation 2 × effective 6 = 12
+# 13 prompts × 4 completions = 52 slots; a generation batch is 12 completions, 2 steps of the effective 6
 # completions (3 prompts), so the epoch's last generation batch holds 1 prompt and its window 4 completions
 BASE = ["peft.enabled=false", "data.count=13", "data.val_fraction=0", "training.effective_batch_size=null",
         "training.optimizer=sgd", "training.learning_rate=0.5", "training.max_grad_norm=null",
-        "model.steps_per_generation=2", "model.max_completion_length=6", "training.eval_at_start=false",
+        "model.generation_batch_size=12", "model.max_completion_length=6", "training.eval_at_start=false",
         "training.epochs=1"]
 EOS_BIAS = 5.0  # added to the end token's logit: completions end at varied lengths (else all run to the limit)
 
@@ -62,7 +63,7 @@ def big_batch():
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
 def test_every_loss_type_takes_the_big_batch_step(big_batch, loss_type):
     w1, r1, job1 = big_batch[loss_type]
-    w2, r2, job2 = grpo_run(2, 3, f"model.loss_type={loss_type}")  # N = 3 ≠ steps_per_generation 2
+    w2, r2, job2 = grpo_run(2, 3, f"model.loss_type={loss_type}")  # N = 3 ≠ the 2 steps of a generation batch
     same = ("prompts", "completions", "rewards", "advantages")  # the same rollouts, to the token and the reward
     assert [{k: r[k] for k in same} for r in rollouts_of(job2)] == [{k: r[k] for k in same} for r in rollouts_of(job1)]
     lengths = {len(c) for record in rollouts_of(job1) for c in record["completions"]}
@@ -239,3 +240,177 @@ def test_rollouts_that_do_not_fit_the_run_are_refused(capsys, tmp_path):
                                                       f"training.rollouts={recorded / 'rollouts.jsonl'}"]
                                           for x in ("--set", s)], "--output-dir", str(tmp_path / "o")]
     refused_in_process(capsys, args, "training.rollouts: ")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the shipped recipe at any micro-batch: the generation batch is the recipe's, not N's
+
+
+def shipped(*sets) -> list:
+    """The shipped recipe on the tiny model, as shipped but for the model and data size: its effective batch (16)
+    and generation batch (32) are its own. 24 prompts × 4 completions: 6 steps, 3 generation batches."""
+    ours = [s for s in SMALL["grpo-smollm2"] if not s.startswith(("training.batch_size", "training.effective"))]
+    return [x for s in [*ours, "output.tracker=none", "training.eval_at_start=false", "model.dropout=0", *sets]
+            for x in ("--set", s)]
+
+
+def shipped_run(tmp_path, name, batch_size, *sets):
+    from finetune.cli import run_main
+
+    tiny_chat_assets()
+    out = tmp_path / name
+    code = run_main(["--recipe", "grpo-smollm2", *shipped(*sets), "--batch-size", str(batch_size), "--max-steps",
+                     "4", "--output-dir", str(out)])
+    assert code == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def shipped_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shipped")
+    return folder, {b: shipped_run(folder, f"b{b}", b) for b in (16, 8, 4, 2)}
+
+
+@pytest.mark.parametrize("b", [8, 4, 2])
+def test_the_shipped_recipe_takes_the_same_steps_at_any_micro_batch(shipped_runs, b):
+    from finetune.reproduce.compare import compare_runs, read_run
+
+    _, runs = shipped_runs
+    records = read_run(runs[b])["rollouts"]
+    assert len(records) == 2 and all(len(r["completions"]) == 32 for r in records)  # 4 steps, 2 of 16 each
+    c = compare_runs(runs[16], runs[b])
+    assert c.equivalent, c.checks
+
+
+def test_the_shipped_recipe_on_two_processes_takes_the_same_steps(shipped_runs):
+    from finetune.reproduce.compare import compare_runs
+    from tests.helpers import ACCELERATE, ENV, ROOT, RUN
+
+    folder, runs = shipped_runs
+    out = folder / "two"
+    proc = subprocess.run([ACCELERATE, "launch", "--config_file", str(ROOT / "accelerate_configs" /
+                                                                        "multi_cpu_2.yaml"),
+                           "--main_process_port", "29541", RUN, "--recipe", "grpo-smollm2", *shipped(),
+                           "--batch-size", "4", "--max-steps", "4", "--output-dir", str(out)],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "generation batch 32 completions (model.generation_batch_size)" in proc.stdout
+    assert "Effective batch size: 16 (4 × 2 × 2 processes)" in proc.stdout
+    c = compare_runs(runs[16], out)
+    assert c.equivalent, c.checks
+
+
+def test_another_generation_batch_is_another_run(shipped_runs):
+    """The negative twin: the same layout with generation batches of 16 (one step each) reads "differs" at the
+    rollouts."""
+    from finetune.reproduce.compare import compare_runs, read_run
+
+    folder, runs = shipped_runs
+    other = shipped_run(folder, "gbs16", 4, "model.generation_batch_size=16")
+    assert [len(r["completions"]) for r in read_run(other)["rollouts"]] == [16] * 4
+    c = compare_runs(runs[16], other)
+    assert not c.equivalent and c.first_difference.startswith("rollouts"), c.checks
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("model.generation_batch_size=24", "model.generation_batch_size: 24 completions (model.generation_batch_size) "
+                                       "is not a multiple of the effective batch of 16"),
+    ("model.steps_per_generation=2", "model.steps_per_generation: replaced by model.generation_batch_size, in "
+                                     "completions"),
+    ("model.generation_batch_size=0", "model.generation_batch_size: got 0; must be an integer >= 1"),
+])
+def test_a_generation_batch_that_does_not_fit_is_one_line(capsys, tmp_path, setting, message):
+    tiny_chat_assets()
+    refused_in_process(capsys, ["--recipe", "grpo-smollm2", *shipped(setting), "--max-steps", "1", "--output-dir",
+                                str(tmp_path / "o")], message)
+    assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# import of a TRL GRPOTrainer folder
+
+
+def train_trl_grpo(out, data) -> None:
+    """A TRL 1.16 GRPOTrainer run on the tiny model: 4 × 2 (effective 8 completions), steps_per_generation 4 micro-
+    batches (a generation batch of 16), settings away from the recipe's, one the grpo task has no counterpart for."""
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    model_dir = tiny_chat_assets()["model"]
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                      steps_per_generation=4, num_generations=4, max_completion_length=5, num_iterations=2,
+                      loss_type="bnpo", scale_rewards="batch", epsilon=0.25, epsilon_high=0.3, beta=0.04,
+                      temperature=0.9, top_p=0.95, mask_truncated_completions=True, max_steps=2, learning_rate=1e-3,
+                      report_to=[], save_strategy="no", logging_steps=1, seed=3, use_cpu=True, disable_tqdm=True,
+                      bf16=False)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                          reward_funcs=[grpo.answer_reward], args=args,
+                          train_dataset=load_dataset("json", data_files=data)["train"],
+                          processing_class=AutoTokenizer.from_pretrained(model_dir))
+    trainer.train()
+    trainer.save_model()
+    trainer.save_state()
+
+
+def test_import_of_a_trl_grpo_folder_carries_its_generation_batch_and_loss(tmp_path, capsys):
+    import yaml
+
+    from finetune.cli import main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in grpo.sums(16, seed=5, max_operand=9)))
+    baseline = tmp_path / "trl-grpo"
+    train_trl_grpo(baseline, str(data))
+    recipe = tmp_path / "imported.yaml"
+    capsys.readouterr()
+    assert main(["import", str(baseline), "--recipe", "grpo-smollm2", "--data", str(data), "--model",
+                 tiny_chat_assets()["model"], "-o", str(recipe)]) == 0
+    table = capsys.readouterr().out
+    m, t = (yaml.safe_load(recipe.read_text().split("\n", 2)[2])[k] for k in ("model", "training"))
+    # 4 per device × 1 process × 4 micro-batches: 16 completions, two optimizer steps of 8
+    assert m["generation_batch_size"] == 16 and t["effective_batch_size"] == 8
+    assert {k: m[k] for k in ("num_generations", "num_iterations", "loss_type", "scale_rewards", "epsilon",
+                              "epsilon_high", "beta", "temperature", "top_p", "max_completion_length")} == {
+        "num_generations": 4, "num_iterations": 2, "loss_type": "bnpo", "scale_rewards": "batch", "epsilon": 0.25,
+        "epsilon_high": 0.3, "beta": 0.04, "temperature": 0.9, "top_p": 0.95, "max_completion_length": 5}
+    assert m["use_bias_correction_kl"] is True  # TRL 1.16's default, written by its arguments
+    assert "not carried: mask_truncated_completions=True" in table
+    assert "not carried: the sampler's draws" in table and "not carried: the reward functions" in table
+    # the imported recipe runs at another micro-batch with the baseline's generation batch
+    capsys.readouterr()
+    assert main(["run", "--recipe", str(recipe), "--batch-size", "2", "--max-steps", "2", "--output-dir",
+                 str(tmp_path / "mine"), "--set", "output.tracker=none", "--set", "training.eval_at_start=false"]) == 0
+    assert "generation batch 16 completions (model.generation_batch_size) for 2 × 2 optimizer steps" in \
+        capsys.readouterr().out
+
+
+def test_import_names_a_loss_type_the_task_does_not_have(tmp_path):
+    from finetune.reproduce.importer import import_recipe
+
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+                                "num_generations": 4, "loss_type": "cispo", "generation_batch_size": 8,
+                                "learning_rate": 1e-6}))
+    raw, imported, _ = import_recipe(args, "grpo-smollm2", model=tiny_chat_assets()["model"])
+    assert "loss_type" not in raw["model"] or raw["model"]["loss_type"] == "dapo"  # the recipe's kept
+    assert any(line.startswith("not carried: loss_type=cispo") for line in imported.not_carried)
+    assert raw["model"]["generation_batch_size"] == 8
+
+
+def test_the_kl_is_bias_corrected_as_trl_by_default():
+    """TRL 1.16 multiplies each token's KL by its ratio (use_bias_correction_kl): on-policy the value is the same,
+    the gradient gains the KL itself; off, the plain k3 gradient."""
+    from finetune.config import load_recipe
+
+    def grads(correct: bool):
+        m = load_recipe("grpo-smollm2", ["model.beta=0.5", f"model.use_bias_correction_kl={str(correct).lower()}"])
+        logps = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+        ref = torch.tensor([[-1.5, -1.0, -0.7]])
+        loss, kl, _ = grpo.token_losses(m.model, logps, logps.detach(), ref, torch.zeros(1, 1))
+        loss.sum().backward()
+        return loss.detach(), kl.detach(), logps.grad
+
+    (on, kl_on, g_on), (off, kl_off, g_off) = grads(True), grads(False)
+    assert torch.equal(on, off) and torch.equal(kl_on, kl_off)
+    assert torch.allclose(g_on - g_off, 0.5 * kl_off)  # d(kl·ratio)/dlogp = dkl + kl at ratio 1

@@ -15,6 +15,7 @@ each setting that cannot be carried gets one ``not carried:`` line. The micro-ba
 from __future__ import annotations
 
 import sys
+import typing
 from pathlib import Path
 
 from finetune.errors import ConfigError
@@ -51,8 +52,8 @@ def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None
         raise ConfigError(f"--recipe: {base} is not a recipe (a YAML mapping)")
     folder = recipe_path(base).parent if base else None
     module = task_module(resolve_task(raw.get("task"), folder))
-    fields = lambda cls: {f for f in getattr(cls, "__dataclass_fields__", {})}  # noqa: E731
-    model_fields, data_fields = (fields(section_class(module, n)) for n in ("ModelConfig", "DataConfig"))
+    model_fields = typing.get_type_hints(section_class(module, "ModelConfig"))  # name → type
+    data_fields = set(getattr(section_class(module, "DataConfig"), "__dataclass_fields__", {}))
     imported = carry(baseline, model_fields, data_fields, steps, initial_adapter)
     training_file(imported, data, data_fields)
     if not base and data is None:

@@ -6,6 +6,7 @@ architectures apart."""
 from __future__ import annotations
 
 import math
+import typing
 from pathlib import Path
 
 from finetune.reproduce.baselines import Baseline
@@ -30,6 +31,31 @@ DEFAULTS = {"neftune_noise_alpha": None, "label_smoothing_factor": 0.0, "lr_sche
             "cosine_min_lr_ratio": None, "group_by_length": False, "tf32": None}
 
 
+# A TRL trainer's own settings that change its steps (GRPOConfig, DPOConfig), each carried onto the recipe's model field
+# of the same name and meaning where the recipe's task has that field.
+TASK_SETTINGS = ("beta", "loss_type", "label_smoothing", "num_generations", "num_iterations", "epsilon",
+                 "epsilon_high", "temperature", "top_p", "max_completion_length", "scale_rewards", "reward_weights",
+                 "use_bias_correction_kl")
+# GRPOConfig settings that change the steps and that the grpo task has no counterpart for: name → (TRL 1.16's
+# default, why)
+GRPO_NO_COUNTERPART = {
+    "delta": (None, "finetune's grpo clips the ratio on one side per advantage sign, as TRL without delta"),
+    "importance_sampling_level": ("token", "finetune's grpo weighs each token by its own ratio"),
+    "mask_truncated_completions": (False, "finetune's grpo trains on truncated completions too"),
+    "top_k": (0, "finetune's grpo samples with top_k 0"),
+    "min_p": (None, "finetune's grpo samples without min_p"),
+    "repetition_penalty": (1.0, "finetune's grpo samples without a repetition penalty"),
+    "generation_kwargs": (None, "finetune's grpo passes no other generation arguments"),
+    "use_vllm": (False, "finetune's grpo samples with transformers' generate"),
+    "sync_ref_model": (False, "finetune's reference model stays the initial model"),
+    "top_entropy_quantile": (1.0, "finetune's grpo trains on every completion token"),
+    "entropy_coef": (0.0, "finetune's grpo has no entropy bonus"),
+    "off_policy_mask_threshold": (None, "finetune's grpo masks no off-policy sequences"),
+    "multi_objective_aggregation": ("sum_then_normalize", "finetune's grpo sums the weighted rewards, then "
+                                    "normalises"),
+    "cast_lm_head_to_fp32": (False, "finetune leaves the output layer's dtype as loaded"),
+}
+
 # what a model card never lists, with the Trainer's defaults
 CARD_OMITS = {"weight_decay": 0.0, "max_grad_norm": 1.0, "data_seed": None, "bf16": False}
 
@@ -48,10 +74,11 @@ class Imported:
         self.not_carried.append(f"not carried: {setting}={value} — {why}")
 
 
-def carry(base: Baseline, model_fields: set, data_fields: set, steps: int | None = None,
+def carry(base: Baseline, model_fields: dict, data_fields: set, steps: int | None = None,
           initial_adapter=None) -> Imported:
-    """Map the baseline's settings onto recipe fields (``section.name``); ``steps``: the optimizer steps the run
-    took, when the source does not say them (for a warm-up ratio)."""
+    """Map the baseline's settings onto recipe fields (``section.name``); ``model_fields``: the recipe's model
+    section, field name → type; ``steps``: the optimizer steps the run took, when the source does not say them (for
+    a warm-up ratio)."""
     out = Imported()
     src = lambda name: base.args[name][1]  # noqa: E731
     get = base.get
@@ -88,6 +115,9 @@ def carry(base: Baseline, model_fields: set, data_fields: set, steps: int | None
         _lora_start(base, out, initial_adapter)
     _quantization(base, out, model_fields)
     _data(base, out, data_fields)
+    _task_settings(base, out, model_fields)
+    if base.get("num_generations") is not None:
+        _grpo(base, out, model_fields)
     if base.kind == "model card":  # the card lists only some arguments: the others are the recipe's own
         missing = [f"{k} (Trainer default {v})" for k, v in CARD_OMITS.items() if k not in base.args]
         if missing:
@@ -291,6 +321,56 @@ def _train_on(base: Baseline) -> tuple:
     if "assistant_only_loss" in base.args or "completion_only_loss" in base.args:
         return "all", next(k for k in ("completion_only_loss", "assistant_only_loss") if k in base.args)
     return None, None
+
+
+def _task_settings(base: Baseline, out: Imported, model_fields: dict) -> None:
+    """The TRL trainer's own settings (``TASK_SETTINGS``) onto the recipe's model fields of the same name; a value
+    the task does not have (a loss type it lacks) is said as not carried."""
+    for name in TASK_SETTINGS:
+        if name not in base.args or name not in model_fields:
+            continue
+        value = base.get(name)
+        if name == "loss_type" and isinstance(value, list):  # DPOConfig: a list of losses, weighted
+            if len(value) != 1:
+                out.skip(name, value, "finetune's dpo trains one loss type")
+                continue
+            value = value[0]
+        if name == "scale_rewards" and isinstance(value, bool):  # GRPOConfig reads True / False so
+            value = "group" if value else "none"
+        allowed = typing.get_args(model_fields[name]) if typing.get_origin(model_fields[name]) is typing.Literal \
+            else None
+        if allowed and value not in allowed:
+            out.skip(name, value, f"this recipe's task has {name} {', '.join(allowed)}")
+            continue
+        out.set(f"model.{name}", value, base.args[name][1])
+
+
+def _grpo(base: Baseline, out: Imported, model_fields: dict) -> None:
+    """A TRL GRPOTrainer's generation batch (completions: per-device batch × processes × its steps_per_generation,
+    which counts micro-batches), what the grpo task cannot carry, and that its samples are drawn anew."""
+    get = base.get
+    size, where = get("generation_batch_size"), None
+    if size:
+        where = base.args["generation_batch_size"][1]
+    elif get("steps_per_generation") and get("per_device_train_batch_size"):
+        devices = get("num_devices")
+        size = int(get("per_device_train_batch_size")) * int(devices or 1) * int(get("steps_per_generation"))
+        where = (f"{base.args['steps_per_generation'][1]}: per-device batch × {devices or 1} process"
+                 f"{'es' if (devices or 1) > 1 else ''} × steps_per_generation (micro-batches)")
+    elif get("per_device_train_batch_size"):
+        size, where = base.effective_batch(), "TRL's default: one generation batch per optimizer step"
+    if size and "generation_batch_size" in model_fields:
+        out.set("model.generation_batch_size", int(size), where)
+    for name, (default, why) in GRPO_NO_COUNTERPART.items():
+        if get(name, default) not in (default, {}):
+            out.skip(name, get(name), why)
+    if "disable_dropout" in base.args and "dropout" in model_fields and get("disable_dropout"):
+        out.set("model.dropout", 0.0, f"{base.args['disable_dropout'][1]}: disable_dropout")
+    out.not_carried.append("not carried: the reward functions — a TRL folder does not name them: set "
+                           "model.reward_funcs to the baseline's")
+    out.not_carried.append("not carried: the sampler's draws — TRL shuffles its prompts and samples completions with "
+                           "its own random state, finetune draws its own: to take the baseline's steps, replay its "
+                           "completions with training.rollouts (a rollouts.jsonl)")
 
 
 def training_file(out: Imported, data: str | None, data_fields: set) -> None:

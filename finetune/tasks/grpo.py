@@ -1,9 +1,11 @@
 """GRPO: online RL on a chat model with verifiable rewards, each optimizer step the step of the big batch.
 
-A *generation batch* is ``steps_per_generation × effective`` completions: ``num_generations`` sampled completions
-for each of its prompts, scored by the reward functions, their advantages normalised per prompt group. It is then
-trained for ``num_iterations × steps_per_generation`` optimizer steps, each over ``effective`` completions (the
-shared loop's window). Every loss type is defined by its loss over one optimizer step's completions — all of them,
+A *generation batch* is ``generation_batch_size`` completions (TRL's name and unit; null: the effective batch, one
+generation per optimizer step as at TRL's defaults): ``num_generations`` sampled completions for each of its prompts,
+scored by the reward functions, their advantages normalised per prompt group. It is then trained for
+``num_iterations × generation_batch_size / effective`` optimizer steps, each over ``effective`` completions (the
+shared loop's window). It belongs to the run being reproduced: neither the micro-batch nor the process count moves
+it, so every layout of the run takes the same rollouts and steps. Every loss type is defined by its loss over one optimizer step's completions — all of them,
 on every process — and finetune's window weighting (``steps.loss_weight``) makes ``(b, N)`` take that step:
 
 * ``grpo``: the mean over completions of each completion's mean token loss (the item: a completion);
@@ -31,7 +33,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 import torch
 
@@ -50,6 +52,11 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 @dataclass
 class ModelConfig(chat.ChatModelConfig):
+    # finetune's steps_per_generation counted optimizer steps and defaulted to N, so the rollouts followed the
+    # micro-batch; TRL's field of that name counts micro-batches. Neither belongs to the run, so it is refused.
+    RETIRED: ClassVar[dict] = {"steps_per_generation": (
+        "replaced by model.generation_batch_size, in completions (your steps_per_generation × the effective batch; "
+        "null: the effective batch), which no micro-batch or process count changes")}
     reward_funcs: list = doc(
         "reward functions, each 'module:function' or 'path/to/file.py:function', called as TRL calls its "
         "reward_funcs: f(prompts=…, completions=…, completion_ids=…, **extra columns) → one float per completion",
@@ -57,9 +64,10 @@ class ModelConfig(chat.ChatModelConfig):
     reward_weights: Optional[list] = doc("weight of each reward function (null: 1 each)", None)
     num_generations: int = doc("completions sampled per prompt (the group its advantages are normalised in)", 4,
                                at_least=2)
-    steps_per_generation: Optional[int] = doc(
-        "optimizer steps per generation batch (null: training.gradient_accumulation_steps, as TRL)", None,
-        at_least=1)
+    generation_batch_size: Optional[int] = doc(
+        "completions sampled and scored together, then trained on for generation_batch_size / effective batch "
+        "optimizer steps (TRL's generation_batch_size); a multiple of the effective batch. null: the effective batch "
+        "(one generation per optimizer step, TRL's default)", None, at_least=1)
     num_iterations: int = doc("times each generation batch is trained on (μ)", 1, at_least=1)
     temperature: float = doc("sampling temperature (also divides the logits of every log-prob)", 1.0, above=0)
     top_p: float = doc("nucleus sampling: keep the smallest set of tokens with this much probability", 1.0,
@@ -69,6 +77,9 @@ class ModelConfig(chat.ChatModelConfig):
     epsilon_high: Optional[float] = doc("clipping ε of the ratio's upper side (null: epsilon)", None, at_least=0)
     beta: float = doc("weight of the KL to the reference model (0: no reference kept, as TRL's default)", 0.0,
                       at_least=0)
+    use_bias_correction_kl: bool = doc(
+        "multiply each token's KL by its importance ratio (TRL 1.16's default: the unbiased reverse-KL gradient); "
+        "only with beta > 0", True)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = doc(
         "how token losses are averaged over an optimizer step's completions (module docstring; docs/grpo.md)",
         "dapo")
@@ -317,6 +328,8 @@ def token_losses(m: ModelConfig, logps: torch.Tensor, old: torch.Tensor, ref: to
     clipped = torch.clamp(ratio, 1 - m.epsilon, 1 + high)
     loss = -torch.minimum(ratio * adv, clipped * adv)
     kl = torch.exp(ref - logps) - (ref - logps) - 1 if m.beta else torch.zeros_like(logps)
+    if m.beta and m.use_bias_correction_kl:
+        kl = kl * ratio
     return loss + m.beta * kl, kl, (ratio != clipped).float()
 
 
@@ -571,20 +584,31 @@ def encode_prompts(tokenizer, rows: list, d: DataConfig, m: ModelConfig, first_i
     return out
 
 
-def layout_of(cfg, prompts: int) -> Layout:
+def generation_batch(m: ModelConfig, effective: int) -> tuple[int, str]:
+    """The run's generation batch in completions, and where it comes from (for the banner): the recipe's
+    ``generation_batch_size``, or the effective batch. The effective batch is the recipe's, so no layout of the run
+    moves it."""
+    if m.generation_batch_size is not None:
+        return m.generation_batch_size, "model.generation_batch_size"
+    return effective, "the effective batch: model.generation_batch_size is null"
+
+
+def layout_of(cfg, prompts: int) -> tuple[Layout, str]:
     t, m = cfg.training, cfg.model
-    shape = plan_shape(t, distributed.distributed_state().num_processes)
-    per_generation = m.steps_per_generation or shape.accumulation
-    layout = Layout(prompts, shape.effective, per_generation, m.num_iterations, m.num_generations)
-    if layout.batch_completions % m.num_generations:
+    effective = plan_shape(t, distributed.distributed_state().num_processes).effective
+    completions, source = generation_batch(m, effective)
+    if completions % effective:
+        raise ConfigError(f"model.generation_batch_size: {completions} completions ({source}) is not a multiple of "
+                          f"the effective batch of {effective}; each optimizer step trains on one generation batch")
+    layout = Layout(prompts, effective, completions // effective, m.num_iterations, m.num_generations)
+    if completions % m.num_generations:
         raise ConfigError(f"model.num_generations: {m.num_generations} does not divide the generation batch of "
-                          f"{layout.batch_completions} completions (steps_per_generation {per_generation} × "
-                          f"effective batch {shape.effective})")
+                          f"{completions} completions ({source})")
     if m.num_iterations > 1 and prompts % layout.batch_prompts:
         raise ConfigError(f"model.num_iterations: with {m.num_iterations} passes each generation batch must be whole; "
                           f"{prompts} prompts leave {prompts % layout.batch_prompts} over batches of "
                           f"{layout.batch_prompts} (set data.limit to a multiple)")
-    return layout
+    return layout, source
 
 
 def build(cfg) -> Job:
@@ -598,14 +622,14 @@ def build(cfg) -> Job:
     model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
     prompts = encode_prompts(tokenizer, train_rows, d, m)
     held_out = encode_prompts(tokenizer, val_rows or [], d, m, first_id=len(prompts))
-    layout = layout_of(cfg, len(prompts))
+    layout, source = layout_of(cfg, len(prompts))
     rollouts = Rollouts()
     generator = Generator(m, cfg, model, tokenizer, prompts, layout, rollouts, funcs,
                           make_reference(m, model, cfg.peft.enabled))
     if distributed.is_main_process():
         print(f"grpo: {len(prompts)} prompts from {d.source} ({len(held_out)} held out); {m.num_generations} "
-              f"completions each; generation batch {layout.batch_completions} completions for "
-              f"{layout.per_generation} × {layout.iterations} steps; loss {m.loss_type}", flush=True)
+              f"completions each; generation batch {layout.batch_completions} completions ({source}) for "
+              f"{layout.per_generation} × {layout.iterations} optimizer steps; loss {m.loss_type}", flush=True)
 
     def summarize(trained, run_dir=None) -> dict:
         if run_dir is not None:
