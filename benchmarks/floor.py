@@ -2,6 +2,9 @@
 
     python benchmarks/floor.py                    # LoRA and full at 8 steps, LoRA at 32 and 128 (about 40 min, 2 CPUs)
     python benchmarks/floor.py --steps 8 --quick  # LoRA at 8 steps, (8,1) vs (4,2) only
+    python benchmarks/floor.py --precision bf16 --steps 8 --control            # bf16 layouts, and the one-word control
+    python benchmarks/floor.py --precision bf16 --steps 8 --control --unfixed  # the same without fp32_grad_sums and
+                                                                                # pad_to_window (before they existed)
 
 Each run: ``finetune run --recipe sft-smollm2 --batch-size B --effective-batch-size 8 --max-steps S --set
 data.limit=8·S --set model.dropout=0 --set model.generate_prompts=0 --set training.eval_at_start=false`` (full
@@ -25,11 +28,12 @@ from finetune.reproduce.compare import compare_runs
 CASES = [("LoRA", 8, (8, 4, 2)), ("full", 8, (8, 2)), ("LoRA", 32, (8, 4)), ("LoRA", 128, (8, 4))]
 
 
-def train(out: Path, kind: str, steps: int, b: int) -> Path:
+def train(out: Path, kind: str, steps: int, b: int, extra=()) -> Path:
     args = ["--recipe", "sft-smollm2", "--batch-size", str(b), "--effective-batch-size", "8", "--max-steps",
             str(steps), "--output-dir", str(out)]
     for s in ("model.dropout=0", "model.generate_prompts=0", "training.eval_at_start=false",
-              f"data.limit={8 * steps}", "output.plots=false", *(["peft.enabled=false"] if kind == "full" else [])):
+              f"data.limit={8 * steps}", "output.plots=false", *(["peft.enabled=false"] if kind == "full" else []),
+              *extra):
         args += ["--set", s]
     args += ["--lr", "5e-5"] if kind == "full" else []
     subprocess.run([sys.executable, "-m", "finetune", "run", *args], check=True, stdout=subprocess.DEVNULL,
@@ -37,11 +41,42 @@ def train(out: Path, kind: str, steps: int, b: int) -> Path:
     return out
 
 
+def one_word_changed(folder: Path, steps: int) -> Path:
+    """The recipe's stdlib rows as a prompt/completion file, one trained answer with one word changed."""
+    import json
+
+    from finetune.config import load_recipe
+    from finetune.data import split_samples
+    from finetune.tasks.chat import stdlib_qa
+
+    rows = [dict(r) for r in stdlib_qa()]
+    d = load_recipe("sft-smollm2").data
+    trained = split_samples(list(range(len(rows))), d.val_fraction, d.split_seed, 8 * steps)[0]
+    row = next(rows[i] for i in trained[7:] if " is " in rows[i]["completion"])
+    row["completion"] = row["completion"].replace(" is ", " was ", 1)
+    path = folder / "one-word.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def row(label: str, layouts: str, c) -> str:
+    m = c.measured
+    first = f"; first: {c.first_difference}" if not c.equivalent and c.first_difference else ""
+    return (f"| {label} | {layouts} | {m.get('loss curve', float('nan')):.1e} | {m.get('grad norm', float('nan')):.1e} "
+            f"| {m.get('weights L2', float('nan')):.1e} | {m.get('weights largest', float('nan')):.1e} | "
+            f"{'equivalent' if c.equivalent else 'differs' + first} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, nargs="*", help="only these run lengths")
     p.add_argument("--quick", action="store_true", help="two layouts per case")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast (CPU or GPU)")
+    p.add_argument("--unfixed", action="store_true", help="bf16 without fp32_grad_sums and pad_to_window")
+    p.add_argument("--control", action="store_true", help="also (4,2) on data with one answer changed by one word")
     args = p.parse_args()
+    extra = (["training.mixed_precision=bf16"] if args.precision == "bf16" else []) + \
+        (["training.fp32_grad_sums=false", "training.pad_to_window=false"] if args.unfixed else [])
     print("| run | layouts | loss | grad norm | weights, relative L2 | weights, largest element | verdict |\n"
           "|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -49,12 +84,15 @@ def main() -> None:
             if args.steps and steps not in args.steps:
                 continue
             layouts = layouts[:2] if args.quick else layouts
-            runs = {b: train(Path(tmp) / f"{kind}{steps}-{b}", kind, steps, b) for b in layouts}
+            label = f"{kind}, {steps} steps, {args.precision}" + (" unfixed" if args.unfixed else "")
+            runs = {b: train(Path(tmp) / f"{kind}{steps}-{b}", kind, steps, b, extra) for b in layouts}
             for x, y in itertools.combinations(layouts, 2):
-                m = (c := compare_runs(runs[x], runs[y])).measured
-                print(f"| {kind}, {steps} steps | ({x},{8 // x}) vs ({y},{8 // y}) | {m['loss curve']:.1e} | "
-                      f"{m['grad norm']:.1e} | {m['weights L2']:.1e} | {m['weights largest']:.1e} | "
-                      f"{'equivalent' if c.equivalent else 'differs'} |", flush=True)
+                print(row(label, f"({x},{8 // x}) vs ({y},{8 // y})", compare_runs(runs[x], runs[y])), flush=True)
+            if args.control:
+                data = one_word_changed(Path(tmp), steps)
+                other = train(Path(tmp) / f"{kind}{steps}-word", kind, steps, 4, [*extra, f"data.source={data}"])
+                print(row(label, f"({layouts[0]},{8 // layouts[0]}) vs (4,2), one word changed",
+                          compare_runs(runs[layouts[0]], other)), flush=True)
 
 
 if __name__ == "__main__":

@@ -177,6 +177,14 @@ class TrainingConfig:
     max_grad_norm: Optional[float] = doc("clip the total L2 grad norm to this (null: no clipping)", 1.0, above=0)
     mixed_precision: Literal["no", "fp16", "bf16"] = doc("autocast precision through Accelerate", "no",
                                                          flag="--mixed-precision")
+    fp32_grad_sums: bool = doc(
+        "under bf16 / fp16: each trainable linear layer's weight gradient is summed in fp32 from autocast's "
+        "products, not rounded to bf16 per micro-batch, so that N micro-batches add what the big batch sums "
+        "(docs/exact-steps.md#bf16)", True)
+    pad_to_window: bool = doc(
+        "under bf16 / fp16: every micro-batch is right-padded to its window's longest sample (the big batch's "
+        "shape), so that a sample rounds the same at any micro-batch; costs the extra padding (not with packing "
+        "or max_tokens_per_micro_batch)", True)
     gradient_checkpointing: bool = doc("recompute activations in backward (HF models or the task's hook)", False,
                                        flag="--gradient-checkpointing", affects_result=False)
     compile: bool = doc("torch.compile the model", False, flag="--compile")

@@ -40,7 +40,13 @@ from finetune.packing import decide_packing
 from finetune.runlog import RunLog, banner
 from finetune.shape import Shape
 from finetune.state import TrainState
-from finetune.steps import NonFiniteError, WindowResult, accumulate_window, optimizer_step  # noqa: F401
+from finetune.steps import (  # noqa: F401
+    NonFiniteError,
+    WindowResult,
+    accumulate_window,
+    optimizer_step,
+    pad_to_window,
+)
 from finetune.windows import WindowSpec, stream_windows
 
 
@@ -81,6 +87,7 @@ class Run:
     windows: WindowSpec               # how the samples become windows (the stream, the banner)
     packing_note: str                 # what the banner says about packing
     head_note: str                    # what the banner says about the loss head
+    pad_to_window: bool = False       # pad each micro-batch to its window's longest sample (bf16 / fp16)
 
     @property
     def schedulers(self) -> dict:
@@ -161,6 +168,8 @@ def train(job: Job, t: TrainingConfig, shape: Shape, output: Optional[Outputs] =
             if job.before_window is not None:  # e.g. a KL weight or an R1 interval keyed on optimizer steps
                 job.before_window(state)
             rng = torch.get_rng_state()  # an out-of-memory retry rewinds to it: the same dropout masks
+            if run.pad_to_window:  # bf16: every sample at the big batch's padded length
+                micro_batches = pad_to_window(run.accelerator, micro_batches)
             try:
                 result = accumulate_window(run.accelerator, run.model, run.forward_model, job.loss_fn, window,
                                            micro_batches, run.counter, offload=t.activation_offloading)
@@ -195,6 +204,9 @@ def setup(job: Job, t: TrainingConfig, shape: Shape, output: Outputs, accelerato
     model = job.model
     model.train()  # from_pretrained returns a model in eval mode: dropout would silently stay off
     precision.prepare_quantized(model)  # bitsandbytes-quantized weights: adapters only, and no CPU repacking
+    low_precision = t.mixed_precision != "no"
+    if low_precision and t.fp32_grad_sums:  # N micro-batches add the fp32 sum the big batch takes
+        precision.sum_weight_grads_in_fp32(model)
     if t.gradient_checkpointing:
         enable_checkpointing(model, job.enable_checkpointing)
     head_note = enable_chunked_head(model, t.chunked_loss) if job.loss_fn is None or t.chunked_loss else \
@@ -226,7 +238,9 @@ def setup(job: Job, t: TrainingConfig, shape: Shape, output: Outputs, accelerato
                counter=job.count_items or (lambda b: count_items(b, t.items, causal)),
                monitor=MemoryMonitor(accelerator.device), auto=auto,
                windows=WindowSpec.of(t, shape, len(job.train_data), job.length_of, pack_length_of, capacity),
-               packing_note=packing_note, head_note=head_note)
+               packing_note=packing_note, head_note=head_note,
+               pad_to_window=low_precision and t.pad_to_window and not pack_length_of
+               and not t.max_tokens_per_micro_batch)
 
 
 def prepare(accelerator: Accelerator, model, optimizers: list) -> tuple:

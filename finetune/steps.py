@@ -57,6 +57,31 @@ class WindowResult:
     extras: dict = field(default_factory=dict)  # other loss terms, weighted the same way
 
 
+def pad_to_window(accelerator, micro_batches: list) -> list:
+    """Each text micro-batch (a mapping with a 2-D ``attention_mask``) right-padded to the window's longest sample,
+    over every process: its ``attention_mask`` and every other tensor as long as it along dim 1 (``labels`` with
+    -100, the rest with 0; the padding is masked out). Under bf16 a sample's numbers depend on the padded length it
+    runs at (up to 5e-3 in its loss), and the big batch runs every sample at the window's longest; other batches
+    are returned as they are."""
+    lengths = [b["attention_mask"].shape[1] if isinstance(b, Mapping) and isinstance(b.get("attention_mask"),
+                                                                                    torch.Tensor)
+               and b["attention_mask"].dim() == 2 else None for b in micro_batches]
+    if any(n is None for n in lengths):
+        return micro_batches
+    longest = max(lengths)
+    if accelerator.num_processes > 1:
+        longest = int(accelerator.reduce(torch.tensor(longest, device=accelerator.device), "max"))
+    return [{k: _right_pad(v, n, longest, -100 if k == "labels" else 0) for k, v in b.items()}
+            for b, n in zip(micro_batches, lengths)]
+
+
+def _right_pad(value, length: int, longest: int, fill: int):
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[1] != length or length == longest:
+        return value
+    pad = value.new_full((value.shape[0], longest - length, *value.shape[2:]), fill)
+    return torch.cat([value, pad], dim=1)
+
+
 def count_window(accelerator, window, micro_batches, counter) -> tuple[list, int, int, int]:
     """Items per micro-batch of this process, and the window's items / real / padded tokens over every process
     (one all-reduce, before the first backward)."""

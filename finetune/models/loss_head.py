@@ -14,7 +14,10 @@ forward, and freed; only the gradients of the hidden states ``[tokens, hidden]``
 incoming gradient. We keep gradients rather than recompute each chunk's logits in backward: the head then costs the
 plain head's three matmuls, not four, and what it holds is what backward would allocate anyway (the weight's gradient)
 plus ``[tokens, hidden]``. The ops and dtypes are the plain head's: the linear in the autocast dtype when autocast is
-on, the loss in fp32 on the upcast logits, the linear's backward in the logits' dtype. Tokens whose label is ignored
+on, the loss in fp32 on the upcast logits, the linear's backward in the logits' dtype — except that under bf16 / fp16
+the weight's gradient sums the low-precision products in fp32 rather than rounding each chunk's sum, as
+``models.precision.sum_weight_grads_in_fp32`` does for the body's linear layers (N micro-batches then add what the
+big batch sums; one more fp32 ``[chunk, vocab]`` buffer while it is taken). Tokens whose label is ignored
 (-100, padding, each row's last position) are left out before the head: the plain head gives them exactly zero
 gradient too.
 
@@ -95,8 +98,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if wants[1]:
                 if grad_w.dtype == grad_logits.dtype:
                     grad_w.addmm_(grad_logits.T, h)  # accumulated in place: no second [vocab, hidden] buffer
-                else:
-                    grad_w += grad_logits.T @ h
+                else:  # bf16 products summed in fp32 (exact products): no chunk's or micro-batch's sum rounded
+                    grad_w.addmm_(grad_logits.T.float(), h.float())
             if wants[2]:
                 grad_b += grad_logits.sum(0)
             del grad_logits  # before the next chunk's logits: one [chunk, vocab] buffer at a time in fp32
@@ -242,8 +245,8 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                 g = g.mul_(grad_out[rows, None].float()).to(dtype)
                 if wants[0]:
                     grad_h[rows] = (g @ w).to(hidden.dtype)
-                if wants[1]:
-                    grad_w += (g.T @ h).to(acc)
+                if wants[1]:  # bf16 products summed in fp32, as in the head above
+                    grad_w.addmm_(g.T.to(acc), h.to(acc))
                 if wants[2]:
                     grad_b += g.sum(0).to(acc)
                 del g

@@ -216,3 +216,73 @@ def _fp32_params_forward(self, *args, **kwargs):
         return type(self).forward(self, *args, **kwargs)
     finally:
         self._parameters.update(kept)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mixed precision: weight gradients summed in fp32
+
+
+def sum_weight_grads_in_fp32(model: torch.nn.Module) -> int:
+    """Under bf16 / fp16 autocast, make every trainable ``nn.Linear`` and transformers ``Conv1D`` return its weight
+    (and bias) gradient summed in fp32 from the low-precision products, instead of rounded to bf16 / fp16; returns
+    how many layers were switched.
+
+    Why: autocast computes a layer's weight gradient as one low-precision matmul over the micro-batch's tokens and
+    rounds the sum to bf16 before it is added to the fp32 ``.grad``. The big batch rounds the sum over the whole
+    window once; N micro-batches round N partial sums, so the layouts of one run differ by bf16 rounding of the
+    gradient (about 1e-3 of the grad norm). bf16 × bf16 products are exact in fp32, so the fp32 matmul of the
+    low-precision operands is the autocast product with fp32 sums: the layouts then differ only by fp32 summation
+    order, as in fp32 training. The forward and the input's gradient are autocast's own, to the bit.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    switched = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if type(module) in (torch.nn.Linear, Conv1D) and isinstance(weight, torch.nn.Parameter) and \
+                weight.requires_grad and "forward" not in vars(module):
+            module.forward = MethodType(_fp32_grad_forward, module)
+            switched += 1
+    return switched
+
+
+def _fp32_grad_forward(self, x):
+    device = x.device.type
+    if not (torch.is_grad_enabled() and torch.is_autocast_enabled(device)):
+        return type(self).forward(self, x)
+    dtype = torch.get_autocast_dtype(device)
+    return _Fp32GradMatmul.apply(x, self.weight, self.bias, dtype, type(self) is not torch.nn.Linear)
+
+
+class _Fp32GradMatmul(torch.autograd.Function):
+    """``x @ weight.T + bias`` (``x @ weight + bias`` for a ``Conv1D``) in ``dtype``, as autocast computes it; its
+    backward gives ``x`` autocast's gradient and the weight and bias their fp32 sums (``sum_weight_grads_in_fp32``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype, transposed: bool):
+        with torch.autocast(x.device.type, enabled=False):  # the kernels autocast calls, on its casts
+            low_x, low_w = x.to(dtype), weight.to(dtype)
+            low_b = None if bias is None else bias.to(dtype)
+            if transposed:  # Conv1D's own forward
+                flat = low_x.reshape(-1, low_x.shape[-1])
+                out = (flat @ low_w if low_b is None else torch.addmm(low_b, flat, low_w))
+                out = out.view(*low_x.shape[:-1], low_w.shape[-1])
+            else:
+                out = torch.nn.functional.linear(low_x, low_w, low_b)
+        ctx.save_for_backward(low_x, low_w)
+        ctx.x_dtype, ctx.transposed, ctx.has_bias = x.dtype, transposed, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        low_x, low_w = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ low_w.T if ctx.transposed else grad @ low_w).to(ctx.x_dtype)
+        flat_grad = grad.reshape(-1, grad.shape[-1]).float()
+        if ctx.needs_input_grad[1]:
+            flat_x = low_x.reshape(-1, low_x.shape[-1]).float()
+            grad_w = flat_x.T @ flat_grad if ctx.transposed else flat_grad.T @ flat_x
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = flat_grad.sum(0)
+        return grad_x, grad_w, grad_b, None, None
