@@ -5,6 +5,7 @@
     python benchmarks/floor.py --precision bf16 --steps 8 --control            # bf16 layouts, and the one-word control
     python benchmarks/floor.py --precision bf16 --steps 8 --control --unfixed  # the same without fp32_grad_sums and
                                                                                 # pad_to_window (before they existed)
+    python benchmarks/floor.py --precision bf16 --steps 8 --set training.packing=false   # any recipe override
 
 Each run: ``finetune run --recipe sft-smollm2 --batch-size B --effective-batch-size 8 --max-steps S --set
 data.limit=8·S --set model.dropout=0 --set model.generate_prompts=0 --set training.eval_at_start=false`` (full
@@ -74,9 +75,10 @@ def main() -> None:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast (CPU or GPU)")
     p.add_argument("--unfixed", action="store_true", help="bf16 without fp32_grad_sums and pad_to_window")
     p.add_argument("--control", action="store_true", help="also (4,2) on data with one answer changed by one word")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another recipe override")
     args = p.parse_args()
     extra = (["training.mixed_precision=bf16"] if args.precision == "bf16" else []) + \
-        (["training.fp32_grad_sums=false", "training.pad_to_window=false"] if args.unfixed else [])
+        (["training.fp32_grad_sums=false", "training.pad_to_window=false"] if args.unfixed else []) + args.set
     print("| run | layouts | loss | grad norm | weights, relative L2 | weights, largest element | verdict |\n"
           "|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -84,7 +86,8 @@ def main() -> None:
             if args.steps and steps not in args.steps:
                 continue
             layouts = layouts[:2] if args.quick else layouts
-            label = f"{kind}, {steps} steps, {args.precision}" + (" unfixed" if args.unfixed else "")
+            label = f"{kind}, {steps} steps, {args.precision}" + (" unfixed" if args.unfixed else "") + \
+                "".join(f", {x}" for x in args.set)
             runs = {b: train(Path(tmp) / f"{kind}{steps}-{b}", kind, steps, b, extra) for b in layouts}
             for x, y in itertools.combinations(layouts, 2):
                 print(row(label, f"({x},{8 // x}) vs ({y},{8 // y})", compare_runs(runs[x], runs[y])), flush=True)
@@ -93,6 +96,12 @@ def main() -> None:
                 other = train(Path(tmp) / f"{kind}{steps}-word", kind, steps, 4, [*extra, f"data.source={data}"])
                 print(row(label, f"({layouts[0]},{8 // layouts[0]}) vs (4,2), one word changed",
                           compare_runs(runs[layouts[0]], other)), flush=True)
+                if len(layouts) > 2:  # the verdicts against a floor measured on a twin of the first run
+                    a, twin, b = layouts[0], layouts[1], layouts[2]
+                    for name, run in ((f"({b},{8 // b})", runs[b]), ("(4,2), one word changed", other)):
+                        c = compare_runs(runs[a], run, floor=runs[twin])
+                        print(row(label, f"({a},{8 // a}) vs {name}, floor measured on ({twin},{8 // twin})", c),
+                              flush=True)
 
 
 if __name__ == "__main__":

@@ -279,10 +279,23 @@ class _Fp32GradMatmul(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = (grad @ low_w.T if ctx.transposed else grad @ low_w).to(ctx.x_dtype)
-        flat_grad = grad.reshape(-1, grad.shape[-1]).float()
+        flat_grad = grad.reshape(-1, grad.shape[-1])
         if ctx.needs_input_grad[1]:
-            flat_x = low_x.reshape(-1, low_x.shape[-1]).float()
-            grad_w = flat_x.T @ flat_grad if ctx.transposed else flat_grad.T @ flat_x
+            flat_x = low_x.reshape(-1, low_x.shape[-1])
+            grad_w = fp32_sum_matmul(flat_x.T, flat_grad) if ctx.transposed else fp32_sum_matmul(flat_grad.T, flat_x)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = flat_grad.sum(0)
+            grad_b = flat_grad.float().sum(0)
         return grad_x, grad_w, grad_b, None, None
+
+
+def fp32_sum_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of low-precision matrices with the products summed and returned in fp32. On CUDA one bf16 / fp16
+    GEMM writing fp32 (``torch.mm(out_dtype=)``, at the low-precision GEMM's speed); elsewhere the fp32 product of the
+    upcast operands, which is the same number (low-precision products are exact in fp32) at fp32 matmul speed: on
+    the 2-core CPU a bf16 window's step took 1.6× as long (benchmarks/README.md#bf16-layouts)."""
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):  # a torch or a GPU without that kernel
+            pass
+    return a.float() @ b.float()

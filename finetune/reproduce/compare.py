@@ -27,14 +27,18 @@ from pathlib import Path
 
 import torch
 
+from finetune.reproduce import floor as floors
+from finetune.reproduce.floor import FP32
+
 # The certificate's tolerances, each far above the rounding floor measured between layouts of the same run and far
 # below the smallest real difference its tests must catch (docs/exact-steps.md#the-certificate).
-FP32_LOSS_RTOL = 1e-4        # a step's window loss (floor: 7e-7 over 128 steps of the sft recipe)
+# (finetune.reproduce.floor.FP32 holds them; a bf16 run's, or a measured floor's, are wider)
+FP32_LOSS_RTOL = FP32["loss"]                 # a step's window loss (floor: 7e-7 over 128 steps of the sft recipe)
 # a step's gradient norm before clipping, and the clipping factor applied: its floor reaches 1.2e-4 at one step of
 # 128, where AdamW's amplified rounding had moved a few weights (a changed word in one answer: 1.8e-2)
-GRAD_NORM_RTOL = 1e-3
-FP32_WEIGHT_RTOL = 1e-5      # the largest element's difference, stateless optimizers (rounding is not amplified)
-ADAPTIVE_WEIGHT_RTOL = 1e-4  # ‖a − b‖₂ / ‖b‖₂ over every weight, adaptive optimizers (a few amplified elements)
+GRAD_NORM_RTOL = FP32["grad norm"]
+FP32_WEIGHT_RTOL = FP32["weights largest"]    # the largest element's difference, stateless optimizers
+ADAPTIVE_WEIGHT_RTOL = FP32["weights L2"]     # ‖a − b‖₂ / ‖b‖₂ over every weight, adaptive optimizers
 # optimizers whose per-element normalisation turns rounding-level gradients into full-size steps
 ADAPTIVE = {"adamw", "lion", "adamw8bit", "paged_adamw8bit"}
 # the settings that shape each update beyond what the per-step layers see; the rest either does not change the steps
@@ -202,9 +206,13 @@ def _rel(a: float, b: float, floor: float = 1e-12) -> float:
 GRPO_LOSS_FLOOR = 1e-3
 
 
-def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: float | None = None) -> Comparison:
+def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: float | None = None,
+                 floor=None) -> Comparison:
     """Compare two run directories as the module's docstring says: the settings, the windows, then every step's lr,
-    loss, grad norm and clipping, then the weights — at the certificate's tolerances unless given."""
+    loss, grad norm and clipping, then the weights — at the tolerances of the floor (``floor``: a twin run of
+    ``run_a``, the same computation in another layout, whose distance from it is measured; else the floor assumed for
+    the runs' precision, finetune.reproduce.floor) unless given. Raises ConfigError when the twin is not the same
+    computation as ``run_a``."""
     from finetune.optim import EIGHT_BIT
 
     a, b = read_run(Path(run_a)), read_run(Path(run_b))
@@ -212,7 +220,9 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     c = Comparison()
     optimizers = [setting(r["config"], "training.optimizer") for r in (a, b)]
     c.eight_bit = next((o for o in optimizers if o in EIGHT_BIT), None)
-    loss_rtol = loss_rtol if loss_rtol is not None else EIGHT_BIT_LOSS_RTOL if c.eight_bit else FP32_LOSS_RTOL
+    fl = twin_floor(a, Path(floor), optimizers[0]) if floor is not None else \
+        floors.assumed(setting(a["config"], "training.mixed_precision") if a["config"] else None)
+    c.qualifier = fl.note
     check_settings(c, run_settings(b["config"]), run_settings(a["config"]))
     rollouts(c, a["rollouts"], b["rollouts"])
 
@@ -221,29 +231,79 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     c.add("effective batch", ea == eb, f"{split(a['metrics'])} vs {split(b['metrics'])}")
     c.add("optimizer steps", len(ha) == len(hb), f"{len(ha)} vs {len(hb)}")
     n = min(len(ha), len(hb))
+    same_windows(c, ha, hb, n)
 
+    steps = [h["step"] for h in ha[:n]]
+    grpo = all(r["config"] and r["config"].get("task") == "grpo" for r in (a, b))
+    loss_tol = [loss_rtol] * n if loss_rtol is not None else [EIGHT_BIT_LOSS_RTOL] * n if c.eight_bit else \
+        fl.at("loss", n)
+    losses_a, losses_b = [h["loss"] for h in ha[:n]], [h["loss"] for h in hb[:n]]
+    per_step(c, "loss curve", steps, losses_a, losses_b, loss_tol, floor=GRPO_LOSS_FLOOR if grpo else 1e-12)
+    shift = floors.one_sided(losses_a, losses_b, fl) if not grpo else None  # GRPO's loss sums to about 0
+    if shift:
+        c.add("loss shift", False, shift, step=steps[0])
+    trained(c, ha[:n], hb[:n], max(loss_tol, default=FP32_LOSS_RTOL))
+    norms_a, norms_b = [h["grad_norm"] for h in ha[:n]], [h["grad_norm"] for h in hb[:n]]
+    # an 8-bit optimizer's state moves the weights, hence the later gradients, as far as the loss's band
+    grad_tol = [max(g, x) for g, x in zip(fl.at("grad norm", n), loss_tol)] if c.eight_bit else fl.at("grad norm", n)
+    per_step(c, "grad norm", steps, norms_a, norms_b, grad_tol, what="before clipping")
+    clipping(c, steps, norms_a, norms_b, *(setting(r["config"], "training.max_grad_norm") if r["config"] else
+                                           UNKNOWN for r in (a, b)), rtol=grad_tol)
+    judge = weight_rtol is not None or not c.eight_bit
+    weights(c, a["weights"], b["weights"], optimizers[0] or optimizers[1], weight_rtol, judge, tolerances=fl.overall)
+    return c
+
+
+def same_windows(c: Comparison, ha: list, hb: list, n: int) -> None:
+    """Every step's window held the same samples and used the same lr."""
     bad = next((i for i in range(n) if ha[i].get("window_hash") != hb[i].get("window_hash")), None)
     c.add("window samples", bad is None, f"all {n} windows held the same samples" if bad is None else
           f"step {ha[bad]['step']} (epoch {ha[bad]['epoch']}, window {ha[bad]['window']}) held different samples",
           step=None if bad is None else ha[bad]["step"], basis=f"samples and lr at all {n} steps")
-
     bad = next((i for i in range(n) if _rel(ha[i]["lr"], hb[i]["lr"]) > 1e-9), None)
     c.add("lr schedule", bad is None, "identical" if bad is None else
           f"step {ha[bad]['step']}: {ha[bad]['lr']:.6g} vs {hb[bad]['lr']:.6g}",
           step=None if bad is None else ha[bad]["step"])
 
-    steps = [h["step"] for h in ha[:n]]
-    grpo = all(r["config"] and r["config"].get("task") == "grpo" for r in (a, b))
-    per_step(c, "loss curve", steps, [h["loss"] for h in ha[:n]], [h["loss"] for h in hb[:n]], loss_rtol,
-             floor=GRPO_LOSS_FLOOR if grpo else 1e-12)
-    norms_a, norms_b = [h["grad_norm"] for h in ha[:n]], [h["grad_norm"] for h in hb[:n]]
-    # an 8-bit optimizer's state moves the weights, hence the later gradients, as far as the loss's band
-    per_step(c, "grad norm", steps, norms_a, norms_b, max(GRAD_NORM_RTOL, loss_rtol), what="before clipping")
-    clipping(c, steps, norms_a, norms_b, *(setting(r["config"], "training.max_grad_norm") if r["config"] else
-                                           UNKNOWN for r in (a, b)))
-    judge = weight_rtol is not None or not c.eight_bit
-    weights(c, a["weights"], b["weights"], optimizers[0] or optimizers[1], weight_rtol, judge)
-    return c
+
+def twin_floor(a: dict, twin: Path, optimizer: str | None) -> floors.Floor:
+    """The floor measured on ``twin``, which must be ``a``'s computation in another layout (one line otherwise)."""
+    from finetune.errors import ConfigError
+
+    from finetune.config import flatten, result_neutral_fields
+
+    t = read_run(twin)
+    probe = Comparison()
+    if a["config"] and t["config"]:  # every setting that changes the steps, as a resumed run is checked
+        neutral = result_neutral_fields() | {"name", "description"}
+        mine, theirs = flatten(a["config"]), flatten(t["config"])
+        changed = [f"{k} {mine.get(k)!r} vs {theirs.get(k)!r}" for k in sorted(set(mine) | set(theirs))
+                   if k not in neutral and not k.startswith("output.") and mine.get(k) != theirs.get(k)]
+        probe.add("settings", not changed, "; ".join(changed[:3]))
+    else:
+        probe.add("settings", False, "a run has no config.yaml")
+    same_windows(probe, a["history"], t["history"], min(len(a["history"]), len(t["history"])))
+    if len(t["history"]) != len(a["history"]):
+        probe.add("optimizer steps", False, f"{len(a['history'])} vs {len(t['history'])}")
+    if not probe.equivalent:
+        raise ConfigError(f"compare: --floor {twin} is not the same run as RUN_A in another layout "
+                          f"({probe.first_difference}); make it with RUN_A's recipe and another --batch-size")
+    weights(probe, a["weights"], t["weights"], optimizer, None)
+    return floors.measured(a["history"], t["history"], probe.measured, twin.name)
+
+
+def trained(c: Comparison, ha: list, hb: list, tolerance: float) -> None:
+    """Whether the runs trained: a loss that moved on one side only differs; one that moved on neither is said
+    (then any two such runs would agree)."""
+    moved = floors.moved(ha, tolerance), floors.moved(hb, tolerance)
+    if all(moved):
+        return
+    if any(moved):
+        c.add("trained", False, f"the loss moved beyond {tolerance:.0e} in {'RUN_A' if moved[0] else 'RUN_B'} only",
+              step=ha[-1]["step"] if ha else None)
+        return
+    c.add("trained", None, f"neither run's loss moved beyond the tolerance ({tolerance:.0e}) from its first step to "
+                           "its last: equivalent steps, but no sign that either trained")
 
 
 def step_settings(values: dict) -> dict:
@@ -279,22 +339,26 @@ def check_settings(c: Comparison, ours: dict | None, theirs: dict | None, whose:
 UNKNOWN = object()  # a side whose clipping setting is not known
 
 
-def per_step(c: Comparison, name: str, steps: list, xs: list, ys: list, rtol: float, what: str = "",
+def per_step(c: Comparison, name: str, steps: list, xs: list, ys: list, rtol, what: str = "",
              why: str | None = None, floor: float = 1e-12) -> None:
     """One per-step layer: ``xs[i]`` against ``ys[i]`` at optimizer step ``steps[i]`` (pairs with a non-finite or
     missing value are skipped: DeepSpeed reports no norm when it does not clip), relative to the larger magnitude or
-    ``floor``."""
-    pairs = [(s, x, y) for s, x, y in zip(steps, xs, ys) if _finite(x) and _finite(y)]
+    ``floor``, within ``rtol`` (one tolerance, or one per step: a measured floor's)."""
+    tolerances = rtol if isinstance(rtol, list) else [rtol] * len(steps)
+    pairs = [(s, x, y, r) for s, x, y, r in zip(steps, xs, ys, tolerances) if _finite(x) and _finite(y)]
     if not pairs:
         c.add(name, None, "not checkable: not logged on both sides")
         return
-    worst = c.measured[name] = max(_rel(x, y, floor) for _, x, y in pairs)
-    bad = next(((s, x, y) for s, x, y in pairs if _rel(x, y, floor) > rtol), None)
+    worst = c.measured[name] = max(_rel(x, y, floor) for _, x, y, _ in pairs)
+    bad = next(((s, x, y, r) for s, x, y, r in pairs if _rel(x, y, floor) > r), None)
+    low, high = min(r for *_, r in pairs), max(r for *_, r in pairs)
+    shown = f"{high:g}" if low == high else f"{low:.1e} to {high:.1e} (per step)"
     band = f" (band: {why})" if why else f" (relative to at least {floor:g})" if floor > 1e-12 else ""
     c.add(name, bad is None, f"max relative difference {worst:.2e} at {len(pairs)} steps{' ' + what if what else ''}"
-          f", tolerance {rtol:g}{band}" + ("" if bad is None else
-                                           f"; first above at step {bad[0]}: {bad[1]:.7g} vs {bad[2]:.7g}"),
-          step=None if bad is None else bad[0], basis=f"{name.removesuffix(' curve')} ≤ {rtol:.0e}")
+          f", tolerance {shown}{band}" + ("" if bad is None else
+                                          f"; first above at step {bad[0]}: {bad[1]:.7g} vs {bad[2]:.7g} (tolerance "
+                                          f"{bad[3]:.1e})"),
+          step=None if bad is None else bad[0], basis=f"{name.removesuffix(' curve')} ≤ {high:.0e}")
 
 
 def _finite(x) -> bool:
@@ -306,16 +370,18 @@ def clip_factor(norm: float, max_norm) -> float:
     return 1.0 if max_norm is None or max_norm <= 0 or norm <= max_norm else max_norm / norm
 
 
-def clipping(c: Comparison, steps: list, norms_a: list, norms_b: list, max_a, max_b) -> None:
+def clipping(c: Comparison, steps: list, norms_a: list, norms_b: list, max_a, max_b, rtol=GRAD_NORM_RTOL) -> None:
     """The clipping factor each step applied, from its grad norm and each side's max_grad_norm: a step clipped on
-    one side only (or to another limit) took another update though its gradient was the same."""
+    one side only (or to another limit) took another update though its gradient was the same. ``rtol``: the grad
+    norm's tolerance (one, or one per step)."""
     if max_a is UNKNOWN or max_b is UNKNOWN:
         c.add("clipping", None, "not checkable: a run does not say its max_grad_norm")
         return
-    rows = [(s, clip_factor(x, max_a), clip_factor(y, max_b)) for s, x, y in zip(steps, norms_a, norms_b)
-            if _finite(x) and _finite(y)]
-    bad = next(((s, x, y) for s, x, y in rows if _rel(x, y) > GRAD_NORM_RTOL), None)
-    clipped = sum(x < 1 for _, x, _ in rows)
+    tolerances = rtol if isinstance(rtol, list) else [rtol] * len(steps)
+    rows = [(s, clip_factor(x, max_a), clip_factor(y, max_b), r) for s, x, y, r in
+            zip(steps, norms_a, norms_b, tolerances) if _finite(x) and _finite(y)]
+    bad = next(((s, x, y) for s, x, y, r in rows if _rel(x, y) > r), None)
+    clipped = sum(x < 1 for _, x, _, _ in rows)
     show = lambda f: "not clipped" if f == 1 else f"scaled by {f:.4g}"  # noqa: E731
     c.add("clipping", bad is None, (f"the same at {len(rows)} steps ({clipped} clipped; max_grad_norm {max_a} vs "
                                     f"{max_b})") if bad is None else
@@ -324,7 +390,7 @@ def clipping(c: Comparison, steps: list, norms_a: list, norms_b: list, max_a, ma
 
 
 def weights(c: Comparison, wa: dict | None, wb: dict | None, optimizer: str | None, rtol: float | None,
-            judge: bool = True, against: str = "") -> None:
+            judge: bool = True, against: str = "", tolerances: dict = FP32) -> None:
     """The trained weights: the largest element's difference for a stateless optimizer; for an adaptive one, whose
     rounding-level gradients become full-size steps of either sign, the relative L2 difference of all weights."""
     if wa is None or wb is None:
@@ -342,7 +408,7 @@ def weights(c: Comparison, wa: dict | None, wb: dict | None, optimizer: str | No
     c.measured.update({"weights L2": l2, "weights largest": biggest})
     adaptive = optimizer in ADAPTIVE or optimizer is None
     measure, value = ("relative L2", l2) if adaptive else ("largest element", biggest)
-    rtol = rtol if rtol is not None else ADAPTIVE_WEIGHT_RTOL if adaptive else FP32_WEIGHT_RTOL
+    rtol = rtol if rtol is not None else tolerances["weights L2" if adaptive else "weights largest"]
     why = (f"{optimizer or 'an unknown optimizer'} amplifies rounding: largest element {biggest:.2e}, not judged"
            if adaptive else f"relative L2 {l2:.2e}")
     if not judge:

@@ -1,0 +1,108 @@
+"""The rounding floor a comparison is judged against: measured on a twin run, or assumed from the tables.
+
+Two runs of the same computation in other layouts differ by rounding alone; how much depends on the precision, the
+kernels and the model, so the certificate's tolerances rest on a *floor*:
+
+* **measured** (``finetune compare A B --floor TWIN``): ``TWIN`` is the same run as ``A`` in another layout (another
+  ``--batch-size``: the same windows, lr and settings). At each step and per layer, the floor is the largest
+  ``|A − TWIN|`` so far (rounding accumulates; it does not shrink), and B may stand ``TWIN_FACTOR`` times that from
+  A — never less than the fp32 tolerance. The weights are held to ``TWIN_FACTOR`` × the twin's distance.
+* **assumed** (no twin): fp32 runs keep the fp32 tolerances (docs/exact-steps.md#the-certificate); bf16 / fp16 runs
+  get ``TWIN_FACTOR`` × the largest layout difference measured in bf16 on the 2-core CPU (``ASSUMED_BF16``), and the
+  verdict says that it rests on an assumed floor.
+
+Beside the per-step rule, ``one_sided`` catches a shift that stays under the tolerance at every step but always has
+the same sign (a dropped or doubled term), and ``moved`` whether the loss moved beyond the tolerance at all: a run
+that does not train passes a loose tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Megatron-LM's golden values use 1.5–3× the largest deviation among repeated runs; the larger keeps false alarms
+# rare where the twin saw only one other layout.
+TWIN_FACTOR = 3.0
+# the fp32 tolerances (the least any floor gives): a step's loss, its grad norm and clipping, the weights
+FP32 = {"loss": 1e-4, "grad norm": 1e-3, "weights L2": 1e-4, "weights largest": 1e-5}
+# The largest difference between layouts of the sft recipe in bf16 autocast, fp32 sums and window padding on
+# (packing and the chunked head as shipped), 2-core CPU, 8 steps: docs/exact-steps.md#bf16 (benchmarks/floor.py).
+ASSUMED_BF16 = {"loss": 3.2e-3, "grad norm": 1.3e-2, "weights L2": 5.2e-3, "weights largest": 8.0e-2}
+# at least this many steps, all of one sign, before a shift is told from noise of either sign (2^(1−n) ≤ 3 %)
+SHIFT_STEPS = 6
+
+
+@dataclass
+class Floor:
+    """The tolerances of one comparison and what they rest on."""
+
+    source: str                                   # "fp32", "assumed bf16", "measured"
+    overall: dict                                 # layer → the largest difference the floor allows, whole run
+    per_step: dict = field(default_factory=dict)  # layer → [tolerance at each step] (measured floors)
+    noise: dict = field(default_factory=dict)     # layer → [|A − TWIN| / scale at each step] (measured floors)
+    note: str | None = None                       # for the verdict: what the floor rests on
+
+    def at(self, layer: str, n: int) -> list:
+        """The tolerance of ``layer`` at each of ``n`` steps."""
+        steps = self.per_step.get(layer)
+        return steps[:n] + [self.overall[layer]] * (n - len(steps)) if steps else [self.overall[layer]] * n
+
+
+def assumed(precision: str) -> Floor:
+    """The floor without a twin: fp32's tolerances, or ``TWIN_FACTOR`` × the measured bf16 table."""
+    if precision in ("no", None, "fp32"):
+        return Floor("fp32", dict(FP32))
+    return Floor(f"assumed {precision}", {k: max(TWIN_FACTOR * v, FP32[k]) for k, v in ASSUMED_BF16.items()},
+                 note=f"rests on an assumed {precision} floor ({TWIN_FACTOR:g} × the layout noise measured on a 2-core "
+                      f"CPU, docs/exact-steps.md#bf16); measure it on this hardware: finetune compare A B --floor TWIN")
+
+
+def measured(a_history: list, twin_history: list, weights: dict, twin_name: str) -> Floor:
+    """The floor from a twin of run A: per step, ``TWIN_FACTOR`` × the largest relative ``|A − TWIN|`` so far (at
+    least the fp32 tolerance); the weights from their distance (``weights``: layer → the twin's difference)."""
+    per_step, noise, overall = {}, {}, {}
+    for layer, key in (("loss", "loss"), ("grad norm", "grad_norm")):
+        gaps = [rel(x.get(key), y.get(key)) for x, y in zip(a_history, twin_history)]
+        running, tolerances = 0.0, []
+        for g in gaps:
+            running = max(running, g)
+            tolerances.append(max(TWIN_FACTOR * running, FP32[layer]))
+        per_step[layer], noise[layer] = tolerances, gaps
+        overall[layer] = tolerances[-1] if tolerances else FP32[layer]
+    for layer in ("weights L2", "weights largest"):
+        overall[layer] = max(TWIN_FACTOR * weights.get(layer, 0.0), FP32[layer])
+    worst = ", ".join(f"{k} {max(v, default=0):.1e}" for k, v in noise.items())
+    return Floor("measured", overall, per_step, noise,
+                 note=f"floor measured on {twin_name} ({worst}; tolerance {TWIN_FACTOR:g}× it, at least fp32's)")
+
+
+def rel(x, y) -> float:
+    """|x − y| relative to the larger magnitude (0 for a pair not logged on both sides)."""
+    if not isinstance(x, (int, float)) or not isinstance(y, (int, float)):
+        return 0.0
+    return abs(x - y) / max(abs(x), abs(y), 1e-12)
+
+
+def one_sided(xs: list, ys: list, floor: Floor) -> str | None:
+    """A shift of ``ys`` from ``xs`` (losses, step by step) that has one sign at every step and a mean above
+    ``TWIN_FACTOR`` × the floor's mean noise (measured, or the assumed tolerance / ``TWIN_FACTOR``); None when there is
+    none. Noise of either sign takes one sign at ``n`` steps with probability 2^(1−n)."""
+    pairs = [(x, y) for x, y in zip(xs, ys) if isinstance(x, (int, float)) and isinstance(y, (int, float))]
+    if len(pairs) < SHIFT_STEPS:
+        return None
+    signed = [(y - x) / max(abs(x), abs(y), 1e-12) for x, y in pairs]
+    if not (all(s > 0 for s in signed) or all(s < 0 for s in signed)):
+        return None
+    noise = floor.noise.get("loss")
+    typical = sum(noise) / len(noise) if noise else floor.overall["loss"] / TWIN_FACTOR
+    mean = sum(signed) / len(signed)
+    if abs(mean) <= TWIN_FACTOR * typical:
+        return None
+    return (f"the loss is {'above' if mean > 0 else 'below'} at all {len(signed)} steps, by {abs(mean):.2e} on "
+            f"average ({TWIN_FACTOR:g}× the floor's mean noise: {TWIN_FACTOR * typical:.2e})")
+
+
+def moved(history: list, tolerance: float) -> bool:
+    """Whether the run's loss moved beyond ``tolerance`` (relative) between its first and last step."""
+    losses = [h["loss"] for h in history if isinstance(h.get("loss"), (int, float))]
+    return len(losses) > 1 and rel(losses[0], losses[-1]) > tolerance

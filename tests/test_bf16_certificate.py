@@ -1,0 +1,114 @@
+"""The certificate in bf16 (finetune/reproduce/floor.py): `finetune compare A B --floor TWIN` measures the rounding
+floor between run A and its twin (the same recipe at another --batch-size) and holds B to 3× it, step by step.
+
+On the tiny chat model in bf16 autocast with the sft recipe's defaults (packing, the chunked head, AdamW, cosine,
+clipping), through the CLI: the layouts of one run read "equivalent" against the measured floor; the negative
+controls of the fp32 certificate read "differs" against the same floor — one answer changed by one word, the short
+last window weighted as a plain micro-batch mean, clipping on one side only, weight decay 0.01 against 0. Without a
+twin the verdict says it rests on an assumed floor; a twin that is not the same run is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune import steps
+from finetune.cli import main
+from finetune.data import split_samples
+from finetune.reproduce import floor as floors
+from tests.helpers import SMALL, assert_one_error_line, tiny_chat_assets
+
+CLIP = 0.34
+BASE = [*SMALL["sft-smollm2"], "model.dropout=0", "data.limit=22", "training.effective_batch_size=4",
+        "model.generate_prompts=0", "training.eval_at_start=false", "output.plots=false", "output.tracker=none",
+        f"training.max_grad_norm={CLIP}", "training.mixed_precision=bf16"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tiny_chat_assets()
+    root, done = tmp_path_factory.mktemp("bf16-cert"), {}
+
+    def run(name, b, *overrides):
+        if name not in done:
+            args = [f"--set={o}" for o in (*BASE, *overrides)]
+            assert main(["run", "--recipe", "sft-smollm2", "--batch-size", str(b), *args,
+                         "--output-dir", str(root / name)]) == 0
+            done[name] = root / name
+        return done[name]
+    return run
+
+
+def compare(capsys, a, b, *extra) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(["compare", str(a), str(b), *extra])
+    return code, capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_layouts_are_equivalent_against_the_measured_floor(runs, capsys):
+    big, twin = runs("4", 4), runs("2", 2)
+    code, verdict = compare(capsys, big, runs("1", 1), "--floor", str(twin))
+    assert code == 0 and verdict.startswith("verdict: equivalent") and "floor measured on 2" in verdict, verdict
+
+
+@pytest.mark.parametrize("control", ["word", "tail", "noclip", "decay"])
+def test_each_control_differs_against_the_measured_floor(runs, capsys, tmp_path, monkeypatch, control):
+    big, twin = runs("4", 4), runs("2", 2)
+    if control == "word":
+        rows = [json.loads(line) for line in open(tiny_chat_assets()["data"])]
+        trained = split_samples(list(range(len(rows))), 0.2, 0, 22)[0]
+        answer = next(m for m in rows[trained[7]]["messages"] if m["role"] == "assistant")
+        answer["content"] = answer["content"].replace(" is ", " was ", 1)
+        data = tmp_path / "chat.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        other = runs("word", 2, f"data.source={data}")
+    elif control == "tail":  # Accelerate's accumulate(): the short last window's gradient halved
+        accumulate, weight = steps.accumulate_window, steps.loss_weight
+
+        def tail_as_mean(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw):
+            if len(window.samples) < 4:
+                monkeypatch.setattr(steps, "loss_weight", lambda items, window_items, processes: processes / 2)
+            try:
+                return accumulate(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw)
+            finally:
+                monkeypatch.setattr(steps, "loss_weight", weight)
+        monkeypatch.setattr("finetune.loop.accumulate_window", tail_as_mean)
+        other = runs("tail", 2)
+    elif control == "noclip":
+        other = runs("noclip", 2, "training.max_grad_norm=null")
+    else:
+        other = runs("decay", 2, "training.weight_decay=0.01")
+    code, verdict = compare(capsys, big, other, "--floor", str(twin))
+    assert code == 1 and verdict.startswith("verdict: differs — "), verdict
+    if control == "decay":
+        assert "settings: training.weight_decay" in verdict, verdict
+    else:
+        assert "first above at step" in verdict or "clipping: step" in verdict, verdict
+
+
+def test_without_a_twin_the_verdict_says_its_floor_is_assumed(runs, capsys):
+    code, verdict = compare(capsys, runs("4", 4), runs("1", 1))
+    assert code == 0 and "rests on an assumed bf16 floor" in verdict and "--floor TWIN" in verdict, verdict
+
+
+def test_a_twin_that_is_another_run_is_refused_in_one_line(runs, capsys):
+    capsys.readouterr()
+    assert main(["compare", str(runs("4", 4)), str(runs("1", 1)), "--floor", str(runs("noclip", 2,
+                                                                                       "training.max_grad_norm=null"))]) == 2
+    assert_one_error_line(capsys.readouterr().err, "compare: --floor")
+
+
+def test_a_one_sided_shift_under_the_tolerance_is_caught():
+    """Negative control of the shift test: every step 2e-4 above, within a 3e-4 per-step tolerance, is told apart;
+    the same size with alternating signs is noise."""
+    fl = floors.Floor("measured", {"loss": 3e-4}, noise={"loss": [1e-5] * 8})
+    xs = [2.0 - 0.1 * i for i in range(8)]
+    assert floors.one_sided(xs, [x * (1 + 2e-4) for x in xs], fl)
+    assert floors.one_sided(xs, [x * (1 + (-1) ** i * 2e-4) for i, x in enumerate(xs)], fl) is None
+
+
+def test_a_run_that_did_not_train_is_said():
+    assert floors.moved([{"loss": 2.0}, {"loss": 1.5}], 1e-2)
+    assert not floors.moved([{"loss": 2.0}, {"loss": 2.0 + 1e-5}], 1e-2)
