@@ -137,9 +137,6 @@ def cmd_compare(args) -> int:
     # RUN_A may be a baseline another tool trained (a Trainer/TRL folder, a model card): checked against its logs
     runs = is_finetune_run(args.run_a)
     compare, plot = (compare_runs, plot_comparison) if runs else (compare_with_baseline, plot_against_baseline)
-    if args.floor and not runs:
-        raise ConfigError("compare: --floor measures the floor of two finetune runs; against a baseline another tool "
-                          "trained it is not taken yet")
     result = compare(args.run_a, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol,
                      **({"floor": args.floor} if args.floor else {}))
     print(result.report())
@@ -200,8 +197,9 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
                    help="weights: max relative difference allowed (default 1e-5; 8-bit optimizer: only reported)")
     c.add_argument("--loss-rtol", type=float, default=None,
                    help="loss curve: max relative difference allowed (default 1e-4; 1e-2 with an 8-bit optimizer)")
-    c.add_argument("--floor", metavar="TWIN", help="a twin of RUN_A (its recipe at another --batch-size): the rounding "
-                                                   "floor is measured between them, and RUN_B held to 3× it")
+    c.add_argument("--floor", metavar="TWIN", help="a twin run (RUN_A's recipe at another --batch-size; against a "
+                                                   "baseline, RUN_B's): the rounding floor is measured between them "
+                                                   "and each step held to 3× it")
     c.add_argument("--plot", metavar="PNG", help="write both runs' loss and lr curves here")
     c.set_defaults(func=cmd_compare)
     from finetune.reproduce import importer

@@ -14,10 +14,11 @@ forward, and freed; only the gradients of the hidden states ``[tokens, hidden]``
 incoming gradient. We keep gradients rather than recompute each chunk's logits in backward: the head then costs the
 plain head's three matmuls, not four, and what it holds is what backward would allocate anyway (the weight's gradient)
 plus ``[tokens, hidden]``. The ops and dtypes are the plain head's: the linear in the autocast dtype when autocast is
-on, the loss in fp32 on the upcast logits, the linear's backward in the logits' dtype — except that under bf16 / fp16
-the weight's gradient sums the low-precision products in fp32 rather than rounding each chunk's sum, as
-``models.precision.sum_weight_grads_in_fp32`` does for the body's linear layers (N micro-batches then add what the
-big batch sums; one more fp32 ``[chunk, vocab]`` buffer while it is taken). Tokens whose label is ignored
+on, the loss in fp32 on the upcast logits, the linear's backward in the logits' dtype. Under bf16 / fp16 autocast the
+gradients are taken in backward instead (``_ChunkedLowPrecisionCrossEntropy``, one more matmul per chunk): the plain
+head rounds its logits' gradient to bf16 after scaling it by the upstream gradient, which the forward cannot know;
+there a head switched by ``models.precision.sum_weight_grads_in_fp32`` (``training.fp32_grad_sums``) also sums its
+weight's low-precision products in fp32, as the body's linear layers do. Tokens whose label is ignored
 (-100, padding, each row's last position) are left out before the head: the plain head gives them exactly zero
 gradient too.
 
@@ -98,8 +99,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if wants[1]:
                 if grad_w.dtype == grad_logits.dtype:
                     grad_w.addmm_(grad_logits.T, h)  # accumulated in place: no second [vocab, hidden] buffer
-                else:  # bf16 products summed in fp32 (exact products): no chunk's or micro-batch's sum rounded
-                    grad_w.addmm_(grad_logits.T.float(), h.float())
+                else:
+                    grad_w += grad_logits.T @ h
             if wants[2]:
                 grad_b += grad_logits.sum(0)
             del grad_logits  # before the next chunk's logits: one [chunk, vocab] buffer at a time in fp32
@@ -123,6 +124,55 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
+class _ChunkedLowPrecisionCrossEntropy(torch.autograd.Function):
+    """The same loss under bf16 / fp16 autocast, its gradients taken in backward (each chunk's logits computed
+    again): the plain head rounds the gradient of its logits to bf16 *after* it is scaled by the upstream gradient
+    and the divisor (``grad_out / divisor · (softmax − one-hot)``), and a gradient kept from the forward could only be
+    rounded before that scale was known (a 1e-3 difference in the grad norm from the plain head in bf16, measured
+    against TRL's). One more ``[chunk, hidden] × [hidden, vocab]`` matmul per chunk than the fp32 path."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, divisor, chunk_tokens, fp32_sums):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            total += _cross_entropy_sum(F.linear(hidden[rows].to(dtype), w, b), targets[rows], False)[0]
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.dtype, ctx.chunk_tokens, ctx.divisor, ctx.fp32_sums = dtype, chunk_tokens, divisor, fp32_sums
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        wants, dtype = ctx.needs_input_grad[:3], ctx.dtype
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        grad_h = torch.zeros_like(hidden) if wants[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants[1] else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if wants[2] else None
+        scale = grad_out.float() / ctx.divisor
+        with torch.autocast(hidden.device.type, enabled=False):  # the forward's dtypes, cast explicitly
+            for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+                rows = slice(start, start + ctx.chunk_tokens)
+                h = hidden[rows].to(dtype)
+                g = F.linear(h, w, b).float().softmax(1)
+                g.scatter_add_(1, targets[rows, None], g.new_full((h.shape[0], 1), -1.0))
+                g = g.mul_(scale).to(dtype)  # scaled, then rounded: the plain head's order
+                if wants[0]:
+                    grad_h[rows] = (g @ w).to(hidden.dtype)
+                if wants[1]:
+                    if ctx.fp32_sums:
+                        grad_w.addmm_(g.T.float(), h.float())
+                    else:
+                        grad_w += g.T @ h
+                if wants[2]:
+                    grad_b += g.float().sum(0) if ctx.fp32_sums else g.sum(0)
+                del g
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+
+
 def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, grad: bool):
     """(Σ cross_entropy(logits.float(), targets), its gradient w.r.t. ``logits`` in their dtype or None).
 
@@ -143,9 +193,18 @@ def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, grad: bool):
     return loss, probs.to(logits.dtype)
 
 
+def sums_in_fp32(head: torch.nn.Module) -> bool:
+    """Whether ``head`` was switched to sum its weight's gradient in fp32 (``training.fp32_grad_sums``): the chunked
+    head then does the same for it."""
+    from finetune.models.precision import sums_weight_grads_in_fp32
+
+    return sums_weight_grads_in_fp32(head)
+
+
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                  bias: Optional[torch.Tensor] = None, *, divisor=None,
-                                 chunk_tokens: Optional[int] = None, ignore_index: int = -100) -> torch.Tensor:
+                                 chunk_tokens: Optional[int] = None, ignore_index: int = -100,
+                                 fp32_sums: bool = False) -> torch.Tensor:
     """``cross_entropy(linear(hidden, weight, bias).float(), targets)`` without the ``[rows, classes]`` logits.
 
     Args:
@@ -155,6 +214,8 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tar
             ``num_items_in_batch``); None: by the number of counted rows (the mean; NaN when there is none).
         chunk_tokens: rows per chunk (None: ``default_chunk_tokens(classes)``); the head holds one
             ``[chunk_tokens, classes]`` fp32 buffer at a time (about two under bf16 autocast), besides the gradients.
+        fp32_sums: under bf16 / fp16 autocast, sum the weight's gradient in fp32 (``training.fp32_grad_sums``)
+            rather than round each chunk's sum as the plain head rounds its one.
 
     Returns:
         The fp32 loss; its gradients w.r.t. ``hidden``, ``weight`` and ``bias`` are the plain head's, to rounding.
@@ -174,8 +235,12 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tar
     if divisor is None:
         divisor = keep.numel()
     # Rows that count for nothing get no logits at all; index_select's backward scatters zeros to them.
-    return _ChunkedLinearCrossEntropy.apply(hidden.index_select(0, keep), weight, bias, targets.index_select(0, keep),
-                                            divisor, chunk_tokens, torch.is_grad_enabled())
+    hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
+    if torch.is_grad_enabled() and torch.is_autocast_enabled(hidden.device.type) and \
+            torch.get_autocast_dtype(hidden.device.type) in (torch.bfloat16, torch.float16):
+        return _ChunkedLowPrecisionCrossEntropy.apply(hidden, weight, bias, targets, divisor, chunk_tokens, fp32_sums)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, divisor, chunk_tokens,
+                                            torch.is_grad_enabled())
 
 
 def causal_lm_loss(hidden_states: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, *,
@@ -196,7 +261,8 @@ def causal_lm_loss(hidden_states: torch.Tensor, head: torch.nn.Linear, labels: t
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(hidden.device)
     return chunked_linear_cross_entropy(hidden, head.weight, targets, head.bias, divisor=num_items_in_batch,
-                                        chunk_tokens=chunk_tokens, ignore_index=ignore_index)
+                                        chunk_tokens=chunk_tokens, ignore_index=ignore_index,
+                                        fp32_sums=sums_in_fp32(head))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -212,7 +278,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
     outlives a chunk in either pass."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_tokens):
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens, fp32_sums=False):
         dtype = _compute_dtype(hidden, weight)
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
@@ -222,7 +288,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             out[rows] = x.gather(1, targets[rows, None]).squeeze(1) - x.logsumexp(1)
             del x
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.dtype, ctx.chunk_tokens = dtype, chunk_tokens
+        ctx.dtype, ctx.chunk_tokens, ctx.fp32_sums = dtype, chunk_tokens, fp32_sums
         return out
 
     @staticmethod
@@ -245,13 +311,15 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                 g = g.mul_(grad_out[rows, None].float()).to(dtype)
                 if wants[0]:
                     grad_h[rows] = (g @ w).to(hidden.dtype)
-                if wants[1]:  # bf16 products summed in fp32, as in the head above
+                if wants[1] and ctx.fp32_sums:  # bf16 products summed in fp32, as in the head above
                     grad_w.addmm_(g.T.to(acc), h.to(acc))
+                elif wants[1]:
+                    grad_w += (g.T @ h).to(acc)
                 if wants[2]:
                     grad_b += g.sum(0).to(acc)
                 del g
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -281,7 +349,7 @@ def sequence_log_probs(hidden_states: torch.Tensor, head: torch.nn.Linear, label
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(head.weight.shape[0])
     tokens = _ChunkedTokenLogProbs.apply(hidden.index_select(0, keep), head.weight, head.bias,
-                                         targets.index_select(0, keep), chunk_tokens)
+                                         targets.index_select(0, keep), chunk_tokens, sums_in_fp32(head))
     rows = torch.div(keep, shift.shape[-1], rounding_mode="floor")
     return torch.zeros(shift.shape[0], dtype=torch.float32, device=tokens.device).index_add(0, rows, tokens)
 

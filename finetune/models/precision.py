@@ -246,6 +246,12 @@ def sum_weight_grads_in_fp32(model: torch.nn.Module) -> int:
     return switched
 
 
+def sums_weight_grads_in_fp32(module: torch.nn.Module) -> bool:
+    """Whether ``sum_weight_grads_in_fp32`` switched ``module``."""
+    forward = vars(module).get("forward")
+    return getattr(forward, "__func__", None) is _fp32_grad_forward
+
+
 def _fp32_grad_forward(self, x):
     device = x.device.type
     if not (torch.is_grad_enabled() and torch.is_autocast_enabled(device)):

@@ -275,7 +275,9 @@ def twin_floor(a: dict, twin: Path, optimizer: str | None) -> floors.Floor:
     t = read_run(twin)
     probe = Comparison()
     if a["config"] and t["config"]:  # every setting that changes the steps, as a resumed run is checked
-        neutral = result_neutral_fields() | {"name", "description"}
+        # how the twin rounds is the point of it: fp32 sums off round as autocast does (as the peers do)
+        neutral = result_neutral_fields() | {"name", "description", "training.fp32_grad_sums",
+                                             "training.pad_to_window"}
         mine, theirs = flatten(a["config"]), flatten(t["config"])
         changed = [f"{k} {mine.get(k)!r} vs {theirs.get(k)!r}" for k in sorted(set(mine) | set(theirs))
                    if k not in neutral and not k.startswith("output.") and mine.get(k) != theirs.get(k)]
@@ -473,7 +475,8 @@ def loss_band(base, mine: dict) -> tuple[float, str | None]:
     ours = t.get("mixed_precision")
     if precision or ours not in (None, "no"):
         return MIXED_PRECISION_BAND, (f"mixed precision ({precision or 'fp32'} baseline, {ours or 'no'} here) "
-                                      "rounds each side differently")
+                                      "rounds each side differently; an assumed band: measure the floor on this "
+                                      "hardware with --floor TWIN (this reproduction at another --batch-size)")
     cfg, adapter = base.model_config or {}, base.adapter_config or {}
     drops = {k: v for k, v in cfg.items() if ("dropout" in k or k.endswith("pdrop")) and
              isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
@@ -486,13 +489,14 @@ def loss_band(base, mine: dict) -> tuple[float, str | None]:
 
 
 def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
-                          loss_rtol: float | None = None) -> Comparison:
+                          loss_rtol: float | None = None, floor=None) -> Comparison:
     """Check finetune run ``run`` against a baseline another tool trained (``finetune.reproduce.baselines``), in order:
     effective batch, optimizer steps, the samples of every window (the Trainer's order recomputed from the
     baseline's seed), the lr and the training loss at every logged step (our mean over the steps each log entry
     covers: ``logging_steps`` > 1 logs a mean), the evaluation loss, the weights. What the baseline does not show
     (a model card has no lr, no weights) is reported as not checkable. Raises ConfigError when the two models differ
-    or the baseline is unreadable."""
+    or the baseline is unreadable. ``floor``: a twin of ``run`` (the same reproduction at another --batch-size): the
+    bands are then 3× the rounding floor measured between them, not the assumed ones."""
     from finetune.errors import ConfigError
     from finetune.reproduce.baselines import read_baseline
     from finetune.reproduce.settings import model_difference
@@ -529,10 +533,14 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
               step=bad["step"] if bad else None)
 
     band, why = loss_band(base, mine)
+    fl = twin_floor(mine, Path(floor), setting(mine["config"], "training.optimizer")) if floor is not None else None
+    if fl is not None:  # the floor measured on this hardware replaces the assumed band
+        band, why = fl.overall["loss"], fl.note
     band = loss_rtol if loss_rtol is not None else band
+    grad_band = max(band, fl.overall["grad norm"] if fl else GRAD_NORM_RTOL)
     if base.logs:
         _check_logged_loss(c, base.logs, history, band, why, int(base.get("logging_steps") or 1))
-        _check_logged_norms(c, base, logs, by_step, max(band, GRAD_NORM_RTOL), why, mine, unchecked)
+        _check_logged_norms(c, base, logs, by_step, grad_band, why, mine, unchecked)
     elif base.card_losses:
         unchecked.append("training loss")
         c.add("loss curve", None, "not checkable: the card's Training Loss is the mean over logging_steps, which "
@@ -546,7 +554,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         from safetensors.torch import load_file
 
         weights(c, mine["weights"], load_file(str(base.weights)), setting(mine["config"], "training.optimizer"),
-                weight_rtol, against=f" against {base.weights.name}")
+                weight_rtol, against=f" against {base.weights.name}", tolerances=fl.overall if fl else FP32)
     notes = ([f"loss held to {band:g}, not {FP32_LOSS_RTOL:g}: {why}"] if why else []) + \
         ([f"not checkable from the {base.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
         start_notes(base, mine, c.equivalent)
@@ -577,7 +585,7 @@ def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: fl
     per_step(c, "grad norm", steps, ours, theirs, rtol, what="before clipping", why=why)
     limit = (base.get("max_grad_norm") or None) if "max_grad_norm" in base.args else UNKNOWN
     clipping(c, steps, ours, theirs,
-             setting(mine["config"], "training.max_grad_norm") if mine["config"] else UNKNOWN, limit)
+             setting(mine["config"], "training.max_grad_norm") if mine["config"] else UNKNOWN, limit, rtol=rtol)
 
 
 def start_notes(base, mine: dict, equivalent: bool) -> list:
