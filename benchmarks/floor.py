@@ -1,6 +1,6 @@
 """The certificate's rounding floor: how far layouts of the same sft-smollm2 run end apart, per layer.
 
-    python benchmarks/floor.py                    # LoRA and full at 8 steps, LoRA at 32 and 128 (about 40 min, 2 CPUs)
+    python benchmarks/floor.py                    # LoRA and full at 8 steps, LoRA at 32, 64 and 128 (about an hour)
     python benchmarks/floor.py --steps 8 --quick  # LoRA at 8 steps, (8,1) vs (4,2) only
     python benchmarks/floor.py --precision bf16 --steps 8 --control            # bf16 layouts, and the one-word control
     python benchmarks/floor.py --precision bf16 --steps 8 --control --unfixed  # the same without fp32_grad_sums and
@@ -26,7 +26,8 @@ from pathlib import Path
 
 from finetune.reproduce.compare import compare_runs
 
-CASES = [("LoRA", 8, (8, 4, 2)), ("full", 8, (8, 2)), ("LoRA", 32, (8, 4)), ("LoRA", 128, (8, 4))]
+CASES = [("LoRA", 8, (8, 4, 2)), ("full", 8, (8, 2)), ("LoRA", 32, (8, 4)), ("LoRA", 64, (8, 4, 2)),
+         ("LoRA", 128, (8, 4))]
 
 
 def train(out: Path, kind: str, steps: int, b: int, extra=()) -> Path:
@@ -96,8 +97,8 @@ def main() -> None:
                 other = train(Path(tmp) / f"{kind}{steps}-word", kind, steps, 4, [*extra, f"data.source={data}"])
                 print(row(label, f"({layouts[0]},{8 // layouts[0]}) vs (4,2), one word changed",
                           compare_runs(runs[layouts[0]], other)), flush=True)
-                if len(layouts) > 2:  # the verdicts against a floor measured on a twin of the first run
-                    a, twin, b = layouts[0], layouts[1], layouts[2]
+                if len(layouts) > 2:  # verdicts against a floor measured on a twin of the first run at the
+                    a, b, twin = layouts[0], layouts[1], layouts[2]  # smallest micro-batch
                     for name, run in ((f"({b},{8 // b})", runs[b]), ("(4,2), one word changed", other)):
                         c = compare_runs(runs[a], run, floor=runs[twin])
                         print(row(label, f"({a},{8 // a}) vs {name}, floor measured on ({twin},{8 // twin})", c),

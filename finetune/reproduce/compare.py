@@ -29,6 +29,7 @@ import torch
 
 from finetune.reproduce import floor as floors
 from finetune.reproduce.floor import FP32
+from finetune.reproduce.settings import TASK_SETTINGS
 
 # The certificate's tolerances, each far above the rounding floor measured between layouts of the same run and far
 # below the smallest real difference its tests must catch (docs/exact-steps.md#the-certificate).
@@ -45,7 +46,8 @@ ADAPTIVE = {"adamw", "lion", "adamw8bit", "paged_adamw8bit"}
 # or shows in them (lr, clipping, batch)
 STEP_SETTINGS = ("training.optimizer", "training.weight_decay", "training.momentum", "training.betas",
                  "training.mixed_precision", "model.dtype", "model.quantization", "model.dropout", "peft.enabled",
-                 "peft.r", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save")
+                 "peft.r", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save",
+                 *(f"model.{name}" for name in TASK_SETTINGS), "model.generation_batch_size")
 # The loss curves of two runs of the same steps with an 8-bit optimizer (their weights drift apart, see above).
 EIGHT_BIT_LOSS_RTOL = 1e-2
 
@@ -555,9 +557,12 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
 
         weights(c, mine["weights"], load_file(str(base.weights)), setting(mine["config"], "training.optimizer"),
                 weight_rtol, against=f" against {base.weights.name}", tolerances=fl.overall if fl else FP32)
+    # a differing run's likeliest cause: a setting of the baseline that import could not carry, else the adapters'
+    # start (only where no such setting is left to blame)
+    cause = [] if c.equivalent else uncarried(base, mine)
     notes = ([f"loss held to {band:g}, not {FP32_LOSS_RTOL:g}: {why}"] if why else []) + \
         ([f"not checkable from the {base.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
-        start_notes(base, mine, c.equivalent)
+        (cause or start_notes(base, mine, c.equivalent))
     c.qualifier = "; ".join(notes) or None
     return c
 
@@ -567,7 +572,9 @@ def _check_baseline_settings(c: Comparison, base, mine: dict) -> None:
     run's ``config.yaml``: a run that trained LoRA against a full fine-tuning, or another optimizer, differs."""
     from finetune.reproduce.settings import carry
 
-    check_settings(c, run_settings(mine["config"]), step_settings(carry(base, set(), set()).values), "the baseline")
+    # the run's own model fields: a task's settings (DPO's beta, GRPO's loss type) are the baseline's too
+    fields = {name: None for name in (mine["config"].get("model") or {})}
+    check_settings(c, run_settings(mine["config"]), step_settings(carry(base, fields, set()).values), "the baseline")
 
 
 def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: float, why, mine: dict,
@@ -586,6 +593,18 @@ def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: fl
     limit = (base.get("max_grad_norm") or None) if "max_grad_norm" in base.args else UNKNOWN
     clipping(c, steps, ours, theirs,
              setting(mine["config"], "training.max_grad_norm") if mine["config"] else UNKNOWN, limit, rtol=rtol)
+
+
+def uncarried(base, mine: dict) -> list:
+    """The baseline's settings that ``finetune import`` says it cannot carry (``name=value — why``), as causes."""
+    from finetune.reproduce.settings import carry
+
+    fields = {name: None for name in (mine["config"].get("model") or {})}
+    data_fields = set(mine["config"].get("data") or {})
+    lines = [line.removeprefix("not carried: ") for line in carry(base, fields, data_fields).not_carried
+             if line.startswith("not carried: ") and "=" in line.split(" — ")[0]]
+    return [f"the baseline's {line.split(' — ')[0]} is not carried by finetune import ({line.split(' — ', 1)[-1]})"
+            for line in lines]
 
 
 def start_notes(base, mine: dict, equivalent: bool) -> list:

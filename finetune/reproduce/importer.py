@@ -55,7 +55,7 @@ def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None
     model_fields = typing.get_type_hints(section_class(module, "ModelConfig"))  # name → type
     data_fields = set(getattr(section_class(module, "DataConfig"), "__dataclass_fields__", {}))
     imported = carry(baseline, model_fields, data_fields, steps, initial_adapter)
-    training_file(imported, data, data_fields)
+    training_file(imported, data, data_fields, baseline)
     if not base and data is None:
         imported.skip("the data set", "unknown", f"not in the {baseline.kind}; this recipe trains on the clm task's "
                       "default data until you set data.source (or give --recipe BASE, or --data FILE)")

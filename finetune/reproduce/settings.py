@@ -67,8 +67,10 @@ class Imported:
         self.rows, self.not_carried, self.values, self.missing = [], [], {}, []
 
     def set(self, name: str, value, source: str) -> None:
+        """``name`` = ``value`` from ``source``; a later source of the same field (the data's rows over the
+        arguments) replaces the earlier row."""
         self.values[name] = value
-        self.rows.append((name, value, source))
+        self.rows = [r for r in self.rows if r[0] != name] + [(name, value, source)]
 
     def skip(self, setting: str, value, why: str) -> None:
         self.not_carried.append(f"not carried: {setting}={value} — {why}")
@@ -309,6 +311,46 @@ def _data(base: Baseline, out: Imported, data_fields: set) -> None:
                                             "message (the template's own default stays)")
 
 
+def row_format(path) -> str | None:
+    """``messages``, ``prompt-completion`` or ``text``: the format of a data file's first row (None: unreadable or
+    none of them)."""
+    import json
+
+    path = Path(path)
+    try:
+        if path.suffix.lower() in (".jsonl", ".json") and path.stat().st_size:
+            with open(path, encoding="utf-8") as f:
+                first = f.readline() if path.suffix.lower() == ".jsonl" else f.read()
+            row = json.loads(first)
+            row = row[0] if isinstance(row, list) and row else row
+        else:
+            import datasets
+
+            row = datasets.load_dataset(path.suffix.lstrip(".").replace("jsonl", "json"), data_files=str(path),
+                                        split="train[:1]")[0]
+    except Exception:  # the run reads the file again and says what is wrong with it
+        return None
+    if not isinstance(row, dict):
+        return None
+    if "messages" in row:
+        return "messages"
+    if "prompt" in row and "completion" in row:
+        return "prompt-completion"
+    return "text" if "text" in row else None
+
+
+def trl_train_on(base: Baseline, kind: str) -> tuple[str, str]:
+    """(data.train_on, why) as TRL 1.16's SFTTrainer trains on rows of format ``kind``: the assistant's tokens with
+    ``assistant_only_loss``; else, on prompt/completion rows, the completion (``completion_only_loss`` None or True);
+    else every token (rows of messages or text)."""
+    get = base.get
+    if get("assistant_only_loss"):
+        return "assistant", f"{base.args['assistant_only_loss'][1]}: assistant_only_loss=True"
+    if kind == "prompt-completion" and get("completion_only_loss") is not False:
+        return "completion", f"--data: prompt/completion rows, completion_only_loss={get('completion_only_loss')}"
+    return "all", f"--data: {kind} rows, trained on every token by TRL (no assistant_only_loss)"
+
+
 def _train_on(base: Baseline) -> tuple:
     """(data.train_on, the argument it comes from) — (None, None) when the source says nothing."""
     get = base.get
@@ -373,11 +415,17 @@ def _grpo(base: Baseline, out: Imported, model_fields: dict) -> None:
                            "completions with training.rollouts (a rollouts.jsonl)")
 
 
-def training_file(out: Imported, data: str | None, data_fields: set) -> None:
-    """``--data FILE``: the baseline's training file, whole and in its order (the Trainer's order draws from it)."""
+def training_file(out: Imported, data: str | None, data_fields: set, base: Baseline | None = None) -> None:
+    """``--data FILE``: the baseline's training file, whole and in its order (the Trainer's order draws from it); for
+    a TRL SFT baseline, the tokens it trained on, from the rows' format (``trl_train_on``)."""
     if data is None:
         return
     out.set("data.source", str(data), "--data")
+    if base is not None and base.trl and "train_on" in data_fields:
+        kind = row_format(data)
+        if kind is not None:
+            train_on, why = trl_train_on(base, kind)
+            out.set("data.train_on", train_on, why)
     for name, value in (("val_fraction", 0.0), ("limit", None)):
         if name in data_fields:
             out.set(f"data.{name}", value, "--data: the baseline trained on the whole file, in its order")
