@@ -199,7 +199,7 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
                    help="loss curve: max relative difference allowed (default 1e-4; 1e-2 with an 8-bit optimizer)")
     c.add_argument("--floor", metavar="TWIN", help="a twin run (RUN_A's recipe at another --batch-size; against a "
                                                    "baseline, RUN_B's): the rounding floor is measured between them "
-                                                   "and each step held to 3× it")
+                                                   "and each step held to 4× it")
     c.add_argument("--plot", metavar="PNG", help="write both runs' loss and lr curves here")
     c.set_defaults(func=cmd_compare)
     from finetune.reproduce import importer

@@ -1,5 +1,5 @@
 """The certificate in bf16 (finetune/reproduce/floor.py): `finetune compare A B --floor TWIN` measures the rounding
-floor between run A and its twin (the same recipe at another --batch-size) and holds B to 3× it, step by step.
+floor between run A and its twin (the same recipe at another --batch-size) and holds B to 4× it, step by step.
 
 On the tiny chat model in bf16 autocast with the sft recipe's defaults (packing, the chunked head, AdamW, cosine,
 clipping), through the CLI: the layouts of one run read "equivalent" against the measured floor; the negative

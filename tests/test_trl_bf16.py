@@ -2,7 +2,7 @@
 the CLI only: ``finetune import`` → ``finetune run --batch-size 2`` and its twin at ``--batch-size 1`` →
 ``finetune compare BASELINE RUN --floor TWIN``, full fine-tuning and LoRA. The twin rounds as TRL does
 (``training.fp32_grad_sums=false``: each step's weight gradients rounded to bf16), so the floor measured between the
-two on this machine is the rounding the tools differ by, and the baseline is held to 3× it.
+two on this machine is the rounding the tools differ by, and the baseline is held to 4× it.
 
 Negative twin: the same reproduction on data with one answer changed by one word reads "differs"."""
 

@@ -240,7 +240,9 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     loss_tol = [loss_rtol] * n if loss_rtol is not None else [EIGHT_BIT_LOSS_RTOL] * n if c.eight_bit else \
         fl.at("loss", n)
     losses_a, losses_b = [h["loss"] for h in ha[:n]], [h["loss"] for h in hb[:n]]
-    per_step(c, "loss curve", steps, losses_a, losses_b, loss_tol, floor=GRPO_LOSS_FLOOR if grpo else 1e-12)
+    th = fl.twin["history"][:n] if fl.twin else None  # the second reference of a measured floor
+    per_step(c, "loss curve", steps, losses_a, losses_b, loss_tol, floor=GRPO_LOSS_FLOOR if grpo else 1e-12,
+             twin=[h["loss"] for h in th] if th else None)
     shift = floors.one_sided(losses_a, losses_b, fl) if not grpo else None  # GRPO's loss sums to about 0
     if shift:
         c.add("loss shift", False, shift, step=steps[0])
@@ -248,11 +250,16 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     norms_a, norms_b = [h["grad_norm"] for h in ha[:n]], [h["grad_norm"] for h in hb[:n]]
     # an 8-bit optimizer's state moves the weights, hence the later gradients, as far as the loss's band
     grad_tol = [max(g, x) for g, x in zip(fl.at("grad norm", n), loss_tol)] if c.eight_bit else fl.at("grad norm", n)
-    per_step(c, "grad norm", steps, norms_a, norms_b, grad_tol, what="before clipping")
+    per_step(c, "grad norm", steps, norms_a, norms_b, grad_tol, what="before clipping",
+             twin=[h["grad_norm"] for h in th] if th else None)
     clipping(c, steps, norms_a, norms_b, *(setting(r["config"], "training.max_grad_norm") if r["config"] else
                                            UNKNOWN for r in (a, b)), rtol=grad_tol)
     judge = weight_rtol is not None or not c.eight_bit
-    weights(c, a["weights"], b["weights"], optimizers[0] or optimizers[1], weight_rtol, judge, tolerances=fl.overall)
+    nearer = fl.twin["weights"] if fl.twin and fl.twin["weights"] is not None and b["weights"] is not None and \
+        _weight_distance(fl.twin["weights"], b["weights"], optimizers[0]) < _weight_distance(a["weights"], b["weights"],
+                                                                                             optimizers[0]) else None
+    weights(c, nearer or a["weights"], b["weights"], optimizers[0] or optimizers[1], weight_rtol, judge,
+            tolerances=fl.overall, against=" (from the twin, the nearer reference)" if nearer else "")
     return c
 
 
@@ -293,7 +300,9 @@ def twin_floor(a: dict, twin: Path, optimizer: str | None) -> floors.Floor:
         raise ConfigError(f"compare: --floor {twin} is not the same run as RUN_A in another layout "
                           f"({probe.first_difference}); make it with RUN_A's recipe and another --batch-size")
     weights(probe, a["weights"], t["weights"], optimizer, None)
-    return floors.measured(a["history"], t["history"], probe.measured, twin.name)
+    fl = floors.measured(a["history"], t["history"], probe.measured, twin.name)
+    fl.twin = t
+    return fl
 
 
 def trained(c: Comparison, ha: list, hb: list, tolerance: float) -> None:
@@ -344,20 +353,24 @@ UNKNOWN = object()  # a side whose clipping setting is not known
 
 
 def per_step(c: Comparison, name: str, steps: list, xs: list, ys: list, rtol, what: str = "",
-             why: str | None = None, floor: float = 1e-12) -> None:
+             why: str | None = None, floor: float = 1e-12, twin: list | None = None) -> None:
     """One per-step layer: ``xs[i]`` against ``ys[i]`` at optimizer step ``steps[i]`` (pairs with a non-finite or
     missing value are skipped: DeepSpeed reports no norm when it does not clip), relative to the larger magnitude or
-    ``floor``, within ``rtol`` (one tolerance, or one per step: a measured floor's)."""
+    ``floor``, within ``rtol`` (one tolerance, or one per step). ``twin``: a second reference (the twin a floor was
+    measured on, ``xs``'s run in another layout); a step passes when ``ys`` is within ``rtol`` of either."""
     tolerances = rtol if isinstance(rtol, list) else [rtol] * len(steps)
-    pairs = [(s, x, y, r) for s, x, y, r in zip(steps, xs, ys, tolerances) if _finite(x) and _finite(y)]
+    others = twin if twin is not None else [None] * len(steps)
+    pairs = [(s, x, y, r, z) for s, x, y, r, z in zip(steps, xs, ys, tolerances, others) if _finite(x) and _finite(y)]
     if not pairs:
         c.add(name, None, "not checkable: not logged on both sides")
         return
-    worst = c.measured[name] = max(_rel(x, y, floor) for _, x, y, _ in pairs)
-    bad = next(((s, x, y, r) for s, x, y, r in pairs if _rel(x, y, floor) > r), None)
-    low, high = min(r for *_, r in pairs), max(r for *_, r in pairs)
+    worst = c.measured[name] = max(_rel(x, y, floor) for _, x, y, _, _ in pairs)
+    nearer = lambda x, y, z: min(_rel(x, y, floor), _rel(z, y, floor) if _finite(z) else math.inf)  # noqa: E731
+    bad = next(((s, x, y, r) for s, x, y, r, z in pairs if nearer(x, y, z) > r), None)
+    low, high = min(p[3] for p in pairs), max(p[3] for p in pairs)
     shown = f"{high:g}" if low == high else f"{low:.1e} to {high:.1e} (per step)"
     band = f" (band: {why})" if why else f" (relative to at least {floor:g})" if floor > 1e-12 else ""
+    band += "; the nearer of the run and its twin" if twin is not None else ""
     c.add(name, bad is None, f"max relative difference {worst:.2e} at {len(pairs)} steps{' ' + what if what else ''}"
           f", tolerance {shown}{band}" + ("" if bad is None else
                                           f"; first above at step {bad[0]}: {bad[1]:.7g} vs {bad[2]:.7g} (tolerance "
@@ -422,6 +435,15 @@ def weights(c: Comparison, wa: dict | None, wb: dict | None, optimizer: str | No
     # the weights are where every step ends: a per-step layer that differs names the cause first
     c.add("weights", value <= rtol, f"{measure} {value:.2e}{against} (tolerance {rtol:g}; {why})", step=math.inf,
           basis=f"weights {'L2' if adaptive else 'max'} {value:.1e} ≤ {rtol:.0e}")
+
+
+def _weight_distance(wa: dict | None, wb: dict, optimizer: str | None) -> float:
+    """The distance ``weights`` judges: relative L2 for an adaptive optimizer, else the largest element (inf when
+    the two cannot be compared)."""
+    if wa is None or wa.keys() != wb.keys() or any(wa[k].shape != wb[k].shape for k in wa):
+        return math.inf
+    biggest, l2 = weight_differences(wa, wb)
+    return l2 if optimizer in ADAPTIVE or optimizer is None else biggest
 
 
 def weight_differences(wa: dict, wb: dict) -> tuple[float, float]:
@@ -498,7 +520,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     covers: ``logging_steps`` > 1 logs a mean), the evaluation loss, the weights. What the baseline does not show
     (a model card has no lr, no weights) is reported as not checkable. Raises ConfigError when the two models differ
     or the baseline is unreadable. ``floor``: a twin of ``run`` (the same reproduction at another --batch-size): the
-    bands are then 3× the rounding floor measured between them, not the assumed ones."""
+    bands are then ``floor.TWIN_FACTOR`` × the rounding floor measured between them, not the assumed ones."""
     from finetune.errors import ConfigError
     from finetune.reproduce.baselines import read_baseline
     from finetune.reproduce.settings import model_difference
