@@ -388,3 +388,61 @@ def checkpoint_copy(run, out, step: int):
     (out / "checkpoints" / "latest").write_text(f"step-{step:06d}\n")
     return out
 
+
+
+def recipe_runs(root, recipe: str, base: list):
+    """``run(name, b, *overrides)``: ``finetune run --recipe recipe`` at micro-batch ``b`` with ``base`` and
+    ``overrides`` into ``root / name``, once per name (a module's runs shared by its tests); returns the folder."""
+    from finetune.cli import run_main
+
+    done = {}
+
+    def run(name, b, *overrides):
+        if name not in done:
+            args = [f"--set={o}" for o in (*base, *overrides)]
+            assert run_main(["--recipe", recipe, "--batch-size", str(b), *args,
+                             "--output-dir", str(Path(root) / name)]) == 0
+            done[name] = Path(root) / name
+        return done[name]
+    return run
+
+
+def train_and_save(trainer) -> None:
+    """A Trainer / TRL trainer's run and the folder ``finetune import`` reads: its weights and trainer_state."""
+    trainer.train()
+    trainer.save_model()
+    trainer.save_state()
+
+
+def one_word_changed(folder) -> str:
+    """The tiny chat rows with one trained answer (of the sft recipe's 22 at split_seed 0) changed by one word
+    (" is " → " was "): the certificate's negative control. Returns the file."""
+    import json
+
+    from finetune.data import split_samples
+
+    rows = [json.loads(line) for line in open(tiny_chat_assets()["data"])]
+    trained = split_samples(list(range(len(rows))), 0.2, 0, 22)[0]  # the rows the recipe trains on
+    answer = next(m for m in rows[trained[7]]["messages"] if m["role"] == "assistant")
+    answer["content"] = answer["content"].replace(" is ", " was ", 1)
+    data = Path(folder) / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(data)
+
+
+def tail_weighted_as_mean(monkeypatch, full: int = 4) -> None:
+    """Make the loop weight each micro-batch of a short last window (fewer than ``full`` samples) as Accelerate's
+    accumulate() does, dividing by N = 2 instead of by its share: that window's gradient is halved."""
+    from finetune import steps
+
+    accumulate, weight = steps.accumulate_window, steps.loss_weight
+
+    def tail_as_mean(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw):
+        if len(window.samples) < full:
+            monkeypatch.setattr(steps, "loss_weight", lambda items, window_items, processes: processes / 2)
+        try:
+            return accumulate(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw)
+        finally:
+            monkeypatch.setattr(steps, "loss_weight", weight)
+
+    monkeypatch.setattr("finetune.loop.accumulate_window", tail_as_mean)

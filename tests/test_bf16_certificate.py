@@ -10,15 +10,18 @@ twin the verdict says it rests on an assumed floor; a twin that is not the same 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from finetune import steps
 from finetune.cli import main
-from finetune.data import split_samples
 from finetune.reproduce import floor as floors
-from tests.helpers import SMALL, assert_one_error_line, tiny_chat_assets
+from tests.helpers import (
+    SMALL,
+    assert_one_error_line,
+    one_word_changed,
+    recipe_runs,
+    tail_weighted_as_mean,
+    tiny_chat_assets,
+)
 
 CLIP = 0.34
 BASE = [*SMALL["sft-smollm2"], "model.dropout=0", "data.limit=22", "training.effective_batch_size=4",
@@ -29,16 +32,7 @@ BASE = [*SMALL["sft-smollm2"], "model.dropout=0", "data.limit=22", "training.eff
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tiny_chat_assets()
-    root, done = tmp_path_factory.mktemp("bf16-cert"), {}
-
-    def run(name, b, *overrides):
-        if name not in done:
-            args = [f"--set={o}" for o in (*BASE, *overrides)]
-            assert main(["run", "--recipe", "sft-smollm2", "--batch-size", str(b), *args,
-                         "--output-dir", str(root / name)]) == 0
-            done[name] = root / name
-        return done[name]
-    return run
+    return recipe_runs(tmp_path_factory.mktemp("bf16-cert"), "sft-smollm2", BASE)
 
 
 def compare(capsys, a, b, *extra) -> tuple[int, str]:
@@ -57,24 +51,9 @@ def test_layouts_are_equivalent_against_the_measured_floor(runs, capsys):
 def test_each_control_differs_against_the_measured_floor(runs, capsys, tmp_path, monkeypatch, control):
     big, twin = runs("4", 4), runs("2", 2)
     if control == "word":
-        rows = [json.loads(line) for line in open(tiny_chat_assets()["data"])]
-        trained = split_samples(list(range(len(rows))), 0.2, 0, 22)[0]
-        answer = next(m for m in rows[trained[7]]["messages"] if m["role"] == "assistant")
-        answer["content"] = answer["content"].replace(" is ", " was ", 1)
-        data = tmp_path / "chat.jsonl"
-        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        other = runs("word", 2, f"data.source={data}")
+        other = runs("word", 2, f"data.source={one_word_changed(tmp_path)}")
     elif control == "tail":  # Accelerate's accumulate(): the short last window's gradient halved
-        accumulate, weight = steps.accumulate_window, steps.loss_weight
-
-        def tail_as_mean(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw):
-            if len(window.samples) < 4:
-                monkeypatch.setattr(steps, "loss_weight", lambda items, window_items, processes: processes / 2)
-            try:
-                return accumulate(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw)
-            finally:
-                monkeypatch.setattr(steps, "loss_weight", weight)
-        monkeypatch.setattr("finetune.loop.accumulate_window", tail_as_mean)
+        tail_weighted_as_mean(monkeypatch)
         other = runs("tail", 2)
     elif control == "noclip":
         other = runs("noclip", 2, "training.max_grad_norm=null")
@@ -95,8 +74,8 @@ def test_without_a_twin_the_verdict_says_its_floor_is_assumed(runs, capsys):
 
 def test_a_twin_that_is_another_run_is_refused_in_one_line(runs, capsys):
     capsys.readouterr()
-    assert main(["compare", str(runs("4", 4)), str(runs("1", 1)), "--floor", str(runs("noclip", 2,
-                                                                                       "training.max_grad_norm=null"))]) == 2
+    other = runs("noclip", 2, "training.max_grad_norm=null")
+    assert main(["compare", str(runs("4", 4)), str(runs("1", 1)), "--floor", str(other)]) == 2
     assert_one_error_line(capsys.readouterr().err, "compare: --floor")
 
 

@@ -8,17 +8,13 @@ Negative twins: the same layouts without the two (``fp32_grad_sums=false``, ``pa
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from finetune.cli import run_main
-from finetune.data import split_samples
 from finetune.models import precision
 from finetune.reproduce.compare import compare_runs
 from finetune.steps import pad_to_window
-from tests.helpers import SMALL, tiny_chat_assets
+from tests.helpers import SMALL, one_word_changed, recipe_runs, tiny_chat_assets
 
 BASE = [*SMALL["sft-smollm2"], "model.dropout=0", "data.limit=22", "training.effective_batch_size=4",
         "model.generate_prompts=0", "training.eval_at_start=false", "output.plots=false",
@@ -30,16 +26,7 @@ UNFIXED = ["training.fp32_grad_sums=false", "training.pad_to_window=false"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tiny_chat_assets()
-    root, done = tmp_path_factory.mktemp("bf16"), {}
-
-    def run(name, b, *overrides):
-        if name not in done:
-            args = [f"--set={o}" for o in (*BASE, *overrides)]
-            assert run_main(["--recipe", "sft-smollm2", "--batch-size", str(b), *args,
-                             "--output-dir", str(root / name)]) == 0
-            done[name] = root / name
-        return done[name]
-    return run
+    return recipe_runs(tmp_path_factory.mktemp("bf16"), "sft-smollm2", BASE)
 
 
 @pytest.mark.parametrize("b", [2, 1])
@@ -58,12 +45,7 @@ def test_the_fixes_take_the_layout_noise_to_fp32_rounding(runs):
 
 
 def test_one_word_in_one_answer_still_differs_in_bf16(runs, tmp_path):
-    rows = [json.loads(line) for line in open(tiny_chat_assets()["data"])]
-    trained = split_samples(list(range(len(rows))), 0.2, 0, 22)[0]
-    answer = next(m for m in rows[trained[7]]["messages"] if m["role"] == "assistant")
-    answer["content"] = answer["content"].replace(" is ", " was ", 1)
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = one_word_changed(tmp_path)
     # against the floor measured on a twin ((2, 2): 0 apart here), not the looser assumed bf16 floor
     c = compare_runs(runs("fixed-4", 4), runs("word-2", 2, f"data.source={data}"), floor=runs("fixed-2", 2))
     assert not c.equivalent and c.first_difference.split(":")[0] in ("loss curve", "grad norm"), c.report()

@@ -15,11 +15,8 @@ import shutil
 
 import pytest
 
-from finetune import steps
-from finetune.cli import run_main
-from finetune.data import split_samples
 from finetune.reproduce.compare import FP32_LOSS_RTOL, GRAD_NORM_RTOL, compare_runs
-from tests.helpers import SMALL, tiny_chat_assets
+from tests.helpers import SMALL, one_word_changed, recipe_runs, tail_weighted_as_mean, tiny_chat_assets
 
 CLIP = 0.34  # the tiny model's grad norms are 0.3–0.5: some steps clip, some do not
 BASE = [*SMALL["sft-smollm2"], "model.dropout=0", "data.limit=22", "training.effective_batch_size=4",
@@ -32,16 +29,7 @@ FULL = ["peft.enabled=false", "training.learning_rate=5e-4"]
 def runs(tmp_path_factory):
     """Run ``name`` of the sft recipe at micro-batch ``b`` (N = 4 / b) with ``overrides``, once per module."""
     tiny_chat_assets()
-    root, done = tmp_path_factory.mktemp("certificate"), {}
-
-    def run(name, b, *overrides):
-        if name not in done:
-            args = [f"--set={o}" for o in (*BASE, *overrides)]
-            assert run_main(["--recipe", "sft-smollm2", "--batch-size", str(b), *args,
-                             "--output-dir", str(root / name)]) == 0
-            done[name] = root / name
-        return done[name]
-    return run
+    return recipe_runs(tmp_path_factory.mktemp("certificate"), "sft-smollm2", BASE)
 
 
 def verdict(a, b):
@@ -70,13 +58,7 @@ def test_layouts_of_the_same_run_are_equivalent(runs, name, extra):
 
 
 def test_one_word_in_one_answer_differs_at_its_step(runs, tmp_path):
-    rows = [json.loads(line) for line in open(tiny_chat_assets()["data"])]
-    trained = split_samples(list(range(len(rows))), 0.2, 0, 22)[0]  # the rows the recipe trains on (split_seed 0)
-    answer = next(m for m in rows[trained[7]]["messages"] if m["role"] == "assistant")
-    answer["content"] = answer["content"].replace(" is ", " was ", 1)
-    data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    theirs = runs("lora-word", 2, f"data.source={data}")
+    theirs = runs("lora-word", 2, f"data.source={one_word_changed(tmp_path)}")
     c, line = verdict(runs("lora-4", 4), theirs)
     step = min(first_step_apart(runs("lora-4", 4), theirs, key) for key in ("loss", "grad_norm"))
     assert not c.equivalent and step > 1  # the steps before the changed answer's window are the same
@@ -88,18 +70,7 @@ def test_one_word_in_one_answer_differs_at_its_step(runs, tmp_path):
 def test_a_tail_weighted_as_a_micro_batch_mean_differs_at_the_last_step(runs, monkeypatch):
     """Accelerate's accumulate() divides every micro-batch by N: the short last window (one micro-batch of 2 at
     N = 2) gets half its gradient. Only that window is mis-weighted here; the others are exact."""
-    accumulate = steps.accumulate_window
-
-    def tail_as_mean(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw):
-        if len(window.samples) < 4:
-            monkeypatch.setattr(steps, "loss_weight", lambda items, window_items, processes: processes / 2)
-        try:
-            return accumulate(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw)
-        finally:
-            monkeypatch.setattr(steps, "loss_weight", loss_weight)
-
-    loss_weight = steps.loss_weight
-    monkeypatch.setattr("finetune.loop.accumulate_window", tail_as_mean)
+    tail_weighted_as_mean(monkeypatch)
     c, line = verdict(runs("lora-4", 4), runs("lora-tail", 2))
     assert not c.equivalent
     assert line.startswith("verdict: differs — grad norm:") and "first above at step 6:" in line, c.report()

@@ -1,6 +1,7 @@
 """GRPO (finetune/tasks/grpo.py) on the tiny chat Llama: every loss type's step at (b, N) is the step of (b·N, 1)
-given the same rollouts, with a short last window and generation batches of 2 optimizer steps at N = 3; the per-micro-batch mean the peers
-use is told apart; a resumed run is bit-identical; bad input is one line."""
+given the same rollouts, with a short last window and generation batches of 2 optimizer steps at N = 3; the
+per-micro-batch mean the peers use is told apart; a resumed run is bit-identical; bad input is one line; the shipped
+recipe takes the same steps at any micro-batch and on 2 processes; a TRL GRPOTrainer folder is imported."""
 
 import json
 import subprocess

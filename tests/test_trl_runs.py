@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 from finetune.cli import main
-from tests.helpers import tiny_chat_assets, tiny_pairs_assets
+from tests.helpers import tiny_chat_assets, tiny_pairs_assets, train_and_save
 from tests.test_trl_baseline import ROWS, SEED
 
 
@@ -40,9 +39,7 @@ def train_sft(out, data, **extra) -> None:
     trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
                          train_dataset=load_dataset("json", data_files=data)["train"],
                          processing_class=AutoTokenizer.from_pretrained(model_dir))
-    trainer.train()
-    trainer.save_model()
-    trainer.save_state()
+    train_and_save(trainer)
 
 
 def cli(capsys, *args) -> tuple[int, str]:
@@ -105,9 +102,7 @@ def test_a_dpo_baseline_carries_beta_and_the_loss_type(tmp_path, capsys):
     trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
                          train_dataset=load_dataset("json", data_files=data)["train"],
                          processing_class=AutoTokenizer.from_pretrained(model_dir))
-    trainer.train()
-    trainer.save_model()
-    trainer.save_state()
+    train_and_save(trainer)
     recipe = tmp_path / "dpo.yaml"
     code, table = cli(capsys, "import", baseline, "--recipe", "dpo-smollm2", "--data", data, "--model", model_dir,
                       "-o", recipe)

@@ -277,9 +277,8 @@ def same_windows(c: Comparison, ha: list, hb: list, n: int) -> None:
 
 def twin_floor(a: dict, twin: Path, optimizer: str | None) -> floors.Floor:
     """The floor measured on ``twin``, which must be ``a``'s computation in another layout (one line otherwise)."""
-    from finetune.errors import ConfigError
-
     from finetune.config import flatten, result_neutral_fields
+    from finetune.errors import ConfigError
 
     t = read_run(twin)
     probe = Comparison()

@@ -5,8 +5,9 @@ generation per optimizer step as at TRL's defaults): ``num_generations`` sampled
 scored by the reward functions, their advantages normalised per prompt group. It is then trained for
 ``num_iterations × generation_batch_size / effective`` optimizer steps, each over ``effective`` completions (the
 shared loop's window). It belongs to the run being reproduced: neither the micro-batch nor the process count moves
-it, so every layout of the run takes the same rollouts and steps. Every loss type is defined by its loss over one optimizer step's completions — all of them,
-on every process — and finetune's window weighting (``steps.loss_weight``) makes ``(b, N)`` take that step:
+it, so every layout of the run takes the same rollouts and steps. Every loss type is defined by its loss over one
+optimizer step's completions — all of them, on every process — and finetune's window weighting
+(``steps.loss_weight``) makes ``(b, N)`` take that step:
 
 * ``grpo``: the mean over completions of each completion's mean token loss (the item: a completion);
 * ``bnpo`` / ``dapo``: the sum of token losses over the step's completion tokens divided by their number (the item:
