@@ -5,14 +5,15 @@ model in fp32:
   ``import --data`` says so (``data.train_on: all``) — "equivalent"; the recipe's own ``assistant`` kept differs at
   step 1;
 * a packed SFT baseline (``packing=True``): import says it cannot carry it, and compare's verdict names it;
-* a DPO baseline: import carries ``DPOConfig``'s ``beta`` and ``loss_type``, and the settings layer checks them (a
-  run at another beta differs on the settings layer).
+* DPO baselines (sigmoid on conversational rows, hinge on text rows): import carries ``DPOConfig``'s ``beta`` and
+  ``loss_type`` and how TRL tokenized the rows — "equivalent"; a run at another beta differs on the settings layer.
 """
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from finetune.cli import main
@@ -84,35 +85,30 @@ def test_a_packed_baseline_is_named_in_the_verdict(tmp_path, capsys):
     assert code == 1 and "the baseline's packing=True is not carried by finetune import" in verdict, verdict
 
 
-def test_a_dpo_baseline_carries_beta_and_the_loss_type(tmp_path, capsys):
+@pytest.mark.parametrize("loss_type, rows", [("sigmoid", "conversational"), ("hinge", "text")])
+def test_a_dpo_baseline_is_reproduced_and_another_beta_differs(tmp_path, capsys, loss_type, rows):
+    """TRL's DPOTrainer (full fine-tuning, 4 × 1, beta 0.25): its beta and loss type are carried; text rows are
+    tokenized as TRL takes them (``data.text_rows: plain``: no chat template, an end token after each completion)."""
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     model_dir = tiny_chat_assets()["model"]
-    rows = [json.loads(line) for line in open(tiny_pairs_assets()["data"])]
-    explicit = tmp_path / "pairs.jsonl"  # TRL's explicit-prompt layout (conversational and text)
-    explicit.write_text("".join(json.dumps(r) + "\n" for r in rows if "prompt" in r))
-    data = str(explicit)
+    pairs = [json.loads(line) for line in open(tiny_pairs_assets()["data"])]
+    kept = [r for r in pairs if "prompt" in r and isinstance(r["prompt"], str) == (rows == "text")]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in kept))
     baseline = tmp_path / "trl-dpo"
-    args = DPOConfig(output_dir=str(baseline), per_device_train_batch_size=4, max_steps=4, learning_rate=1e-3,
-                     beta=0.25, loss_type=["hinge"], logging_steps=1, seed=SEED, report_to=[], save_strategy="no",
+    args = DPOConfig(output_dir=str(baseline), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3,
+                     beta=0.25, loss_type=[loss_type], logging_steps=1, seed=SEED, report_to=[], save_strategy="no",
                      use_cpu=True, disable_tqdm=True, bf16=False, lr_scheduler_type="constant", warmup_steps=0,
                      max_grad_norm=1.0)
-    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
-                         train_dataset=load_dataset("json", data_files=data)["train"],
-                         processing_class=AutoTokenizer.from_pretrained(model_dir))
-    train_and_save(trainer)
-    recipe = tmp_path / "dpo.yaml"
-    code, table = cli(capsys, "import", baseline, "--recipe", "dpo-smollm2", "--data", data, "--model", model_dir,
-                      "-o", recipe)
-    assert code == 0, table
-    import yaml
-
-    model = yaml.safe_load(recipe.read_text().split("\n", 2)[2])["model"]
-    assert model["beta"] == 0.25 and model["loss_type"] == "hinge", table
-    mine = tmp_path / "mine"
-    assert cli(capsys, "run", "--recipe", recipe, "--batch-size", 2, "--output-dir", mine, "--set",
-               "output.tracker=none", "--set", "model.beta=0.1")[0] == 0
-    code, out = cli(capsys, "compare", baseline, mine)
-    assert code == 1 and "settings: model.beta 0.25 in the baseline vs 0.1" in out.strip().splitlines()[-1], out
+    train_and_save(DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
+                              train_dataset=load_dataset("json", data_files=str(data))["train"],
+                              processing_class=AutoTokenizer.from_pretrained(model_dir)))
+    code, verdict, table = reproduce(capsys, tmp_path, baseline, data, "dpo-smollm2")
+    assert "model.loss_type" in table and "0.25" in table, table
+    assert ("plain" if rows == "text" else "chat") in table.split("data.text_rows")[1].splitlines()[0], table
+    assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+    code, verdict, _ = reproduce(capsys, tmp_path, baseline, data, "dpo-smollm2", "model.beta=0.1")
+    assert code == 1 and "settings: model.beta 0.25 in the baseline vs 0.1" in verdict, verdict

@@ -312,8 +312,8 @@ def _data(base: Baseline, out: Imported, data_fields: set) -> None:
 
 
 def row_format(path) -> str | None:
-    """``messages``, ``prompt-completion`` or ``text``: the format of a data file's first row (None: unreadable or
-    none of them)."""
+    """``messages``, ``prompt-completion``, ``text``, ``preference-text`` or ``preference-messages``: the format of a
+    data file's first row (None: unreadable or none of them)."""
     import json
 
     path = Path(path)
@@ -332,6 +332,8 @@ def row_format(path) -> str | None:
         return None
     if not isinstance(row, dict):
         return None
+    if "chosen" in row:  # preference pairs: TRL renders conversations, and takes text as it is
+        return "preference-text" if isinstance(row["chosen"], str) else "preference-messages"
     if "messages" in row:
         return "messages"
     if "prompt" in row and "completion" in row:
@@ -421,11 +423,14 @@ def training_file(out: Imported, data: str | None, data_fields: set, base: Basel
     if data is None:
         return
     out.set("data.source", str(data), "--data")
-    if base is not None and base.trl and "train_on" in data_fields:
-        kind = row_format(data)
-        if kind is not None:
-            train_on, why = trl_train_on(base, kind)
-            out.set("data.train_on", train_on, why)
+    kind = row_format(data) if base is not None and base.trl else None
+    if kind is not None and "train_on" in data_fields and not kind.startswith("preference"):
+        train_on, why = trl_train_on(base, kind)
+        out.set("data.train_on", train_on, why)
+    if kind is not None and "text_rows" in data_fields:
+        out.set("data.text_rows", "plain" if kind == "preference-text" else "chat",
+                f"--data: {kind} rows" + (", tokenized as they are with an end token, as TRL's DPOTrainer"
+                                          if kind == "preference-text" else ", rendered with the chat template"))
     for name, value in (("val_fraction", 0.0), ("limit", None)):
         if name in data_fields:
             out.set(f"data.{name}", value, "--data: the baseline trained on the whole file, in its order")

@@ -69,6 +69,10 @@ class DataConfig(BaseDataConfig):
     max_length: int = doc("longest prompt + completion, in tokens: longer pairs are dropped (counted at set-up)", 256,
                           at_least=2)
     system_prompt: Optional[str] = chat.system_prompt_field()
+    text_rows: Literal["chat", "plain"] = doc(
+        "rows of plain text: rendered as a user and an assistant turn with the chat template (chat), or tokenized as "
+        "they are with the end token appended to each completion, as TRL's DPOTrainer does (plain; finetune import "
+        "sets it for such a baseline)", "chat")
 
 
 def validate(cfg, problems: list) -> None:
@@ -142,8 +146,9 @@ def split_prompt(chosen, rejected) -> tuple:
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
-def to_pair(row, system_prompt: Optional[str] = None) -> tuple:
-    """(prompt, chosen, rejected) message lists of a row; ValueError saying what is wrong with it."""
+def to_pair(row, system_prompt: Optional[str] = None, plain: bool = False) -> tuple:
+    """(prompt, chosen, rejected) message lists of a row — or three texts for a row of plain text with ``plain``
+    (``data.text_rows: plain``); ValueError saying what is wrong with it."""
     if not isinstance(row, dict):
         raise ValueError("is not a mapping of columns")
     for key in ("chosen", "rejected"):
@@ -156,6 +161,11 @@ def to_pair(row, system_prompt: Optional[str] = None) -> tuple:
         prompt, chosen, rejected = split_prompt(chosen, rejected)
         if not prompt:
             raise ValueError("has no 'prompt', and 'chosen' and 'rejected' share no start to take it from")
+    if plain and all(isinstance(x, str) for x in (prompt, chosen, rejected)):  # TRL's non-conversational rows
+        for what, text in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if not text.strip():
+                raise ValueError(f"has an empty {what!r}")
+        return prompt, chosen, rejected
     prompt = _messages(prompt, "prompt")
     chosen, rejected = _messages(chosen, "chosen"), _messages(rejected, "rejected")
     for what, turns in (("chosen", chosen), ("rejected", rejected)):
@@ -168,7 +178,7 @@ def to_pair(row, system_prompt: Optional[str] = None) -> tuple:
 
 def pairs_of(rows: list, d: DataConfig) -> list:
     """Every row as (prompt, chosen, rejected); one ConfigError line naming the first bad row and how many are bad."""
-    return parse_rows(rows, lambda row: to_pair(row, d.system_prompt), d.source)
+    return parse_rows(rows, lambda row: to_pair(row, d.system_prompt, d.text_rows == "plain"), d.source)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -182,14 +192,22 @@ def common_prefix_length(a: list, b: list) -> int:
     return n
 
 
-def encode_pair(tokenizer, prompt: list, chosen: list, rejected: list) -> dict:
+def encode_pair(tokenizer, prompt, chosen, rejected) -> dict:
     """Token ids as TRL 1.16 makes them: the prompt rendered with its generation prompt, each conversation rendered
-    whole; a completion starts where its tokens leave the prompt's (``prompt_ids`` is that shared start)."""
+    whole; a completion starts where its tokens leave the prompt's (``prompt_ids`` is that shared start). Three texts
+    (``data.text_rows: plain``) are tokenized as they are, each completion ending in the end token, as TRL's
+    DPOTrainer does with non-conversational rows."""
     def ids(messages, generation=False):
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    prompt_ids, with_chosen, with_rejected = ids(prompt, True), ids(prompt + chosen), ids(prompt + rejected)
+    if isinstance(prompt, str):
+        eos = tokenizer.eos_token or ""
+        ended = lambda text: text if text.endswith(eos) else text + eos  # noqa: E731
+        prompt_ids, with_chosen, with_rejected = (tokenizer(t)["input_ids"] for t in
+                                                  (prompt, prompt + ended(chosen), prompt + ended(rejected)))
+    else:
+        prompt_ids, with_chosen, with_rejected = ids(prompt, True), ids(prompt + chosen), ids(prompt + rejected)
     start = min(common_prefix_length(prompt_ids, with_chosen), common_prefix_length(prompt_ids, with_rejected))
     return {"prompt_ids": prompt_ids[:start], "chosen_ids": with_chosen[start:], "rejected_ids": with_rejected[start:]}
 
