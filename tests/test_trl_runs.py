@@ -4,7 +4,8 @@ model in fp32:
 * rows of messages (``{"messages": [...]}``): TRL trains on every token without ``assistant_only_loss``, and
   ``import --data`` says so (``data.train_on: all``) — "equivalent"; the recipe's own ``assistant`` kept differs at
   step 1;
-* a packed SFT baseline (``packing=True``): import says it cannot carry it, and compare's verdict names it;
+* packed SFT baselines (``packing=True``, bfd and wrapped): import carries the packing (``data.pack``), the
+  reproduction trains on TRL's packed rows — "equivalent"; unpacked, it differs on the settings layer;
 * DPO baselines (sigmoid on conversational rows, hinge on text rows): import carries ``DPOConfig``'s ``beta`` and
   ``loss_type`` and how TRL tokenized the rows — "equivalent"; a run at another beta differs on the settings layer.
 """
@@ -34,7 +35,8 @@ def train_sft(out, data, **extra) -> None:
     from trl import SFTConfig, SFTTrainer
 
     model_dir = tiny_chat_assets()["model"]
-    args = SFTConfig(output_dir=str(out), per_device_train_batch_size=4, num_train_epochs=1, learning_rate=5e-4,
+    extra = {"per_device_train_batch_size": 4, **extra}
+    args = SFTConfig(output_dir=str(out), num_train_epochs=1, learning_rate=5e-4,
                      lr_scheduler_type="cosine", warmup_steps=0.2, max_grad_norm=0.34, logging_steps=1, seed=SEED,
                      bf16=False, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, **extra)
     trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
@@ -76,13 +78,22 @@ def test_rows_of_messages_train_on_every_token_as_trl(tmp_path, capsys):
     assert code == 1 and "first above at step 1" in verdict, verdict
 
 
-def test_a_packed_baseline_is_named_in_the_verdict(tmp_path, capsys):
+@pytest.mark.parametrize("strategy", ["bfd", "wrapped"])
+def test_a_packed_baseline_is_reproduced(tmp_path, capsys, strategy):
+    """TRL packs the whole data set before sampling (trl.pack_dataset); import carries it as data.pack, and the
+    reproduction trains on the same packed rows in the Trainer's order. Its twin without packing differs, naming
+    the setting."""
     data = messages_rows(tmp_path / "messages.jsonl")
-    baseline = tmp_path / "trl-packed"
-    train_sft(baseline, data, packing=True, max_length=128)
+    baseline = tmp_path / f"trl-packed-{strategy}"
+    train_sft(baseline, data, packing=True, packing_strategy=strategy, max_length=128)
+    steps = json.loads((baseline / "trainer_state.json").read_text())["global_step"]
+    assert steps < ROWS / 4 / 1.5, steps  # rows of several conversations (unpacked: 6 steps of 4)
     code, verdict, table = reproduce(capsys, tmp_path, baseline, data, "sft-smollm2", "model.generate_prompts=0")
-    assert "not carried: packing=True" in table, table
-    assert code == 1 and "the baseline's packing=True is not carried by finetune import" in verdict, verdict
+    assert "data.pack" in table and strategy in table.split("data.pack")[1].splitlines()[0], table
+    assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+    code, verdict, _ = reproduce(capsys, tmp_path, baseline, data, "sft-smollm2", "model.generate_prompts=0",
+                                 "data.pack=null")
+    assert code == 1 and f"settings: data.pack {strategy} in the baseline vs None" in verdict, verdict
 
 
 @pytest.mark.parametrize("loss_type, rows", [("sigmoid", "conversational"), ("hinge", "text")])

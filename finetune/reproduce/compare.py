@@ -47,7 +47,7 @@ ADAPTIVE = {"adamw", "lion", "adamw8bit", "paged_adamw8bit"}
 STEP_SETTINGS = ("training.optimizer", "training.weight_decay", "training.momentum", "training.betas",
                  "training.mixed_precision", "model.dtype", "model.quantization", "model.dropout", "peft.enabled",
                  "peft.r", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save",
-                 *(f"model.{name}" for name in TASK_SETTINGS), "model.generation_batch_size")
+                 *(f"model.{name}" for name in TASK_SETTINGS), "model.generation_batch_size", "data.pack")
 # The loss curves of two runs of the same steps with an 8-bit optimizer (their weights drift apart, see above).
 EIGHT_BIT_LOSS_RTOL = 1e-2
 
@@ -595,7 +595,9 @@ def _check_baseline_settings(c: Comparison, base, mine: dict) -> None:
 
     # the run's own model fields: a task's settings (DPO's beta, GRPO's loss type) are the baseline's too
     fields = {name: None for name in (mine["config"].get("model") or {})}
-    check_settings(c, run_settings(mine["config"]), step_settings(carry(base, fields, set()).values), "the baseline")
+    data_fields = set(mine["config"].get("data") or {})
+    check_settings(c, run_settings(mine["config"]), step_settings(carry(base, fields, data_fields).values),
+                   "the baseline")
 
 
 def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: float, why, mine: dict,

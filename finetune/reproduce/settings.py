@@ -207,7 +207,8 @@ def _seed_and_order(base: Baseline, out: Imported) -> None:
     elif seed is not None:
         out.set("training.seed", int(seed), base.args["seed"][1])
     strategy = str(get("train_sampling_strategy") or "random")
-    if get("packing") or get("group_by_length") or strategy not in ("random", "sequential"):
+    # TRL's packed rows are its samples: the Trainer draws them in a seeded order too (data.pack)
+    if get("group_by_length") or strategy not in ("random", "sequential"):
         return  # their order is not a seeded permutation of the samples (said by their own not-carried lines)
     if strategy == "sequential":
         out.set("training.shuffle", False, base.args["train_sampling_strategy"][1])
@@ -296,8 +297,7 @@ def _data(base: Baseline, out: Imported, data_fields: set) -> None:
         else:
             out.skip(name, length, "this recipe's task has no data.max_length / data.seq_len")
     if get("packing"):
-        out.skip("packing", True, "it packs the whole data set before sampling, so its batches are of packed rows; "
-                 "finetune's training.packing packs inside each window (the same samples, other batches)")
+        _packing(base, out, data_fields)
     train_on, key = _train_on(base)
     if train_on is not None:
         if "train_on" in data_fields:
@@ -351,6 +351,21 @@ def trl_train_on(base: Baseline, kind: str) -> tuple[str, str]:
     if kind == "prompt-completion" and get("completion_only_loss") is not False:
         return "completion", f"--data: prompt/completion rows, completion_only_loss={get('completion_only_loss')}"
     return "all", f"--data: {kind} rows, trained on every token by TRL (no assistant_only_loss)"
+
+
+def _packing(base: Baseline, out: Imported, data_fields: set) -> None:
+    """TRL's packing (the whole data set packed before sampling) onto ``data.pack`` where the task has it."""
+    strategy = str(base.get("packing_strategy") or "bfd")
+    where = base.args["packing"][1]
+    if "pack" not in data_fields or strategy not in ("bfd", "wrapped"):
+        out.skip("packing", True, "it packs the whole data set before sampling, so its batches are of packed rows; "
+                 + ("this recipe's task cannot pack as TRL does" if "pack" not in data_fields else
+                    f"finetune packs as TRL's bfd and wrapped, not {strategy}"))
+        return
+    out.set("data.pack", strategy, f"{where}: packing=True, packing_strategy={strategy}")
+    out.set("training.packing", False, "TRL packed the data set itself: its rows are the samples")
+    if base.get("shuffle_dataset"):
+        out.skip("shuffle_dataset", True, "TRL shuffled the rows before packing them; finetune packs them in order")
 
 
 def _train_on(base: Baseline) -> tuple:

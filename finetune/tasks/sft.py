@@ -28,6 +28,7 @@ from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import parse_rows, split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
+from finetune.packing import collate_rows
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, peft_save_hook, precision_kwargs
 from finetune.tasks.chat import (
@@ -65,6 +66,11 @@ class DataConfig(BaseDataConfig):
                           at_least=2)
     system_prompt: Optional[str] = doc("system message put first in every conversation that has none (null: "
                                        "none; the template may add its own default)", None)
+    pack: Optional[Literal["bfd", "wrapped"]] = doc(
+        "TRL's packing (SFTTrainer(packing=True), its packing_strategy): the whole training set packed into rows of "
+        "data.max_length tokens before sampling, each row then one sample, its conversations kept apart by position "
+        "ids (bfd; wrapped cuts them to fill rows); null: none (training.packing packs inside windows instead)",
+        None)
 
 
 def validate(cfg, problems: list) -> None:
@@ -198,7 +204,7 @@ def encode_all(tokenizer, convs: list, d: DataConfig) -> tuple[list, int]:
             sample = encode(tokenizer, messages, d.train_on)
         except ValueError as e:
             raise ConfigError(f"model.chat_template: {e} (data.train_on=all needs no turn boundaries)") from None
-        if len(sample["input_ids"]) > d.max_length:
+        if len(sample["input_ids"]) > d.max_length and not d.pack:  # TRL's packing truncates instead
             dropped += 1
         else:
             out.append(sample)
@@ -225,6 +231,36 @@ def collate(pad_id: int):
                 "generate": [s.get("generate", False) for s in samples]}
 
     return fn
+
+
+def trl_packed(samples: list, d: DataConfig) -> list:
+    """The training samples packed as TRL 1.16's SFTTrainer packs them (``trl.pack_dataset`` itself, on the same
+    input ids and labels): rows of at most ``data.max_length`` tokens, each a sample of input ids, labels (-100 at
+    each conversation's first token, as TRL's padding-free collator sets them) and position ids restarting at every
+    conversation (bfd) or running through the row (wrapped)."""
+    try:
+        import datasets
+        from trl import pack_dataset
+    except ImportError:
+        raise ConfigError("data.pack: TRL's packing needs trl (pip install 'finetune[peers]')") from None
+    table = datasets.Dataset.from_dict({"input_ids": [s["input_ids"] for s in samples],
+                                        "labels": [s["labels"] for s in samples]})
+    rows = []
+    for row in pack_dataset(table, d.max_length, d.pack):
+        ids, labels = list(row["input_ids"]), list(row["labels"])
+        lengths = list(row.get("seq_lengths") or [len(ids)])
+        positions = [p for n in lengths for p in range(n)]
+        for start, p in enumerate(positions):
+            if p == 0:
+                labels[start] = -100
+        rows.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+    return rows
+
+
+def collate_any(pad_id: int):
+    """``collate`` for conversations, ``packing.collate_rows`` for rows packed as TRL packs them."""
+    plain = collate(pad_id)
+    return lambda samples: collate_rows(samples) if "position_ids" in samples[0] else plain(samples)
 
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "position_ids", "use_cache")
@@ -256,14 +292,18 @@ def build(cfg) -> Job:
     val, dropped_val = encode_all(tokenizer, val_convs or [], d)
     if not train:
         raise ConfigError(f"data.max_length: every training conversation is longer than {d.max_length} tokens")
+    conversations_trained = len(train)
+    if d.pack:
+        train = trl_packed(train, d)
     for i, sample in enumerate(val):
         sample["generate"] = i < m.generate_prompts
     if distributed.is_main_process():
         dropped = dropped_train + dropped_val
-        print(f"sft: {len(convs)} conversations from {d.source}: {len(train)} train, {len(val)} held out; "
+        print(f"sft: {len(convs)} conversations from {d.source}: {conversations_trained} train, {len(val)} held out; "
               f"{dropped} longer than data.max_length={d.max_length} tokens dropped"
               f"{f' ({dropped_train} train, {dropped_val} held out)' if dropped else ''}; loss on "
-              f"{d.train_on} tokens", flush=True)
+              f"{d.train_on} tokens" + (f"; packed as TRL ({d.pack}) into {len(train)} rows of at most "
+                                        f"{d.max_length} tokens" if d.pack else ""), flush=True)
 
     metric = load_metric("token_f1")
 
@@ -293,10 +333,11 @@ def build(cfg) -> Job:
     lengths = [len(s["input_ids"]) for s in train]
     return Job(
         model=model, train_data=train, val_data=val or None, tokenizer=tokenizer,
-        collate_fn=collate(tokenizer.pad_token_id), loss_fn=loss_fn,
+        collate_fn=collate_any(tokenizer.pad_token_id), loss_fn=loss_fn,
         eval_step=eval_step if m.generate_prompts else None,
         compute_metrics=lambda preds, refs: metric.compute(predictions=preds, references=refs),
-        length_of=lambda i: lengths[i],
+        # TRL's packed rows are samples already: no length, so the loop neither sorts nor packs them again
+        length_of=None if d.pack else lambda i: lengths[i],
         val_loss_metrics=lambda loss: {"perplexity": math.exp(min(loss, 50.0))},
         summarize=summarize,
         save=peft_save_hook(cfg, tokenizer),
