@@ -28,9 +28,9 @@ from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import parse_rows, split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
-from finetune.packing import collate_rows
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, peft_save_hook, precision_kwargs
+from finetune.packing import collate_rows
 from finetune.tasks.chat import (
     ROLES,
     ChatModelConfig,
