@@ -1,9 +1,9 @@
 """TRL runs people hold, through the CLI only (import → run at a smaller micro-batch → compare), on the tiny chat
 model in fp32:
 
-* rows of messages (``{"messages": [...]}``): TRL trains on every token without ``assistant_only_loss``, and
-  ``import --data`` says so (``data.train_on: all``) — "equivalent"; the recipe's own ``assistant`` kept differs at
-  step 1;
+* rows of messages (``{"messages": [...]}``): TRL trains on every token without ``assistant_only_loss`` and on the
+  assistant's turns with it, and ``import --data`` says which (``data.train_on``) — "equivalent"; the other set of
+  tokens differs at step 1;
 * packed SFT baselines (``packing=True``, bfd and wrapped): import carries the packing (``data.pack``), the
   reproduction trains on TRL's packed rows — "equivalent"; unpacked, it differs on the settings layer;
 * DPO baselines (sigmoid on conversational rows, hinge on text rows): import carries ``DPOConfig``'s ``beta`` and
@@ -29,7 +29,7 @@ def messages_rows(path) -> str:
     return str(path)
 
 
-def train_sft(out, data, **extra) -> None:
+def train_sft(out, data, template=None, **extra) -> None:
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -39,9 +39,10 @@ def train_sft(out, data, **extra) -> None:
     args = SFTConfig(output_dir=str(out), num_train_epochs=1, learning_rate=5e-4,
                      lr_scheduler_type="cosine", warmup_steps=0.2, max_grad_norm=0.34, logging_steps=1, seed=SEED,
                      bf16=False, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, **extra)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = template or tokenizer.chat_template
     trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
-                         train_dataset=load_dataset("json", data_files=data)["train"],
-                         processing_class=AutoTokenizer.from_pretrained(model_dir))
+                         train_dataset=load_dataset("json", data_files=data)["train"], processing_class=tokenizer)
     train_and_save(trainer)
 
 
@@ -65,16 +66,27 @@ def reproduce(capsys, tmp, baseline, data, recipe_name="sft-smollm2", *sets) -> 
     return code, out.strip().splitlines()[-1], table
 
 
-def test_rows_of_messages_train_on_every_token_as_trl(tmp_path, capsys):
+# The tiny model's ChatML template with TRL's generation markers around each assistant turn (content and end token),
+# which assistant_only_loss needs; it renders the same text.
+GENERATION = ("{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+              "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
+              "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endif %}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("assistant_only", [False, True], ids=["every-token", "assistant-only"])
+def test_rows_of_messages_train_as_trl(tmp_path, capsys, assistant_only):
+    """Without assistant_only_loss TRL trains on every token of a messages row (data.train_on: all); with it, on the
+    assistant's turns (assistant). The negative twin trains on the other set of tokens and differs at step 1."""
     data = messages_rows(tmp_path / "messages.jsonl")
     baseline = tmp_path / "trl-messages"
-    train_sft(baseline, data)
+    train_sft(baseline, data, assistant_only_loss=assistant_only, template=GENERATION if assistant_only else None)
     code, verdict, table = reproduce(capsys, tmp_path, baseline, data, "sft-smollm2", "model.generate_prompts=0")
-    assert "data.train_on" in table and "--data: messages rows, trained on every token by TRL" in table, table
+    expected = "assistant_only_loss=True" if assistant_only else "--data: messages rows, trained on every token by TRL"
+    assert "data.train_on" in table and expected in table, table
     assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
-    # the negative twin: the recipe's assistant-only loss over the same rows
-    code, verdict, _ = reproduce(capsys, tmp_path, baseline, data, "sft-smollm2", "model.generate_prompts=0",
-                                 "data.train_on=assistant")
+    other = "data.train_on=all" if assistant_only else "data.train_on=assistant"
+    code, verdict, _ = reproduce(capsys, tmp_path, baseline, data, "sft-smollm2", "model.generate_prompts=0", other)
     assert code == 1 and "first above at step 1" in verdict, verdict
 
 
