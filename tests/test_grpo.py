@@ -310,7 +310,9 @@ def test_another_generation_batch_is_another_run(shipped_runs):
     other = shipped_run(folder, "gbs16", 4, "model.generation_batch_size=16")
     assert [len(r["completions"]) for r in read_run(other)["rollouts"]] == [16] * 4
     c = compare_runs(runs[16], other)
-    assert not c.equivalent and c.first_difference.startswith("rollouts"), c.checks
+    by_name = {name: ok for name, ok, _, _ in c.checks}
+    assert not c.equivalent and by_name["rollouts"] is False, c.checks
+    assert c.first_difference == "settings: model.generation_batch_size 32 vs 16", c.first_difference
 
 
 @pytest.mark.parametrize("setting, message", [

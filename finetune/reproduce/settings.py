@@ -104,7 +104,6 @@ def carry(base: Baseline, model_fields: dict, data_fields: set, steps: int | Non
     if "max_grad_norm" in base.args:
         norm = get("max_grad_norm")
         out.set("training.max_grad_norm", float(norm) if norm else None, src("max_grad_norm"))
-    _seed_and_order(base, out)
     if get("bf16") or get("fp16"):
         which = "bf16" if get("bf16") else "fp16"
         out.set("training.mixed_precision", which, src(which))
@@ -117,6 +116,7 @@ def carry(base: Baseline, model_fields: dict, data_fields: set, steps: int | Non
         _lora_start(base, out, initial_adapter)
     _quantization(base, out, model_fields)
     _data(base, out, data_fields)
+    _seed_and_order(base, out)  # after _data: a packing it carried makes the packed rows the samples
     _task_settings(base, out, model_fields)
     if base.get("num_generations") is not None:
         _grpo(base, out, model_fields)
@@ -207,8 +207,9 @@ def _seed_and_order(base: Baseline, out: Imported) -> None:
     elif seed is not None:
         out.set("training.seed", int(seed), base.args["seed"][1])
     strategy = str(get("train_sampling_strategy") or "random")
-    # TRL's packed rows are its samples: the Trainer draws them in a seeded order too (data.pack)
-    if get("group_by_length") or strategy not in ("random", "sequential"):
+    # TRL's packed rows are its samples, drawn in a seeded order too, where data.pack carries the packing
+    if (get("packing") and "data.pack" not in out.values) or get("group_by_length") or \
+            strategy not in ("random", "sequential"):
         return  # their order is not a seeded permutation of the samples (said by their own not-carried lines)
     if strategy == "sequential":
         out.set("training.shuffle", False, base.args["train_sampling_strategy"][1])
