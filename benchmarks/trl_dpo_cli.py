@@ -7,18 +7,16 @@ token after each completion). finetune then runs ``import --recipe dpo-smollm2 -
 --batch-size 2`` (N = 2) → ``compare``; and, as the negative twin, the same run at β 0.1. One markdown row each.
 
     pip install 'finetune[peers]'      # TRL 1.16
-    HF_HUB_OFFLINE=1 python benchmarks/trl_dpo_cli.py
+    HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/trl_dpo_cli.py
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.trl_sft import finetune
 from finetune.models.hf import resolve_model_path
 from finetune.reproduce.compare import compare_with_baseline
 from finetune.tasks.dpo import stdlib_pairs
@@ -59,11 +57,6 @@ def train_trl(out: Path, data: Path, loss_type: str) -> None:
     trainer.train()
     trainer.save_model()
     trainer.save_state()
-
-
-def finetune(*args) -> None:
-    subprocess.run([sys.executable, "-m", "finetune", *map(str, args)], check=True, stdout=subprocess.DEVNULL,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0"})
 
 
 def main() -> None:
