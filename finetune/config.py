@@ -640,3 +640,10 @@ def fields_with(key: str) -> dict:
 def result_neutral_fields() -> set:
     """Fields whose change between a checkpoint and its resumption does not change the steps taken."""
     return {name for name, f in documented_fields() if not f.metadata.get("affects_result", True)}
+
+
+def result_changes(old: dict, new: dict, also_neutral=()) -> list:
+    """The flat keys (``training.lr``) whose values differ between two runs' flattened settings and that change the
+    steps taken (not ``result_neutral_fields``, the name, the description or ``also_neutral``), sorted."""
+    neutral = result_neutral_fields() | {"name", "description", *also_neutral}
+    return [k for k in sorted(set(old) | set(new)) if k not in neutral and old.get(k) != new.get(k)]

@@ -14,7 +14,7 @@ from typing import Optional
 import yaml
 
 from finetune import checkpoint, distributed, loop, outputs, runlock
-from finetune.config import RecipeConfig, flatten, result_neutral_fields
+from finetune.config import RecipeConfig, flatten, result_changes
 from finetune.errors import ConfigError
 from finetune.job import Job
 from finetune.registry import task_module
@@ -181,11 +181,8 @@ def check_resume(saved: checkpoint.Saved, cfg: RecipeConfig, shape: Shape) -> li
                               f"{saved.effective_batch_size} ({why})")
         notes.append(f"warning: resuming with another effective batch ({saved.effective_batch_size} → {effective}): "
                      "the steps from here are not the baseline's")
-    new = flatten(cfg.to_dict())
-    neutral = result_neutral_fields() | {"name", "description"}
-    old = saved.settings
-    changed = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in sorted(set(old) | set(new))
-               if k not in neutral and old.get(k) != new.get(k)]
+    new, old = flatten(cfg.to_dict()), saved.settings
+    changed = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in result_changes(old, new)]
     if changed:
         notes.append("warning: resuming with settings that change the result: " + ", ".join(changed))
     check_resume_engine(saved, processes)

@@ -237,8 +237,7 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
 
     steps = [h["step"] for h in ha[:n]]
     grpo = all(r["config"] and r["config"].get("task") == "grpo" for r in (a, b))
-    loss_tol = [loss_rtol] * n if loss_rtol is not None else [EIGHT_BIT_LOSS_RTOL] * n if c.eight_bit else \
-        fl.at("loss", n)
+    loss_tol = loss_rtol if loss_rtol is not None else EIGHT_BIT_LOSS_RTOL if c.eight_bit else fl.overall["loss"]
     losses_a, losses_b = [h["loss"] for h in ha[:n]], [h["loss"] for h in hb[:n]]
     th = fl.twin["history"][:n] if fl.twin else None  # the second reference of a measured floor
     per_step(c, "loss curve", steps, losses_a, losses_b, loss_tol, floor=GRPO_LOSS_FLOOR if grpo else 1e-12,
@@ -246,10 +245,10 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     shift = floors.one_sided(losses_a, losses_b, fl) if not grpo else None  # GRPO's loss sums to about 0
     if shift:
         c.add("loss shift", False, shift, step=steps[0])
-    trained(c, ha[:n], hb[:n], max(loss_tol, default=FP32_LOSS_RTOL))
+    trained(c, ha[:n], hb[:n], loss_tol)
     norms_a, norms_b = [h["grad_norm"] for h in ha[:n]], [h["grad_norm"] for h in hb[:n]]
     # an 8-bit optimizer's state moves the weights, hence the later gradients, as far as the loss's band
-    grad_tol = [max(g, x) for g, x in zip(fl.at("grad norm", n), loss_tol)] if c.eight_bit else fl.at("grad norm", n)
+    grad_tol = max(fl.overall["grad norm"], loss_tol) if c.eight_bit else fl.overall["grad norm"]
     per_step(c, "grad norm", steps, norms_a, norms_b, grad_tol, what="before clipping",
              twin=[h["grad_norm"] for h in th] if th else None)
     clipping(c, steps, norms_a, norms_b, *(setting(r["config"], "training.max_grad_norm") if r["config"] else
@@ -277,18 +276,16 @@ def same_windows(c: Comparison, ha: list, hb: list, n: int) -> None:
 
 def twin_floor(a: dict, twin: Path, optimizer: str | None) -> floors.Floor:
     """The floor measured on ``twin``, which must be ``a``'s computation in another layout (one line otherwise)."""
-    from finetune.config import flatten, result_neutral_fields
+    from finetune.config import flatten, result_changes
     from finetune.errors import ConfigError
 
     t = read_run(twin)
     probe = Comparison()
     if a["config"] and t["config"]:  # every setting that changes the steps, as a resumed run is checked
-        # how the twin rounds is the point of it: fp32 sums off round as autocast does (as the peers do)
-        neutral = result_neutral_fields() | {"name", "description", "training.fp32_grad_sums",
-                                             "training.pad_to_window"}
         mine, theirs = flatten(a["config"]), flatten(t["config"])
-        changed = [f"{k} {mine.get(k)!r} vs {theirs.get(k)!r}" for k in sorted(set(mine) | set(theirs))
-                   if k not in neutral and not k.startswith("output.") and mine.get(k) != theirs.get(k)]
+        # how the twin rounds is the point of it: fp32 sums off round as autocast does (as the peers do)
+        changed = [f"{k} {mine.get(k)!r} vs {theirs.get(k)!r}" for k in result_changes(
+            mine, theirs, ("training.fp32_grad_sums", "training.pad_to_window")) if not k.startswith("output.")]
         probe.add("settings", not changed, "; ".join(changed[:3]))
     else:
         probe.add("settings", False, "a run has no config.yaml")
@@ -351,30 +348,27 @@ def check_settings(c: Comparison, ours: dict | None, theirs: dict | None, whose:
 UNKNOWN = object()  # a side whose clipping setting is not known
 
 
-def per_step(c: Comparison, name: str, steps: list, xs: list, ys: list, rtol, what: str = "",
+def per_step(c: Comparison, name: str, steps: list, xs: list, ys: list, rtol: float, what: str = "",
              why: str | None = None, floor: float = 1e-12, twin: list | None = None) -> None:
     """One per-step layer: ``xs[i]`` against ``ys[i]`` at optimizer step ``steps[i]`` (pairs with a non-finite or
     missing value are skipped: DeepSpeed reports no norm when it does not clip), relative to the larger magnitude or
-    ``floor``, within ``rtol`` (one tolerance, or one per step). ``twin``: a second reference (the twin a floor was
-    measured on, ``xs``'s run in another layout); a step passes when ``ys`` is within ``rtol`` of either."""
-    tolerances = rtol if isinstance(rtol, list) else [rtol] * len(steps)
+    ``floor``, within ``rtol``. ``twin``: a second reference (the twin a floor was measured on, ``xs``'s run in
+    another layout); a step passes when ``ys`` is within ``rtol`` of either."""
     others = twin if twin is not None else [None] * len(steps)
-    pairs = [(s, x, y, r, z) for s, x, y, r, z in zip(steps, xs, ys, tolerances, others) if _finite(x) and _finite(y)]
+    pairs = [(s, x, y, z) for s, x, y, z in zip(steps, xs, ys, others) if _finite(x) and _finite(y)]
     if not pairs:
         c.add(name, None, "not checkable: not logged on both sides")
         return
-    worst = c.measured[name] = max(_rel(x, y, floor) for _, x, y, _, _ in pairs)
+    worst = c.measured[name] = max(_rel(x, y, floor) for _, x, y, _ in pairs)
     nearer = lambda x, y, z: min(_rel(x, y, floor), _rel(z, y, floor) if _finite(z) else math.inf)  # noqa: E731
-    bad = next(((s, x, y, r) for s, x, y, r, z in pairs if nearer(x, y, z) > r), None)
-    low, high = min(p[3] for p in pairs), max(p[3] for p in pairs)
-    shown = f"{high:g}" if low == high else f"{low:.1e} to {high:.1e} (per step)"
+    bad = next(((s, x, y) for s, x, y, z in pairs if nearer(x, y, z) > rtol), None)
     band = f" (band: {why})" if why else f" (relative to at least {floor:g})" if floor > 1e-12 else ""
     band += "; the nearer of the run and its twin" if twin is not None else ""
     c.add(name, bad is None, f"max relative difference {worst:.2e} at {len(pairs)} steps{' ' + what if what else ''}"
-          f", tolerance {shown}{band}" + ("" if bad is None else
-                                          f"; first above at step {bad[0]}: {bad[1]:.7g} vs {bad[2]:.7g} (tolerance "
-                                          f"{bad[3]:.1e})"),
-          step=None if bad is None else bad[0], basis=f"{name.removesuffix(' curve')} ≤ {high:.0e}")
+          f", tolerance {rtol:g}{band}" + ("" if bad is None else
+                                           f"; first above at step {bad[0]}: {bad[1]:.7g} vs {bad[2]:.7g} (tolerance "
+                                           f"{rtol:.1e})"),
+          step=None if bad is None else bad[0], basis=f"{name.removesuffix(' curve')} ≤ {rtol:.0e}")
 
 
 def _finite(x) -> bool:
@@ -389,15 +383,14 @@ def clip_factor(norm: float, max_norm) -> float:
 def clipping(c: Comparison, steps: list, norms_a: list, norms_b: list, max_a, max_b, rtol=GRAD_NORM_RTOL) -> None:
     """The clipping factor each step applied, from its grad norm and each side's max_grad_norm: a step clipped on
     one side only (or to another limit) took another update though its gradient was the same. ``rtol``: the grad
-    norm's tolerance (one, or one per step)."""
+    norm's tolerance."""
     if max_a is UNKNOWN or max_b is UNKNOWN:
         c.add("clipping", None, "not checkable: a run does not say its max_grad_norm")
         return
-    tolerances = rtol if isinstance(rtol, list) else [rtol] * len(steps)
-    rows = [(s, clip_factor(x, max_a), clip_factor(y, max_b), r) for s, x, y, r in
-            zip(steps, norms_a, norms_b, tolerances) if _finite(x) and _finite(y)]
-    bad = next(((s, x, y) for s, x, y, r in rows if _rel(x, y) > r), None)
-    clipped = sum(x < 1 for _, x, _, _ in rows)
+    rows = [(s, clip_factor(x, max_a), clip_factor(y, max_b)) for s, x, y in zip(steps, norms_a, norms_b)
+            if _finite(x) and _finite(y)]
+    bad = next(((s, x, y) for s, x, y in rows if _rel(x, y) > rtol), None)
+    clipped = sum(x < 1 for _, x, _ in rows)
     show = lambda f: "not clipped" if f == 1 else f"scaled by {f:.4g}"  # noqa: E731
     c.add("clipping", bad is None, (f"the same at {len(rows)} steps ({clipped} clipped; max_grad_norm {max_a} vs "
                                     f"{max_b})") if bad is None else
@@ -591,13 +584,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
 def _check_baseline_settings(c: Comparison, base, mine: dict) -> None:
     """The update settings the baseline's arguments and files say (as ``finetune import`` carries them) against this
     run's ``config.yaml``: a run that trained LoRA against a full fine-tuning, or another optimizer, differs."""
-    from finetune.reproduce.settings import carry
-
-    # the run's own model fields: a task's settings (DPO's beta, GRPO's loss type) are the baseline's too
-    fields = {name: None for name in (mine["config"].get("model") or {})}
-    data_fields = set(mine["config"].get("data") or {})
-    check_settings(c, run_settings(mine["config"]), step_settings(carry(base, fields, data_fields).values),
-                   "the baseline")
+    check_settings(c, run_settings(mine["config"]), step_settings(carried(base, mine).values), "the baseline")
 
 
 def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: float, why, mine: dict,
@@ -618,13 +605,18 @@ def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: fl
              setting(mine["config"], "training.max_grad_norm") if mine["config"] else UNKNOWN, limit, rtol=rtol)
 
 
-def uncarried(base, mine: dict) -> list:
-    """The baseline's settings that ``finetune import`` says it cannot carry (``name=value — why``), as causes."""
+def carried(base, mine: dict):
+    """The baseline's settings as ``finetune import`` carries them onto this run's recipe: its model and data
+    fields, so that a task's own settings (DPO's beta, GRPO's loss type, TRL's packing) are the baseline's too."""
     from finetune.reproduce.settings import carry
 
-    fields = {name: None for name in (mine["config"].get("model") or {})}
-    data_fields = set(mine["config"].get("data") or {})
-    lines = [line.removeprefix("not carried: ") for line in carry(base, fields, data_fields).not_carried
+    return carry(base, {name: None for name in (mine["config"].get("model") or {})},
+                 set(mine["config"].get("data") or {}))
+
+
+def uncarried(base, mine: dict) -> list:
+    """The baseline's settings that ``finetune import`` says it cannot carry (``name=value — why``), as causes."""
+    lines = [line.removeprefix("not carried: ") for line in carried(base, mine).not_carried
              if line.startswith("not carried: ") and "=" in line.split(" — ")[0]]
     return [f"the baseline's {line.split(' — ')[0]} is not carried by finetune import ({line.split(' — ', 1)[-1]})"
             for line in lines]

@@ -49,10 +49,6 @@ class Floor:
     note: str | None = None                       # for the verdict: what the floor rests on
     twin: dict | None = None                      # the twin run read (measured floors): a second reference
 
-    def at(self, layer: str, n: int) -> list:
-        """The tolerance of ``layer`` at each of ``n`` steps."""
-        return [self.overall[layer]] * n
-
 
 def assumed(precision: str) -> Floor:
     """The floor without a twin: fp32's tolerances, or ``TWIN_FACTOR`` × the measured bf16 table."""
