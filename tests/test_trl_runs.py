@@ -7,7 +7,9 @@ model in fp32:
 * packed SFT baselines (``packing=True``, bfd and wrapped): import carries the packing (``data.pack``), the
   reproduction trains on TRL's packed rows — "equivalent"; unpacked, it differs on the settings layer;
 * DPO baselines (sigmoid on conversational rows, hinge on text rows): import carries ``DPOConfig``'s ``beta`` and
-  ``loss_type`` and how TRL tokenized the rows — "equivalent"; a run at another beta differs on the settings layer.
+  ``loss_type`` and how TRL tokenized the rows — "equivalent"; a run at another beta differs on the settings layer;
+  with accumulation "equivalent" while every micro-batch is full, and a short last micro-batch (which TRL weights
+  like a full one) differs at its step, named.
 """
 
 from __future__ import annotations
@@ -108,30 +110,57 @@ def test_a_packed_baseline_is_reproduced(tmp_path, capsys, strategy):
     assert code == 1 and f"settings: data.pack {strategy} in the baseline vs None" in verdict, verdict
 
 
-@pytest.mark.parametrize("loss_type, rows", [("sigmoid", "conversational"), ("hinge", "text")])
-def test_a_dpo_baseline_is_reproduced_and_another_beta_differs(tmp_path, capsys, loss_type, rows):
-    """TRL's DPOTrainer (full fine-tuning, 4 × 1, beta 0.25): its beta and loss type are carried; text rows are
-    tokenized as TRL takes them (``data.text_rows: plain``: no chat template, an end token after each completion)."""
+def dpo_rows(path, text: bool, limit: int | None = None) -> str:
+    """The tiny preference pairs of one kind (text or conversational prompts), as a jsonl file."""
+    pairs = [json.loads(line) for line in open(tiny_pairs_assets()["data"])]
+    kept = [r for r in pairs if "prompt" in r and isinstance(r["prompt"], str) == text][:limit]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return str(path)
+
+
+def train_dpo(out, data, loss_type="sigmoid", **extra) -> None:
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     model_dir = tiny_chat_assets()["model"]
-    pairs = [json.loads(line) for line in open(tiny_pairs_assets()["data"])]
-    kept = [r for r in pairs if "prompt" in r and isinstance(r["prompt"], str) == (rows == "text")]
-    data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    baseline = tmp_path / "trl-dpo"
-    args = DPOConfig(output_dir=str(baseline), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3,
-                     beta=0.25, loss_type=[loss_type], logging_steps=1, seed=SEED, report_to=[], save_strategy="no",
-                     use_cpu=True, disable_tqdm=True, bf16=False, lr_scheduler_type="constant", warmup_steps=0,
-                     max_grad_norm=1.0)
+    extra = {"per_device_train_batch_size": 4, "max_steps": 3, **extra}
+    args = DPOConfig(output_dir=str(out), learning_rate=1e-3, beta=0.25, loss_type=[loss_type], logging_steps=1,
+                     seed=SEED, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False,
+                     lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, **extra)
     train_and_save(DPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
-                              train_dataset=load_dataset("json", data_files=str(data))["train"],
+                              train_dataset=load_dataset("json", data_files=data)["train"],
                               processing_class=AutoTokenizer.from_pretrained(model_dir)))
+
+
+@pytest.mark.parametrize("loss_type, rows", [("sigmoid", "conversational"), ("hinge", "text")])
+def test_a_dpo_baseline_is_reproduced_and_another_beta_differs(tmp_path, capsys, loss_type, rows):
+    """TRL's DPOTrainer (full fine-tuning, 4 × 1, beta 0.25): its beta and loss type are carried; text rows are
+    tokenized as TRL takes them (``data.text_rows: plain``: no chat template, an end token after each completion)."""
+    data = dpo_rows(tmp_path / "pairs.jsonl", text=rows == "text")
+    baseline = tmp_path / "trl-dpo"
+    train_dpo(baseline, data, loss_type)
     code, verdict, table = reproduce(capsys, tmp_path, baseline, data, "dpo-smollm2")
     assert "model.loss_type" in table and "0.25" in table, table
     assert ("plain" if rows == "text" else "chat") in table.split("data.text_rows")[1].splitlines()[0], table
     assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
     code, verdict, _ = reproduce(capsys, tmp_path, baseline, data, "dpo-smollm2", "model.beta=0.1")
     assert code == 1 and "settings: model.beta 0.25 in the baseline vs 0.1" in verdict, verdict
+
+
+@pytest.mark.parametrize("pairs", [12, 11], ids=["full-micro-batches", "short-last-micro-batch"])
+def test_a_dpo_baseline_with_accumulation(tmp_path, capsys, pairs):
+    """TRL's DPOTrainer at 2 × 2 for an epoch: the Trainer divides each micro-batch's mean by the accumulation, the
+    big batch's mean while every micro-batch is full ("equivalent" at micro-batch 1). With 11 pairs the last window
+    holds micro-batches of 2 and 1, weighted alike by TRL and per pair by finetune: that step differs, and the verdict
+    says why; the steps before it agree."""
+    data = dpo_rows(tmp_path / "pairs.jsonl", text=False, limit=pairs)
+    baseline = tmp_path / "trl-dpo-accumulated"
+    train_dpo(baseline, data, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=-1,
+              num_train_epochs=1)
+    code, verdict, _ = reproduce(capsys, tmp_path, baseline, data, "dpo-smollm2")
+    if pairs % 2 == 0:
+        assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+        return
+    assert code == 1 and "first above at step 3" in verdict, verdict
+    assert "last window of each epoch (step 3, ...) held micro-batches of 2 and 1 samples" in verdict, verdict

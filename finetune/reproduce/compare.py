@@ -573,7 +573,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
                 weight_rtol, against=f" against {base.weights.name}", tolerances=fl.overall if fl else FP32)
     # a differing run's likeliest cause: a setting of the baseline that import could not carry, else the adapters'
     # start (only where no such setting is left to blame)
-    cause = [] if c.equivalent else uncarried(base, mine)
+    cause = [] if c.equivalent else uncarried(base, mine) + short_micro_batch(base, mine)
     notes = ([f"loss held to {band:g}, not {FP32_LOSS_RTOL:g}: {why}"] if why else []) + \
         ([f"not checkable from the {base.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
         (cause or start_notes(base, mine, c.equivalent))
@@ -620,6 +620,31 @@ def uncarried(base, mine: dict) -> list:
              if line.startswith("not carried: ") and "=" in line.split(" — ")[0]]
     return [f"the baseline's {line.split(' — ')[0]} is not carried by finetune import ({line.split(' — ', 1)[-1]})"
             for line in lines]
+
+
+# Tasks whose baseline trainer averages each micro-batch's mean loss over the window (the Trainer divides by the
+# number of micro-batches when the loss is not divided by the window's item count): name → the trainer, as said
+MEAN_OF_MICRO_BATCHES = {"dpo": "TRL's DPOTrainer"}
+
+
+def short_micro_batch(base, mine: dict) -> list:
+    """Why a baseline of a task in ``MEAN_OF_MICRO_BATCHES`` differs at each epoch's last step: that window holds a
+    short micro-batch beside full ones, which its trainer weights like a full one, where finetune weights each sample
+    alike (the big batch's step). A property of the baseline's reduction, not something a run can carry."""
+    trainer = MEAN_OF_MICRO_BATCHES.get(mine["config"].get("task"))
+    b, n = base.get("per_device_train_batch_size"), mine["metrics"].get("train_samples")
+    accumulation, processes = int(base.get("gradient_accumulation_steps") or 1), int(base.get("num_devices") or 1)
+    if trainer is None or not b or not n or processes != 1 or n % int(b) == 0:
+        return []
+    micro = -(-n // int(b))                   # micro-batches per epoch, the last one short
+    last = (micro - 1) % accumulation + 1     # of them in the epoch's last window
+    if last == 1:
+        return []
+    sizes = " and ".join([str(b)] * (last - 1) + [str(n % int(b))])
+    step = -(-micro // accumulation)
+    return [f"the baseline's last window of each epoch (step {step}, ...) held micro-batches of {sizes} samples, which {trainer} "
+            "weights alike (the mean of their means); finetune weights each sample alike, the big batch's step, so "
+            "that step differs by construction"]
 
 
 def start_notes(base, mine: dict, equivalent: bool) -> list:
