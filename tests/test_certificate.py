@@ -97,3 +97,44 @@ def test_the_adaptive_weight_tolerance_still_catches_a_small_difference(runs, tm
     save_file({k: v * (1 + 3e-4) for k, v in load_file(str(path)).items()}, str(path))
     c, line = verdict(runs("lora-4", 4), copy)
     assert line.startswith("verdict: differs — weights: relative L2 3.0"), c.report()
+
+
+def moved(weights: dict, count: int, step: float, seed: int = 0) -> dict:
+    """``weights`` with ``count`` elements, drawn at random over all tensors, each moved by ``step``."""
+    import torch
+
+    flat = torch.cat([v.flatten() for v in weights.values()])
+    flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed))[:count]] += step
+    out, start = {}, 0
+    for name, v in weights.items():
+        out[name] = flat[start:start + v.numel()].view_as(v).clone()
+        start += v.numel()
+    return out
+
+
+def test_a_few_elements_a_step_apart_are_rounding_and_many_are_not(runs, tmp_path):
+    """AdamW sends an element whose gradient is near zero a full step either way on rounding, so the weights' relative
+    L2 leaves out the FLIP_SHARE largest element differences: that many elements moved, 10× the tolerance in the L2 of
+    every element, read "equivalent"; ten times as many, each moved the same, "differs" (the negative twin)."""
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    from finetune.reproduce.compare import ADAPTIVE_WEIGHT_RTOL, FLIP_SHARE
+
+    base = runs("full-2", 2, *FULL)
+    path = base / "model" / "model.safetensors"
+    weights = load_file(str(path))
+    k = int(FLIP_SHARE * sum(v.numel() for v in weights.values()))
+    assert k >= 2, k
+    norm = math.sqrt(sum(float(v.double().square().sum()) for v in weights.values()))
+    step = 10 * ADAPTIVE_WEIGHT_RTOL * norm / math.sqrt(k)
+    for count, equivalent in ((k, True), (10 * k, False)):
+        copy = tmp_path / f"moved-{count}"
+        shutil.copytree(base, copy)
+        save_file(moved(weights, count, step), str(copy / "model" / "model.safetensors"))
+        c, line = verdict(runs("full-4", 4, *FULL), copy)
+        assert c.equivalent == equivalent, c.report()
+        assert c.measured["weights largest"] > 10 * ADAPTIVE_WEIGHT_RTOL  # the moved elements are there
+        if not equivalent:
+            assert line.startswith("verdict: differs — weights: relative L2 "), line
