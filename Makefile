@@ -44,6 +44,7 @@ run: setup
 	$(BIN)/accelerate launch -q $(CPU_THREADS_FLAG) --config_file $(ACCELERATE_CONFIG) finetune/run.py --recipe $(RECIPE) $(ARGS)
 
 test: setup
+	$(BIN)/ruff check -q finetune tests benchmarks
 	$(BIN)/python -m pytest -q
 
 test-all: setup

@@ -22,8 +22,8 @@ Reported per loss type (grpo, bnpo, dr_grpo, dapo) and tool: max |Δ(b, N) − �
 weights (Δ: the change from the initial weights); beside them, how far TRL's big-batch step is from finetune's
 (the same measure, TRL's Δ(b·N, 1) against finetune's): whether the two tools take the same step at N = 1. Then
 tokens/s (prompt + completion tokens trained, over the wall time of the training call, the median over the runs of
-the second case) and the peak of tensor memory during training (one profiled run each, ``finetune.memory.measure.PeakMeter``),
-as ratios finetune ÷ TRL.
+the second case) and the peak of tensor memory during training (one profiled run each,
+``finetune.memory.measure.PeakMeter``), as ratios finetune ÷ TRL.
 
     pip install --no-deps trl==1.16.0      # TRL is not a dependency of finetune
     HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/grpo_trl.py [--b 2 --n 4 --group 4 --max-len 10] [--tiny]

@@ -80,7 +80,8 @@ def banner(run) -> str:
         f"Training samples: {n_train}",
         f"Batch size: {shape.micro_batch}",
         f"Gradient accumulation steps: {shape.accumulation}",
-        f"Processes: {world}" + (f", {engine}" if (engine := distributed.describe_engine(accelerator, run.model)) else ""),
+        f"Processes: {world}" + (f", {engine}" if (engine := distributed.describe_engine(accelerator, run.model))
+                                 else ""),
         f"Effective batch size: {effective} ({split})",
         f"Optimizer steps: {total_steps} ({per_epoch} per epoch; {tail_text})",
         f"Optimizer: {t.optimizer}, lr {t.learning_rate * lr_scale(t, effective):g}, schedule {t.lr_scheduler}, "

@@ -229,7 +229,8 @@ def test_one_writer_of_the_state_and_none_of_accelerate():
 # replaced), and the ways around a name check (an alias, setattr, a private member).
 PLANTS = {
     "evaluate appends to the state": ("loop.py", "    if run.output.on_eval is not None:\n",
-                                      "    run.state.val_history.append(record)\n    if run.output.on_eval is not None:\n"),
+                                      "    run.state.val_history.append(record)\n"
+                                      "    if run.output.on_eval is not None:\n"),
     "a hook adds val_* to the stored record": (
         "loop.py", "    if run.job.after_step is not None:\n",
         "    state.history[-1].update({'val_loss': 0.0})\n    if run.job.after_step is not None:\n"),

@@ -59,7 +59,8 @@ def test_summary_lists_each_gpu_test_with_its_figures(tmp_path):
     planner = out[out.index("FAIL"):]
     assert "predicted 534 MiB · measured 662 MiB · error -19.3% (±10 %)" in planner
     assert "✗ AssertionError: predicted 534 MiB, measured 662 MiB" in planner
-    assert lines["fakechunked_head"].startswith("SKIP") and "needs finetune.models.loss_head" in lines["fakechunked_head"]
+    head = lines["fakechunked_head"]
+    assert head.startswith("SKIP") and "needs finetune.models.loss_head" in head
     assert "not_on_the_gpu" not in "\n".join(summary)
     assert next(line for line in summary if "in the tests" in line).startswith("3 passed, 1 failed, 1 skipped;")
 

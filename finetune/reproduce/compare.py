@@ -426,7 +426,8 @@ def weights(c: Comparison, wa: dict | None, wb: dict | None, optimizer: str | No
     why = (f"{optimizer or 'an unknown optimizer'} amplifies rounding: largest element {biggest:.2e}, not judged"
            if adaptive else f"relative L2 {l2:.2e}")
     if adaptive and flips:  # the few elements a near-zero gradient's rounding sends either way
-        why += f"; its {flips} largest element differences ({FLIP_SHARE:.0e} of the elements) left out: {l2:.2e} with them"
+        why += f"; its {flips} largest element differences ({FLIP_SHARE:.0e} of the elements) left out: {l2:.2e} " \
+               "with them"
     if not judge:
         c.add("weights", None, f"relative L2 {l2:.2e}, largest element {biggest:.2e}{against} (not judged: 8-bit "
                                f"optimizer: not the fp32 step, no fp32 tolerance applies)")
@@ -656,9 +657,9 @@ def short_micro_batch(base, mine: dict) -> list:
         return []
     sizes = " and ".join([str(b)] * (last - 1) + [str(n % int(b))])
     step = -(-micro // accumulation)
-    return [f"the baseline's last window of each epoch (step {step}, ...) held micro-batches of {sizes} samples, which {trainer} "
-            "weights alike (the mean of their means); finetune weights each sample alike, the big batch's step, so "
-            "that step differs by construction"]
+    return [f"the baseline's last window of each epoch (step {step}, ...) held micro-batches of {sizes} samples, "
+            f"which {trainer} weights alike (the mean of their means); finetune weights each sample alike, the big "
+            "batch's step, so that step differs by construction"]
 
 
 def start_notes(base, mine: dict, equivalent: bool) -> list:
