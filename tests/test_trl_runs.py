@@ -164,3 +164,24 @@ def test_a_dpo_baseline_with_accumulation(tmp_path, capsys, pairs):
         return
     assert code == 1 and "first above at step 3" in verdict, verdict
     assert "last window of each epoch (step 3, ...) held micro-batches of 2 and 1 samples" in verdict, verdict
+
+
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_rows_longer_than_max_length_are_cut_as_trl_cuts_them(tmp_path, capsys, task):
+    """TRL truncates a row longer than max_length (keep_start) where finetune's default drops it: import sets
+    data.too_long, and the reproduction trains on the cut rows — "equivalent"; its twin that drops them differs."""
+    if task == "sft":  # 5 of the 22 conversations are longer than 60 tokens
+        data = messages_rows(tmp_path / "messages.jsonl")
+        baseline = tmp_path / "trl-sft-cut"
+        train_sft(baseline, data, max_length=60)
+    else:  # prompts of 23-28 tokens, completions of 10-17: most pairs are cut at 36, none is dropped
+        data = dpo_rows(tmp_path / "pairs.jsonl", text=False)
+        baseline = tmp_path / "trl-dpo-cut"
+        train_dpo(baseline, data, max_length=36)
+    recipe = "sft-smollm2" if task == "sft" else "dpo-smollm2"
+    sets = ["model.generate_prompts=0"] if task == "sft" else []
+    code, verdict, table = reproduce(capsys, tmp_path, baseline, data, recipe, *sets)
+    assert "keep_start" in table.split("data.too_long")[1].splitlines()[0], table
+    assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+    code, verdict, _ = reproduce(capsys, tmp_path, baseline, data, recipe, *sets, "data.too_long=drop")
+    assert code == 1 and "settings: data.too_long keep_start in the baseline vs drop" in verdict, verdict

@@ -297,6 +297,10 @@ def _data(base: Baseline, out: Imported, data_fields: set) -> None:
             out.set(f"data.{field}", int(length), base.args[name][1])
         else:
             out.skip(name, length, "this recipe's task has no data.max_length / data.seq_len")
+        if base.trl and "too_long" in data_fields and not get("packing"):  # TRL cuts longer rows, never drops them
+            mode = str(get("truncation_mode") or "keep_start")
+            out.set("data.too_long", mode, f"{base.args[name][1]}: TRL truncates rows longer than {name}={length} "
+                                           f"(truncation_mode={mode})")
     if get("packing"):
         _packing(base, out, data_fields)
     train_on, key = _train_on(base)

@@ -66,8 +66,12 @@ class DataConfig(BaseDataConfig):
                       "/ json / parquet / csv file, a datasets.save_to_disk folder, or a hub dataset id, with "
                       "prompt / chosen / rejected", "stdlib-pairs")
     split: str = chat.split_field()
-    max_length: int = doc("longest prompt + completion, in tokens: longer pairs are dropped (counted at set-up)", 256,
-                          at_least=2)
+    max_length: int = doc("longest prompt + completion, in tokens: longer pairs are dropped or cut (data.too_long)",
+                          256, at_least=2)
+    too_long: Literal["drop", "keep_start"] = doc(
+        "a pair whose prompt + longer completion exceeds data.max_length: dropped (counted at set-up), or each "
+        "completion cut to the tokens that fit after the prompt as TRL's DPOTrainer truncates (a prompt that fills "
+        "max_length alone is dropped, as TRL drops it)", "drop")
     system_prompt: Optional[str] = chat.system_prompt_field()
     text_rows: Literal["chat", "plain"] = doc(
         "rows of plain text: rendered as a user and an assistant turn with the chat template (chat), or tokenized as "
@@ -213,8 +217,9 @@ def encode_pair(tokenizer, prompt, chosen, rejected) -> dict:
 
 
 def encode_all(tokenizer, pairs: list, d: DataConfig, split: str) -> tuple[list, int]:
-    """(encoded pairs no longer than ``data.max_length``, how many were dropped as longer). Each sample knows its
-    place (``split``, ``index``): the precomputed reference log-probs are kept by it."""
+    """(encoded pairs no longer than ``data.max_length``, how many were dropped as longer or cut as
+    ``data.too_long`` says). Each sample knows its place (``split``, ``index``): the precomputed reference
+    log-probs are kept by it."""
     out, dropped = [], 0
     for i, (prompt, chosen, rejected) in enumerate(pairs):
         sample = encode_pair(tokenizer, prompt, chosen, rejected)
@@ -222,9 +227,13 @@ def encode_all(tokenizer, pairs: list, d: DataConfig, split: str) -> tuple[list,
             if not sample[key]:
                 raise ConfigError(f"data.source: {split} pair {i} has an empty {key[:-4]!r} completion once "
                                   "tokenized (the template renders nothing after the prompt)")
-        if len(sample["prompt_ids"]) + max(len(sample["chosen_ids"]), len(sample["rejected_ids"])) > d.max_length:
-            dropped += 1
-            continue
+        room = d.max_length - len(sample["prompt_ids"])
+        if max(len(sample["chosen_ids"]), len(sample["rejected_ids"])) > room:
+            if d.too_long == "drop" or room <= 0:
+                dropped += 1
+                continue
+            # TRL cuts each row, prompt + completion, to its first max_length tokens
+            sample = {**sample, **{k: sample[k][:room] for k in ("chosen_ids", "rejected_ids")}}
         out.append({**sample, "split": split, "index": len(out),
                     "same": sample["chosen_ids"] == sample["rejected_ids"]})
     return out, dropped

@@ -62,8 +62,11 @@ class DataConfig(BaseDataConfig):
         "tokens the loss counts: the assistant's turns (everything else -100); completion: everything after the "
         "prompt (the conversation through its last user turn, with the generation prompt), the template's text after "
         "the answer included, as TRL's completion_only_loss on prompt/completion rows; or every token", "assistant")
-    max_length: int = doc("longest conversation, in tokens: longer ones are dropped (counted at set-up)", 256,
+    max_length: int = doc("longest conversation, in tokens: longer ones are dropped or cut (data.too_long)", 256,
                           at_least=2)
+    too_long: Literal["drop", "keep_start", "keep_end"] = doc(
+        "a conversation longer than data.max_length: dropped (counted at set-up), or cut to its first / last "
+        "max_length tokens as TRL's SFTTrainer does (truncation_mode), one left with no trained token dropped", "drop")
     system_prompt: Optional[str] = doc("system message put first in every conversation that has none (null: "
                                        "none; the template may add its own default)", None)
     pack: Optional[Literal["bfd", "wrapped"]] = doc(
@@ -197,7 +200,8 @@ def encode_completion(tokenizer, messages: list, text: str, reference: str) -> d
 
 
 def encode_all(tokenizer, convs: list, d: DataConfig) -> tuple[list, int]:
-    """(encoded samples no longer than ``data.max_length``, how many were dropped as longer)."""
+    """(encoded samples no longer than ``data.max_length``, how many were dropped as longer, or as left with no
+    trained token once cut: ``data.too_long``)."""
     out, dropped = [], 0
     for messages in convs:
         try:
@@ -205,10 +209,25 @@ def encode_all(tokenizer, convs: list, d: DataConfig) -> tuple[list, int]:
         except ValueError as e:
             raise ConfigError(f"model.chat_template: {e} (data.train_on=all needs no turn boundaries)") from None
         if len(sample["input_ids"]) > d.max_length and not d.pack:  # TRL's packing truncates instead
+            sample = cut(sample, d.max_length, d.too_long)
+        if sample is None:
             dropped += 1
         else:
             out.append(sample)
     return out, dropped
+
+
+def cut(sample: dict, length: int, how: str) -> Optional[dict]:
+    """A sample longer than ``length`` tokens as ``data.too_long`` says: None (dropped), or its input ids and labels
+    cut to the first / last ``length`` tokens as TRL's SFTTrainer truncates them (None when no trained token is
+    left, as TRL drops such rows)."""
+    if how == "drop":
+        return None
+    keep = slice(None, length) if how == "keep_start" else slice(-length, None)
+    labels = sample["labels"][keep]
+    if all(t == -100 for t in labels):
+        return None
+    return {**sample, "input_ids": sample["input_ids"][keep], "labels": labels}
 
 
 def collate(pad_id: int):
