@@ -158,7 +158,8 @@ def cmd_plot(args) -> int:
     history = outputs.read_history(run, "plot")
     if not history:
         raise ConfigError(f"plot: {run / 'history.jsonl'} holds no optimizer steps yet")
-    for path in outputs.write_plots(history, run, outputs.read_metrics(run).get("val_history", [])):
+    beta = ((outputs.read_config(run) or {}).get("training") or {}).get("ema_beta", 0.9)
+    for path in outputs.write_plots(history, run, outputs.read_metrics(run).get("val_history", []), beta):
         print(path)
     return 0
 

@@ -123,7 +123,8 @@ def execute(cfg: RecipeConfig, prepared: Prepared, on_eval=None):
     result = loop.train(job, cfg.training, shape, output, prepared.resume)
     result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name}
     with distributed.whole_model(result.model):  # sharded weights (ZeRO-3, FSDP2) whole on every process
-        distributed.agree(lambda: outputs.write_outputs(cfg.output, job, result, out_dir), main_only=True)
+        distributed.agree(lambda: outputs.write_outputs(cfg.output, job, result, out_dir, cfg.training.ema_beta),
+                          main_only=True)
     return result
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from finetune.state import ema
+
 PLOTTED = (("loss", "window loss (mean over the window's items)"), ("lr", "learning rate"),
            ("grad_norm", "grad norm (total L2, before clipping)"))
 
@@ -91,6 +93,17 @@ def read_metrics(run_dir) -> dict:
     return metrics
 
 
+def read_config(run_dir) -> dict | None:
+    """The run's resolved ``config.yaml`` (every ``finetune run`` writes one); None if it has none."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def summary(result: dict) -> dict:
     """The JSON-safe part of a run's result."""
     keys = ("optimizer_steps", "skipped_steps", "micro_batches", "effective_batch_size",
@@ -118,8 +131,9 @@ def _json_default(x):
     return str(x)
 
 
-def write_plots(history: list, out_dir, val_history=()) -> list:
-    """loss (with EMA and validation points), lr and grad-norm curves over optimizer steps, one PNG each."""
+def write_plots(history: list, out_dir, val_history=(), ema_beta: float = 0.9) -> list:
+    """loss (with its moving average at ``ema_beta``, training.ema_beta, and validation points), lr and grad-norm
+    curves over optimizer steps, one PNG each."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,11 +148,11 @@ def write_plots(history: list, out_dir, val_history=()) -> list:
         values = [h.get(key, float("nan")) for h in history]
         ax.plot(steps, values, lw=1, label=key)
         if key == "loss":
-            ema, avg = [], None
+            averages, avg = [], None
             for v in values:
-                avg = v if avg is None else 0.9 * avg + 0.1 * v
-                ema.append(avg)
-            ax.plot(steps, ema, lw=2, label="EMA (0.9)")
+                avg = ema(avg, v, ema_beta)
+                averages.append(float("nan") if avg is None else avg)
+            ax.plot(steps, averages, lw=2, label=f"EMA ({ema_beta:g})")
             vals = [(v["step"], v["loss"]) for v in val_history if "loss" in v]
             if vals:
                 ax.plot(*zip(*vals), "o-", label="validation")
@@ -173,14 +187,14 @@ def save_model(model: torch.nn.Module, out_dir, tokenizer=None, save_hook=None) 
     return target
 
 
-def write_outputs(o, job, result, out_dir: Path) -> None:
-    """What the recipe's output section ``o`` asks for: metrics.json, plots, the model (main process only), and the
-    closing line."""
+def write_outputs(o, job, result, out_dir: Path, ema_beta: float = 0.9) -> None:
+    """What the recipe's output section ``o`` asks for: metrics.json, plots (the loss's moving average at
+    ``ema_beta``), the model (main process only), and the closing line."""
     if job.summarize is not None:
         result.extra_metrics.update(job.summarize(result.model, out_dir))
     write_metrics(result, out_dir)
     if o.plots and result.history:
-        write_plots(result.history, out_dir, result.val_history)
+        write_plots(result.history, out_dir, result.val_history, ema_beta)
     if o.save_model:
         save_model(result.model, out_dir, job.tokenizer, job.save)
     final = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.final_metrics.items())

@@ -11,6 +11,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 
+def ema(average: Optional[float], value: float, beta: float) -> Optional[float]:
+    """The moving average after ``value``: ``value`` itself first; a NaN (a skipped window) leaves it alone."""
+    if value != value:
+        return average
+    return value if average is None else beta * average + (1 - beta) * value
+
+
 @dataclass
 class TrainState:
     optimizer_step: int = 0         # optimizer updates taken (skipped ones included)
@@ -25,8 +32,7 @@ class TrainState:
 
     def update_ema(self, loss: float, beta: float) -> float:
         """Exponential moving average of the window loss, started at the first value (so unbiased from step 1)."""
-        if loss == loss:  # a NaN window (skipped) leaves the average alone
-            self.ema_loss = loss if self.ema_loss is None else beta * self.ema_loss + (1 - beta) * loss
+        self.ema_loss = ema(self.ema_loss, loss, beta)
         return float("nan") if self.ema_loss is None else self.ema_loss
 
     def state_dict(self) -> dict:

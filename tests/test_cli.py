@@ -251,3 +251,26 @@ def test_divergence_stops_with_one_line_naming_the_step(tmp_path):
     assert proc.returncode == 0
     history = [json.loads(x) for x in (tmp_path / "b" / "history.jsonl").read_text().splitlines()]
     assert any(h["skipped"] for h in history)
+
+
+def test_the_plotted_moving_average_is_the_runs_own(tmp_path, monkeypatch):
+    """`finetune plot` draws the loss's moving average at the run's training.ema_beta (config.yaml), the average the
+    progress bar shows; a NaN window (skipped) leaves it alone."""
+    import matplotlib.axes
+
+    from finetune.state import TrainState
+
+    losses = [2.0, 1.0, float("nan"), 0.5, 0.25]
+    (tmp_path / "history.jsonl").write_text("".join(
+        json.dumps({"step": i + 1, "loss": v, "lr": 0.1, "grad_norm": 1.0}) + "\n" for i, v in enumerate(losses)))
+    (tmp_path / "config.yaml").write_text("training:\n  ema_beta: 0.5\n")
+    drawn = {}
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *a, **k: drawn.setdefault(k.get("label"), a[1]) and real(self, *a, **k))
+    assert main(["plot", str(tmp_path)]) == 0
+    state = TrainState()
+    expected = [state.update_ema(v, 0.5) for v in losses]
+    assert drawn["EMA (0.5)"] == expected
+    default = TrainState()
+    assert expected != [default.update_ema(v, 0.9) for v in losses]  # the default would draw another curve

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.outputs import read_config
 from finetune.reproduce import floor as floors
 from finetune.reproduce.floor import FP32
 from finetune.reproduce.settings import TASK_SETTINGS
@@ -112,7 +113,7 @@ def read_run(run: Path) -> dict:
     from finetune.outputs import read_history, read_metrics
 
     return {"history": read_history(run, "compare"), "metrics": read_metrics(run), "weights": _weights(run),
-            "config": _config(run), "rollouts": _rollouts(run)}
+            "config": read_config(run), "rollouts": _rollouts(run)}
 
 
 def _rollouts(run: Path) -> list | None:
@@ -150,17 +151,6 @@ def rollouts(c: Comparison, ra: list | None, rb: list | None) -> None:
     c.add("rollouts", worst <= ROLLOUT_LOGP_ATOL, f"{len(ra)} generation batches: the same completions, rewards and "
           f"advantages; old log-probs within {worst:.1e} (tolerance {ROLLOUT_LOGP_ATOL:g})",
           basis=f"the same rollouts ({len(ra)} generation batches)")
-
-
-def _config(run: Path) -> dict | None:
-    """The run's resolved ``config.yaml`` (every ``finetune run`` writes one); None if it has none."""
-    import yaml
-
-    try:
-        config = yaml.safe_load((run / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return None
-    return config if isinstance(config, dict) else None
 
 
 def setting(config: dict | None, dotted: str):
