@@ -15,6 +15,7 @@ tokenized data set), safe when several processes want the same folder at the sam
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,6 +26,17 @@ from pathlib import Path
 from typing import Callable
 
 from finetune.errors import ConfigError
+
+
+def file_digest(path):
+    """The sha256 of a file's bytes, read in blocks (a checkpoint's manifest, a converted model's key); more may be
+    added to it before ``hexdigest()``."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest
+
 
 MANIFEST = "finetune-cache.json"
 WAIT_SECONDS = float(os.environ.get("FINETUNE_CACHE_TIMEOUT", 3600))  # a large GGUF model converts for minutes

@@ -16,7 +16,6 @@ checkpoint whose files do not match its manifest is refused.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -30,6 +29,7 @@ import torch
 import yaml
 
 from finetune import distributed
+from finetune.cache import file_digest
 from finetune.config import flatten
 from finetune.errors import ConfigError, WriteError
 from finetune.models import precision
@@ -42,14 +42,6 @@ MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 SCHEDULER = "scheduler.json"
 CONFIG = "config.yaml"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -125,7 +117,8 @@ def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, se
         for p in files:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
-        manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": file_digest(p).hexdigest()}
+                    for p in files}
         (tmp / MANIFEST).write_text(json.dumps({"step": state.optimizer_step, "processes": accelerator.num_processes,
                                                 **(meta or {}), "files": manifest}, indent=1))
         with open(tmp / MANIFEST, "rb") as f:
@@ -225,7 +218,7 @@ def verify(path: Path) -> dict:
         p = path / rel
         if not p.is_file():
             raise ConfigError(f"resume: checkpoint {path} is incomplete: {rel} is missing")
-        if p.stat().st_size != meta["bytes"] or _sha256(p) != meta["sha256"]:
+        if p.stat().st_size != meta["bytes"] or file_digest(p).hexdigest() != meta["sha256"]:
             raise ConfigError(f"resume: checkpoint {path} is corrupt: {rel} does not match its manifest")
     return manifest
 

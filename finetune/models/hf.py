@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import importlib
 import importlib.util
 import sys
@@ -90,10 +89,7 @@ def gguf_folder(path: Path) -> Path:
     """
     import transformers
 
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
+    digest = cache.file_digest(path)
     digest.update(transformers.__version__.encode())
     if importlib.util.find_spec("gguf") is None:  # checked on every process: rank 0 alone builds the folder
         raise ConfigError("model.name_or_path: reading a GGUF file needs the gguf package (pip install gguf)")
