@@ -114,18 +114,26 @@ def check_data_source(source: str, builtin: str, problems: list) -> None:
         problems.append(f"data.source: file {source} not found; use '{builtin}' or a data file")
 
 
+def right_pad(rows: list, fill: int) -> torch.Tensor:
+    """Token rows (lists of ints) as one ``[rows, longest]`` long tensor, each right-padded with ``fill``."""
+    out = torch.full((len(rows), max(map(len, rows))), fill, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return out
+
+
+def attention_mask(rows: list) -> torch.Tensor:
+    """1 on each row's tokens, 0 on the padding ``right_pad`` adds."""
+    return right_pad([[1] * len(row) for row in rows], 0)
+
+
 def pad_collate(pad_id: int = 0):
     """A collate_fn that right-pads each micro-batch to its own longest sample. Without a per-sample ``labels`` (a
     causal LM) the labels are the input ids with -100 on padding; a per-sample class label is stacked."""
 
     def collate(samples):
-        longest = max(len(s["input_ids"]) for s in samples)
-        ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(samples), longest), dtype=torch.long)
-        for i, s in enumerate(samples):
-            n = len(s["input_ids"])
-            ids[i, :n] = torch.as_tensor(s["input_ids"])
-            mask[i, :n] = 1
+        rows = [s["input_ids"] for s in samples]
+        ids, mask = right_pad(rows, pad_id), attention_mask(rows)
         labels = torch.tensor([s["labels"] for s in samples]) if "labels" in samples[0] else \
             ids.masked_fill(mask == 0, -100)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from finetune.data import right_pad
 from finetune.errors import ConfigError
 
 
@@ -134,16 +135,10 @@ def collate_rows(rows: list) -> dict:
     """Right-pad packed rows to the longest. The padding is a block of its own (positions restart at 0, labels
     -100), so it neither sees nor is seen by a sample."""
     longest = max(len(r["input_ids"]) for r in rows)
-    ids = torch.zeros((len(rows), longest), dtype=torch.long)
-    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
-    positions = torch.zeros((len(rows), longest), dtype=torch.long)
-    for k, r in enumerate(rows):
-        n, pad = len(r["input_ids"]), longest - len(r["input_ids"])
-        ids[k, :n] = torch.tensor(r["input_ids"])
-        labels[k, :n] = torch.tensor(r["labels"])
-        positions[k, :n] = torch.tensor(r["position_ids"])
-        positions[k, n:] = torch.arange(pad)
-    return {"input_ids": ids, "labels": labels, "position_ids": positions, "use_cache": False}
+    positions = [list(r["position_ids"]) + list(range(longest - len(r["position_ids"]))) for r in rows]
+    return {"input_ids": right_pad([r["input_ids"] for r in rows], 0),
+            "labels": right_pad([r["labels"] for r in rows], -100),
+            "position_ids": right_pad(positions, 0), "use_cache": False}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from finetune import distributed
 from finetune.config import BaseDataConfig, ConfigError, doc
-from finetune.data import parse_rows, split_samples
+from finetune.data import attention_mask, parse_rows, right_pad, split_samples
 from finetune.job import Job
 from finetune.models import precision
 from finetune.models.forward import set_dropout
@@ -248,15 +248,9 @@ def collate(pad_id: int):
         rows = [s["prompt_ids"] + s["chosen_ids"] for s in samples] + \
                [s["prompt_ids"] + s["rejected_ids"] for s in samples]
         prompts = [len(s["prompt_ids"]) for s in samples] * 2
-        longest = max(map(len, rows))
-        ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), longest), -100, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, (row, p) in enumerate(zip(rows, prompts)):
-            ids[i, :len(row)] = torch.as_tensor(row)
-            labels[i, p:len(row)] = torch.as_tensor(row[p:])
-            mask[i, :len(row)] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pairs": len(samples),
+        labels = [[-100] * p + row[p:] for row, p in zip(rows, prompts)]
+        return {"input_ids": right_pad(rows, pad_id), "attention_mask": attention_mask(rows),
+                "labels": right_pad(labels, -100), "pairs": len(samples),
                 "index": torch.tensor([s["index"] for s in samples]), "split": samples[0]["split"]}
 
     return fn

@@ -21,11 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-import torch
-
 from finetune import distributed
 from finetune.config import BaseDataConfig, ConfigError, doc
-from finetune.data import parse_rows, split_samples
+from finetune.data import attention_mask, parse_rows, right_pad, split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
 from finetune.models.forward import set_dropout
@@ -236,16 +234,9 @@ def collate(pad_id: int):
     inputs."""
 
     def fn(samples):
-        longest = max(len(s["input_ids"]) for s in samples)
-        ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
-        labels = torch.full((len(samples), longest), -100, dtype=torch.long)
-        mask = torch.zeros((len(samples), longest), dtype=torch.long)
-        for i, s in enumerate(samples):
-            n = len(s["input_ids"])
-            ids[i, :n] = torch.as_tensor(s["input_ids"])
-            labels[i, :n] = torch.as_tensor(s["labels"])
-            mask[i, :n] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels,
+        rows = [s["input_ids"] for s in samples]
+        return {"input_ids": right_pad(rows, pad_id), "attention_mask": attention_mask(rows),
+                "labels": right_pad([s["labels"] for s in samples], -100),
                 "prompt_ids": [s["prompt_ids"] for s in samples], "reference": [s["reference"] for s in samples],
                 "generate": [s.get("generate", False) for s in samples]}
 
