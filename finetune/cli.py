@@ -158,7 +158,10 @@ def cmd_plot(args) -> int:
     history = outputs.read_history(run, "plot")
     if not history:
         raise ConfigError(f"plot: {run / 'history.jsonl'} holds no optimizer steps yet")
-    beta = ((outputs.read_config(run) or {}).get("training") or {}).get("ema_beta", 0.9)
+    from finetune.config import TrainingConfig
+
+    # the run's own smoothing; a run without config.yaml gets the field's default
+    beta = ((outputs.read_config(run) or {}).get("training") or {}).get("ema_beta", TrainingConfig.ema_beta)
     for path in outputs.write_plots(history, run, outputs.read_metrics(run).get("val_history", []), beta):
         print(path)
     return 0

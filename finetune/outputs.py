@@ -131,7 +131,7 @@ def _json_default(x):
     return str(x)
 
 
-def write_plots(history: list, out_dir, val_history=(), ema_beta: float = 0.9) -> list:
+def write_plots(history: list, out_dir, val_history, ema_beta: float) -> list:
     """loss (with its moving average at ``ema_beta``, training.ema_beta, and validation points), lr and grad-norm
     curves over optimizer steps, one PNG each."""
     import matplotlib
@@ -187,7 +187,7 @@ def save_model(model: torch.nn.Module, out_dir, tokenizer=None, save_hook=None) 
     return target
 
 
-def write_outputs(o, job, result, out_dir: Path, ema_beta: float = 0.9) -> None:
+def write_outputs(o, job, result, out_dir: Path, ema_beta: float) -> None:
     """What the recipe's output section ``o`` asks for: metrics.json, plots (the loss's moving average at
     ``ema_beta``), the model (main process only), and the closing line."""
     if job.summarize is not None:

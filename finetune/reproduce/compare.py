@@ -638,15 +638,15 @@ def short_micro_batch(base, mine: dict) -> list:
     short micro-batch beside full ones, which its trainer weights like a full one, where finetune weights each sample
     alike (the big batch's step). A property of the baseline's reduction, not something a run can carry."""
     trainer = MEAN_OF_MICRO_BATCHES.get(mine["config"].get("task"))
-    b, n = base.get("per_device_train_batch_size"), mine["metrics"].get("train_samples")
+    b, n = int(base.get("per_device_train_batch_size") or 0), mine["metrics"].get("train_samples")
     accumulation, processes = int(base.get("gradient_accumulation_steps") or 1), int(base.get("num_devices") or 1)
-    if trainer is None or not b or not n or processes != 1 or n % int(b) == 0:
+    if trainer is None or not b or not n or processes != 1 or n % b == 0:
         return []
-    micro = -(-n // int(b))                   # micro-batches per epoch, the last one short
+    micro = -(-n // b)                        # micro-batches per epoch, the last one short
     last = (micro - 1) % accumulation + 1     # of them in the epoch's last window
     if last == 1:
         return []
-    sizes = " and ".join([str(b)] * (last - 1) + [str(n % int(b))])
+    sizes = " and ".join([str(b)] * (last - 1) + [str(n % b)])
     step = -(-micro // accumulation)
     return [f"the baseline's last window of each epoch (step {step}, ...) held micro-batches of {sizes} samples, "
             f"which {trainer} weights alike (the mean of their means); finetune weights each sample alike, the big "
