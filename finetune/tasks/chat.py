@@ -18,9 +18,9 @@ from typing import Optional
 
 import torch
 
-from finetune import distributed
+from finetune import distributed, tables
 from finetune.config import ConfigError, PretrainedModelConfig, doc
-from finetune.data import load_local_table
+from finetune.data import load_local_table, split_samples
 from finetune.models import precision
 from finetune.models.hf import gguf_file, pretrained, resolve_model_path
 
@@ -44,6 +44,12 @@ class ChatModelConfig(PretrainedModelConfig):
 def split_field():
     """The data section's ``split``, as every chat task declares it."""
     return doc("split of a hub dataset or of a saved DatasetDict", "train")
+
+
+def num_proc_field():
+    """The data section's ``num_proc``, as every chat task declares it."""
+    return doc("processes that tokenize the data set, once: it is cached (datasets' map num_proc; null: one per CPU "
+               "core from 10 000 rows); the samples are the same for any value", None, at_least=1)
 
 
 def system_prompt_field(what: str = "prompt"):
@@ -85,8 +91,9 @@ def is_hub_id(source: str) -> bool:
 # data
 
 
-def load_table(source: str, split: str) -> list:
-    """The rows (dicts) of a data file, a ``datasets.save_to_disk`` folder or a hub dataset, in their order."""
+def load_table(source: str, split: str):
+    """The rows of a data file, a ``datasets.save_to_disk`` folder or a hub dataset as a ``datasets.Dataset`` (kept
+    in Arrow, memory-mapped), in their order; one ConfigError line when there is none."""
     import datasets
 
     path = Path(source).expanduser()
@@ -120,7 +127,26 @@ def load_table(source: str, split: str) -> list:
                               f"{str(e).splitlines()[0][:200]}") from None
         finally:
             datasets.utils.logging.set_verbosity(verbosity)
-    return table.to_list()
+    if len(table) == 0:
+        raise ConfigError(f"data.source: {source} holds no rows")
+    return table
+
+
+def builtin_table(rows):
+    """A task's built-in rows (dicts) as a table, as a data file's rows are read."""
+    import datasets
+
+    return datasets.Dataset.from_list(list(rows))
+
+
+def chosen(samples, d) -> tuple:
+    """(train, held out, dropped train, dropped held out): the seeded split of the table's rows (``data.limit``
+    of each part), less the rows dropped as too long; views of the table, nothing copied."""
+    train_ids, val_ids = split_samples(list(range(len(samples))), d.val_fraction, d.split_seed, d.limit)
+    dropped = tables.column(samples, "dropped")
+    train_kept, val_kept = tables.kept(train_ids, dropped), tables.kept(val_ids or [], dropped)
+    return (samples.select(train_kept), samples.select(val_kept), len(train_ids) - len(train_kept),
+            len(val_ids or []) - len(val_kept))
 
 
 SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "distutils", "site-packages",
@@ -198,39 +224,51 @@ def _arguments(node) -> str:
 # model, generation, reference
 
 
-def load_model(m: ChatModelConfig, **kwargs):
-    """(model, tokenizer with a chat template) for ``model.name_or_path``; one ConfigError line when either cannot be
-    loaded or there is no chat template. ``kwargs`` go to ``from_pretrained`` (default: fp32 weights)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model_path(m.name_or_path)
-
-    def cannot_load(e):
-        where = "" if Path(path).is_dir() else " (no such local directory; as a hub id it needs the hub)"
-        return ConfigError(f"model.name_or_path: cannot load {m.name_or_path!r}{where}: "
-                           f"{str(e).strip().splitlines()[0][:200]}")
+def load_tokenizer(m: ChatModelConfig):
+    """The tokenizer of ``model.name_or_path`` with its chat template (``model.chat_template`` when given) and a pad
+    token; one ConfigError line when it cannot be loaded or there is no chat template. Quick: a task encodes its data
+    with it before the model is loaded, so a bad row is refused first."""
+    from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=m.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(m.name_or_path),
+                                                  trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise cannot_load(e) from None
+        raise cannot_load(m, e) from None
     if m.chat_template is not None:
         template = Path(m.chat_template)
         tokenizer.chat_template = template.read_text() if "{" not in m.chat_template else m.chat_template
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f"model.chat_template: the tokenizer of {m.name_or_path} has no chat template; give one "
                           "(a Jinja file or the template text)")
-    try:
-        # fp32 weights whatever the checkpoint's dtype unless asked (model.dtype): mixed precision is autocast
-        model = pretrained(AutoModelForCausalLM, path, trust_remote_code=m.trust_remote_code,
-                           **{"dtype": torch.float32, **kwargs})
-    except (OSError, ValueError) as e:
-        raise cannot_load(e) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(m: ChatModelConfig, tokenizer=None, **kwargs):
+    """(model, tokenizer) for ``model.name_or_path`` (the tokenizer ``load_tokenizer`` gives, unless one is given);
+    one ConfigError line when the model cannot be loaded. ``kwargs`` go to ``from_pretrained`` (default: fp32
+    weights)."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(m)
+    try:
+        # fp32 weights whatever the checkpoint's dtype unless asked (model.dtype): mixed precision is autocast
+        model = pretrained(AutoModelForCausalLM, resolve_model_path(m.name_or_path),
+                           trust_remote_code=m.trust_remote_code, **{"dtype": torch.float32, **kwargs})
+    except (OSError, ValueError) as e:
+        raise cannot_load(m, e) from None
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def cannot_load(m: ChatModelConfig, error: Exception) -> ConfigError:
+    path = resolve_model_path(m.name_or_path)
+    where = "" if Path(path).is_dir() else " (no such local directory; as a hub id it needs the hub)"
+    return ConfigError(f"model.name_or_path: cannot load {m.name_or_path!r}{where}: "
+                       f"{str(error).strip().splitlines()[0][:200]}")
 
 
 def generation_config(model, tokenizer, max_new_tokens: int):

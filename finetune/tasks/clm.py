@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from finetune import cache
+from finetune import cache, tables
 from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, refuse_precision_for_new_model
 from finetune.data import check_data_source, load_local_table, pad_collate, split
 from finetune.job import Job
@@ -159,7 +159,7 @@ def build(cfg) -> Job:
         if table is None:
             return None
         # Tokenized sets are cached on disk, keyed by the texts, the tokenizer and the settings.
-        texts_hash = hashlib.sha256("\x00".join(table["text"]).encode()).hexdigest()
+        texts_hash = tables.digest(tables.data_digest(d.source, texts), table._fingerprint)  # the rows of this part
         key = hashlib.sha256("|".join([texts_hash, tokenizer.backend_tokenizer.to_str()
                                        if getattr(tokenizer, "is_fast", False) else tokenizer.name_or_path,
                                        str(d.seq_len), str(d.packing)]).encode()).hexdigest()[:16]
@@ -175,7 +175,7 @@ def build(cfg) -> Job:
                                                         "tokenized data set")))
 
     train, val = prepare(train_texts), prepare(val_texts)
-    lengths = [len(x) for x in train["input_ids"]]
+    lengths = tables.token_lengths(train)
 
     def summarize(trained, run_dir=None):
         if not m.sample_prompt:
@@ -192,7 +192,7 @@ def build(cfg) -> Job:
     return Job(
         model=model, train_data=train, val_data=val, tokenizer=tokenizer,
         collate_fn=pad_collate(tokenizer.pad_token_id),
-        length_of=lambda i: lengths[i],
+        length_of=lambda i: int(lengths[i]),
         val_loss_metrics=lambda loss: {"perplexity": math.exp(min(loss, 50.0))},
         summarize=summarize,
         save=peft_save_hook(cfg, tokenizer),

@@ -33,9 +33,9 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from finetune import distributed
+from finetune import distributed, tables
 from finetune.config import BaseDataConfig, ConfigError, doc
-from finetune.data import attention_mask, parse_rows, right_pad, split_samples
+from finetune.data import attention_mask, right_pad
 from finetune.job import Job
 from finetune.models import precision
 from finetune.models.forward import set_dropout
@@ -77,6 +77,7 @@ class DataConfig(BaseDataConfig):
         "rows of plain text: rendered as a user and an assistant turn with the chat template (chat), or tokenized as "
         "they are with the end token appended to each completion, as TRL's DPOTrainer does (plain; finetune import "
         "sets it for such a baseline)", "chat")
+    num_proc: Optional[int] = chat.num_proc_field()
 
 
 def validate(cfg, problems: list) -> None:
@@ -180,11 +181,6 @@ def to_pair(row, system_prompt: Optional[str] = None, plain: bool = False) -> tu
     return prompt, chosen, rejected
 
 
-def pairs_of(rows: list, d: DataConfig) -> list:
-    """Every row as (prompt, chosen, rejected); one ConfigError line naming the first bad row and how many are bad."""
-    return parse_rows(rows, lambda row: to_pair(row, d.system_prompt, d.text_rows == "plain"), d.source)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # pairs → token ids
 
@@ -216,27 +212,60 @@ def encode_pair(tokenizer, prompt, chosen, rejected) -> dict:
     return {"prompt_ids": prompt_ids[:start], "chosen_ids": with_chosen[start:], "rejected_ids": with_rejected[start:]}
 
 
-def encode_all(tokenizer, pairs: list, d: DataConfig, split: str) -> tuple[list, int]:
-    """(encoded pairs no longer than ``data.max_length``, how many were dropped as longer or cut as
-    ``data.too_long`` says). Each sample knows its place (``split``, ``index``): the precomputed reference
+def sample_features():
+    """The columns of the cached dpo table: each row's token ids, its length, whether it is dropped as too long or
+    its completions are the same, and its refusal (empty when the row is fine)."""
+    import datasets
+
+    ids = datasets.List(datasets.Value("int32"))
+    return datasets.Features({"prompt_ids": ids, "chosen_ids": ids, "rejected_ids": ids,
+                              "length": datasets.Value("int32"), "dropped": datasets.Value("bool"),
+                              "same": datasets.Value("bool"), "error": datasets.Value("string")})
+
+
+def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
+    """Row ``i`` as a pair no longer than ``data.max_length`` (cut as ``data.too_long`` says, or marked dropped), or
+    its one-line refusal."""
+    empty = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "length": 0, "dropped": True, "same": False,
+             "error": ""}
+    try:
+        sample = encode_pair(tokenizer, *to_pair(row, d.system_prompt, d.text_rows == "plain"))
+    except ValueError as e:
+        return {**empty, "error": f"data.source: row {i} {e}"}
+    for key in ("chosen_ids", "rejected_ids"):
+        if not sample[key]:
+            return {**empty, "error": f"data.source: row {i} has an empty {key[:-4]!r} completion once tokenized "
+                                      "(the template renders nothing after the prompt)"}
+    room = d.max_length - len(sample["prompt_ids"])
+    if max(len(sample["chosen_ids"]), len(sample["rejected_ids"])) > room:
+        if d.too_long == "drop" or room <= 0:
+            return empty
+        # TRL cuts each row, prompt + completion, to its first max_length tokens
+        sample = {**sample, **{k: sample[k][:room] for k in ("chosen_ids", "rejected_ids")}}
+    length = len(sample["prompt_ids"]) + max(len(sample["chosen_ids"]), len(sample["rejected_ids"]))
+    return {**sample, "length": length, "dropped": False, "same": sample["chosen_ids"] == sample["rejected_ids"],
+            "error": ""}
+
+
+SAMPLE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids", "length", "dropped", "same", "error")
+
+
+def tokenized(tokenizer, table, d: DataConfig):
+    """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
+    the settings that shape a pair, and read memory-mapped from the cache afterwards."""
+    def encode_rows(batch, indices):
+        samples = [encode_row(tokenizer, row, i, d) for i, row in zip(indices, tables.rows_of(batch))]
+        return {name: [s[name] for s in samples] for name in SAMPLE_COLUMNS}
+
+    key = tables.digest("dpo", tables.ENCODING, tables.data_digest(d.source, table), tables.tokenizer_digest(tokenizer),
+                        d.max_length, d.too_long, d.system_prompt, d.text_rows)
+    return tables.encoded(table, encode_rows, f"dpo-{key}", "dpo: tokenize", sample_features(), d.num_proc)
+
+
+def placed(samples, split: str):
+    """A part of the table whose every pair knows its place (``split``, ``index``): the precomputed reference
     log-probs are kept by it."""
-    out, dropped = [], 0
-    for i, (prompt, chosen, rejected) in enumerate(pairs):
-        sample = encode_pair(tokenizer, prompt, chosen, rejected)
-        for key in ("chosen_ids", "rejected_ids"):
-            if not sample[key]:
-                raise ConfigError(f"data.source: {split} pair {i} has an empty {key[:-4]!r} completion once "
-                                  "tokenized (the template renders nothing after the prompt)")
-        room = d.max_length - len(sample["prompt_ids"])
-        if max(len(sample["chosen_ids"]), len(sample["rejected_ids"])) > room:
-            if d.too_long == "drop" or room <= 0:
-                dropped += 1
-                continue
-            # TRL cuts each row, prompt + completion, to its first max_length tokens
-            sample = {**sample, **{k: sample[k][:room] for k in ("chosen_ids", "rejected_ids")}}
-        out.append({**sample, "split": split, "index": len(out),
-                    "same": sample["chosen_ids"] == sample["rejected_ids"]})
-    return out, dropped
+    return tables.Tagged(samples, lambda i: {"split": split, "index": i})
 
 
 def collate(pad_id: int):
@@ -347,7 +376,8 @@ class Reference:
             for split, samples in samples_by_split.items():
                 values = torch.zeros(len(samples), 2, dtype=torch.float32)
                 for start in range(0, len(samples), PRECOMPUTE_PAIRS):
-                    batch = collate_fn(samples[start:start + PRECOMPUTE_PAIRS])
+                    batch = collate_fn([samples[i] for i in range(start, min(start + PRECOMPUTE_PAIRS,
+                                                                                  len(samples)))])
                     batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
                     logps = adapters_off_log_probs(model, batch) if self.adapters else \
                         model_sequence_log_probs(model, batch)
@@ -419,17 +449,18 @@ def reference_kind(cfg) -> str:
     return "adapters" if cfg.peft.enabled else "copy"
 
 
-def load_rows(d: DataConfig) -> list:
+def load_rows(d: DataConfig):
+    """The data source's rows as a ``datasets.Dataset``, in its order."""
     if d.source == "stdlib-pairs":
-        return list(stdlib_pairs())
+        return chat.builtin_table(stdlib_pairs())
     return chat.load_table(d.source, d.split)
 
 
 def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
-    pairs = pairs_of(load_rows(d), d)
-    train_pairs, val_pairs = split_samples(pairs, d.val_fraction, d.split_seed, d.limit)
-    model, tokenizer = chat.load_model(m, **precision_kwargs(cfg))
+    tokenizer = chat.load_tokenizer(m)
+    samples = tokenized(tokenizer, load_rows(d), d)  # a bad row is refused before the model loads
+    model, tokenizer = chat.load_model(m, tokenizer, **precision_kwargs(cfg))
     set_dropout(model, m.dropout)
     kind = reference_kind(cfg)
     # the frozen copy is taken before anything trains
@@ -437,26 +468,27 @@ def build(cfg) -> Job:
                           adapters=cfg.peft.enabled)
     model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
 
-    train, dropped_train = encode_all(tokenizer, train_pairs, d, "train")
-    val, dropped_val = encode_all(tokenizer, val_pairs or [], d, "val")
-    if not train:
+    train, val, dropped_train, dropped_val = chat.chosen(samples, d)
+    if not len(train):
         raise ConfigError(f"data.max_length: every training pair is longer than {d.max_length} tokens")
+    lengths = tables.column(train, "length")
+    same = int(tables.column(train, "same").sum() + tables.column(val, "same").sum())
+    train, val = placed(train, "train"), placed(val, "val")
     collate_fn = collate(tokenizer.pad_token_id)
     if kind == "precomputed":
         reference.precompute(model, {"train": train, "val": val}, collate_fn, distributed.distributed_state().device)
     if distributed.is_main_process():
-        dropped, same = dropped_train + dropped_val, sum(s["same"] for s in train + val)
-        print(f"dpo: {len(pairs)} pairs from {d.source}: {len(train)} train, {len(val)} held out; {dropped} longer "
+        dropped = dropped_train + dropped_val
+        print(f"dpo: {len(samples)} pairs from {d.source}: {len(train)} train, {len(val)} held out; {dropped} longer "
               f"than data.max_length={d.max_length} tokens dropped; {m.loss_type} loss, beta {m.beta}; reference: "
               f"{REFERENCES[kind]}", flush=True)
         if same:
             print(f"warning: data.source: {same} pairs have chosen identical to rejected; kept (they add no "
                   "gradient but count as pairs, as in TRL)", file=sys.stderr, flush=True)
 
-    lengths = [len(s["prompt_ids"]) + max(len(s["chosen_ids"]), len(s["rejected_ids"])) for s in train]
     return Job(
-        model=model, train_data=train, val_data=val or None, tokenizer=tokenizer, collate_fn=collate_fn,
+        model=model, train_data=train, val_data=val if len(val) else None, tokenizer=tokenizer, collate_fn=collate_fn,
         loss_fn=make_loss_fn(m, reference), count_items=count_pairs, eval_step=eval_step,
-        compute_metrics=held_out_metrics, length_of=lambda i: lengths[i], save=peft_save_hook(cfg, tokenizer),
+        compute_metrics=held_out_metrics, length_of=lambda i: int(lengths[i]), save=peft_save_hook(cfg, tokenizer),
         checkpointed=[reference] if kind == "precomputed" else [],
     )

@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
+import numpy as np
 import torch
 
-from finetune import distributed
+from finetune import distributed, tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import split_samples
 from finetune.job import Job
@@ -100,6 +101,7 @@ class DataConfig(BaseDataConfig):
                       "and any other columns the reward functions read", "sums")
     split: str = chat.split_field()
     system_prompt: Optional[str] = chat.system_prompt_field()
+    num_proc: Optional[int] = chat.num_proc_field()
     count: int = doc("prompts 'sums' makes", 200)
     max_operand: int = doc("largest operand of 'sums' (operands from 1; smaller ones are easier sums)", 49,
                            at_least=1)
@@ -560,29 +562,65 @@ def held_out_metrics(preds: list, refs: list) -> dict:
 # build
 
 
-def load_prompts(d: DataConfig) -> list:
-    rows = sums(d.count, max_operand=d.max_operand) if d.source == "sums" else chat.load_table(d.source, d.split)
-    if rows and "prompt" not in rows[0]:
-        raise ConfigError(f"data.source: {d.source} has no 'prompt' column (columns: {', '.join(rows[0])})")
+def load_prompts(d: DataConfig):
+    """The data source's rows as a ``datasets.Dataset``, in its order; one line when there is no prompt column."""
+    rows = chat.builtin_table(sums(d.count, max_operand=d.max_operand)) if d.source == "sums" else \
+        chat.load_table(d.source, d.split)
+    if "prompt" not in rows.column_names:
+        raise ConfigError(f"data.source: {d.source} has no 'prompt' column (columns: {', '.join(rows.column_names)})")
     return rows
 
 
-def encode_prompts(tokenizer, rows: list, d: DataConfig, m: ModelConfig, first_id: int = 0) -> list:
-    out = []
-    for i, row in enumerate(rows):
-        prompt = row["prompt"]
-        if isinstance(prompt, list):
-            messages = prompt if not d.system_prompt or prompt[0].get("role") == "system" else \
-                [{"role": "system", "content": d.system_prompt}, *prompt]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        else:
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if len(ids) > m.max_prompt_length:
-            raise ConfigError(f"model.max_prompt_length: prompt {first_id + i} has {len(ids)} tokens; raise it "
-                              f"above {m.max_prompt_length} or shorten the prompts")
-        out.append({"id": first_id + i, "ids": ids, "prompt": prompt, "row": row})
-    return out
+def prompt_ids(tokenizer, prompt, system_prompt: Optional[str]) -> list:
+    """A prompt's token ids: a conversation rendered with the chat template and its generation prompt (and the system
+    message when it has none), a text as it is."""
+    if isinstance(prompt, list):
+        messages = prompt if not system_prompt or prompt[0].get("role") == "system" else \
+            [{"role": "system", "content": system_prompt}, *prompt]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def tokenized(tokenizer, rows, d: DataConfig):
+    """Every prompt of ``rows`` as token ids, in order: built once per data, tokenizer, template and system prompt,
+    and read memory-mapped from the cache afterwards."""
+    import datasets
+
+    def encode_rows(batch, indices):
+        ids = [prompt_ids(tokenizer, p, d.system_prompt) for p in batch["prompt"]]
+        return {"ids": ids, "length": [len(x) for x in ids], "error": [""] * len(ids)}
+
+    features = datasets.Features({"ids": datasets.List(datasets.Value("int32")), "length": datasets.Value("int32"),
+                                  "error": datasets.Value("string")})
+    key = tables.digest("grpo", tables.ENCODING, tables.data_digest(d.source, rows),
+                        tables.tokenizer_digest(tokenizer), d.system_prompt)
+    return tables.encoded(rows, encode_rows, f"grpo-{key}", "grpo: tokenize", features, d.num_proc)
+
+
+class Prompts(torch.utils.data.Dataset):
+    """A part of the prompt table as the generator reads it: entry ``k`` is ``{"id", "ids", "prompt", "row"}`` (its
+    number in the run, token ids, prompt and whole row, whose other columns go to the reward functions), read from
+    the tables when asked for."""
+
+    def __init__(self, rows, tokens, part: list, first_id: int = 0):
+        self.rows, self.tokens, self.first_id = rows.select(part), tokens.select(part), first_id
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, k: int) -> dict:
+        row = self.rows[k]
+        return {"id": self.first_id + k, "ids": self.tokens[k]["ids"], "prompt": row["prompt"], "row": row}
+
+    def check_length(self, m: ModelConfig) -> None:
+        """One line naming the first prompt longer than ``model.max_prompt_length`` tokens."""
+        lengths = tables.column(self.tokens, "length")
+        longer = np.flatnonzero(lengths > m.max_prompt_length)
+        if len(longer):
+            k = int(longer[0])
+            raise ConfigError(f"model.max_prompt_length: prompt {self.first_id + k} has {lengths[k]} tokens; raise "
+                              f"it above {m.max_prompt_length} or shorten the prompts")
 
 
 def generation_batch(m: ModelConfig, effective: int) -> tuple[int, str]:
@@ -616,13 +654,17 @@ def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
     funcs = load_rewards(m)
     rows = load_prompts(d)
-    train_rows, val_rows = split_samples(rows, d.val_fraction, d.split_seed, d.limit)
-    model, tokenizer = chat.load_model(m, **precision_kwargs(cfg))
+    tokenizer = chat.load_tokenizer(m)
+    tokens = tokenized(tokenizer, rows, d)
+    train_part, val_part = split_samples(list(range(len(rows))), d.val_fraction, d.split_seed, d.limit)
+    prompts = Prompts(rows, tokens, train_part)
+    held_out = Prompts(rows, tokens, val_part or [], first_id=len(prompts))
+    for part in (prompts, held_out):
+        part.check_length(m)
+    model, tokenizer = chat.load_model(m, tokenizer, **precision_kwargs(cfg))
     tokenizer.padding_side = "left"
     set_dropout(model, m.dropout)
     model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
-    prompts = encode_prompts(tokenizer, train_rows, d, m)
-    held_out = encode_prompts(tokenizer, val_rows or [], d, m, first_id=len(prompts))
     layout, source = layout_of(cfg, len(prompts))
     rollouts = Rollouts()
     generator = Generator(m, cfg, model, tokenizer, prompts, layout, rollouts, funcs,
@@ -640,7 +682,8 @@ def build(cfg) -> Job:
         rewards = [r for record in rollouts.log for r in record["rewards"]]
         return {"mean_train_reward": sum(rewards) / len(rewards)} if rewards else {}
 
-    return Job(model=model, train_data=RolloutSlots(layout), val_data=held_out or None, tokenizer=tokenizer,
+    return Job(model=model, train_data=RolloutSlots(layout), val_data=held_out if len(held_out) else None,
+               tokenizer=tokenizer,
                collate_fn=lambda samples: collate_slots(samples) if "slot" in samples[0] else {"prompts": samples},
                loss_fn=make_loss_fn(m, rollouts, layout, make_reward_eval(m, tokenizer, funcs)),
                count_items=make_count(m, rollouts, layout), eval_step=eval_step, compute_metrics=held_out_metrics,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
+from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, refuse_precision_for_new_model
 from finetune.data import check_data_source, load_local_table, split
 from finetune.evaluation import load_metric
@@ -190,5 +191,5 @@ def build(cfg) -> Job:
         collate_fn=DataCollatorWithPadding(tokenizer, return_tensors="pt"),
         eval_step=eval_step, compute_metrics=compute_metrics,
         save=peft_save_hook(cfg, tokenizer),
-        length_of=lambda i, lengths=[len(x) for x in train["input_ids"]]: lengths[i],
+        length_of=lambda i, lengths=tables.token_lengths(train): int(lengths[i]),
     )

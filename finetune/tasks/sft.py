@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from finetune import distributed
+from finetune import distributed, tables
 from finetune.config import BaseDataConfig, ConfigError, doc
-from finetune.data import attention_mask, parse_rows, right_pad, split_samples
+from finetune.data import attention_mask, parse_rows, right_pad
 from finetune.evaluation import load_metric
 from finetune.job import Job
 from finetune.models.forward import set_dropout
@@ -33,8 +33,12 @@ from finetune.tasks.chat import (
     ROLES,
     ChatModelConfig,
     answer,
+    builtin_table,
+    chosen,
     load_model,
     load_table,
+    load_tokenizer,
+    num_proc_field,
     split_field,
     stdlib_qa,
     validate_chat_model,
@@ -72,6 +76,7 @@ class DataConfig(BaseDataConfig):
         "data.max_length tokens before sampling, each row then one sample, its conversations kept apart by position "
         "ids (bfd; wrapped cuts them to fill rows); null: none (training.packing packs inside windows instead)",
         None)
+    num_proc: Optional[int] = num_proc_field()
 
 
 def validate(cfg, problems: list) -> None:
@@ -84,9 +89,9 @@ def validate(cfg, problems: list) -> None:
 # rows → conversations
 
 
-def load_rows(d: DataConfig) -> list:
-    """The data source's rows (dicts), in its order."""
-    return list(stdlib_qa()) if d.source == "stdlib-qa" else load_table(d.source, d.split)
+def load_rows(d: DataConfig):
+    """The data source's rows as a ``datasets.Dataset``, in its order."""
+    return builtin_table(stdlib_qa()) if d.source == "stdlib-qa" else load_table(d.source, d.split)
 
 
 def to_messages(row, system_prompt: Optional[str] = None) -> list:
@@ -197,22 +202,50 @@ def encode_completion(tokenizer, messages: list, text: str, reference: str) -> d
     return {"input_ids": ids, "labels": [-100] * n + ids[n:], "prompt_ids": ids[:n], "reference": reference}
 
 
-def encode_all(tokenizer, convs: list, d: DataConfig) -> tuple[list, int]:
-    """(encoded samples no longer than ``data.max_length``, how many were dropped as longer, or as left with no
-    trained token once cut: ``data.too_long``)."""
-    out, dropped = [], 0
-    for messages in convs:
-        try:
-            sample = encode(tokenizer, messages, d.train_on)
-        except ValueError as e:
-            raise ConfigError(f"model.chat_template: {e} (data.train_on=all needs no turn boundaries)") from None
-        if len(sample["input_ids"]) > d.max_length and not d.pack:  # TRL's packing truncates instead
-            sample = cut(sample, d.max_length, d.too_long)
-        if sample is None:
-            dropped += 1
-        else:
-            out.append(sample)
-    return out, dropped
+def sample_features():
+    """The columns of the cached sft table: each row's sample, its length, whether it is dropped as too long, and
+    its refusal (empty when the row is fine)."""
+    import datasets
+
+    ids = datasets.List(datasets.Value("int32"))
+    return datasets.Features({"input_ids": ids, "labels": ids, "prompt_ids": ids, "reference": datasets.Value("string"),
+                              "length": datasets.Value("int32"), "dropped": datasets.Value("bool"),
+                              "error": datasets.Value("string")})
+
+
+def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
+    """Row ``i`` as a sample no longer than ``data.max_length`` (cut as ``data.too_long`` says, or marked dropped),
+    or its one-line refusal: a malformed row, or a template that cannot render it."""
+    empty = {"input_ids": [], "labels": [], "prompt_ids": [], "reference": "", "length": 0, "dropped": True,
+             "error": ""}
+    try:
+        messages = to_messages(row, d.system_prompt)
+    except ValueError as e:
+        return {**empty, "error": f"data.source: row {i} {e}"}
+    try:
+        sample = encode(tokenizer, messages, d.train_on)
+    except ValueError as e:
+        return {**empty, "error": f"model.chat_template: {e} (data.train_on=all needs no turn boundaries)"}
+    if len(sample["input_ids"]) > d.max_length and not d.pack:  # TRL's packing truncates instead
+        sample = cut(sample, d.max_length, d.too_long)
+    if sample is None:
+        return empty
+    return {**sample, "length": len(sample["input_ids"]), "dropped": False, "error": ""}
+
+
+def tokenized(tokenizer, table, d: DataConfig):
+    """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
+    the settings that shape a sample, and read memory-mapped from the cache afterwards."""
+    def encode_rows(batch, indices):
+        samples = [encode_row(tokenizer, row, i, d) for i, row in zip(indices, tables.rows_of(batch))]
+        return {name: [s[name] for s in samples] for name in SAMPLE_COLUMNS}
+
+    key = tables.digest("sft", tables.ENCODING, tables.data_digest(d.source, table), tables.tokenizer_digest(tokenizer),
+                        d.train_on, d.max_length, d.too_long, d.system_prompt, bool(d.pack))
+    return tables.encoded(table, encode_rows, f"sft-{key}", "sft: tokenize", sample_features(), d.num_proc)
+
+
+SAMPLE_COLUMNS = ("input_ids", "labels", "prompt_ids", "reference", "length", "dropped", "error")
 
 
 def cut(sample: dict, length: int, how: str) -> Optional[dict]:
@@ -243,28 +276,31 @@ def collate(pad_id: int):
     return fn
 
 
-def trl_packed(samples: list, d: DataConfig) -> list:
+def trl_packed(samples, d: DataConfig):
     """The training samples packed as TRL 1.16's SFTTrainer packs them (``trl.pack_dataset`` itself, on the same
     input ids and labels): rows of at most ``data.max_length`` tokens, each a sample of input ids, labels (-100 at
     each conversation's first token, as TRL's padding-free collator sets them) and position ids restarting at every
     conversation (bfd) or running through the row (wrapped)."""
     try:
-        import datasets
         from trl import pack_dataset
     except ImportError:
         raise ConfigError("data.pack: TRL's packing needs trl (pip install 'finetune[peers]')") from None
-    table = datasets.Dataset.from_dict({"input_ids": [s["input_ids"] for s in samples],
-                                        "labels": [s["labels"] for s in samples]})
-    rows = []
-    for row in pack_dataset(table, d.max_length, d.pack):
-        ids, labels = list(row["input_ids"]), list(row["labels"])
-        lengths = list(row.get("seq_lengths") or [len(ids)])
-        positions = [p for n in lengths for p in range(n)]
-        for start, p in enumerate(positions):
-            if p == 0:
-                labels[start] = -100
-        rows.append({"input_ids": ids, "labels": labels, "position_ids": positions})
-    return rows
+    # in memory: a file beside the cached table would be written by every process at once
+    packed = pack_dataset(samples.select_columns(["input_ids", "labels"]), d.max_length, d.pack,
+                          map_kwargs={"keep_in_memory": True})
+    return packed.map(packed_row, remove_columns=packed.column_names, keep_in_memory=True)
+
+
+def packed_row(row: dict) -> dict:
+    """One row of ``trl.pack_dataset`` as a sample: its conversations' position ids, and no label at each one's first
+    token."""
+    ids, labels = list(row["input_ids"]), list(row["labels"])
+    lengths = list(row.get("seq_lengths") or [len(ids)])
+    positions = [p for n in lengths for p in range(n)]
+    for start, p in enumerate(positions):
+        if p == 0:
+            labels[start] = -100
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
 def collate_any(pad_id: int):
@@ -292,25 +328,24 @@ def loss_fn(model, batch):
 
 def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
-    convs = conversations(load_rows(d), d)
-    train_convs, val_convs = split_samples(convs, d.val_fraction, d.split_seed, d.limit)
-    model, tokenizer = load_model(m, **precision_kwargs(cfg))
+    tokenizer = load_tokenizer(m)
+    samples = tokenized(tokenizer, load_rows(d), d)  # a bad row is refused before the model loads
+    model, tokenizer = load_model(m, tokenizer, **precision_kwargs(cfg))
     set_dropout(model, m.dropout)
     model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
 
-    train, dropped_train = encode_all(tokenizer, train_convs, d)
-    val, dropped_val = encode_all(tokenizer, val_convs or [], d)
-    if not train:
+    train, val, dropped_train, dropped_val = chosen(samples, d)
+    if not len(train):
         raise ConfigError(f"data.max_length: every training conversation is longer than {d.max_length} tokens")
     conversations_trained = len(train)
+    lengths = tables.column(train, "length")
     if d.pack:
         train = trl_packed(train, d)
-    for i, sample in enumerate(val):
-        sample["generate"] = i < m.generate_prompts
+    val = tables.Tagged(val, lambda i: {"generate": i < m.generate_prompts})
     if distributed.is_main_process():
         dropped = dropped_train + dropped_val
-        print(f"sft: {len(convs)} conversations from {d.source}: {conversations_trained} train, {len(val)} held out; "
-              f"{dropped} longer than data.max_length={d.max_length} tokens dropped"
+        print(f"sft: {len(samples)} conversations from {d.source}: {conversations_trained} train, {len(val)} held "
+              f"out; {dropped} longer than data.max_length={d.max_length} tokens dropped"
               f"{f' ({dropped_train} train, {dropped_val} held out)' if dropped else ''}; loss on "
               f"{d.train_on} tokens" + (f"; packed as TRL ({d.pack}) into {len(train)} rows of at most "
                                         f"{d.max_length} tokens" if d.pack else ""), flush=True)
@@ -326,12 +361,12 @@ def build(cfg) -> Job:
 
     def summarize(trained, run_dir=None):
         """Answer the first held-out prompts; write the triples to ``samples.jsonl`` in the run directory."""
-        chosen = val[:m.samples_saved]
-        if not chosen:
+        first = [val[i] for i in range(min(m.samples_saved, len(val)))]
+        if not first:
             return {}
-        texts = answer(trained, tokenizer, [s["prompt_ids"] for s in chosen], m.max_new_tokens)
+        texts = answer(trained, tokenizer, [s["prompt_ids"] for s in first], m.max_new_tokens)
         triples = [{"prompt": tokenizer.decode(s["prompt_ids"]), "generated": g, "reference": s["reference"]}
-                   for s, g in zip(chosen, texts)]
+                   for s, g in zip(first, texts)]
         print(f"sample: {triples[0]['generated']!r} (reference: {triples[0]['reference']!r})", flush=True)
         if run_dir is None:
             return {"samples": triples}
@@ -340,14 +375,13 @@ def build(cfg) -> Job:
             f.writelines(json.dumps(t) + "\n" for t in triples)
         return {"samples_file": "samples.jsonl"}
 
-    lengths = [len(s["input_ids"]) for s in train]
     return Job(
-        model=model, train_data=train, val_data=val or None, tokenizer=tokenizer,
+        model=model, train_data=train, val_data=val if len(val) else None, tokenizer=tokenizer,
         collate_fn=collate_any(tokenizer.pad_token_id), loss_fn=loss_fn,
         eval_step=eval_step if m.generate_prompts else None,
         compute_metrics=lambda preds, refs: metric.compute(predictions=preds, references=refs),
         # TRL's packed rows are samples already: no length, so the loop neither sorts nor packs them again
-        length_of=None if d.pack else lambda i: lengths[i],
+        length_of=None if d.pack else lambda i: int(lengths[i]),
         val_loss_metrics=lambda loss: {"perplexity": math.exp(min(loss, 50.0))},
         summarize=summarize,
         save=peft_save_hook(cfg, tokenizer),
