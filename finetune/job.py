@@ -40,6 +40,9 @@ class Job:
         tokenizer: saved beside the model when it has ``save_pretrained``.
         checkpointed: objects with ``state_dict()`` (name → tensor) and ``load_state_dict`` whose state is saved
             in every checkpoint and restored on resume (e.g. reference log-probs computed once at set-up).
+        stream_block: ``train_data`` is read a block of this many consecutive samples at a time (a stream,
+            ``finetune.streaming``): it is shuffled in blocks (``windows.block_order``), and set-up reads no sample
+            ahead of its window.
     """
 
     model: torch.nn.Module
@@ -60,3 +63,4 @@ class Job:
     val_loss_metrics: Optional[Callable] = None
     summarize: Optional[Callable] = None
     checkpointed: list = field(default_factory=list)
+    stream_block: Optional[int] = None

@@ -91,7 +91,8 @@ def banner(run) -> str:
         *([f"Loss head: {run.head_note}"] if run.head_note else []),
         *([f"Packing: {run.packing_note}" + (f", rows of {windows.pack_capacity} tokens" if windows.pack_capacity
                                               else "")] if run.packing_note else []),
-        *([f"Padding: {padding_share(windows):.1%} of the tokens of epoch 0"] if windows.length_of else []),
+        *([f"Padding: {padding_share(windows):.1%} of the tokens of epoch 0"]
+          if windows.length_of and windows.block is None else []),  # a stream is not read ahead
         f"Mixed precision: {t.mixed_precision}, device: {accelerator.device}",
         *([f"Weights: {weights}"] if (weights := precision.describe(accelerator.unwrap_model(run.model))) else []),
         "=" * 60,

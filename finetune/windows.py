@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -50,15 +51,33 @@ def membership_hash(sample_ids) -> str:
     return hashlib.sha1(",".join(map(str, sorted(sample_ids))).encode()).hexdigest()[:12]
 
 
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True, sample_order: str = "finetune") -> list[int]:
-    """The epoch's sample order: a permutation from (seed, epoch) alone — finetune's own, or with ``sample_order:
-    trainer`` the one HF Trainer draws (:func:`trainer_epoch_order`)."""
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True, sample_order: str = "finetune",
+                block: Optional[int] = None) -> list[int]:
+    """The epoch's sample order: a permutation from (seed, epoch) alone — finetune's own, with ``block`` its block
+    order (:func:`block_order`, for a streamed training set), or with ``sample_order: trainer`` the one HF Trainer
+    draws (:func:`trainer_epoch_order`)."""
     if not shuffle:
         return list(range(n))
     if sample_order == "trainer":
         return trainer_epoch_order(n, seed, epoch)
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    if block is not None:
+        return block_order(n, block, g)
     return torch.randperm(n, generator=g).tolist()
+
+
+def block_order(n: int, block: int, g: torch.Generator) -> list[int]:
+    """The samples cut into blocks of ``block`` consecutive ones, the blocks in a random order and the samples of
+    each block in a random order: a stream reads one block at a time, and the order depends on the seed alone.
+
+        >>> sorted(block_order(5, 2, torch.Generator().manual_seed(0))[:2]) in ([0, 1], [2, 3], [4])
+        True
+    """
+    order = []
+    for b in torch.randperm(math.ceil(n / block), generator=g).tolist():
+        start = b * block
+        order += (start + torch.randperm(min(block, n - start), generator=g)).tolist()
+    return order
 
 
 def trainer_epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -106,38 +125,39 @@ def plan_epoch(
     pack_capacity: Optional[int] = None,
     sample_order: str = "finetune",
 ) -> list[Window]:
-    """Every window of one epoch, as seen by process ``rank`` of ``world``.
+    """Every window of one epoch, as seen by process ``rank`` of ``world`` (:class:`WindowSpec`)."""
+    spec = WindowSpec(n, micro_batch, accum, world, seed, epoch + 1, shuffle, sample_order, sort_key, length_of,
+                      max_tokens, pack_capacity)
+    return spec.epoch(epoch, rank)
 
-    ``sort_key`` (sample index → length), when given, orders each window's samples by length before they are cut
+
+def cut_window(samples: list, micro_batch: int, world: int, rank: int, sort_key, length_of, max_tokens,
+               pack_capacity) -> tuple:
+    """(this process's micro-batches, whether each is real, all real micro-batches, their token counts when packed)
+    of a window of ``samples``.
+
+    ``sort_key`` (sample index → length), when given, orders the window's samples by length before they are cut
     into micro-batches: membership is unchanged, padding shrinks. ``max_tokens`` (with ``length_of``) cuts
     micro-batches of varying size, each at most that many padded tokens (``samples × longest``) — a sample longer
     than the budget goes alone. ``pack_capacity`` (with ``length_of``) packs the window's samples into rows of at
-    most that many tokens and cuts micro-batches of ``micro_batch`` rows (or by ``max_tokens``). ``sample_order``:
-    whose permutation orders the epoch (:func:`epoch_order`).
-    """
-    order = epoch_order(n, seed, epoch, shuffle, sample_order)
-    size = micro_batch * accum * world
-    windows = []
-    for w, start in enumerate(range(0, n, size)):
-        samples = order[start:start + size]
-        if pack_capacity:
-            chunks, counts = packed_micro_batches(samples, length_of, pack_capacity, micro_batch, max_tokens)
-            placeholder = ((samples[0],),)
-        else:
-            members = sorted(samples, key=sort_key) if sort_key is not None else samples
-            chunks = token_budget_chunks(members, length_of, max_tokens) if max_tokens else \
-                [tuple(members[i:i + micro_batch]) for i in range(0, len(members), micro_batch)]
-            counts, placeholder = None, (samples[0],)
-        steps = math.ceil(len(chunks) / world)
-        mine, active = [], []
-        for s in range(steps):
-            j = s * world + rank
-            mine.append(chunks[j] if j < len(chunks) else placeholder)
-            active.append(j < len(chunks))
-        mine_counts = tuple(counts[s * world + rank] if a else (0, 0) for s, a in enumerate(active)) \
-            if counts else None
-        windows.append(Window(epoch, w, tuple(samples), tuple(mine), tuple(active), len(chunks), mine_counts))
-    return windows
+    most that many tokens and cuts micro-batches of ``micro_batch`` rows (or by ``max_tokens``)."""
+    if pack_capacity:
+        chunks, counts = packed_micro_batches(samples, length_of, pack_capacity, micro_batch, max_tokens)
+        placeholder = ((samples[0],),)
+    else:
+        members = sorted(samples, key=sort_key) if sort_key is not None else samples
+        chunks = token_budget_chunks(members, length_of, max_tokens) if max_tokens else \
+            [tuple(members[i:i + micro_batch]) for i in range(0, len(members), micro_batch)]
+        counts, placeholder = None, (samples[0],)
+    steps = math.ceil(len(chunks) / world)
+    mine, active = [], []
+    for s in range(steps):
+        j = s * world + rank
+        mine.append(chunks[j] if j < len(chunks) else placeholder)
+        active.append(j < len(chunks))
+    mine_counts = tuple(counts[s * world + rank] if a else (0, 0) for s, a in enumerate(active)) \
+        if counts else None
+    return tuple(mine), tuple(active), len(chunks), mine_counts
 
 
 def packed_micro_batches(samples, length_of, capacity: int, rows_per_batch: int, max_tokens: Optional[int]):
@@ -184,17 +204,19 @@ class WindowSpec:
     length_of: Optional[Callable] = None    # sample index → tokens, for token budgets and packing
     max_tokens: Optional[int] = None        # padded tokens per micro-batch (its size then varies)
     pack_capacity: Optional[int] = None     # tokens per packed row; None: not packed
+    block: Optional[int] = None             # a streamed training set: shuffled in blocks of this many (block_order)
 
     @classmethod
     def of(cls, t, shape, samples: int, length_of: Optional[Callable] = None,
-           pack_length_of: Optional[Callable] = None, pack_capacity: Optional[int] = None) -> WindowSpec:
+           pack_length_of: Optional[Callable] = None, pack_capacity: Optional[int] = None,
+           block: Optional[int] = None) -> WindowSpec:
         """The spec of a run with settings ``t`` (a TrainingConfig) in ``shape`` over ``samples`` samples whose
-        lengths the task gives as ``length_of``. Windows are sorted by length unless ``t.sort_within_window`` says
-        otherwise, whenever the lengths are known."""
+        lengths the task gives as ``length_of`` (and which it streams in blocks of ``block``). Windows are sorted by
+        length unless ``t.sort_within_window`` says otherwise, whenever the lengths are known."""
         sort = t.sort_within_window if t.sort_within_window is not None else length_of is not None
         return cls(samples, shape.micro_batch, shape.accumulation, shape.processes, t.seed, t.epochs, t.shuffle,
                    t.sample_order, sort_key=length_of if sort else None, length_of=pack_length_of or length_of,
-                   max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity)
+                   max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity, block=block)
 
     @property
     def per_epoch(self) -> int:
@@ -206,9 +228,18 @@ class WindowSpec:
 
     def epoch(self, epoch: int, rank: int = 0) -> list[Window]:
         """Every window of ``epoch`` as process ``rank`` sees it."""
-        return plan_epoch(self.samples, self.micro_batch, self.accumulation, self.processes, rank, self.seed, epoch,
-                          self.shuffle, sort_key=self.sort_key, length_of=self.length_of, max_tokens=self.max_tokens,
-                          pack_capacity=self.pack_capacity, sample_order=self.sample_order)
+        return list(self.windows(epoch, rank))
+
+    def windows(self, epoch: int, rank: int = 0, first: int = 0):
+        """Yield the windows of ``epoch`` from window ``first`` on, as process ``rank`` sees them, each cut when it
+        is reached: a streamed window's lengths are read only then."""
+        order = epoch_order(self.samples, self.seed, epoch, self.shuffle, self.sample_order, self.block)
+        size = self.micro_batch * self.accumulation * self.processes
+        for w in range(first, self.per_epoch):
+            samples = order[w * size:(w + 1) * size]
+            cut = cut_window(samples, self.micro_batch, self.processes, rank, self.sort_key, self.length_of,
+                             self.max_tokens, self.pack_capacity)
+            yield Window(epoch, w, tuple(samples), *cut)
 
 
 def stream_windows(job, spec: WindowSpec, rank: int, epoch: int, first: int, pin_memory: bool = False,
@@ -216,31 +247,29 @@ def stream_windows(job, spec: WindowSpec, rank: int, epoch: int, first: int, pin
     """Yield (window, its micro-batches for this process, windows in its epoch) from window ``first`` of ``epoch``
     to the end of the last epoch, as ``spec`` cuts them. Each window's micro-batches are collated
     ahead, so they can be counted before the first backward. The position comes in as arguments: the stream
-    depends on nothing the loop mutates."""
+    depends on nothing the loop mutates. Windows are cut one at a time, as the loader reaches them."""
     packed = spec.pack_capacity is not None
     data, collate = (PackedRows(job.train_data), collate_rows) if packed else (job.train_data, job.collate_fn)
     for e in range(epoch, spec.epochs):
-        windows = spec.epoch(e, rank)
-        todo = windows[first if e == epoch else 0:]
+        # one stream of windows read twice: by the loader's sampler (ahead, with workers) and by this loop
+        for_sampler, todo = itertools.tee(spec.windows(e, rank, first if e == epoch else 0))
         # The loader gets its own generator: iter() would otherwise draw a seed from the global RNG, and a run
         # resumed mid-epoch would then see different dropout masks than the uninterrupted one.
         loader = torch.utils.data.DataLoader(
-            data, batch_sampler=WindowSampler(todo), collate_fn=collate, num_workers=num_workers,
+            data, batch_sampler=WindowSampler(for_sampler), collate_fn=collate, num_workers=num_workers,
             pin_memory=pin_memory, generator=torch.Generator().manual_seed(spec.seed + e))
         batches = iter(loader)
         for window in todo:
-            yield window, [next(batches) for _ in window.micro_batches], len(windows)
+            yield window, [next(batches) for _ in window.micro_batches], spec.per_epoch
 
 
 class WindowSampler(torch.utils.data.Sampler):
-    """Batch sampler for a DataLoader: yields this process's micro-batches of ``windows`` in order."""
+    """Batch sampler for a DataLoader: yields this process's micro-batches of ``windows`` in order (read once, as the
+    loader asks)."""
 
-    def __init__(self, windows: Sequence[Window]):
-        self.windows = list(windows)
+    def __init__(self, windows: Iterable[Window]):
+        self.windows = windows
 
     def __iter__(self):
         for w in self.windows:
             yield from (list(mb) for mb in w.micro_batches)
-
-    def __len__(self):
-        return sum(len(w.micro_batches) for w in self.windows)

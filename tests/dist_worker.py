@@ -70,6 +70,9 @@ CUSTOM = {
     "video-motion": ["training.learning_rate=0.05", "model.checkpoint_frames=true"],
     # chat SFT on the tiny Llama: assistant-token counts differ per rank; evaluation generates on each rank's share
     "sft-smollm2": ["peft.enabled=false", "training.learning_rate=0.5"],
+    # the same rows streamed a block at a time: both processes read each window, each collates its share
+    "sft-smollm2:streaming": ["peft.enabled=false", "training.learning_rate=0.5", "data.streaming=true",
+                              "data.val_fraction=0", "data.too_long=keep_start", "data.stream_block=5"],
     # preference pairs: pairs per rank differ in the tail; the frozen reference copy; held-out rewards gathered
     "dpo-smollm2": ["peft.enabled=false", "training.learning_rate=0.5"],
     # GRPO: the processes take turns at the generation batch's chunks of 2 prompts and gather them; token counts
@@ -105,7 +108,8 @@ def run(name, processes):
             tiny_chat_assets()
         if name.startswith("dpo"):
             tiny_pairs_assets()
-        cfg = load_recipe(name, [*SMALL[name], *EXACT, "training.batch_size=3",
+        recipe = name.split(":")[0]  # recipe:variant
+        cfg = load_recipe(recipe, [*SMALL[recipe], *EXACT, "training.batch_size=3",
                                  f"training.gradient_accumulation_steps={4 // processes}", *CUSTOM[name]])
         set_seed(cfg.training.seed)
         job = task_module(cfg.task).build(cfg)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from finetune import distributed, tables
+from finetune import distributed, streaming, tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import attention_mask, parse_rows, right_pad
 from finetune.evaluation import load_metric
@@ -77,12 +77,37 @@ class DataConfig(BaseDataConfig):
         "ids (bfd; wrapped cuts them to fill rows); null: none (training.packing packs inside windows instead)",
         None)
     num_proc: Optional[int] = num_proc_field()
+    streaming: bool = doc(
+        "read the training rows from a jsonl / parquet file or a folder of them a block at a time while training, "
+        "encoding each when its window comes, instead of tokenizing the whole set first (no held-out part; longer "
+        "rows are cut: data.too_long keep_start or keep_end)", False)
+    stream_block: int = doc("rows read, shuffled and kept together when streaming: the order is the blocks in a "
+                            "seeded order, each block's rows in a seeded order", 1000, at_least=1)
 
 
 def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
     validate_chat_model(m, problems)
     validate_source(d.source, "stdlib-qa", problems)
+    if d.streaming:
+        validate_streaming(d, problems)
+
+
+def validate_streaming(d: DataConfig, problems: list) -> None:
+    """What a stream cannot do, as it reads no row ahead of its window: drop rows, hold some out, pack them all;
+    and what it reads: shards."""
+    try:
+        streaming.shards(d.source)
+    except ConfigError as e:
+        problems += e.problems
+    if d.too_long == "drop":
+        problems.append("data.too_long: a stream cannot drop rows it has not read; with data.streaming use "
+                        "keep_start or keep_end")
+    if d.val_fraction:
+        problems.append(f"data.val_fraction: {d.val_fraction}; a stream holds nothing out: set it to 0")
+    if d.pack:
+        problems.append("data.pack: TRL's packing packs the whole set ahead; with data.streaming use "
+                        "training.packing (inside windows) instead")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,9 +351,17 @@ def loss_fn(model, batch):
 # the job
 
 
+def streamed(tokenizer, d: DataConfig):
+    """The training rows of ``data.source`` as a stream, each encoded (``encode_row``) when its block is read."""
+    return streaming.StreamedRows(streaming.shards(d.source), lambda row, i: encode_row(tokenizer, row, i, d),
+                                  d.stream_block, d.limit)
+
+
 def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
     tokenizer = load_tokenizer(m)
+    if d.streaming:
+        return streamed_job(cfg, tokenizer)
     samples = tokenized(tokenizer, load_rows(d), d)  # a bad row is refused before the model loads
     model, tokenizer = load_model(m, tokenizer, **precision_kwargs(cfg))
     set_dropout(model, m.dropout)
@@ -386,3 +419,19 @@ def build(cfg) -> Job:
         summarize=summarize,
         save=peft_save_hook(cfg, tokenizer),
     )
+
+
+def streamed_job(cfg, tokenizer) -> Job:
+    """The job of a streamed run: the same model, loss and collation, its rows read a block at a time."""
+    m, d = cfg.model, cfg.data
+    train = streamed(tokenizer, d)
+    model, tokenizer = load_model(m, tokenizer, **precision_kwargs(cfg))
+    set_dropout(model, m.dropout)
+    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
+    if distributed.is_main_process():
+        print(f"sft: streaming {len(train)} conversations from {d.source} in blocks of {d.stream_block}; loss on "
+              f"{d.train_on} tokens", flush=True)
+    return Job(model=model, train_data=train, tokenizer=tokenizer, collate_fn=collate(tokenizer.pad_token_id),
+               loss_fn=loss_fn, length_of=train.length, stream_block=d.stream_block,
+               val_loss_metrics=lambda loss: {"perplexity": math.exp(min(loss, 50.0))},
+               save=peft_save_hook(cfg, tokenizer))
