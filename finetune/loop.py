@@ -229,7 +229,8 @@ def setup(job: Job, t: TrainingConfig, shape: Shape, output: Outputs, accelerato
     if distributed.is_fsdp2(model) and accelerator.distributed_type != DistributedType.FSDP and output.save_every:
         raise ConfigError("output.save_every: checkpoints of a model the task sharded itself (fully_shard) are not "
                           "written; set output.save_every=null, or launch with accelerate_configs/fsdp.yaml (GPUs)")
-    pack_length_of, packing_note = read_ahead_of_a_stream(job, t, pack_length_of, packing_note)
+    if job.stream_block is not None and pack_length_of and not t.pack_length:  # rows as long as the longest sample:
+        pack_length_of, packing_note = None, STREAM_UNPACKED  # a stream's is not known ahead
     auto = AutoBatch(accelerator, model) if shape.auto else None
     if auto is not None:
         shape = auto.plan(shape, job, t)
@@ -245,21 +246,7 @@ def setup(job: Job, t: TrainingConfig, shape: Shape, output: Outputs, accelerato
                and not t.max_tokens_per_micro_batch)
 
 
-def read_ahead_of_a_stream(job: Job, t: TrainingConfig, pack_length_of, packing_note: str) -> tuple:
-    """A streamed training set is read a window at a time: what needs every sample's length at set-up is refused,
-    and packing without ``training.pack_length`` (rows as long as the longest sample) is left off unless asked for.
-    Returns the packing decision (``decide_packing``'s pair)."""
-    if job.stream_block is None:
-        return pack_length_of, packing_note
-    if t.batch_size == "auto":
-        raise ConfigError("training.batch_size: auto measures the longest samples, which a stream has not read; give "
-                          "a number (finetune plan sizes it)")
-    if pack_length_of and not t.pack_length:
-        if t.packing:
-            raise ConfigError("training.pack_length: packing a stream needs the row length (its longest sample is "
-                              "not known ahead)")
-        return None, "off (a stream's longest sample is not known ahead: training.pack_length packs it)"
-    return pack_length_of, packing_note
+STREAM_UNPACKED = "off (a stream's longest sample is not known ahead: training.pack_length packs it)"
 
 
 def prepare(accelerator: Accelerator, model, optimizers: list) -> tuple:

@@ -3,6 +3,7 @@ These only write; the loop owns the state they report."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -91,7 +92,8 @@ def banner(run) -> str:
         *([f"Loss head: {run.head_note}"] if run.head_note else []),
         *([f"Packing: {run.packing_note}" + (f", rows of {windows.pack_capacity} tokens" if windows.pack_capacity
                                               else "")] if run.packing_note else []),
-        *([f"Padding: {padding_share(windows):.1%} of the tokens of epoch 0"]
+        *([f"Padding: {padding_share(windows):.1%} of the tokens of epoch 0"
+           + (f"'s first {PLANNED_WINDOWS} windows" if windows.per_epoch > PLANNED_WINDOWS else "")]
           if windows.length_of and windows.block is None else []),  # a stream is not read ahead
         f"Mixed precision: {t.mixed_precision}, device: {accelerator.device}",
         *([f"Weights: {weights}"] if (weights := precision.describe(accelerator.unwrap_model(run.model))) else []),
@@ -100,12 +102,15 @@ def banner(run) -> str:
     return "\n".join(lines)
 
 
+PLANNED_WINDOWS = 256  # the banner's padding share is planned on this many windows: a large set's are minutes
+
+
 def padding_share(windows) -> float:
-    """Padded share of the tokens the first epoch's micro-batches will hold, from the plan (every process;
-    ``windows``: the run's ``WindowSpec``, with sample lengths)."""
+    """Padded share of the tokens the first epoch's first ``PLANNED_WINDOWS`` windows will hold, from the plan (every
+    process; ``windows``: the run's ``WindowSpec``, with sample lengths)."""
     real = padded = 0
     for rank in range(windows.processes):
-        for w in windows.epoch(0, rank):
+        for w in itertools.islice(windows.windows(0, rank), PLANNED_WINDOWS):
             for mb, active, counts in zip(w.micro_batches, w.active, w.token_counts or [None] * len(w.active)):
                 if not active:
                     continue

@@ -133,3 +133,18 @@ def check_job(job: Job, t: TrainingConfig, shape: Shape) -> None:
         raise ConfigError(f"training.{field}: {shape.micro_batch} is larger than the {n_train} training samples")
     if t.sort_within_window and job.length_of is None:
         raise ConfigError("training.sort_within_window: this task gives no sample lengths (Job.length_of)")
+    if job.stream_block is not None:
+        check_stream(t)
+
+
+def check_stream(t: TrainingConfig) -> None:
+    """What needs every sample before training, which a stream (read a window at a time) cannot give."""
+    if t.batch_size == "auto":
+        raise ConfigError("training.batch_size: auto measures the longest samples, which a stream has not read; give "
+                          "a number (finetune plan sizes it)")
+    if t.sample_order == "trainer" and t.shuffle:
+        raise ConfigError("training.sample_order: trainer draws one permutation of every sample, which a stream "
+                          "cannot read a block at a time; use finetune (blocks in a seeded order) or shuffle=false")
+    if t.packing and not t.pack_length:
+        raise ConfigError("training.pack_length: packing a stream needs the row length (its longest sample is not "
+                          "known ahead)")

@@ -6,6 +6,7 @@
   ``sft-smollm2:streaming`` case;
 * a window is read when it is reached: set-up reads no row, and a run resumed at window k reads from k's block;
 * a run SIGKILLed mid-epoch and resumed ends bit-identical to the uninterrupted one;
+* dpo streams its pairs alike;
 * jsonl and parquet shards and a folder of them read the same rows; what a stream cannot do is one line.
 """
 
@@ -24,7 +25,19 @@ import torch
 
 from finetune import streaming
 from finetune.windows import WindowSpec, block_order
-from tests.helpers import ENV, ROOT, RUN, SMALL, TINY_CHAT, assert_one_error_line, chat_rows, cli, same_bytes
+from tests.helpers import (
+    ENV,
+    ROOT,
+    RUN,
+    SMALL,
+    TINY_CHAT,
+    assert_one_error_line,
+    chat_rows,
+    cli,
+    dpo_recipe_run,
+    same_bytes,
+    tiny_pairs_assets,
+)
 from tests.helpers import sft_recipe_run as run
 
 STREAM = ["data.streaming=true", "data.val_fraction=0", "data.too_long=keep_start", "data.stream_block=5"]
@@ -47,6 +60,14 @@ def test_a_stream_takes_the_map_style_steps_with_shuffling_off():
     assert torch.equal(weights(streamed), weights(ahead))
     shuffled, _ = run(3, 3, *STREAM)  # the control: the block order is another order
     assert [h["window_hash"] for h in history(shuffled)] != [h["window_hash"] for h in history(ahead)]
+
+
+def test_a_stream_of_preference_pairs_takes_the_map_style_steps():
+    tiny_pairs_assets()
+    streamed, _, _ = dpo_recipe_run(2, 2, *STREAM, "training.shuffle=false")
+    ahead, _, _ = dpo_recipe_run(2, 2, *MAP_STYLE, "training.shuffle=false")
+    assert history(streamed) == history(ahead)
+    assert torch.equal(weights(streamed), weights(ahead))
 
 
 def test_a_stream_takes_the_same_steps_for_any_split_of_the_batch():

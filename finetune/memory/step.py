@@ -304,8 +304,9 @@ def device_budget(device: torch.device, held: int) -> float:
 
 
 def longest_batches(job, sizes=(1, 2)) -> tuple[list, Optional[int]]:
-    """Two micro-batches made of the longest training samples (the worst case), and their sequence length."""
-    n = len(job.train_data)
+    """Two micro-batches made of the longest training samples (the worst case), and their sequence length. A stream
+    is searched in its first block only: the rest is not read ahead."""
+    n = min(len(job.train_data), job.stream_block or len(job.train_data))
     order = sorted(range(n), key=job.length_of, reverse=True) if job.length_of else list(range(n))
     collate = job.collate_fn or torch.utils.data.default_collate
     batches = []

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from finetune import distributed, tables
+from finetune import distributed, streaming, tables
 from finetune.config import ConfigError, PretrainedModelConfig, doc
 from finetune.data import load_local_table, split_samples
 from finetune.models import precision
@@ -50,6 +50,39 @@ def num_proc_field():
     """The data section's ``num_proc``, as every chat task declares it."""
     return doc("processes that tokenize the data set, once: it is cached (datasets' map num_proc; null: one per CPU "
                "core from 10 000 rows); the samples are the same for any value", None, at_least=1)
+
+
+def streaming_field():
+    """The data section's ``streaming``, as every chat task that streams declares it."""
+    return doc("read the training rows from a jsonl / parquet file or a folder of them a block at a time while "
+               "training, encoding each when its window comes, instead of tokenizing the whole set first (no "
+               "held-out part; longer rows are cut: data.too_long keep_start)", False)
+
+
+def stream_block_field():
+    """The data section's ``stream_block``."""
+    return doc("rows read, shuffled and kept together when streaming: the order is the blocks in a seeded order, "
+               "each block's rows in a seeded order", 1000, at_least=1)
+
+
+def validate_streaming(d, problems: list) -> None:
+    """What a stream cannot do, as it reads no row ahead of its window (drop rows, hold some out), and what it reads
+    (shards)."""
+    try:
+        streaming.shards(d.source)
+    except ConfigError as e:
+        problems += e.problems
+    if d.too_long == "drop":
+        problems.append("data.too_long: a stream cannot drop rows it has not read; with data.streaming cut them "
+                        "(keep_start)")
+    if d.val_fraction:
+        problems.append(f"data.val_fraction: {d.val_fraction}; a stream holds nothing out: set it to 0")
+
+
+def streamed(d, encode):
+    """The training rows of ``data.source`` as a stream, each encoded by ``encode(row, i)`` when its block is
+    read."""
+    return streaming.StreamedRows(streaming.shards(d.source), encode, d.stream_block, d.limit)
 
 
 def system_prompt_field(what: str = "prompt"):

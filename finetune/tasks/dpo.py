@@ -78,6 +78,8 @@ class DataConfig(BaseDataConfig):
         "they are with the end token appended to each completion, as TRL's DPOTrainer does (plain; finetune import "
         "sets it for such a baseline)", "chat")
     num_proc: Optional[int] = chat.num_proc_field()
+    streaming: bool = chat.streaming_field()
+    stream_block: int = chat.stream_block_field()
 
 
 def validate(cfg, problems: list) -> None:
@@ -88,6 +90,11 @@ def validate(cfg, problems: list) -> None:
         problems.append(f"model.label_smoothing: applies to loss_type sigmoid only (got loss_type {m.loss_type}); "
                         "set it to 0")
     chat.validate_source(d.source, "stdlib-pairs", problems)
+    if d.streaming:
+        chat.validate_streaming(d, problems)
+        if m.precompute_ref_log_probs:
+            problems.append("model.precompute_ref_log_probs: computes every pair's reference ahead, which a stream "
+                            "does not read; set it to false with data.streaming")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -459,6 +466,8 @@ def load_rows(d: DataConfig):
 def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
     tokenizer = chat.load_tokenizer(m)
+    if d.streaming:
+        return streamed_job(cfg, tokenizer)
     samples = tokenized(tokenizer, load_rows(d), d)  # a bad row is refused before the model loads
     model, tokenizer = chat.load_model(m, tokenizer, **precision_kwargs(cfg))
     set_dropout(model, m.dropout)
@@ -492,3 +501,22 @@ def build(cfg) -> Job:
         compute_metrics=held_out_metrics, length_of=lambda i: int(lengths[i]), save=peft_save_hook(cfg, tokenizer),
         checkpointed=[reference] if kind == "precomputed" else [],
     )
+
+
+def streamed_job(cfg, tokenizer) -> Job:
+    """The job of a streamed run: the same model, reference, loss and collation, its pairs read a block at a time."""
+    m, d = cfg.model, cfg.data
+    stream = chat.streamed(d, lambda row, i: encode_row(tokenizer, row, i, d))
+    model, tokenizer = chat.load_model(m, tokenizer, **precision_kwargs(cfg))
+    set_dropout(model, m.dropout)
+    kind = reference_kind(cfg)
+    reference = Reference(kind, chat.frozen_copy(model, precision.DTYPES[m.dtype]) if kind == "copy" else None,
+                          adapters=cfg.peft.enabled)
+    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
+    if distributed.is_main_process():
+        print(f"dpo: streaming {len(stream)} pairs from {d.source} in blocks of {d.stream_block}; {m.loss_type} "
+              f"loss, beta {m.beta}; reference: {REFERENCES[kind]}", flush=True)
+    return Job(model=model, train_data=placed(stream, "train"), tokenizer=tokenizer,
+               collate_fn=collate(tokenizer.pad_token_id), loss_fn=make_loss_fn(m, reference),
+               count_items=count_pairs, length_of=stream.length, stream_block=d.stream_block,
+               save=peft_save_hook(cfg, tokenizer))

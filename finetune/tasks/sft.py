@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from finetune import distributed, streaming, tables
+from finetune import distributed, tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import attention_mask, parse_rows, right_pad
 from finetune.evaluation import load_metric
@@ -41,8 +41,12 @@ from finetune.tasks.chat import (
     num_proc_field,
     split_field,
     stdlib_qa,
+    stream_block_field,
+    streamed,
+    streaming_field,
     validate_chat_model,
     validate_source,
+    validate_streaming,
 )
 
 
@@ -77,12 +81,8 @@ class DataConfig(BaseDataConfig):
         "ids (bfd; wrapped cuts them to fill rows); null: none (training.packing packs inside windows instead)",
         None)
     num_proc: Optional[int] = num_proc_field()
-    streaming: bool = doc(
-        "read the training rows from a jsonl / parquet file or a folder of them a block at a time while training, "
-        "encoding each when its window comes, instead of tokenizing the whole set first (no held-out part; longer "
-        "rows are cut: data.too_long keep_start or keep_end)", False)
-    stream_block: int = doc("rows read, shuffled and kept together when streaming: the order is the blocks in a "
-                            "seeded order, each block's rows in a seeded order", 1000, at_least=1)
+    streaming: bool = streaming_field()
+    stream_block: int = stream_block_field()
 
 
 def validate(cfg, problems: list) -> None:
@@ -91,23 +91,9 @@ def validate(cfg, problems: list) -> None:
     validate_source(d.source, "stdlib-qa", problems)
     if d.streaming:
         validate_streaming(d, problems)
-
-
-def validate_streaming(d: DataConfig, problems: list) -> None:
-    """What a stream cannot do, as it reads no row ahead of its window: drop rows, hold some out, pack them all;
-    and what it reads: shards."""
-    try:
-        streaming.shards(d.source)
-    except ConfigError as e:
-        problems += e.problems
-    if d.too_long == "drop":
-        problems.append("data.too_long: a stream cannot drop rows it has not read; with data.streaming use "
-                        "keep_start or keep_end")
-    if d.val_fraction:
-        problems.append(f"data.val_fraction: {d.val_fraction}; a stream holds nothing out: set it to 0")
-    if d.pack:
-        problems.append("data.pack: TRL's packing packs the whole set ahead; with data.streaming use "
-                        "training.packing (inside windows) instead")
+        if d.pack:
+            problems.append("data.pack: TRL's packing packs the whole set ahead; with data.streaming use "
+                            "training.packing (inside windows) instead")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -351,12 +337,6 @@ def loss_fn(model, batch):
 # the job
 
 
-def streamed(tokenizer, d: DataConfig):
-    """The training rows of ``data.source`` as a stream, each encoded (``encode_row``) when its block is read."""
-    return streaming.StreamedRows(streaming.shards(d.source), lambda row, i: encode_row(tokenizer, row, i, d),
-                                  d.stream_block, d.limit)
-
-
 def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
     tokenizer = load_tokenizer(m)
@@ -424,7 +404,7 @@ def build(cfg) -> Job:
 def streamed_job(cfg, tokenizer) -> Job:
     """The job of a streamed run: the same model, loss and collation, its rows read a block at a time."""
     m, d = cfg.model, cfg.data
-    train = streamed(tokenizer, d)
+    train = streamed(d, lambda row, i: encode_row(tokenizer, row, i, d))
     model, tokenizer = load_model(m, tokenizer, **precision_kwargs(cfg))
     set_dropout(model, m.dropout)
     model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
