@@ -164,7 +164,7 @@ def tree_pss_gb(pid: int) -> float:
     return total * 1024 / GB
 
 
-def measure(cmd: list, env: dict, log: Path, first_step_done, timeout: float) -> dict:
+def measure(cmd: list, env: dict, log: Path, first_step_done, timeout: float, cwd: Path = ROOT) -> dict:
     """Run ``cmd`` (its output to ``log``) until it exits or ``timeout`` s pass (then its process group is killed).
     ``first_step_done()`` says whether the first optimizer step has been taken. Returns wall / first-step seconds,
     max RSS and peak tree PSS (GB), the exit code, and the log's last line when it failed."""
@@ -174,7 +174,7 @@ def measure(cmd: list, env: dict, log: Path, first_step_done, timeout: float) ->
     with open(log, "w") as out:
         start = time.perf_counter()
         # a session of its own: a timeout kills the whole tree (TRL's map workers too), and nothing else
-        proc = subprocess.Popen(timed_command(cmd, rss_file), env=env, cwd=ROOT, stdout=out,
+        proc = subprocess.Popen(timed_command(cmd, rss_file), env=env, cwd=cwd, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         while proc.poll() is None:
             if first is None and first_step_done():
@@ -234,8 +234,11 @@ def finetune_case(case: str, data: Path, here: Path, shared_root: Path, timeout:
     history = out / "history.jsonl"
     env = base_env(FINETUNE_CACHE=str(here / "finetune-cache"), HF_DATASETS_CACHE=str(here / "hf-datasets"),
                    **({"PYTHONPATH": str(old_code)} if case == "old" else {}))
+    # python -m puts the working folder first on the path: the old case runs in its checkout
     result = measure(cmd, env, here / f"{case}.log", lambda: history.is_file() and history.stat().st_size > 0,
-                     timeout)
+                     timeout, cwd=old_code if case == "old" else ROOT)
+    if case == "old" and (here / "finetune-cache" / "datasets").exists():  # the old path caches no data set
+        result["failure"] = "the old case ran the current code"
     try:
         lines = [json.loads(x) for x in history.read_text().splitlines()]
         result["breakdown"] = {STEP_1: lines[0]["seconds"]}

@@ -6,7 +6,7 @@ The cache key holds everything that shapes a sample: the data's bytes (or datase
 a hub dataset), the tokenizer with its chat template, the task's settings and ``ENCODING``. A second run with the
 same key reads the folder and tokenizes nothing; a changed template or setting makes another folder.
 
-    >>> samples = encoded(table, encode_rows, key, "sft: tokenize", FEATURES)
+    >>> samples = encoded(table, lambda row, i: encode_row(tokenizer, row, i, d), key, "sft: tokenize", features)
     >>> lengths = column(samples.select(train_indices), "length")
 """
 
@@ -65,20 +65,27 @@ def workers(num_proc: Optional[int], rows: int) -> Optional[int]:
     return min(cores, 16) if rows >= PARALLEL_ROWS and cores > 1 else None
 
 
-def encoded(table, encode: Callable, key: str, what: str, features, num_proc: Optional[int] = None):
+def encoded(table, encode: Callable[[dict, int], dict], key: str, what: str, features,
+            num_proc: Optional[int] = None):
     """Every row of ``table`` through ``encode``, as a memory-mapped ``datasets.Dataset`` in the table's order.
 
-    ``encode(batch, indices)`` is a batched ``Dataset.map`` function: a batch of rows (column → values) and their
-    row numbers → columns of ``features``, one of them ``error`` (a row's one-line refusal, or ""). A table with a
-    refused row is never cached: its first refusal (and how many rows were refused) is the ConfigError.
+    ``encode(row, i)`` turns row ``i`` (a dict) into a sample: a value for each column of ``features``, one of them
+    ``error`` (the row's one-line refusal, or ""). A table with a refused row is never cached: its first refusal (and
+    how many rows were refused) is the ConfigError.
 
     Built once under ``<cache root>/datasets/<key>`` (one process builds, the others of a process group wait);
     later calls with the same key read it.
     """
     import datasets
 
+    columns = list(features)
+
+    def encode_rows(batch: dict, indices: list) -> dict:  # Dataset.map's batched form
+        samples = [encode(row, i) for i, row in zip(indices, rows_of(batch))]
+        return {name: [s[name] for s in samples] for name in columns}
+
     def build(out: Path) -> None:
-        rows = table.map(encode, batched=True, with_indices=True, remove_columns=table.column_names,
+        rows = table.map(encode_rows, batched=True, with_indices=True, remove_columns=table.column_names,
                          features=features, num_proc=workers(num_proc, len(table)), desc=what,
                          cache_file_name=str(out / "samples.arrow"), new_fingerprint=key)
         refuse_bad_rows(rows)

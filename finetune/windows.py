@@ -131,35 +131,6 @@ def plan_epoch(
     return spec.epoch(epoch, rank)
 
 
-def cut_window(samples: list, micro_batch: int, world: int, rank: int, sort_key, length_of, max_tokens,
-               pack_capacity) -> tuple:
-    """(this process's micro-batches, whether each is real, all real micro-batches, their token counts when packed)
-    of a window of ``samples``.
-
-    ``sort_key`` (sample index → length), when given, orders the window's samples by length before they are cut
-    into micro-batches: membership is unchanged, padding shrinks. ``max_tokens`` (with ``length_of``) cuts
-    micro-batches of varying size, each at most that many padded tokens (``samples × longest``) — a sample longer
-    than the budget goes alone. ``pack_capacity`` (with ``length_of``) packs the window's samples into rows of at
-    most that many tokens and cuts micro-batches of ``micro_batch`` rows (or by ``max_tokens``)."""
-    if pack_capacity:
-        chunks, counts = packed_micro_batches(samples, length_of, pack_capacity, micro_batch, max_tokens)
-        placeholder = ((samples[0],),)
-    else:
-        members = sorted(samples, key=sort_key) if sort_key is not None else samples
-        chunks = token_budget_chunks(members, length_of, max_tokens) if max_tokens else \
-            [tuple(members[i:i + micro_batch]) for i in range(0, len(members), micro_batch)]
-        counts, placeholder = None, (samples[0],)
-    steps = math.ceil(len(chunks) / world)
-    mine, active = [], []
-    for s in range(steps):
-        j = s * world + rank
-        mine.append(chunks[j] if j < len(chunks) else placeholder)
-        active.append(j < len(chunks))
-    mine_counts = tuple(counts[s * world + rank] if a else (0, 0) for s, a in enumerate(active)) \
-        if counts else None
-    return tuple(mine), tuple(active), len(chunks), mine_counts
-
-
 def packed_micro_batches(samples, length_of, capacity: int, rows_per_batch: int, max_tokens: Optional[int]):
     """The window's samples packed into rows, cut into micro-batches of rows; with each micro-batch its (real,
     padded) tokens (padded: rows × the longest row, as ``packing.collate_rows`` pads)."""
@@ -237,9 +208,35 @@ class WindowSpec:
         size = self.micro_batch * self.accumulation * self.processes
         for w in range(first, self.per_epoch):
             samples = order[w * size:(w + 1) * size]
-            cut = cut_window(samples, self.micro_batch, self.processes, rank, self.sort_key, self.length_of,
-                             self.max_tokens, self.pack_capacity)
-            yield Window(epoch, w, tuple(samples), *cut)
+            yield Window(epoch, w, tuple(samples), *self.cut(samples, rank))
+
+    def cut(self, samples: list, rank: int) -> tuple:
+        """(process ``rank``'s micro-batches, whether each is real, all real micro-batches, their token counts when
+        packed) of a window of ``samples``.
+
+        ``sort_key`` (sample index → length), when given, orders the window's samples by length before they are cut
+        into micro-batches: membership is unchanged, padding shrinks. ``max_tokens`` (with ``length_of``) cuts
+        micro-batches of varying size, each at most that many padded tokens (``samples × longest``) — a sample
+        longer than the budget goes alone. ``pack_capacity`` (with ``length_of``) packs the window's samples into
+        rows of at most that many tokens and cuts micro-batches of ``micro_batch`` rows (or by ``max_tokens``)."""
+        b, world = self.micro_batch, self.processes
+        if self.pack_capacity:
+            chunks, counts = packed_micro_batches(samples, self.length_of, self.pack_capacity, b, self.max_tokens)
+            placeholder = ((samples[0],),)
+        else:
+            members = sorted(samples, key=self.sort_key) if self.sort_key is not None else samples
+            chunks = token_budget_chunks(members, self.length_of, self.max_tokens) if self.max_tokens else \
+                [tuple(members[i:i + b]) for i in range(0, len(members), b)]
+            counts, placeholder = None, (samples[0],)
+        steps = math.ceil(len(chunks) / world)
+        mine, active = [], []
+        for s in range(steps):
+            j = s * world + rank
+            mine.append(chunks[j] if j < len(chunks) else placeholder)
+            active.append(j < len(chunks))
+        mine_counts = tuple(counts[s * world + rank] if a else (0, 0) for s, a in enumerate(active)) \
+            if counts else None
+        return tuple(mine), tuple(active), len(chunks), mine_counts
 
 
 def stream_windows(job, spec: WindowSpec, rank: int, epoch: int, first: int, pin_memory: bool = False,

@@ -4,6 +4,7 @@
   blocks in a seeded order (another order than map-style: the control);
 * (b, N) and (b·N, 1) take the same steps on a stream; 2 processes = 1 is tests/test_distributed.py's
   ``sft-smollm2:streaming`` case;
+* ``finetune compare`` reads a streamed run as the tokenized one (the same windows, the same steps);
 * a window is read when it is reached: set-up reads no row, and a run resumed at window k reads from k's block;
 * a run SIGKILLed mid-epoch and resumed ends bit-identical to the uninterrupted one;
 * dpo streams its pairs alike;
@@ -78,6 +79,21 @@ def test_a_stream_takes_the_same_steps_for_any_split_of_the_batch():
     assert small["loss_history"] == pytest.approx(big["loss_history"], rel=1e-5)
     delta = [(weights(r) - torch.cat([w.flatten() for w in start.values()])).double() for r in (small, big)]
     assert float((delta[0] - delta[1]).abs().max() / delta[1].abs().max()) <= 1e-5
+
+
+def test_compare_reads_a_streamed_run_as_the_tokenized_one(tmp_path):
+    base = [*SMALL["sft-smollm2"], *MAP_STYLE, "training.shuffle=false", "training.pack_length=96",
+            "model.generate_prompts=0", "training.batch_size=4", "training.effective_batch_size=8"]
+    runs = {}
+    for name, extra in (("ahead", []), ("stream", ["data.streaming=true", "data.stream_block=5"])):
+        runs[name] = tmp_path / name
+        sets = [x for s in [*base, *extra] for x in ("--set", s)]
+        proc = cli("--recipe", "sft-smollm2", *sets, "--max-steps", "3", "--output-dir", str(runs[name]))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "finetune", "compare", str(runs["ahead"]), str(runs["stream"])],
+                          capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert "verdict: equivalent" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "all 3 windows held the same samples" in proc.stdout
 
 
 def test_block_order_is_a_permutation_read_a_block_at_a_time():

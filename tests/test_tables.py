@@ -129,7 +129,7 @@ def test_split_parts_are_views_whose_lengths_come_from_a_column(tmp_path, fresh_
     rows = chat_rows(40)
     d = sft_config(write_rows(tmp_path / "c.jsonl", rows), val_fraction=0.25)
     samples = sft.tokenized(tokenizer, sft.load_rows(d), d)
-    train, val, dropped_train, dropped_val = chat.chosen(samples, d)
+    train, val, dropped_train, dropped_val = chat.parts(samples, d)
     assert len(train) + len(val) + dropped_train + dropped_val == len(rows)
     lengths = tables.column(train, "length")
     assert lengths.tolist() == [len(s["input_ids"]) for s in train]

@@ -22,7 +22,8 @@ from finetune import distributed, streaming, tables
 from finetune.config import ConfigError, PretrainedModelConfig, doc
 from finetune.data import load_local_table, split_samples
 from finetune.models import precision
-from finetune.models.hf import gguf_file, pretrained, resolve_model_path
+from finetune.models.forward import set_dropout
+from finetune.models.hf import apply_peft, gguf_file, precision_kwargs, pretrained, resolve_model_path
 
 ROLES = ("system", "user", "assistant")
 
@@ -172,7 +173,7 @@ def builtin_table(rows):
     return datasets.Dataset.from_list(list(rows))
 
 
-def chosen(samples, d) -> tuple:
+def parts(samples, d) -> tuple:
     """(train, held out, dropped train, dropped held out): the seeded split of the table's rows (``data.limit``
     of each part), less the rows dropped as too long; views of the table, nothing copied."""
     train_ids, val_ids = split_samples(list(range(len(samples))), d.val_fraction, d.split_seed, d.limit)
@@ -295,6 +296,16 @@ def load_model(m: ChatModelConfig, tokenizer=None, **kwargs):
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def tuned_model(cfg, tokenizer, before_adapters=None) -> tuple:
+    """(the chat model to train, what ``before_adapters(model)`` returned): loaded at the recipe's precision, its
+    dropout set, then LoRA adapters added when ``peft.enabled``; ``before_adapters`` sees the untuned model (to keep
+    a frozen reference copy of it)."""
+    model, _ = load_model(cfg.model, tokenizer, **precision_kwargs(cfg))
+    set_dropout(model, cfg.model.dropout)
+    kept = before_adapters(model) if before_adapters is not None else None
+    return apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision), kept
 
 
 def cannot_load(m: ChatModelConfig, error: Exception) -> ConfigError:

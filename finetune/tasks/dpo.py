@@ -38,8 +38,7 @@ from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import attention_mask, right_pad
 from finetune.job import Job
 from finetune.models import precision
-from finetune.models.forward import set_dropout
-from finetune.models.hf import apply_peft, peft_save_hook, precision_kwargs
+from finetune.models.hf import peft_save_hook
 from finetune.models.loss_head import model_sequence_log_probs
 from finetune.tasks import chat
 
@@ -254,19 +253,13 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
             "error": ""}
 
 
-SAMPLE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids", "length", "dropped", "same", "error")
-
-
 def tokenized(tokenizer, table, d: DataConfig):
     """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
     the settings that shape a pair, and read memory-mapped from the cache afterwards."""
-    def encode_rows(batch, indices):
-        samples = [encode_row(tokenizer, row, i, d) for i, row in zip(indices, tables.rows_of(batch))]
-        return {name: [s[name] for s in samples] for name in SAMPLE_COLUMNS}
-
     key = tables.digest("dpo", tables.ENCODING, tables.data_digest(d.source, table), tables.tokenizer_digest(tokenizer),
                         d.max_length, d.too_long, d.system_prompt, d.text_rows)
-    return tables.encoded(table, encode_rows, f"dpo-{key}", "dpo: tokenize", sample_features(), d.num_proc)
+    return tables.encoded(table, lambda row, i: encode_row(tokenizer, row, i, d), f"dpo-{key}", "dpo: tokenize",
+                          sample_features(), d.num_proc)
 
 
 def placed(samples, split: str):
@@ -456,6 +449,14 @@ def reference_kind(cfg) -> str:
     return "adapters" if cfg.peft.enabled else "copy"
 
 
+def make_reference(cfg, untuned) -> Reference:
+    """The reference of ``reference_kind``: for ``copy``, a frozen copy of the untuned model, taken before anything
+    trains."""
+    kind = reference_kind(cfg)
+    frozen = chat.frozen_copy(untuned, precision.DTYPES[cfg.model.dtype]) if kind == "copy" else None
+    return Reference(kind, frozen, adapters=cfg.peft.enabled)
+
+
 def load_rows(d: DataConfig):
     """The data source's rows as a ``datasets.Dataset``, in its order."""
     if d.source == "stdlib-pairs":
@@ -469,15 +470,10 @@ def build(cfg) -> Job:
     if d.streaming:
         return streamed_job(cfg, tokenizer)
     samples = tokenized(tokenizer, load_rows(d), d)  # a bad row is refused before the model loads
-    model, tokenizer = chat.load_model(m, tokenizer, **precision_kwargs(cfg))
-    set_dropout(model, m.dropout)
-    kind = reference_kind(cfg)
-    # the frozen copy is taken before anything trains
-    reference = Reference(kind, chat.frozen_copy(model, precision.DTYPES[m.dtype]) if kind == "copy" else None,
-                          adapters=cfg.peft.enabled)
-    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
+    model, reference = chat.tuned_model(cfg, tokenizer, lambda untuned: make_reference(cfg, untuned))
+    kind = reference.kind
 
-    train, val, dropped_train, dropped_val = chat.chosen(samples, d)
+    train, val, dropped_train, dropped_val = chat.parts(samples, d)
     if not len(train):
         raise ConfigError(f"data.max_length: every training pair is longer than {d.max_length} tokens")
     lengths = tables.column(train, "length")
@@ -507,15 +503,10 @@ def streamed_job(cfg, tokenizer) -> Job:
     """The job of a streamed run: the same model, reference, loss and collation, its pairs read a block at a time."""
     m, d = cfg.model, cfg.data
     stream = chat.streamed(d, lambda row, i: encode_row(tokenizer, row, i, d))
-    model, tokenizer = chat.load_model(m, tokenizer, **precision_kwargs(cfg))
-    set_dropout(model, m.dropout)
-    kind = reference_kind(cfg)
-    reference = Reference(kind, chat.frozen_copy(model, precision.DTYPES[m.dtype]) if kind == "copy" else None,
-                          adapters=cfg.peft.enabled)
-    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
+    model, reference = chat.tuned_model(cfg, tokenizer, lambda untuned: make_reference(cfg, untuned))
     if distributed.is_main_process():
         print(f"dpo: streaming {len(stream)} pairs from {d.source} in blocks of {d.stream_block}; {m.loss_type} "
-              f"loss, beta {m.beta}; reference: {REFERENCES[kind]}", flush=True)
+              f"loss, beta {m.beta}; reference: {REFERENCES[reference.kind]}", flush=True)
     return Job(model=model, train_data=placed(stream, "train"), tokenizer=tokenizer,
                collate_fn=collate(tokenizer.pad_token_id), loss_fn=make_loss_fn(m, reference),
                count_items=count_pairs, length_of=stream.length, stream_block=d.stream_block,

@@ -43,8 +43,7 @@ from finetune import distributed, tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import split_samples
 from finetune.job import Job
-from finetune.models.forward import set_dropout
-from finetune.models.hf import apply_peft, peft_save_hook, precision_kwargs
+from finetune.models.hf import peft_save_hook
 from finetune.shape import plan_shape
 from finetune.tasks import chat
 from finetune.windows import epoch_order, step_seed
@@ -101,10 +100,10 @@ class DataConfig(BaseDataConfig):
                       "and any other columns the reward functions read", "sums")
     split: str = chat.split_field()
     system_prompt: Optional[str] = chat.system_prompt_field()
-    num_proc: Optional[int] = chat.num_proc_field()
     count: int = doc("prompts 'sums' makes", 200)
     max_operand: int = doc("largest operand of 'sums' (operands from 1; smaller ones are easier sums)", 49,
                            at_least=1)
+    num_proc: Optional[int] = chat.num_proc_field()
 
 
 def validate(cfg, problems: list) -> None:
@@ -587,15 +586,15 @@ def tokenized(tokenizer, rows, d: DataConfig):
     and read memory-mapped from the cache afterwards."""
     import datasets
 
-    def encode_rows(batch, indices):
-        ids = [prompt_ids(tokenizer, p, d.system_prompt) for p in batch["prompt"]]
-        return {"ids": ids, "length": [len(x) for x in ids], "error": [""] * len(ids)}
+    def encode(row: dict, i: int) -> dict:
+        ids = prompt_ids(tokenizer, row["prompt"], d.system_prompt)
+        return {"ids": ids, "length": len(ids), "error": ""}
 
     features = datasets.Features({"ids": datasets.List(datasets.Value("int32")), "length": datasets.Value("int32"),
                                   "error": datasets.Value("string")})
     key = tables.digest("grpo", tables.ENCODING, tables.data_digest(d.source, rows),
                         tables.tokenizer_digest(tokenizer), d.system_prompt)
-    return tables.encoded(rows, encode_rows, f"grpo-{key}", "grpo: tokenize", features, d.num_proc)
+    return tables.encoded(rows, encode, f"grpo-{key}", "grpo: tokenize", features, d.num_proc)
 
 
 class Prompts(torch.utils.data.Dataset):
@@ -661,10 +660,8 @@ def build(cfg) -> Job:
     held_out = Prompts(rows, tokens, val_part or [], first_id=len(prompts))
     for part in (prompts, held_out):
         part.check_length(m)
-    model, tokenizer = chat.load_model(m, tokenizer, **precision_kwargs(cfg))
     tokenizer.padding_side = "left"
-    set_dropout(model, m.dropout)
-    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
+    model, _ = chat.tuned_model(cfg, tokenizer)
     layout, source = layout_of(cfg, len(prompts))
     rollouts = Rollouts()
     generator = Generator(m, cfg, model, tokenizer, prompts, layout, rollouts, funcs,

@@ -26,24 +26,24 @@ from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import attention_mask, parse_rows, right_pad
 from finetune.evaluation import load_metric
 from finetune.job import Job
-from finetune.models.forward import set_dropout
-from finetune.models.hf import apply_peft, peft_save_hook, precision_kwargs
+from finetune.models.hf import peft_save_hook
 from finetune.packing import collate_rows
 from finetune.tasks.chat import (
     ROLES,
     ChatModelConfig,
     answer,
     builtin_table,
-    chosen,
-    load_model,
+    load_model,  # noqa: F401  (sft.load_model loads the chat model, as it always has)
     load_table,
     load_tokenizer,
     num_proc_field,
+    parts,
     split_field,
     stdlib_qa,
     stream_block_field,
     streamed,
     streaming_field,
+    tuned_model,
     validate_chat_model,
     validate_source,
     validate_streaming,
@@ -247,16 +247,10 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
 def tokenized(tokenizer, table, d: DataConfig):
     """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
     the settings that shape a sample, and read memory-mapped from the cache afterwards."""
-    def encode_rows(batch, indices):
-        samples = [encode_row(tokenizer, row, i, d) for i, row in zip(indices, tables.rows_of(batch))]
-        return {name: [s[name] for s in samples] for name in SAMPLE_COLUMNS}
-
     key = tables.digest("sft", tables.ENCODING, tables.data_digest(d.source, table), tables.tokenizer_digest(tokenizer),
                         d.train_on, d.max_length, d.too_long, d.system_prompt, bool(d.pack))
-    return tables.encoded(table, encode_rows, f"sft-{key}", "sft: tokenize", sample_features(), d.num_proc)
-
-
-SAMPLE_COLUMNS = ("input_ids", "labels", "prompt_ids", "reference", "length", "dropped", "error")
+    return tables.encoded(table, lambda row, i: encode_row(tokenizer, row, i, d), f"sft-{key}", "sft: tokenize",
+                          sample_features(), d.num_proc)
 
 
 def cut(sample: dict, length: int, how: str) -> Optional[dict]:
@@ -343,11 +337,9 @@ def build(cfg) -> Job:
     if d.streaming:
         return streamed_job(cfg, tokenizer)
     samples = tokenized(tokenizer, load_rows(d), d)  # a bad row is refused before the model loads
-    model, tokenizer = load_model(m, tokenizer, **precision_kwargs(cfg))
-    set_dropout(model, m.dropout)
-    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
+    model, _ = tuned_model(cfg, tokenizer)
 
-    train, val, dropped_train, dropped_val = chosen(samples, d)
+    train, val, dropped_train, dropped_val = parts(samples, d)
     if not len(train):
         raise ConfigError(f"data.max_length: every training conversation is longer than {d.max_length} tokens")
     conversations_trained = len(train)
@@ -403,11 +395,9 @@ def build(cfg) -> Job:
 
 def streamed_job(cfg, tokenizer) -> Job:
     """The job of a streamed run: the same model, loss and collation, its rows read a block at a time."""
-    m, d = cfg.model, cfg.data
+    d = cfg.data
     train = streamed(d, lambda row, i: encode_row(tokenizer, row, i, d))
-    model, tokenizer = load_model(m, tokenizer, **precision_kwargs(cfg))
-    set_dropout(model, m.dropout)
-    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
+    model, _ = tuned_model(cfg, tokenizer)
     if distributed.is_main_process():
         print(f"sft: streaming {len(train)} conversations from {d.source} in blocks of {d.stream_block}; loss on "
               f"{d.train_on} tokens", flush=True)
