@@ -222,9 +222,8 @@ def prepare(path: str, folder: Path, b: int, n: int, group: int, max_len: int) -
         data_file = folder / f"prompts-{steps}.jsonl"
         data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
         cfg = finetune_config(path, data_file, None, "dapo", b, n, steps, group, max_len, 0.0)
-        encoded = grpo.encode_prompts(tokenizer, rows, cfg.data, cfg.model)
-        order = grpo.epoch_order(len(rows), SEED, 0)  # the order finetune's task trains the prompts in
-        prompt_ids = [encoded[i]["ids"] for i in order]
+        order = grpo_order(len(rows), SEED)  # the order finetune's task trains the prompts in
+        prompt_ids = [grpo.prompt_ids(tokenizer, rows[i]["prompt"], cfg.data.system_prompt) for i in order]
         rec = record(model, tokenizer, prompt_ids, group, max_len)
         rollouts = folder / f"rollouts-{steps}.jsonl"
         rollouts.write_text(json.dumps({"epoch": 0, "batch": 0, "prompts": order, **rec}) + "\n")
@@ -233,6 +232,13 @@ def prepare(path: str, folder: Path, b: int, n: int, group: int, max_len: int) -
                        "completions": rec["completions"], "data_file": data_file, "rollouts": rollouts,
                        "tokens": tokens, "lengths": [len(c) for c in rec["completions"]]}
     return cases
+
+
+def grpo_order(n: int, seed: int) -> list:
+    """The order finetune's grpo task trains ``n`` prompts in, in epoch 0."""
+    from finetune.seeding import permutation
+
+    return permutation(n, seed, 0)
 
 
 def measure(path: str, folder: Path, b: int, n: int, group: int, max_len: int, lr: float,

@@ -31,51 +31,17 @@ import yaml
 from finetune import distributed
 from finetune.cache import file_digest
 from finetune.config import flatten
+from finetune.durable import atomic_write_text, disk_full, fsync_dir
 from finetune.errors import ConfigError, WriteError
 from finetune.models import precision
-from finetune.outputs import atomic_write_text, disk_full, fsync_dir
+from finetune.seeding import capture_rng, restore_rng, step_seed
 from finetune.state import TrainState
-from finetune.windows import step_seed
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 SCHEDULER = "scheduler.json"
 CONFIG = "config.yaml"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# random states: our own copy, saved without pickle (python/numpy as JSON, torch/CUDA as safetensors)
-
-
-def capture_rng(rank: int, directory: Path) -> None:
-    from safetensors.torch import save_file
-
-    np_state = np.random.get_state()
-    py_state = random.getstate()
-    (directory / f"rng_{rank}.json").write_text(json.dumps({
-        "python": [py_state[0], list(py_state[1]), py_state[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-    }))
-    tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"cuda_{i}"] = s
-    save_file(tensors, str(directory / f"rng_{rank}.safetensors"))
-
-
-def restore_rng(rank: int, directory: Path) -> None:
-    from safetensors.torch import load_file
-
-    d = json.loads((directory / f"rng_{rank}.json").read_text())
-    random.setstate((d["python"][0], tuple(d["python"][1]), d["python"][2]))
-    kind, keys, pos, has_gauss, cached = d["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    tensors = load_file(str(directory / f"rng_{rank}.safetensors"))
-    torch.set_rng_state(tensors["torch"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("cuda_")]
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -224,8 +224,8 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
 def main(argv=None, prog: str = "finetune") -> int:
     """Parse and run one command; a ConfigError is printed as one line per problem and exits 2. With several
     processes only the main one prints, and a refusal they agreed on (``distributed.agree``) ends them together."""
+    from finetune.durable import disk_full
     from finetune.errors import WriteError
-    from finetune.outputs import disk_full
     from finetune.steps import NonFiniteError
 
     parser = build_parser(prog)

@@ -13,7 +13,7 @@ from typing import Optional
 
 import yaml
 
-from finetune import checkpoint, distributed, loop, outputs, runlock
+from finetune import checkpoint, distributed, durable, loop, outputs, runlock
 from finetune.config import RecipeConfig, flatten, result_changes
 from finetune.errors import ConfigError
 from finetune.job import Job
@@ -115,7 +115,7 @@ def execute(cfg: RecipeConfig, prepared: Prepared, on_eval=None):
     job, shape = distributed.agree(lambda: build_checked(cfg, prepared))
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        outputs.atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(prepared.settings, sort_keys=False))
+        durable.atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(prepared.settings, sort_keys=False))
     output = loop.Outputs(dir=out_dir, save_every=cfg.output.save_every, keep_checkpoints=cfg.output.keep_checkpoints,
                           tracker=None if cfg.output.tracker == "none" else cfg.output.tracker,
                           settings=prepared.settings, on_eval=on_eval)

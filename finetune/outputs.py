@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -15,44 +12,6 @@ from finetune.state import ema
 
 PLOTTED = (("loss", "window loss (mean over the window's items)"), ("lr", "learning rate"),
            ("grad_norm", "grad norm (total L2, before clipping)"))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def disk_full(error: BaseException, directory=None) -> bool:
-    """Whether ``error`` (or what caused it) is a full disk: ENOSPC / EDQUOT, the same said in words (safetensors),
-    or torch's zip writer failing ("unexpected pos …", "file write failed": it drops the errno) while
-    ``directory``'s disk has no room left."""
-    e = error
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    torn = isinstance(error, RuntimeError) and ("unexpected pos" in str(error) or "file write failed" in str(error))
-    if torn and directory is not None:
-        try:
-            return shutil.disk_usage(directory).free < 1 << 20
-        except OSError:
-            return False
-    return False
 
 
 def read_history(run_dir, command: str = "run") -> list[dict]:

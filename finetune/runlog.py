@@ -11,9 +11,9 @@ import time
 from tqdm.auto import tqdm
 
 from finetune import distributed
+from finetune.durable import atomic_write_text
 from finetune.models import precision
 from finetune.optim import lr_scale
-from finetune.outputs import atomic_write_text
 from finetune.state import TrainState
 
 

@@ -25,8 +25,10 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from finetune import seeding
 from finetune.items import batch_len, count_items, is_causal_lm  # noqa: F401  (re-exported: the loop counts here)
 from finetune.packing import PackedRows, collate_rows, pack_rows
+from finetune.seeding import step_seed  # noqa: F401  (the old place of step_seed, kept for user tasks)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True, sample_orde
         return list(range(n))
     if sample_order == "trainer":
         return trainer_epoch_order(n, seed, epoch)
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    g = seeding.epoch_generator(seed, epoch)
     if block is not None:
         return block_order(n, block, g)
     return torch.randperm(n, generator=g).tolist()
@@ -94,16 +96,6 @@ def trainer_epoch_order(n: int, seed: int, epoch: int) -> list[int]:
         True
     """
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-
-
-def step_seed(*keys: int) -> int:
-    """One 63-bit seed from integer keys (e.g. training seed, optimizer step, sample index): the seed of a random
-    draw that must not depend on how a window is split into micro-batches."""
-    h = 0x9E3779B97F4A7C15
-    for k in keys:
-        h = (h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & 0x7FFFFFFFFFFFFFFF
 
 
 def windows_per_epoch(n: int, micro_batch: int, accum: int, world: int = 1) -> int:

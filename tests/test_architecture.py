@@ -4,6 +4,7 @@ task, no writes into Accelerate's objects nor use of their private members, one 
 
 import ast
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -347,6 +348,36 @@ def task_to_task_imports(graph: dict) -> list:
 
     tasks = {f"finetune.tasks.{t}" for t in available_tasks()}
     return sorted((m, d) for m in tasks for d in graph.get(m, ()) if d in tasks)
+
+
+def modules_with_build(folder) -> set:
+    """The modules of a folder that define ``build`` — imported, not searched as text."""
+    import importlib
+    import importlib.util
+
+    found = set()
+    for path in sorted(Path(folder).glob("*.py")):
+        if path.stem.startswith("_"):
+            continue
+        if (Path(folder) / "__init__.py").exists() and Path(folder).parent.name == "finetune":
+            module = importlib.import_module(f"finetune.tasks.{path.stem}")
+        else:
+            spec = importlib.util.spec_from_file_location(f"probe_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        if callable(getattr(module, "build", None)):
+            found.add(path.stem)
+    return found
+
+
+def test_the_built_in_task_list_is_every_task_module(tmp_path):
+    from finetune import registry
+
+    folder = Path(registry.__file__).parent / "tasks"
+    assert modules_with_build(folder) == set(registry.BUILT_IN_TASKS)
+    (tmp_path / "extra.py").write_text("def build(cfg):\n    return None\n")  # planted: a task left off the list
+    (tmp_path / "shared.py").write_text("def helper():\n    return None\n")
+    assert modules_with_build(tmp_path) - set(registry.BUILT_IN_TASKS) == {"extra"}
 
 
 def test_tasks_never_import_each_other():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune import checkpoint, distributed, outputs, runlock, test_fine_tuning
+from finetune import checkpoint, distributed, durable, runlock, test_fine_tuning
 from finetune.cli import run_main
 from finetune.errors import ConfigError
 from tests.helpers import ENV, MLP, ROOT, TINY, regression_data
@@ -230,10 +230,10 @@ def test_torch_writer_failure_on_a_full_disk_is_recognised(tmp_path, monkeypatch
     """torch's zip writer drops the errno ("unexpected pos …"): a full disk is told by the space left."""
     torn = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 9664 vs 9556")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 30, 10 << 30, 4096))
-    assert outputs.disk_full(torn, tmp_path)
+    assert durable.disk_full(torn, tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 30, 1 << 30, 9 << 30))
-    assert not outputs.disk_full(torn, tmp_path)
-    assert outputs.disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert not durable.disk_full(torn, tmp_path)
+    assert durable.disk_full(OSError(errno.ENOSPC, "No space left on device"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

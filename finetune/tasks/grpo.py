@@ -44,9 +44,9 @@ from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import split_samples
 from finetune.job import Job
 from finetune.models.hf import peft_save_hook
+from finetune.seeding import permutation, step_seed
 from finetune.shape import plan_shape
 from finetune.tasks import chat
-from finetune.windows import epoch_order, step_seed
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
@@ -396,7 +396,7 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, epoch: int, batch: int) -> None:
-        order = epoch_order(len(self.prompts), self.seed, epoch)
+        order = permutation(len(self.prompts), self.seed, epoch)
         L = self.layout
         chosen = [self.prompts[i] for i in order[batch * L.batch_prompts:(batch + 1) * L.batch_prompts]]
         if self.replay is not None:

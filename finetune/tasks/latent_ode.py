@@ -31,7 +31,7 @@ from finetune.data import split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
 from finetune.models.forward import set_dropout
-from finetune.windows import step_seed
+from finetune.seeding import step_seed
 
 CHANNELS = 4
 
