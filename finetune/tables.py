@@ -6,7 +6,8 @@ The cache key holds everything that shapes a sample: the data's bytes (or datase
 a hub dataset), the tokenizer with its chat template, the task's settings and ``ENCODING``. A second run with the
 same key reads the folder and tokenizes nothing; a changed template or setting makes another folder.
 
-    >>> samples = encoded(table, lambda row, i: encode_row(tokenizer, row, i, d), key, "sft: tokenize", features)
+    >>> samples = encoded("sft", table, d.source, tokenizer, (d.train_on, d.max_length),
+    ...                   lambda row, i: encode_row(tokenizer, row, i, d), features)
     >>> lengths = column(samples.select(train_indices), "length")
 """
 
@@ -65,19 +66,22 @@ def workers(num_proc: Optional[int], rows: int) -> Optional[int]:
     return min(cores, 16) if rows >= PARALLEL_ROWS and cores > 1 else None
 
 
-def encoded(table, encode: Callable[[dict, int], dict], key: str, what: str, features,
-            num_proc: Optional[int] = None):
-    """Every row of ``table`` through ``encode``, as a memory-mapped ``datasets.Dataset`` in the table's order.
+def encoded(task: str, table, source: str, tokenizer, settings: tuple, encode: Callable[[dict, int], dict],
+            features, num_proc: Optional[int] = None):
+    """Every row of ``table`` (read from ``source``) through ``encode``, as a memory-mapped ``datasets.Dataset`` in
+    the table's order.
 
     ``encode(row, i)`` turns row ``i`` (a dict) into a sample: a value for each column of ``features``, one of them
     ``error`` (the row's one-line refusal, or ""). A table with a refused row is never cached: its first refusal (and
     how many rows were refused) is the ConfigError.
 
-    Built once under ``<cache root>/datasets/<key>`` (one process builds, the others of a process group wait);
-    later calls with the same key read it.
+    Built once under ``<cache root>/datasets/<task>-<key>`` (one process builds, the others of a process group
+    wait); later calls with the same key read it. The key: the task, ``ENCODING``, the data, ``tokenizer`` and the
+    task's ``settings`` that shape a sample.
     """
     import datasets
 
+    key = f"{task}-" + digest(task, ENCODING, data_digest(source, table), tokenizer_digest(tokenizer), *settings)
     columns = list(features)
 
     def encode_rows(batch: dict, indices: list) -> dict:  # Dataset.map's batched form
@@ -86,7 +90,7 @@ def encoded(table, encode: Callable[[dict, int], dict], key: str, what: str, fea
 
     def build(out: Path) -> None:
         rows = table.map(encode_rows, batched=True, with_indices=True, remove_columns=table.column_names,
-                         features=features, num_proc=workers(num_proc, len(table)), desc=what,
+                         features=features, num_proc=workers(num_proc, len(table)), desc=f"{task}: tokenize",
                          cache_file_name=str(out / "samples.arrow"), new_fingerprint=key)
         refuse_bad_rows(rows)
 

@@ -14,7 +14,7 @@ import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -80,10 +80,24 @@ def validate_streaming(d, problems: list) -> None:
         problems.append(f"data.val_fraction: {d.val_fraction}; a stream holds nothing out: set it to 0")
 
 
-def streamed(d, encode):
+@dataclass(frozen=True)
+class TrainingData:
+    """What a chat task trains on and holds out, made before its model loads (a bad row is refused first): tokenized
+    into the cache, or streamed."""
+
+    train: Any
+    val: Any                            # None: nothing held out
+    length_of: Optional[Callable]       # sample index → tokens (None: the samples are packed rows already)
+    note: str                           # the set-up line's words on the data
+    stream_block: Optional[int] = None  # a stream: read a block of this many rows at a time
+
+
+def streamed(d, encode, what: str) -> TrainingData:
     """The training rows of ``data.source`` as a stream, each encoded by ``encode(row, i)`` when its block is
-    read."""
-    return streaming.StreamedRows(streaming.shards(d.source), encode, d.stream_block, d.limit)
+    read; ``what`` the rows are (conversations, pairs)."""
+    rows = streaming.StreamedRows(streaming.shards(d.source), encode, d.stream_block, d.limit)
+    return TrainingData(rows, None, rows.length, f"streaming {len(rows)} {what} from {d.source} in blocks of "
+                                                 f"{d.stream_block}", d.stream_block)
 
 
 def system_prompt_field(what: str = "prompt"):

@@ -256,10 +256,8 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
 def tokenized(tokenizer, table, d: DataConfig):
     """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
     the settings that shape a pair, and read memory-mapped from the cache afterwards."""
-    key = tables.digest("dpo", tables.ENCODING, tables.data_digest(d.source, table), tables.tokenizer_digest(tokenizer),
-                        d.max_length, d.too_long, d.system_prompt, d.text_rows)
-    return tables.encoded(table, lambda row, i: encode_row(tokenizer, row, i, d), f"dpo-{key}", "dpo: tokenize",
-                          sample_features(), d.num_proc)
+    return tables.encoded("dpo", table, d.source, tokenizer, (d.max_length, d.too_long, d.system_prompt, d.text_rows),
+                          lambda row, i: encode_row(tokenizer, row, i, d), sample_features(), d.num_proc)
 
 
 def placed(samples, split: str):
@@ -464,50 +462,41 @@ def load_rows(d: DataConfig):
     return chat.load_table(d.source, d.split)
 
 
-def build(cfg) -> Job:
-    m, d = cfg.model, cfg.data
-    tokenizer = chat.load_tokenizer(m)
-    if d.streaming:
-        return streamed_job(cfg, tokenizer)
-    samples = tokenized(tokenizer, load_rows(d), d)  # a bad row is refused before the model loads
-    model, reference = chat.tuned_model(cfg, tokenizer, lambda untuned: make_reference(cfg, untuned))
-    kind = reference.kind
-
+def tokenized_data(tokenizer, d: DataConfig) -> chat.TrainingData:
+    """The data source's pairs tokenized into the cache, split and the longer ones dropped or cut. Warns about pairs
+    whose completions are the same."""
+    samples = tokenized(tokenizer, load_rows(d), d)
     train, val, dropped_train, dropped_val = chat.parts(samples, d)
     if not len(train):
         raise ConfigError(f"data.max_length: every training pair is longer than {d.max_length} tokens")
     lengths = tables.column(train, "length")
     same = int(tables.column(train, "same").sum() + tables.column(val, "same").sum())
-    train, val = placed(train, "train"), placed(val, "val")
-    collate_fn = collate(tokenizer.pad_token_id)
-    if kind == "precomputed":
-        reference.precompute(model, {"train": train, "val": val}, collate_fn, distributed.distributed_state().device)
-    if distributed.is_main_process():
-        dropped = dropped_train + dropped_val
-        print(f"dpo: {len(samples)} pairs from {d.source}: {len(train)} train, {len(val)} held out; {dropped} longer "
-              f"than data.max_length={d.max_length} tokens dropped; {m.loss_type} loss, beta {m.beta}; reference: "
-              f"{REFERENCES[kind]}", flush=True)
-        if same:
-            print(f"warning: data.source: {same} pairs have chosen identical to rejected; kept (they add no "
-                  "gradient but count as pairs, as in TRL)", file=sys.stderr, flush=True)
-
-    return Job(
-        model=model, train_data=train, val_data=val if len(val) else None, tokenizer=tokenizer, collate_fn=collate_fn,
-        loss_fn=make_loss_fn(m, reference), count_items=count_pairs, eval_step=eval_step,
-        compute_metrics=held_out_metrics, length_of=lambda i: int(lengths[i]), save=peft_save_hook(cfg, tokenizer),
-        checkpointed=[reference] if kind == "precomputed" else [],
-    )
+    if same and distributed.is_main_process():
+        print(f"warning: data.source: {same} pairs have chosen identical to rejected; kept (they add no gradient but "
+              "count as pairs, as in TRL)", file=sys.stderr, flush=True)
+    note = (f"{len(samples)} pairs from {d.source}: {len(train)} train, {len(val)} held out; "
+            f"{dropped_train + dropped_val} longer than data.max_length={d.max_length} tokens dropped")
+    return chat.TrainingData(train, val if len(val) else None, lambda i: int(lengths[i]), note)
 
 
-def streamed_job(cfg, tokenizer) -> Job:
-    """The job of a streamed run: the same model, reference, loss and collation, its pairs read a block at a time."""
+def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
-    stream = chat.streamed(d, lambda row, i: encode_row(tokenizer, row, i, d))
+    tokenizer = chat.load_tokenizer(m)
+    # made before the model loads: a bad row is refused first
+    data = chat.streamed(d, lambda row, i: encode_row(tokenizer, row, i, d), "pairs") if d.streaming else \
+        tokenized_data(tokenizer, d)
+    train, val = placed(data.train, "train"), placed(data.val, "val") if data.val is not None else None
     model, reference = chat.tuned_model(cfg, tokenizer, lambda untuned: make_reference(cfg, untuned))
+    collate_fn = collate(tokenizer.pad_token_id)
+    if reference.kind == "precomputed":
+        reference.precompute(model, {"train": train, "val": val or []}, collate_fn,
+                             distributed.distributed_state().device)
     if distributed.is_main_process():
-        print(f"dpo: streaming {len(stream)} pairs from {d.source} in blocks of {d.stream_block}; {m.loss_type} "
-              f"loss, beta {m.beta}; reference: {REFERENCES[reference.kind]}", flush=True)
-    return Job(model=model, train_data=placed(stream, "train"), tokenizer=tokenizer,
-               collate_fn=collate(tokenizer.pad_token_id), loss_fn=make_loss_fn(m, reference),
-               count_items=count_pairs, length_of=stream.length, stream_block=d.stream_block,
-               save=peft_save_hook(cfg, tokenizer))
+        print(f"dpo: {data.note}; {m.loss_type} loss, beta {m.beta}; reference: {REFERENCES[reference.kind]}",
+              flush=True)
+    return Job(
+        model=model, train_data=train, val_data=val, tokenizer=tokenizer, collate_fn=collate_fn,
+        loss_fn=make_loss_fn(m, reference), count_items=count_pairs, eval_step=eval_step,
+        compute_metrics=held_out_metrics, length_of=data.length_of, stream_block=data.stream_block,
+        save=peft_save_hook(cfg, tokenizer), checkpointed=[reference] if reference.kind == "precomputed" else [],
+    )

@@ -592,9 +592,7 @@ def tokenized(tokenizer, rows, d: DataConfig):
 
     features = datasets.Features({"ids": datasets.List(datasets.Value("int32")), "length": datasets.Value("int32"),
                                   "error": datasets.Value("string")})
-    key = tables.digest("grpo", tables.ENCODING, tables.data_digest(d.source, rows),
-                        tables.tokenizer_digest(tokenizer), d.system_prompt)
-    return tables.encoded(rows, encode, f"grpo-{key}", "grpo: tokenize", features, d.num_proc)
+    return tables.encoded("grpo", rows, d.source, tokenizer, (d.system_prompt,), encode, features, d.num_proc)
 
 
 class Prompts(torch.utils.data.Dataset):

@@ -31,6 +31,7 @@ from finetune.packing import collate_rows
 from finetune.tasks.chat import (
     ROLES,
     ChatModelConfig,
+    TrainingData,
     answer,
     builtin_table,
     load_model,  # noqa: F401  (sft.load_model loads the chat model, as it always has)
@@ -247,10 +248,9 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
 def tokenized(tokenizer, table, d: DataConfig):
     """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
     the settings that shape a sample, and read memory-mapped from the cache afterwards."""
-    key = tables.digest("sft", tables.ENCODING, tables.data_digest(d.source, table), tables.tokenizer_digest(tokenizer),
-                        d.train_on, d.max_length, d.too_long, d.system_prompt, bool(d.pack))
-    return tables.encoded(table, lambda row, i: encode_row(tokenizer, row, i, d), f"sft-{key}", "sft: tokenize",
-                          sample_features(), d.num_proc)
+    return tables.encoded("sft", table, d.source, tokenizer,
+                          (d.train_on, d.max_length, d.too_long, d.system_prompt, bool(d.pack)),
+                          lambda row, i: encode_row(tokenizer, row, i, d), sample_features(), d.num_proc)
 
 
 def cut(sample: dict, length: int, how: str) -> Optional[dict]:
@@ -331,14 +331,10 @@ def loss_fn(model, batch):
 # the job
 
 
-def build(cfg) -> Job:
-    m, d = cfg.model, cfg.data
-    tokenizer = load_tokenizer(m)
-    if d.streaming:
-        return streamed_job(cfg, tokenizer)
-    samples = tokenized(tokenizer, load_rows(d), d)  # a bad row is refused before the model loads
-    model, _ = tuned_model(cfg, tokenizer)
-
+def tokenized_data(tokenizer, d: DataConfig, m: ModelConfig) -> TrainingData:
+    """The data source's rows tokenized into the cache, split, the longer ones dropped or cut, and packed as TRL packs
+    them when ``data.pack`` says; the held-out samples flag the first ``model.generate_prompts`` to answer."""
+    samples = tokenized(tokenizer, load_rows(d), d)
     train, val, dropped_train, dropped_val = parts(samples, d)
     if not len(train):
         raise ConfigError(f"data.max_length: every training conversation is longer than {d.max_length} tokens")
@@ -346,14 +342,27 @@ def build(cfg) -> Job:
     lengths = tables.column(train, "length")
     if d.pack:
         train = trl_packed(train, d)
-    val = tables.Tagged(val, lambda i: {"generate": i < m.generate_prompts})
+    dropped = dropped_train + dropped_val
+    note = (f"{len(samples)} conversations from {d.source}: {conversations_trained} train, {len(val)} held out; "
+            f"{dropped} longer than data.max_length={d.max_length} tokens dropped"
+            f"{f' ({dropped_train} train, {dropped_val} held out)' if dropped else ''}; loss on {d.train_on} tokens"
+            + (f"; packed as TRL ({d.pack}) into {len(train)} rows of at most {d.max_length} tokens" if d.pack
+               else ""))
+    return TrainingData(train, tables.Tagged(val, lambda i: {"generate": i < m.generate_prompts}) if len(val) else None,
+                        # TRL's packed rows are samples already: no length, so the loop neither sorts nor packs them
+                        None if d.pack else lambda i: int(lengths[i]), note)
+
+
+def build(cfg) -> Job:
+    m, d = cfg.model, cfg.data
+    tokenizer = load_tokenizer(m)
+    # made before the model loads: a bad row is refused first
+    data = streamed(d, lambda row, i: encode_row(tokenizer, row, i, d), "conversations") if d.streaming else \
+        tokenized_data(tokenizer, d, m)
+    model, _ = tuned_model(cfg, tokenizer)
+    val = data.val
     if distributed.is_main_process():
-        dropped = dropped_train + dropped_val
-        print(f"sft: {len(samples)} conversations from {d.source}: {conversations_trained} train, {len(val)} held "
-              f"out; {dropped} longer than data.max_length={d.max_length} tokens dropped"
-              f"{f' ({dropped_train} train, {dropped_val} held out)' if dropped else ''}; loss on "
-              f"{d.train_on} tokens" + (f"; packed as TRL ({d.pack}) into {len(train)} rows of at most "
-                                        f"{d.max_length} tokens" if d.pack else ""), flush=True)
+        print(f"sft: {data.note}" + (f"; loss on {d.train_on} tokens" if d.streaming else ""), flush=True)
 
     metric = load_metric("token_f1")
 
@@ -366,7 +375,7 @@ def build(cfg) -> Job:
 
     def summarize(trained, run_dir=None):
         """Answer the first held-out prompts; write the triples to ``samples.jsonl`` in the run directory."""
-        first = [val[i] for i in range(min(m.samples_saved, len(val)))]
+        first = [val[i] for i in range(min(m.samples_saved, len(val)))] if val is not None else []
         if not first:
             return {}
         texts = answer(trained, tokenizer, [s["prompt_ids"] for s in first], m.max_new_tokens)
@@ -381,27 +390,12 @@ def build(cfg) -> Job:
         return {"samples_file": "samples.jsonl"}
 
     return Job(
-        model=model, train_data=train, val_data=val if len(val) else None, tokenizer=tokenizer,
+        model=model, train_data=data.train, val_data=val, tokenizer=tokenizer,
         collate_fn=collate_any(tokenizer.pad_token_id), loss_fn=loss_fn,
         eval_step=eval_step if m.generate_prompts else None,
         compute_metrics=lambda preds, refs: metric.compute(predictions=preds, references=refs),
-        # TRL's packed rows are samples already: no length, so the loop neither sorts nor packs them again
-        length_of=None if d.pack else lambda i: int(lengths[i]),
+        length_of=data.length_of, stream_block=data.stream_block,
         val_loss_metrics=lambda loss: {"perplexity": math.exp(min(loss, 50.0))},
         summarize=summarize,
         save=peft_save_hook(cfg, tokenizer),
     )
-
-
-def streamed_job(cfg, tokenizer) -> Job:
-    """The job of a streamed run: the same model, loss and collation, its rows read a block at a time."""
-    d = cfg.data
-    train = streamed(d, lambda row, i: encode_row(tokenizer, row, i, d))
-    model, _ = tuned_model(cfg, tokenizer)
-    if distributed.is_main_process():
-        print(f"sft: streaming {len(train)} conversations from {d.source} in blocks of {d.stream_block}; loss on "
-              f"{d.train_on} tokens", flush=True)
-    return Job(model=model, train_data=train, tokenizer=tokenizer, collate_fn=collate(tokenizer.pad_token_id),
-               loss_fn=loss_fn, length_of=train.length, stream_block=d.stream_block,
-               val_loss_metrics=lambda loss: {"perplexity": math.exp(min(loss, 50.0))},
-               save=peft_save_hook(cfg, tokenizer))
