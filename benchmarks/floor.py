@@ -73,6 +73,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, nargs="*", help="only these run lengths")
     p.add_argument("--quick", action="store_true", help="two layouts per case")
+    p.add_argument("--kind", choices=["LoRA", "full"], help="only this kind of run")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast (CPU or GPU)")
     p.add_argument("--unfixed", action="store_true", help="bf16 without fp32_grad_sums and pad_to_window")
     p.add_argument("--control", action="store_true", help="also (4,2) on data with one answer changed by one word")
@@ -86,7 +87,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         tmp = args.keep or scratch
         for kind, steps, layouts in CASES:
-            if args.steps and steps not in args.steps:
+            if (args.steps and steps not in args.steps) or (args.kind and kind != args.kind):
                 continue
             layouts = layouts[:2] if args.quick else layouts
             label = f"{kind}, {steps} steps, {args.precision}" + (" unfixed" if args.unfixed else "") + \

@@ -229,6 +229,61 @@ def test_auto_micro_batch_under_injected_limit_reaches_the_same_weights(monkeypa
     assert auto["effective_batch_size"] == 12
 
 
+def test_a_probe_that_runs_out_of_memory_still_gives_a_plan(monkeypatch):
+    """The profile doubles its probe while the line would mislead; on a card that cannot hold a doubled probe the
+    out-of-memory error ends the doubling (the sizes measured already make the plan) instead of ending the run,
+    and ``batch_size: auto`` then takes the steps of the fixed micro-batch. Any other error still propagates."""
+    from finetune.config import TrainingConfig
+    from finetune.items import batch_len
+    from finetune.memory import step as step_memory
+
+    torch.manual_seed(0)
+    model, data = MLP(), regression_data(24)
+    batches = [torch.utils.data.default_collate(data[:1]), torch.utils.data.default_collate(data[:2])]
+    unlimited = step_memory.auto_profile(copy_model(model).train(), batches, TrainingConfig(), up_to=12)
+    assert [b for b, _ in unlimited.later] == [1, 2, 4, 8]  # the control: without a limit the probe doubles
+    monkeypatch.setenv("FINETUNE_FAKE_OOM_ABOVE", "2")
+    capped = step_memory.auto_profile(copy_model(model).train(), batches, TrainingConfig(), up_to=12)
+    assert [b for b, _ in capped.later] == [b for b, _ in capped.first] == [b for b, _ in capped.saved] == [1, 2]
+    kw = dict(optimizer="sgd", learning_rate=0.2, max_grad_norm=None, n_epochs=1, seed=1)
+    auto = test_fine_tuning(copy_model(model), train_data=data, batch_size="auto", effective_batch_size=12, **kw)
+    monkeypatch.delenv("FINETUNE_FAKE_OOM_ABOVE")
+    fixed = test_fine_tuning(copy_model(model), train_data=data, batch_size=2, effective_batch_size=12, **kw)
+    assert [h["micro_batch_size"] for h in auto["history"]] == [2, 2]
+    assert [h["window_hash"] for h in auto["history"]] == [h["window_hash"] for h in fixed["history"]]
+    assert rel_diff(auto["model"], fixed["model"]) <= 1e-5
+
+    real = step_memory.micro_step
+
+    def broken(model, batch, *args):
+        if batch_len(batch) > 2:
+            raise ValueError("not a memory error")
+        return real(model, batch, *args)
+
+    monkeypatch.setattr(step_memory, "micro_step", broken)
+    with pytest.raises(ValueError, match="not a memory error"):
+        step_memory.auto_profile(copy_model(model).train(), batches, TrainingConfig(), up_to=12)
+
+
+def test_the_device_budget_reads_a_cuda_device_without_an_index(monkeypatch):
+    """Accelerate names the device "cuda" without an index, and torch's per-process cap takes only an index (on an
+    H200 the cap's reader refused "cuda"): the budget asks for the current device's index. The reads are stood in
+    for here, each as strict as torch's; the cap (a quarter of the card) bounds the budget."""
+    from finetune.memory import step as step_memory
+
+    def index_only(device):
+        if not isinstance(device, int):
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        return device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (index_only(d) and 60 * 2 ** 30, 80 * 2 ** 30))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d: index_only(d) and 0.25)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: index_only(d) and 2 ** 30)
+    for device in (torch.device("cuda"), torch.device("cuda", 3)):
+        assert step_memory.device_budget(device, held=0) == 20 * 2 ** 30 * step_memory.HEADROOM
+
+
 def test_auto_micro_batch_starts_from_the_plan(monkeypatch, capsys):
     """``batch_size: auto`` starts at the largest micro-batch whose predicted step fits the device (here a budget
     between the predicted steps of 4 × 3 and 6 × 2): no out-of-memory retry, and the same weights as a run at 12."""

