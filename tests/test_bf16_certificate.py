@@ -91,3 +91,58 @@ def test_a_one_sided_shift_under_the_tolerance_is_caught():
 def test_a_run_that_did_not_train_is_said():
     assert floors.moved([{"loss": 2.0}, {"loss": 1.5}], 1e-2)
     assert not floors.moved([{"loss": 2.0}, {"loss": 2.0 + 1e-5}], 1e-2)
+
+
+def test_a_run_records_its_arithmetic(runs):
+    import json
+
+    recorded = json.loads((runs("4", 4) / "metrics.json").read_text())["arithmetic"]
+    assert recorded["device"] == "cpu" and recorded["tf32"] is False and recorded["name"]
+
+
+def planted_pair(runs, tmp_path, precision: str, device: str, tf32: bool, loss_factor: float):
+    """Run A and a byte copy of it whose every logged loss is ``loss_factor`` × A's, both at ``precision`` and
+    recorded as run on ``device`` with or without TF32: the same weights, windows and grad norms, so the loss layer
+    alone decides the verdict."""
+    import json
+    import shutil
+
+    pair = []
+    for name, factor in (("a", 1.0), ("b", loss_factor)):
+        run = shutil.copytree(runs("4", 4), tmp_path / name)
+        config = run / "config.yaml"
+        config.write_text(config.read_text().replace("mixed_precision: bf16", f"mixed_precision: '{precision}'"))
+        metrics = json.loads((run / "metrics.json").read_text())
+        metrics["arithmetic"] = {"device": device, "name": "a test device", "tf32": tf32}
+        (run / "metrics.json").write_text(json.dumps(metrics))
+        history = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+        (run / "history.jsonl").write_text("".join(json.dumps({**h, "loss": h["loss"] * factor}) + "\n"
+                                                   for h in history))
+        pair.append(run)
+    return pair
+
+
+@pytest.mark.parametrize("precision, device, tf32, factor, expected", [
+    ("no", "cuda", False, 1 + 5e-4, "differs"),      # IEEE fp32 on a GPU keeps the fp32 tolerance (1e-4)
+    ("no", "cuda", True, 1 + 5e-4, "equivalent"),    # TF32: 4 × the H200's layout noise (1.9e-4)
+    ("no", "cuda", True, 1 + 2e-3, "differs"),       # ... and not more
+    ("bf16", "cpu", False, 1 + 2e-2, "differs"),     # bf16 on the CPU: 4 × 4.2e-3
+    ("bf16", "cuda", False, 1 + 2e-2, "equivalent"),  # bf16 on the H200: 4 × 6.6e-3, which a one-word change is in
+    ("bf16", "cuda", False, 1 + 4e-2, "differs"),
+])
+def test_the_assumed_floor_follows_the_recorded_arithmetic(runs, tmp_path, capsys, precision, device, tf32, factor,
+                                                           expected):
+    a, b = planted_pair(runs, tmp_path, precision, device, tf32, factor)
+    code, verdict = compare(capsys, a, b)
+    assert verdict.startswith(f"verdict: {expected}") and code == (0 if expected == "equivalent" else 1), verdict
+    if expected == "equivalent" and device == "cuda":
+        assert "an NVIDIA H200" in verdict and "--floor TWIN" in verdict, verdict
+        assert ("one-word change" in verdict) == (precision == "bf16"), verdict
+
+
+def test_a_run_on_each_device_gets_the_wider_floor():
+    cpu, cuda = {"device": "cpu", "tf32": False}, {"device": "cuda", "tf32": False}
+    both = floors.assumed("bf16", [cpu, cuda])
+    assert both.overall == floors.assumed("bf16", [cuda]).overall != floors.assumed("bf16", [cpu]).overall
+    assert floors.assumed("bf16", [None, None]).overall == floors.assumed("bf16", [cpu]).overall  # older runs
+    assert floors.assumed("no", [cpu, cuda]).source == "fp32"

@@ -219,7 +219,8 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     optimizers = [setting(r["config"], "training.optimizer") for r in (a, b)]
     c.eight_bit = next((o for o in optimizers if o in EIGHT_BIT), None)
     fl = twin_floor(a, Path(floor), optimizers[0]) if floor is not None else \
-        floors.assumed(setting(a["config"], "training.mixed_precision") if a["config"] else None)
+        floors.assumed(setting(a["config"], "training.mixed_precision") if a["config"] else None,
+                       [r["metrics"].get("arithmetic") for r in (a, b)])
     c.qualifier = fl.note
     check_settings(c, run_settings(b["config"]), run_settings(a["config"]))
     rollouts(c, a["rollouts"], b["rollouts"])

@@ -8,9 +8,10 @@ kernels and the model, so the certificate's tolerances rest on a *floor*:
   batch, so it samples the most noise). Per layer the floor is the largest ``|A − TWIN|`` over the run, and at every
   step B may stand ``TWIN_FACTOR`` times that from A *or* from TWIN (the nearer of two references: one pair of
   layouts can sit unusually close) — never less than the fp32 tolerance. The weights likewise.
-* **assumed** (no twin): fp32 runs keep the fp32 tolerances (docs/exact-steps.md#the-certificate); bf16 / fp16 runs
-  get ``TWIN_FACTOR`` × the largest layout difference measured in bf16 on the 2-core CPU (``ASSUMED_BF16``), and the
-  verdict says that it rests on an assumed floor.
+* **assumed** (no twin): fp32 runs keep the fp32 tolerances (docs/exact-steps.md#the-certificate); bf16 / fp16 runs,
+  and fp32 runs whose matrix products ran in TF32, get ``TWIN_FACTOR`` × the largest layout difference measured in
+  that arithmetic on the runs' kind of device (``ASSUMED``: the 2-core CPU, an H200), and the verdict says that it
+  rests on an assumed floor.
 
 Beside the per-step rule, ``one_sided`` catches a shift that stays under the tolerance at every step but always has
 the same sign (a dropped or doubled term), and ``moved`` whether the loss moved beyond the tolerance at all: a run
@@ -29,12 +30,21 @@ from dataclasses import dataclass, field
 TWIN_FACTOR = 4.0
 # the fp32 tolerances (the least any floor gives): a step's loss, its grad norm and clipping, the weights
 FP32 = {"loss": 1e-4, "grad norm": 1e-3, "weights L2": 1e-4, "weights largest": 1e-5}
-# The largest difference between layouts of the sft recipe in bf16 autocast (SmolLM2, LoRA and full, 8 steps, packing
-# and the chunked head as shipped, fp32 sums and window padding on), 2-core CPU: docs/exact-steps.md#bf16, measured by
-# `python benchmarks/floor.py --precision bf16 --steps 8 --control`. Assumed, it is wide: the one-word control of
-# that table (loss 1.7e-2) sits at the edge of 4× it, which is why the verdict names it and a twin is the way to a
-# tight floor.
-ASSUMED_BF16 = {"loss": 4.2e-3, "grad norm": 1.4e-2, "weights L2": 5.2e-3, "weights largest": 8.6e-2}
+# The largest difference between layouts of the sft recipe (SmolLM2, LoRA and full, packing and the chunked head as
+# shipped, fp32 sums and window padding on), per arithmetic and the device it was measured on, by
+# `python benchmarks/floor.py --precision bf16 --steps 8 --control` (and --steps 64; TF32: the fp32 runs with
+# TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1): docs/exact-steps.md#bf16 and #on-a-gpu. Assumed, it is wide: on the CPU the
+# one-word control (loss 1.7e-2) sits at the edge of 4× it, and on the H200 inside it, which the verdict says; a
+# twin is the way to a floor of the user's own hardware.
+ASSUMED = {
+    ("bf16", "cpu"): {"loss": 4.2e-3, "grad norm": 1.4e-2, "weights L2": 5.2e-3, "weights largest": 8.6e-2},
+    ("bf16", "cuda"): {"loss": 6.6e-3, "grad norm": 8.9e-2, "weights L2": 1.9e-2, "weights largest": 1.0e-1},
+    ("tf32", "cuda"): {"loss": 1.9e-4, "grad norm": 1.7e-3, "weights L2": 1.1e-3, "weights largest": 2.7e-2},
+}
+MEASURED_ON = {"cpu": "a 2-core CPU", "cuda": "an NVIDIA H200"}
+# Where the floor is as large as a one-word change of the data, measured beside it: the verdict says so.
+WITHIN_FLOOR = {("bf16", "cuda"): "on the H200 a one-word change of the data (loss 1.5e-2 to 2.1e-2 apart) stays "
+                                  "inside this floor: equivalent rules out a wrong step, not that"}
 # at least this many steps, all of one sign, before a shift is told from noise of either sign (2^(1−n) ≤ 3 %)
 SHIFT_STEPS = 6
 
@@ -50,13 +60,38 @@ class Floor:
     twin: dict | None = None                      # the twin run read (measured floors): a second reference
 
 
-def assumed(precision: str) -> Floor:
-    """The floor without a twin: fp32's tolerances, or ``TWIN_FACTOR`` × the measured bf16 table."""
-    if precision in ("no", None, "fp32"):
+def assumed(precision: str | None, arithmetics=()) -> Floor:
+    """The floor without a twin: fp32's tolerances, or ``TWIN_FACTOR`` × the layout noise measured in this
+    arithmetic (16-bit autocast, or fp32 matrix products in TF32) on the runs' kind of device (``arithmetics``: each
+    run's record, :func:`arithmetic`; a run without one is taken as a CPU run in IEEE fp32), the wider of the two."""
+    tf32 = any((x or {}).get("tf32") for x in arithmetics)
+    kind = "tf32" if precision in ("no", None, "fp32") and tf32 else "bf16" if precision not in ("no", None, "fp32") \
+        else None
+    if kind is None:
         return Floor("fp32", dict(FP32))
-    return Floor(f"assumed {precision}", {k: max(TWIN_FACTOR * v, FP32[k]) for k, v in ASSUMED_BF16.items()},
-                 note=f"rests on an assumed {precision} floor ({TWIN_FACTOR:g} × the layout noise measured on a 2-core "
-                      f"CPU, docs/exact-steps.md#bf16); measure it on this hardware: finetune compare A B --floor TWIN")
+    devices = sorted({(x or {}).get("device", "cpu") for x in arithmetics} or {"cpu"})
+    tables = [ASSUMED.get((kind, d)) or ASSUMED[(kind, "cuda")] for d in devices]
+    name = precision if kind == "bf16" else "tf32"
+    where = " and ".join(MEASURED_ON.get(d, d) for d in devices)
+    caveat = "; ".join(WITHIN_FLOOR[(kind, d)] for d in devices if (kind, d) in WITHIN_FLOOR)
+    return Floor(f"assumed {name}", {k: max(TWIN_FACTOR * max(t[k] for t in tables), FP32[k]) for k in FP32},
+                 note=f"rests on an assumed {name} floor ({TWIN_FACTOR:g} × the layout noise measured on {where}, "
+                      f"docs/exact-steps.md#bf16){'; ' + caveat if caveat else ''}; measure it on this hardware: "
+                      "finetune compare A B --floor TWIN")
+
+
+def arithmetic(device) -> dict:
+    """What a run's rounding depends on beyond its settings, kept in its metrics.json for the floor: the kind and
+    name of the device, and whether its fp32 matrix products ran in TF32 (torch's float32 matmul precision, or
+    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``, both of which torch's flag reports)."""
+    import platform
+
+    import torch
+
+    if device.type != "cuda":
+        return {"device": device.type, "name": platform.processor() or platform.machine(), "tf32": False}
+    return {"device": "cuda", "name": torch.cuda.get_device_name(device),
+            "tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
 
 
 def measured(a_history: list, twin_history: list, weights: dict, twin_name: str) -> Floor:
