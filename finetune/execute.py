@@ -18,7 +18,6 @@ from finetune.config import RecipeConfig, flatten, result_changes
 from finetune.errors import ConfigError
 from finetune.job import Job
 from finetune.registry import task_module
-from finetune.reproduce.floor import arithmetic
 from finetune.shape import Shape, plan_shape
 
 
@@ -123,7 +122,7 @@ def execute(cfg: RecipeConfig, prepared: Prepared, on_eval=None):
     start = time.perf_counter()
     result = loop.train(job, cfg.training, shape, output, prepared.resume)
     result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name,
-                            "arithmetic": arithmetic(next(result.model.parameters()).device)}
+                            "arithmetic": outputs.arithmetic(next(result.model.parameters()).device)}
     with distributed.whole_model(result.model):  # sharded weights (ZeRO-3, FSDP2) whole on every process
         distributed.agree(lambda: outputs.write_outputs(cfg.output, job, result, out_dir, cfg.training.ema_beta),
                           main_only=True)

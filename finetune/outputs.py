@@ -160,3 +160,17 @@ def write_outputs(o, job, result, out_dir: Path, ema_beta: float) -> None:
     pad = f"; padding {1 - result.tokens / result.padded_tokens:.0%}" if result.padded_tokens else ""
     print(f"done: {result.optimizer_steps} optimizer steps in {result.extra_metrics['train_seconds']} s;"
           f" {final}{pad}; outputs in {out_dir}", flush=True)
+
+
+def arithmetic(device) -> dict:
+    """What a run's rounding depends on beyond its settings, kept in its metrics.json for the floor: the kind and
+    name of the device, and whether its fp32 matrix products ran in TF32 (torch's float32 matmul precision, or
+    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``, both of which torch's flag reports)."""
+    import platform
+
+    import torch
+
+    if device.type != "cuda":
+        return {"device": device.type, "name": platform.processor() or platform.machine(), "tf32": False}
+    return {"device": "cuda", "name": torch.cuda.get_device_name(device),
+            "tf32": bool(torch.backends.cuda.matmul.allow_tf32)}

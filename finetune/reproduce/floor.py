@@ -80,20 +80,6 @@ def assumed(precision: str | None, arithmetics=()) -> Floor:
                       "finetune compare A B --floor TWIN")
 
 
-def arithmetic(device) -> dict:
-    """What a run's rounding depends on beyond its settings, kept in its metrics.json for the floor: the kind and
-    name of the device, and whether its fp32 matrix products ran in TF32 (torch's float32 matmul precision, or
-    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``, both of which torch's flag reports)."""
-    import platform
-
-    import torch
-
-    if device.type != "cuda":
-        return {"device": device.type, "name": platform.processor() or platform.machine(), "tf32": False}
-    return {"device": "cuda", "name": torch.cuda.get_device_name(device),
-            "tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
-
-
 def measured(a_history: list, twin_history: list, weights: dict, twin_name: str) -> Floor:
     """The floor from a twin of run A: per layer, ``TWIN_FACTOR`` × the largest relative ``|A − TWIN|`` over the
     run (at least the fp32 tolerance), at every step; the weights from their distance (``weights``: layer → the
