@@ -83,8 +83,8 @@ def overrides_from_args(args) -> list[str]:
 
 def cmd_run(args) -> int:
     from finetune import distributed, runlock
-    from finetune.execute import execute, prepare
     from finetune.launch import check_processes, launch, launched_processes
+    from finetune.startup import execute, prepare
 
     if args.list_recipes:
         return cmd_ls(args)

@@ -21,6 +21,7 @@ from accelerate.utils import DistributedType
 
 from finetune.config import TrainingConfig
 from finetune.errors import ConfigError, WriteError
+from finetune.models.forward import shards_weights  # noqa: F401  (the engines' question, asked of a model)
 
 
 def has_device() -> bool:
@@ -226,13 +227,6 @@ def is_fsdp2(model) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
-
-
-def shards_weights(model) -> bool:
-    """Whether this process holds only a part of ``model``'s weights right now (ZeRO-3's partitions, FSDP2's
-    DTensor shards): a forward then needs every process (``generate(synced_gpus=True)``)."""
-    return any(str(getattr(p, "ds_status", "")).endswith("NOT_AVAILABLE") or hasattr(p, "device_mesh")
-               for p in model.parameters())
 
 
 def describe_engine(accelerator: Accelerator, model) -> str:

@@ -43,6 +43,8 @@ class Job:
         stream_block: ``train_data`` is read a block of this many consecutive samples at a time (a stream,
             ``finetune.streaming``): it is shuffled in blocks (``windows.block_order``), and set-up reads no sample
             ahead of its window.
+        windows_in_order: the task's samples must come in their own order, a window after the other (GRPO's slots
+            of a generation batch): start-up refuses ``training.shuffle`` and sorting for it, in one line.
     """
 
     model: torch.nn.Module
@@ -64,3 +66,28 @@ class Job:
     summarize: Optional[Callable] = None
     checkpointed: list = field(default_factory=list)
     stream_block: Optional[int] = None
+    windows_in_order: bool = False
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What a task's ``build(cfg, ctx)`` is told about the run it builds for, so that it never asks the loop, the
+    shape or the process group itself. A task whose ``build`` takes one argument is called as ``build(cfg)``.
+
+    Args:
+        shape: the split of the effective batch (``micro_batch``, ``accumulation``, ``processes``, ``effective``),
+            before the data is counted (its ``total_steps`` is 0).
+        processes / rank: the launch's process count and this process's rank.
+        device: where this process trains.
+        main: whether this process speaks for the run (prints, writes shared files).
+        seed: ``training.seed`` (already applied before ``build`` is called).
+        agree: ``agree(fn)`` runs ``fn`` on every process; a refusal on one stops every process alike.
+    """
+
+    shape: Any
+    processes: int
+    rank: int
+    device: torch.device
+    main: bool
+    seed: int
+    agree: Callable = field(default=lambda fn: fn(), repr=False)

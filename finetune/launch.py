@@ -37,7 +37,7 @@ def check_processes(processes) -> None:
 def launch(cfg: RecipeConfig, resume, argv: list, processes: int) -> int:
     """Check the run for ``processes`` processes, then start them, each running ``finetune <argv>`` with the output
     directory checked here. Returns the exit code: 0, or the failing workers' (2 for a refusal)."""
-    from finetune.execute import check_before_launch
+    from finetune.startup import check_before_launch
 
     out_dir = check_before_launch(cfg, resume, processes)
     return start_workers([*argv, "--set", f"output.dir={json.dumps(str(out_dir))}"], processes)

@@ -52,7 +52,7 @@ from finetune.windows import WindowSpec, stream_windows
 
 @dataclass(frozen=True)
 class Outputs:
-    """What a run writes and whom it tells; the default writes nothing. ``finetune.execute`` fills it from the
+    """What a run writes and whom it tells; the default writes nothing. ``finetune.startup`` fills it from the
     recipe's output section."""
 
     dir: Optional[Path] = None              # history.jsonl and checkpoints/ (and the trackers' files)

@@ -1,7 +1,7 @@
 """Train a recipe: ``accelerate launch -q finetune/run.py --recipe minilm-sentiment [--batch-size 8 ...]`` (``-q``:
 a bad input is the script's one ``error:`` line, without the launcher's traceback).
 
-The same as ``finetune run``: see ``finetune/cli.py`` for the flags and ``finetune/execute.py`` for what a run does.
+The same as ``finetune run``: see ``finetune/cli.py`` for the flags and ``finetune/startup.py`` for what a run does.
 """
 
 import sys

@@ -65,8 +65,8 @@ def reported_metrics(cfg) -> list:
 
     import torch
 
-    from finetune.execute import build_job
     from finetune.models.forward import compute_loss
+    from finetune.startup import build_job
 
     job = build_job(cfg)
     if job.val_data is None or len(job.val_data) == 0:
@@ -105,7 +105,7 @@ def main(args) -> int:
         raise ConfigError("search: needs optuna (pip install 'finetune[search]')") from None
     from finetune import runlock
     from finetune.config import load_recipe
-    from finetune.execute import execute, prepare
+    from finetune.startup import execute, prepare
 
     if args.trials < 1:
         raise ConfigError(f"--trials: got {args.trials}; must be >= 1")

@@ -81,7 +81,7 @@ def plan_shape(t: TrainingConfig, processes: int) -> Shape:
 
 def shape_for(job: Job, t: TrainingConfig, processes: Optional[int] = None) -> Shape:
     """``plan_shape`` then ``for_data``, for a caller that holds the job already (the Python API, the planner);
-    ``finetune.execute`` takes the same two steps apart, the first before the model is built. ``processes``: this
+    ``finetune.startup`` takes the same two steps apart, the first before the model is built. ``processes``: this
     launch's (default)."""
     if processes is None:
         from finetune.distributed import distributed_state

@@ -189,7 +189,7 @@ def test_deepspeed_refusals_come_before_the_model_and_the_run_directory(monkeypa
 
 
 def test_a_checkpoint_resumes_only_under_the_engine_that_wrote_it(monkeypatch, tmp_path):
-    from finetune.execute import check_resume_engine
+    from finetune.startup import check_resume_engine
 
     saved = lambda engine, processes=2: SimpleNamespace(path=tmp_path, engine=engine, processes=processes)  # noqa
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")

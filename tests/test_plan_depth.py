@@ -129,9 +129,9 @@ def assert_depth_prediction(cfg, config, full_job, within=0.10, only=None) -> fl
     chunked head): the step peak of ``config``'s full depth predicted from ``DEPTHS`` blocks, against the planner's
     measurement of the whole model (``full_job(variant)``) at a few shapes of an 8-sample window (``only``: the rows
     with these labels). The worst error."""
-    from finetune.execute import build_job
     from finetune.memory.plan import checkpointing_of
     from finetune.models.hf import stand_in
+    from finetune.startup import build_job
 
     with stand_in(config, meta=True):
         batches, _ = longest_batches(build_job(cfg))
@@ -164,8 +164,8 @@ def assert_depth_prediction(cfg, config, full_job, within=0.10, only=None) -> fl
 def test_a_10_block_llama_from_2_blocks_within_10_percent():
     """The rows that differ most in what a block keeps: everything saved, checkpointed, and a 4-bit base under
     bf16 compute (every row of SmolLM2's table: the slow test below)."""
-    from finetune.execute import build_job
     from finetune.models.hf import stand_in
+    from finetune.startup import build_job
 
     pytest.importorskip("bitsandbytes")
     assets = tiny_chat_assets()
@@ -186,7 +186,7 @@ def test_a_10_block_llama_from_2_blocks_within_10_percent():
 
 @pytest.mark.slow
 def test_smollm2_step_peak_from_2_blocks_within_10_percent_of_its_30():
-    from finetune.execute import build_job
+    from finetune.startup import build_job
 
     pytest.importorskip("bitsandbytes")
     cfg = load_recipe("sft-smollm2", ["data.limit=16", "training.effective_batch_size=8"])

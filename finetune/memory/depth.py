@@ -48,8 +48,8 @@ class Extrapolated:
 
     def __init__(self, cfg, config, batches: list, layout: Layout, per_process: int, meta=None):
         """``meta``: ``cfg``'s model already built on the meta device (else built here)."""
-        from finetune.execute import build_job
         from finetune.models.hf import stand_in
+        from finetune.startup import build_job
 
         self.cfg, self.config, self.batches = cfg, config, batches
         self.layout, self.per_process = layout, per_process
@@ -72,9 +72,9 @@ class Extrapolated:
     def copy(self):
         """The depth-reduced copy, built on first use: the recipe's model with ``DEPTHS[-1]`` random blocks."""
         if self._measured is None:
-            from finetune.execute import build_job
             from finetune.memory.plan import Subject, checkpointing_of
             from finetune.models.hf import stand_in
+            from finetune.startup import build_job
 
             with stand_in(self.config, layers=min(DEPTHS[-1], self.depth)):
                 job = build_job(self.cfg)
@@ -163,9 +163,9 @@ def first_blocks(model: torch.nn.Module, k: int):
 def plan_from_config(cfg, source: str, gpu: str, layout: Layout = Layout()):
     """``finetune plan`` for ``cfg`` with its model replaced by ``source``'s architecture (never built whole), per
     process of ``layout``."""
-    from finetune.execute import build_job
     from finetune.memory.plan import parse_gpu, plan_subjects, planned_window, recipe_levers, with_lever
     from finetune.models.hf import stand_in
+    from finetune.startup import build_job
 
     parse_gpu(gpu)
     config = load_architecture(source)

@@ -381,7 +381,7 @@ def training_peak(job, t) -> tuple[int, object]:
 
 def plan_recipe(cfg, gpu: str, layout: Layout = Layout()) -> Plan:
     """``finetune plan`` for a recipe whose model this machine can build: every setting measured at full depth."""
-    from finetune.execute import build_job
+    from finetune.startup import build_job
 
     parse_gpu(gpu)  # before building the model
     job = build_job(cfg)

@@ -94,3 +94,10 @@ def offload_activations(enabled: bool):
     import contextlib
 
     return torch.autograd.graph.save_on_cpu(pin_memory=True) if enabled else contextlib.nullcontext()
+
+
+def shards_weights(model) -> bool:
+    """Whether this process holds only a part of ``model``'s weights right now (ZeRO-3's partitions, FSDP2's
+    DTensor shards): a forward then needs every process (``generate(synced_gpus=True)``)."""
+    return any(str(getattr(p, "ds_status", "")).endswith("NOT_AVAILABLE") or hasattr(p, "device_mesh")
+               for p in model.parameters())

@@ -18,11 +18,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from finetune import distributed, streaming, tables
+from finetune import streaming, tables
 from finetune.config import ConfigError, PretrainedModelConfig, doc
 from finetune.data import load_local_table, split_samples
 from finetune.models import precision
-from finetune.models.forward import set_dropout
+from finetune.models.forward import set_dropout, shards_weights
 from finetune.models.hf import apply_peft, gguf_file, precision_kwargs, pretrained, resolve_model_path
 
 ROLES = ("system", "user", "assistant")
@@ -358,7 +358,7 @@ def answer(model, tokenizer, prompts: list, max_new_tokens: int) -> list[str]:
     # whole weights (after the run) let one process generate alone
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                          generation_config=generation_config(model, tokenizer, max_new_tokens),
-                         synced_gpus=distributed.shards_weights(model))
+                         synced_gpus=shards_weights(model))
     model.train(was_training)
     return [tokenizer.decode(row[longest:], skip_special_tokens=True).strip() for row in out]
 

@@ -43,6 +43,7 @@ from finetune import distributed, tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import split_samples
 from finetune.job import Job
+from finetune.models.forward import shards_weights
 from finetune.models.hf import peft_save_hook
 from finetune.seeding import permutation, step_seed
 from finetune.shape import plan_shape
@@ -424,7 +425,7 @@ class Generator:
         (ZeRO-3, FSDP2) every process generates every chunk: each decoding step gathers weights from all of them."""
         state = distributed.distributed_state()
         device, world, rank = state.device, state.num_processes, state.process_index
-        if distributed.shards_weights(self.model):
+        if shards_weights(self.model):
             world, rank = 1, 0
         starts = list(range(0, len(chosen), self.m.generation_chunk))
         mine = starts[rank::world]
@@ -480,7 +481,7 @@ class Generator:
             ids[i, longest - len(p["ids"]):] = torch.as_tensor(p["ids"])
             mask[i, longest - len(p["ids"]):] = 1
         out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen,
-                                  synced_gpus=distributed.shards_weights(self.model)).cpu()
+                                  synced_gpus=shards_weights(self.model)).cpu()
         ends = set(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])
         samples = []
         for row, p in zip(out, [p for p in prompts for _ in range(self.layout.group)]):

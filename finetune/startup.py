@@ -16,17 +16,36 @@ import yaml
 from finetune import checkpoint, distributed, durable, loop, outputs, runlock
 from finetune.config import RecipeConfig, flatten, result_changes
 from finetune.errors import ConfigError
-from finetune.job import Job
+from finetune.job import Job, TaskContext
 from finetune.registry import task_module
 from finetune.shape import Shape, plan_shape
 
 
-def build_job(cfg: RecipeConfig) -> Job:
-    """Seed, then build the recipe's task (model init of new heads is part of the reproduction)."""
+def build_job(cfg: RecipeConfig, shape: Optional[Shape] = None) -> Job:
+    """Seed, then build the recipe's task (model init of new heads is part of the reproduction), telling it the run
+    (``TaskContext``; ``shape``: the run's split, by default this launch's split of the recipe's batch)."""
     from accelerate.utils import set_seed
 
     set_seed(cfg.training.seed)
-    return task_module(cfg.task).build(cfg)
+    state = distributed.distributed_state()
+    shape = shape or plan_shape(cfg.training, state.num_processes)
+    ctx = TaskContext(shape=shape, processes=state.num_processes, rank=state.process_index, device=state.device,
+                      main=distributed.is_main_process(), seed=cfg.training.seed, agree=distributed.agree)
+    build = task_module(cfg.task).build
+    return build(cfg, ctx) if takes_context(build) else build(cfg)
+
+
+def takes_context(build) -> bool:
+    """Whether a task's ``build`` takes the context as well as the recipe (``build(cfg, ctx)``); one written for
+    ``build(cfg)`` keeps working."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(build).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
 def output_dir_for(cfg: RecipeConfig, resume: Optional[str] = None) -> Path:
@@ -132,7 +151,7 @@ def execute(cfg: RecipeConfig, prepared: Prepared, on_eval=None):
 def build_checked(cfg: RecipeConfig, prepared: Prepared) -> tuple[Job, Shape]:
     """The job, and the run's shape over its data (checked against it: data the settings can't use; a resumed run
     that is already complete)."""
-    job = build_job(cfg)
+    job = build_job(cfg, prepared.shape)
     if distributed.engine() == "deepspeed":  # before the run's directory holds anything
         distributed.check_deepspeed({}, None, len(job.param_groups or [job.model]), cfg.training.on_nonfinite)
     shape = prepared.shape.for_data(job, cfg.training)
