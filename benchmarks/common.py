@@ -6,7 +6,8 @@ The peers are the loops a user would otherwise write or use:
 * ``run_accelerate`` — Accelerate's documented pattern: a prepared DataLoader, ``with accelerator.accumulate(model)``,
   ``accelerator.backward(loss)``, clip on sync steps, step / schedule / zero_grad every micro-batch.
 * ``run_trainer`` — 🤗 ``Trainer`` with ``gradient_accumulation_steps``.
-* ``run_finetune`` — ``finetune.loop.train`` (the loop the CLI and ``test_fine_tuning`` use).
+* ``run_finetune`` — ``finetune.startup.train_job``: start-up's stages and the loop, as the CLI and
+  ``test_fine_tuning`` run them.
 
 Each trains the model it is given (pass a copy) and returns a :class:`Run`: the clocks when every optimizer step
 starts (its window's micro-batches fetched or about to be) and when training ends, the samples and the real / padded
@@ -47,13 +48,12 @@ import transformers  # noqa: E402
 from accelerate.utils import send_to_device  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from finetune import loop  # noqa: E402
+from finetune import loop, startup  # noqa: E402
 from finetune.config import TrainingConfig  # noqa: E402
 from finetune.distributed import restart_accelerate_state  # noqa: E402
 from finetune.job import Job  # noqa: E402
 from finetune.optim import make_optimizer  # noqa: E402
 from finetune.reproduce import compare  # noqa: E402
-from finetune.shape import shape_for  # noqa: E402
 from finetune.steps import token_counts  # noqa: E402
 from finetune.windows import batch_len, membership_hash  # noqa: E402
 
@@ -150,12 +150,11 @@ def smollm2_chat(n: int, tiny: bool = False, seed: int = 0):
 
     from finetune.config import load_recipe
     from finetune.models.hf import apply_peft
-    from finetune.tasks import sft
 
     cfg = load_recipe("sft-smollm2", [f"data.limit={n}"])
     torch.manual_seed(seed)
     with quiet():  # the task's set-up line
-        job = sft.build(cfg)
+        job = startup.build_task(cfg)
     model, tokenizer = job.model, job.tokenizer
     samples = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in job.train_data]
     if tiny:
@@ -461,7 +460,7 @@ def run_finetune(model, data, collate, b: int, n: int, *, lr: float, epochs: int
     job = Job(model=model, train_data=data, collate_fn=collate,
               length_of=(lambda i: lengths[i]) if lengths is not None else None,
               before_window=lambda state: run.starts.append(clocks()))  # after the window's micro-batches are fetched
-    result = loop.train(job, t, shape_for(job, t), loop.Outputs(banner=False))
+    result = startup.train_job(job, t, loop.Outputs(banner=False))
     run.end = clocks()
     t_end = run.end[0]
     run.samples = [h["samples"] for h in result["history"]]

@@ -9,8 +9,9 @@ Models: the pretrained MiniLM (sequence classification) on Python-docs paragraph
 clm-pydoc recipe's GPT-2 on 128-token blocks of the Python docs; SmolLM2-135M-Instruct (the sft-smollm2 recipe's
 model) on 512-token blocks (``--quick``: 128). Every micro-batch has the same shape, so memory is a function of b.
 
-* **Peak of one optimizer step**, through finetune's loop (``plan.training_peak``: two windows of N micro-batches of
-  b samples, AdamW; the second step is the steady one): the most bytes allocated at any moment, weights included.
+* **Peak of one optimizer step**, through finetune's loop (``plan_command.training_peak``: two windows of N
+  micro-batches of b samples, AdamW; the second step is the steady one): the most bytes allocated at any moment,
+  weights included.
   On CUDA ``torch.cuda.max_memory_allocated``; on a CPU the same quantity from the allocator's own record
   (``torch.profiler`` with ``profile_memory``: every allocation and free, in order) — deterministic, unlike the
   process's RSS, which also holds the allocator's cache and the libraries.
@@ -46,14 +47,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 import torch  # noqa: E402
 
-from finetune import loop  # noqa: E402
+from finetune import (
+    loop,  # noqa: E402
+    startup,  # noqa: E402
+)
 from finetune.config import TrainingConfig  # noqa: E402
 from finetune.job import Job  # noqa: E402
 from finetune.memory.measure import PeakMeter  # noqa: E402
-from finetune.memory.plan import make_plan, training_peak  # noqa: E402
+from finetune.memory.plan import make_plan  # noqa: E402
 from finetune.memory.step import Setting  # noqa: E402
 from finetune.models.forward import enable_checkpointing  # noqa: E402
-from finetune.shape import shape_for  # noqa: E402
+from finetune.plan_command import training_peak  # noqa: E402
 
 MB = 2 ** 20
 SEQ = 128
@@ -120,7 +124,7 @@ def finetune_steps(model, data, collate, b: int, n: int, steps: int, checkpointi
     job = Job(model=model, train_data=data[:b * n * steps], collate_fn=collate, before_window=before_window)
     with C.quiet():
         t = training(b, n, steps, checkpointing, chunked)
-        return loop.train(job, t, shape_for(job, t), loop.Outputs(banner=False))
+        return startup.train_job(job, t, loop.Outputs(banner=False))
 
 
 def accelerate_steps(model, data, collate, b: int, n: int, steps: int, before_window=None) -> None:
@@ -377,13 +381,13 @@ def finetune_clocked(model, data, collate, t: TrainingConfig) -> list:
     job = Job(model=model, train_data=data[:t.batch_size * t.gradient_accumulation_steps * t.max_steps],
               collate_fn=collate, before_window=lambda state: marks.append(C.clocks()))
     with C.quiet():
-        loop.train(job, t, shape_for(job, t), loop.Outputs(banner=False))
+        startup.train_job(job, t, loop.Outputs(banner=False))
     return step_times([*marks, C.clocks()])
 
 
 def metered_steps(model, data, collate, t: TrainingConfig) -> tuple[int, list]:
     """(the most bytes allocated at any moment of ``loop.train``, weights included as ``weight_bytes`` counts them;
-    each step's (wall, CPU) seconds). ``plan.training_peak`` with the 4-bit quantization state counted among the
+    each step's (wall, CPU) seconds). ``plan_command.training_peak`` with the 4-bit quantization state counted among the
     weights."""
     held = weight_bytes(model)
     with PeakMeter(C.DEVICE) as meter:

@@ -59,8 +59,7 @@ def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, coll
     """
     from accelerate.utils import set_seed
 
-    from finetune import distributed, loop, outputs
-    from finetune.shape import shape_for
+    from finetune import distributed, loop, outputs, startup
 
     if train_data is None:
         raise ConfigError("train_data: required (a torch Dataset, a datasets.Dataset or a list of dicts)")
@@ -73,9 +72,8 @@ def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, coll
     log_with = None
     if use_wandb:
         log_with = "wandb" if use_wandb is True else use_wandb
-    distributed.check_environment(t)
-    shape = shape_for(job, t)  # as a recipe run computes it
-    result = loop.train(job, t, shape, loop.Outputs(dir=output_dir, tracker=log_with, settings=dataclasses.asdict(t)))
+    # the three stages of a recipe run, from the job the caller's objects make
+    result = startup.train_job(job, t, loop.Outputs(dir=output_dir, tracker=log_with, settings=dataclasses.asdict(t)))
     if output_dir is not None and distributed.is_main_process():
         outputs.write_metrics(result, output_dir)
     return result

@@ -48,6 +48,25 @@ CONFIG = "config.yaml"
 # save
 
 
+@dataclass(frozen=True)
+class Checkpointer:
+    """Where and when a run saves, built once at start-up (``startup.assemble``): every ``every`` optimizer steps
+    and after the last, into ``<dir>/checkpoints``, keeping ``keep``; nothing without ``every`` or ``dir``."""
+
+    dir: Optional[Path]
+    every: Optional[int]
+    keep: int = 2
+    settings: Optional[dict] = None   # the run's config.yaml, which a resumed run is compared with
+    meta: Optional[dict] = None       # manifest entries: the effective batch, the engine that writes the files
+
+    def save_if_due(self, accelerator, state: TrainState, schedulers, total_steps: int) -> Optional[Path]:
+        """Save after ``state.optimizer_step`` when it is due; every process calls it (a collective when due)."""
+        done = state.optimizer_step >= total_steps
+        if not self.every or self.dir is None or not (done or state.optimizer_step % self.every == 0):
+            return None
+        return save_checkpoint(accelerator, state, self.dir, schedulers, self.settings, self.keep, self.meta)
+
+
 def save_checkpoint(accelerator, state: TrainState, run_dir, schedulers=None, settings: dict | None = None,
                     keep: int = 2, meta: dict | None = None) -> Path:
     """Save everything that resumes the run after ``state.optimizer_step``, with the run's ``settings`` (its
@@ -217,6 +236,58 @@ def read(path: Path) -> Saved:
     return Saved(path=path, step=int(manifest["step"]), processes=manifest.get("processes"),
                  effective_batch_size=manifest.get("effective_batch_size"), engine=manifest.get("engine", "ddp"),
                  state=state, settings=settings)
+
+
+def check_resume(saved: Saved, settings: dict, shape) -> list[str]:
+    """Whether the checkpoint ``saved`` can continue the run whose recipe is ``settings`` (its ``to_dict()``) in
+    ``shape``, and what to say.
+
+    The windows depend on the seed and the effective batch only, so any micro-batch and any number of processes
+    continue the same run as long as ``b × N × processes`` is the checkpoint's effective batch (elastic resume).
+    Another effective batch is refused — unless ``training.scale_lr`` says the run is meant to change batch, and
+    then only at an epoch boundary (mid-epoch the remaining windows would not cover the epoch's samples).
+    Returns lines to print: settings that change the result, and a changed process layout."""
+    from finetune.config import result_changes
+
+    new = flatten(settings)
+    scale_lr, effective, processes = new.get("training.scale_lr", "none"), shape.effective, shape.processes
+    notes = []
+    if saved.effective_batch_size not in (None, effective):
+        mid_epoch = saved.state.next_window != 0
+        if scale_lr == "none" or mid_epoch:
+            why = "mid-epoch the remaining windows would not be the epoch's samples" if scale_lr != "none" \
+                else "or set training.scale_lr to change the batch on purpose, at an epoch boundary"
+            raise ConfigError(f"resume: the checkpoint's effective batch is {saved.effective_batch_size}, this run's "
+                              f"{shape.micro_batch} × {shape.accumulation} × {processes} = {effective}; "
+                              f"give a micro-batch and N whose product with the processes is "
+                              f"{saved.effective_batch_size} ({why})")
+        notes.append(f"warning: resuming with another effective batch ({saved.effective_batch_size} → {effective}): "
+                     "the steps from here are not the baseline's")
+    old = saved.settings
+    changed = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in result_changes(old, new)]
+    if changed:
+        notes.append("warning: resuming with settings that change the result: " + ", ".join(changed))
+    check_resume_engine(saved, processes)
+    if saved.processes not in (None, processes):
+        notes.append(f"resume: saved on {saved.processes} process{'es' if saved.processes > 1 else ''}, continuing "
+                     f"on {processes} with the same windows (effective batch {effective}); random draws made per "
+                     "process (dropout) cannot replay the same masks on another layout — the rest is exact")
+    return notes
+
+
+def check_resume_engine(saved: Saved, processes: int) -> None:
+    """A checkpoint written by a sharding engine holds its model and optimizer state in that engine's files, split
+    per process: it resumes under the same engine (and ZeRO stage) on the same number of processes. Between DDP and
+    one process any layout resumes (elastic)."""
+    engine = distributed.launch_engine()
+    if saved.engine != engine:
+        raise ConfigError(f"resume: checkpoint {saved.path} was written under {saved.engine}, this launch is "
+                          f"{engine}; resume it with the launch config it was saved with (a DeepSpeed checkpoint's "
+                          "zero_to_fp32.py writes its weights whole)")
+    if saved.engine != "ddp" and saved.processes not in (None, processes):
+        raise ConfigError(f"resume: checkpoint {saved.path} was written by {saved.engine} on {saved.processes} "
+                          f"processes; it resumes on {saved.processes} (its state is split per process), not "
+                          f"{processes}")
 
 
 def load_checkpoint(accelerator, saved: Saved, schedulers=None) -> TrainState:

@@ -84,7 +84,7 @@ def overrides_from_args(args) -> list[str]:
 def cmd_run(args) -> int:
     from finetune import distributed, runlock
     from finetune.launch import check_processes, launch, launched_processes
-    from finetune.startup import execute, prepare
+    from finetune.startup import check, run_recipe
 
     if args.list_recipes:
         return cmd_ls(args)
@@ -99,7 +99,7 @@ def cmd_run(args) -> int:
     if (args.processes or 1) > 1 and launched_processes() == 1:  # start the processes, then each runs the rest
         return launch(cfg, args.resume, args.argv, args.processes)
     try:
-        execute(cfg, prepare(cfg, args.resume))  # prepare takes the run directory's lock (main process)
+        run_recipe(cfg, check(cfg, args.resume))  # check takes the run directory's lock (main process)
     finally:
         runlock.release_all()
     return 0
@@ -168,9 +168,9 @@ def cmd_plot(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from finetune.memory import command
+    from finetune import plan_command
 
-    return command.main(args)
+    return plan_command.main(args)
 
 
 def cmd_search(args) -> int:
@@ -180,8 +180,7 @@ def cmd_search(args) -> int:
 
 
 def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
-    from finetune import search
-    from finetune.memory import command
+    from finetune import plan_command, search
 
     p = _Parser(prog=prog, description="Reproduce a big-batch fine-tuning baseline with exact accumulation.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
@@ -214,7 +213,7 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="redraw a run's loss / lr / grad-norm PNGs")
     pl.add_argument("run")
     pl.set_defaults(func=cmd_plot)
-    command.add_arguments(sub.add_parser("plan", help="memory plan for a recipe on a GPU size"))
+    plan_command.add_arguments(sub.add_parser("plan", help="memory plan for a recipe on a GPU size"))
     sub.choices["plan"].set_defaults(func=cmd_plan)
     search.add_arguments(sub.add_parser("search", help="optuna search over recipe fields"))
     sub.choices["search"].set_defaults(func=cmd_search)

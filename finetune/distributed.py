@@ -19,7 +19,6 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType
 
-from finetune.config import TrainingConfig
 from finetune.errors import ConfigError, WriteError
 from finetune.models.forward import shards_weights  # noqa: F401  (the engines' question, asked of a model)
 
@@ -58,7 +57,7 @@ def launch_engine() -> str:
     return name or "ddp"
 
 
-def _use_cpu_flag() -> bool:
+def use_cpu_flag() -> bool:
     """The launch config's ``use_cpu`` (Accelerate then makes every process a CPU process, whatever else it asks)."""
     return os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("true", "1", "yes")
 
@@ -86,34 +85,6 @@ def is_main_process() -> bool:
     rank, so the answer is Accelerate's ``is_main_process``. Asking creates nothing, so it holds before the process
     group exists too: in a refusal before set-up, or in a task's ``build``."""
     return int(os.environ.get("RANK", "0")) == 0
-
-
-def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
-    """Refuse, naming the setting, what this machine cannot run (fail at set-up, not mid-run)."""
-    if tracker not in (None, "none"):
-        import importlib.util
-
-        if importlib.util.find_spec(tracker) is None:
-            raise ConfigError(f"output.tracker: {tracker} is not installed (pip install {tracker}); "
-                              "or set output.tracker=none")
-    if t.mixed_precision == "fp16" and not torch.cuda.is_available():  # Accelerate would silently train in fp32
-        raise ConfigError("training.mixed_precision: fp16 needs a CUDA device; use bf16 or no on this machine")
-    if t.activation_offloading and not torch.cuda.is_available():
-        raise ConfigError("training.activation_offloading: moves activations from GPU to host memory and needs CUDA; "
-                          "on this machine there is no device memory to save")
-    check_sharding_launch()
-    if engine() == "deepspeed":
-        check_deepspeed(launch_deepspeed_config(), t.max_grad_norm, None, t.on_nonfinite)
-
-
-def check_sharding_launch() -> None:
-    """Refuse an FSDP launch that would silently not shard. Accelerate starts its FSDP plugin only on GPUs: with
-    ``use_cpu: true``, or without a GPU, each process trains on its own, unsynchronised, and exits 0 with a wrong
-    step. (DeepSpeed's launch ignores ``use_cpu``; finetune runs it on the CPU over gloo when there is no GPU.)"""
-    if engine() == "fsdp" and (_use_cpu_flag() or not has_device()):
-        raise ConfigError("accelerate config: FSDP does not shard here (with use_cpu: true or without a GPU, "
-                          "Accelerate's FSDP leaves each process training alone); run it on GPUs with use_cpu: "
-                          "false, or on the CPU use accelerate_configs/deepspeed_zero3.yaml (DeepSpeed over gloo)")
 
 
 def distributed_state() -> PartialState:
@@ -262,12 +233,12 @@ def _fsdp2_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def configure_deepspeed(accelerator: Accelerator, micro_batch: int, optims: list, on_nonfinite: str = "stop") -> None:
+def configure_deepspeed(accelerator: Accelerator, micro_batch: int, optims: list) -> None:
     """Before ``accelerator.prepare`` under DeepSpeed, say in its config what finetune's recipe decides:
 
     * the micro-batch: DeepSpeed sizes its engine from it, which Accelerate reads off a prepared DataLoader; finetune
       prepares none (its windows are its own);
-    * no accumulation of DeepSpeed's own (``check_deepspeed``);
+    * no accumulation of DeepSpeed's own (refused at start-up otherwise: ``startup.check_deepspeed``);
     * the clipping: ``training.max_grad_norm`` (None or 0: none, which DeepSpeed spells 0). Accelerate drops a
       falsy ``gradient_clipping`` from its config and then fills in 1.0, so a run that asked for no clipping would
       be clipped.
@@ -275,39 +246,9 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int, optims: list
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     plugin = accelerator.deepspeed_plugin
-    check_deepspeed(plugin.deepspeed_config, optims[0].max_grad_norm if optims else None, len(optims), on_nonfinite)
     if plugin.is_auto("train_micro_batch_size_per_gpu"):
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
     plugin.deepspeed_config["gradient_clipping"] = deepspeed_clipping(optims[0].max_grad_norm)
-
-
-def check_deepspeed(config: dict, max_grad_norm: Optional[float], optimizers: Optional[int],
-                    on_nonfinite: str) -> None:
-    """Refuse what DeepSpeed would run differently from the recipe: its own accumulation (finetune tells the
-    engine where each window ends, and a DeepSpeed N > 1 would divide every loss by N once more), a clipping other
-    than the recipe's (refused rather than silently overruled), its own optimizer or schedule, a second optimizer,
-    and skipping a window. ``optimizers``: None before the task is built. Checked at set-up, before a model is
-    built (``check_environment``), and again with the optimizers (``configure_deepspeed``)."""
-    if optimizers not in (None, 1):
-        raise ConfigError(f"accelerate config: DeepSpeed drives one model and one optimizer; this task trains "
-                          f"{optimizers} optimizers (use DDP: accelerate_configs/multi_gpu.yaml or multi_cpu_2.yaml)")
-    if on_nonfinite == "skip":  # the engine steps inside the window's last backward, before finetune sees the norm
-        raise ConfigError("training.on_nonfinite: skip cannot drop a window under DeepSpeed (its engine steps inside "
-                          "backward); use stop")
-    for section in ("optimizer", "scheduler"):
-        if section in config:
-            raise ConfigError(f"deepspeed config: remove its {section!r} section (finetune builds the optimizer and "
-                              "schedule from training.optimizer and training.lr_scheduler)")
-    steps = config.get("gradient_accumulation_steps")
-    if steps not in (None, "auto", 1):
-        raise ConfigError(f"deepspeed config: gradient_accumulation_steps is {steps}; set it to 1 or auto "
-                          "(finetune accumulates each window itself: training.gradient_accumulation_steps or "
-                          "training.effective_batch_size)")
-    clip, named = deepspeed_clipping(max_grad_norm), config.get("gradient_clipping", "auto")
-    if named not in ("auto", None) and clip != "auto" and float(named) != clip:
-        raise ConfigError(f"deepspeed config: gradient_clipping is {named} but training.max_grad_norm is "
-                          f"{max_grad_norm}; remove gradient_clipping from the accelerate / DeepSpeed config "
-                          "(finetune gives DeepSpeed the recipe's clipping) or make them equal")
 
 
 def launch_deepspeed_config() -> dict:

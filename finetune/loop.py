@@ -23,21 +23,15 @@ from typing import Callable, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 
 from finetune import checkpoint, distributed
-from finetune.config import TrainingConfig, flatten
-from finetune.errors import ConfigError
+from finetune.config import TrainingConfig
 from finetune.evaluation import report, run_eval
-from finetune.items import count_items, is_causal_lm
 from finetune.job import Job
 from finetune.memory.auto_batch import AutoBatch
 from finetune.memory.measure import MemoryMonitor, is_oom
-from finetune.models import precision
-from finetune.models.forward import enable_checkpointing, enable_chunked_head
-from finetune.optim import Optim, lr_scale, make_optims
-from finetune.packing import decide_packing
-from finetune.runlog import RunLog, banner
+from finetune.optim import Optim
+from finetune.runlog import RunLog
 from finetune.shape import Shape
 from finetune.state import TrainState
 from finetune.steps import (  # noqa: F401
@@ -70,8 +64,8 @@ class Outputs:
 
 @dataclass(frozen=True)
 class Run:
-    """What set-up builds for one training run; the loop only reads it (``batch_size: auto`` replaces it by one with
-    a smaller micro-batch)."""
+    """What start-up assembles for one training run (``finetune.startup.assemble``); the loop only reads it
+    (``batch_size: auto`` replaces it by one with a smaller micro-batch)."""
 
     job: Job
     t: TrainingConfig
@@ -85,6 +79,7 @@ class Run:
     monitor: MemoryMonitor
     auto: Optional[AutoBatch]         # batch_size: auto — a smaller micro-batch after an out-of-memory error
     windows: WindowSpec               # how the samples become windows (the stream, the banner)
+    checkpointer: checkpoint.Checkpointer  # where and when the run saves
     packing_note: str                 # what the banner says about packing
     head_note: str                    # what the banner says about the loss head
     pad_to_window: bool = False       # pad each micro-batch to its window's longest sample (bf16 / fp16)
@@ -143,20 +138,11 @@ class TrainResult:
 # the loop
 
 
-def train(job: Job, t: TrainingConfig, shape: Shape, output: Optional[Outputs] = None,
-          resume: Optional[checkpoint.Saved] = None, accelerator: Optional[Accelerator] = None) -> TrainResult:
-    """Train ``job`` with the settings ``t`` in ``shape`` (computed at set-up: ``shape.plan_shape(…).for_data(…)``);
-    write what ``output`` asks for (nothing by default).
-
-    Args:
-        resume: a checkpoint (``checkpoint.read``); the run continues at its next window with the same sample order
-            and random state.
-        accelerator: an Accelerator made by the caller (default: ``distributed.make_accelerator``).
-    """
-    run = setup(job, t, shape, output or Outputs(), accelerator)
-    if run.output.banner and distributed.is_main_process():
-        print(banner(run), flush=True)
-    start_trackers(run)
+def train(run: Run, resume: Optional[checkpoint.Saved] = None) -> TrainResult:
+    """Train the run start-up assembled (``finetune.startup``: its job, settings, shape, prepared model and
+    optimizers, windows and checkpointer) to its last optimizer step; ``resume``: a checkpoint (``checkpoint.read``)
+    the run continues at its next window, with the same sample order and random state."""
+    job, t = run.job, run.t
     state = start_state(run, resume)
     with RunLog(run.accelerator, run.output.dir, state, run.shape.total_steps, run.shape.effective,
                 run.output.tracker, rewrite=resume is not None) as log:
@@ -180,7 +166,8 @@ def train(job: Job, t: TrainingConfig, shape: Shape, output: Optional[Outputs] =
                 run = dataclasses.replace(run, shape=smaller, windows=run.windows.with_micro_batch(smaller))
                 windows = open_stream(run, state)
                 continue
-            norms, skipped, lrs = optimizer_step(run.accelerator, run.optims, t, state.optimizer_step + 1, window)
+            norms, skipped, lrs = optimizer_step(run.accelerator, run.optims, t.on_nonfinite,
+                                                 state.optimizer_step + 1, window)
             record = step_record(run, state, window, result, norms, skipped, lrs)
             val = evaluate_if_due(run, record, last_of_epoch=window.index == epoch_windows - 1)
             record = {**record, **val_columns(val), "seconds": log.lap()}  # whole before it is stored
@@ -191,83 +178,7 @@ def train(job: Job, t: TrainingConfig, shape: Shape, output: Optional[Outputs] =
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# set-up
-
-
-def setup(job: Job, t: TrainingConfig, shape: Shape, output: Outputs, accelerator: Optional[Accelerator]) -> Run:
-    """Make the Accelerator, prepare the model and optimizers, settle how the samples become windows."""
-    if accelerator is None:
-        accelerator = distributed.make_accelerator(t.mixed_precision, log_with=output.tracker,
-                                                   project_dir=str(output.dir) if output.dir else None)
-    torch.backends.cudnn.benchmark = t.cudnn_benchmark
-
-    model = job.model
-    model.train()  # from_pretrained returns a model in eval mode: dropout would silently stay off
-    precision.prepare_quantized(model)  # bitsandbytes-quantized weights: adapters only, and no CPU repacking
-    low_precision = t.mixed_precision != "no"
-    if low_precision and t.fp32_grad_sums:  # N micro-batches add the fp32 sum the big batch takes
-        precision.sum_weight_grads_in_fp32(model)
-    if t.gradient_checkpointing:
-        enable_checkpointing(model, job.enable_checkpointing)
-    head_note = enable_chunked_head(model, t.chunked_loss) if job.loss_fn is None or t.chunked_loss else \
-        "plain (the job computes its own loss)"
-    # Schedulers are not passed to accelerator.prepare: a prepared scheduler steps num_processes times per
-    # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
-    # process, so each raw scheduler is stepped exactly once per optimizer step.
-    optims = make_optims(model, job.param_groups, t, shape.total_steps, lr_scale(t, shape.effective))
-    distributed.agree(lambda: distributed.configure_deepspeed(accelerator, shape.micro_batch, optims,
-                                                              t.on_nonfinite))  # all refuse
-    model, prepared = prepare(accelerator, model, [o.optimizer for o in optims])
-    checkpoint.keep_task_state(accelerator, job.checkpointed)  # e.g. precomputed reference log-probs
-    for o, p in zip(optims, prepared):
-        o.optimizer = p
-    causal = is_causal_lm(model)
-    pack_length_of, packing_note = decide_packing(t.packing, accelerator.unwrap_model(model), job.train_data,
-                                                  job.length_of, job.loss_fn)
-    if t.max_tokens_per_micro_batch and not (job.length_of or pack_length_of):
-        raise ConfigError("training.max_tokens_per_micro_batch: this task gives no sample lengths (Job.length_of)")
-    if distributed.is_fsdp2(model) and accelerator.distributed_type != DistributedType.FSDP and output.save_every:
-        raise ConfigError("output.save_every: checkpoints of a model the task sharded itself (fully_shard) are not "
-                          "written; set output.save_every=null, or launch with accelerate_configs/fsdp.yaml (GPUs)")
-    if job.stream_block is not None and pack_length_of and not t.pack_length:  # rows as long as the longest sample:
-        pack_length_of, packing_note = None, STREAM_UNPACKED  # a stream's is not known ahead
-    auto = AutoBatch(accelerator, model) if shape.auto else None
-    if auto is not None:
-        shape = auto.plan(shape, job, t)
-    capacity = (t.pack_length or max(map(pack_length_of, range(len(job.train_data))))) if pack_length_of else None
-    return Run(job=job, t=t, shape=shape, output=output, accelerator=accelerator, model=model,
-               forward_model=torch.compile(model, mode=t.compile_mode) if t.compile else model, optims=optims,
-               counter=job.count_items or (lambda b: count_items(b, t.items, causal)),
-               monitor=MemoryMonitor(accelerator.device), auto=auto,
-               windows=WindowSpec.of(t, shape, len(job.train_data), job.length_of, pack_length_of, capacity,
-                                     job.stream_block),
-               packing_note=packing_note, head_note=head_note,
-               pad_to_window=low_precision and t.pad_to_window and not pack_length_of
-               and not t.max_tokens_per_micro_batch)
-
-
-STREAM_UNPACKED = "off (a stream's longest sample is not known ahead: training.pack_length packs it)"
-
-
-def prepare(accelerator: Accelerator, model, optimizers: list) -> tuple:
-    """``accelerator.prepare`` the model and optimizers. A model the task already sharded with ``fully_shard``
-    (FSDP2 on a device mesh) is trained as it is: wrapped in DDP it would be synchronised twice."""
-    if distributed.is_fsdp2(model):
-        return model, list(accelerator.prepare(*optimizers)) if len(optimizers) > 1 else \
-            [accelerator.prepare(*optimizers)]
-    model, *prepared = accelerator.prepare(model, *optimizers)
-    return model, prepared
-
-
-def start_trackers(run: Run) -> None:
-    if run.output.tracker is None:
-        return
-    scalars = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
-               for k, v in flatten(run.output.settings or {}, sep="/").items()}  # trackers take nothing else
-    run.accelerator.init_trackers("finetune", config={
-        **scalars, "config/effective_batch_size": run.shape.effective,
-        "config/gradient_accumulation_steps": run.shape.accumulation,
-        "config/physical_batch_size": run.shape.micro_batch})
+# the run's start
 
 
 def start_state(run: Run, resume: Optional[checkpoint.Saved]) -> TrainState:
@@ -346,14 +257,9 @@ def advance(state: TrainState, record: dict, val: Optional[dict], window, epoch_
 def after_step(run: Run, state: TrainState) -> None:
     """The task's hook, then the checkpoint — in this order, so that a checkpoint holds everything up to it and a
     resumed run repeats nothing."""
-    output = run.output
     if run.job.after_step is not None:
         run.job.after_step(state, run.accelerator.unwrap_model(run.model))
-    done = state.optimizer_step >= run.shape.total_steps
-    if output.save_every and output.dir is not None and (done or state.optimizer_step % output.save_every == 0):
-        checkpoint.save_checkpoint(run.accelerator, state, output.dir, run.schedulers, output.settings,
-                                   output.keep_checkpoints, meta={"effective_batch_size": run.shape.effective,
-                                                                         "engine": distributed.launch_engine()})
+    run.checkpointer.save_if_due(run.accelerator, state, run.schedulers, run.shape.total_steps)
 
 
 def evaluate(run: Run, step: int, epoch: int) -> dict:

@@ -65,6 +65,14 @@ def lr_scale(t: TrainingConfig, effective: int) -> float:
     return ratio if t.scale_lr == "linear" else math.sqrt(ratio)
 
 
+def group_settings(param_groups, t: TrainingConfig) -> dict:
+    """name → the training settings of each optimizer a job's ``param_groups`` make (``t`` with the group's
+    overrides), or {"model": t} for one optimizer over the whole model."""
+    groups = param_groups or {"model": {}}
+    return {name: dataclasses.replace(t, **{k: v for k, v in spec.items() if k != "params"})
+            for name, spec in groups.items()}
+
+
 def make_optims(model: torch.nn.Module, param_groups, t: TrainingConfig, total_steps: int,
                 scale: float = 1.0) -> list[Optim]:
     """One Optim per ``param_groups`` entry (name → {"params": …, TrainingConfig overrides}), else one over the
@@ -74,8 +82,7 @@ def make_optims(model: torch.nn.Module, param_groups, t: TrainingConfig, total_s
 
     groups = param_groups or {"model": {"params": model.parameters()}}
     optims = []
-    for name, spec in groups.items():
-        tg = dataclasses.replace(t, **{k: v for k, v in spec.items() if k != "params"})
+    for (name, spec), tg in zip(groups.items(), group_settings(param_groups, t).values()):
         tg = dataclasses.replace(tg, learning_rate=tg.learning_rate * scale)
         params = [p for p in spec["params"] if p.requires_grad]
         optimizer = make_optimizer(params, tg)

@@ -105,7 +105,7 @@ def main(args) -> int:
         raise ConfigError("search: needs optuna (pip install 'finetune[search]')") from None
     from finetune import runlock
     from finetune.config import load_recipe
-    from finetune.startup import execute, prepare
+    from finetune.startup import check, run_recipe
 
     if args.trials < 1:
         raise ConfigError(f"--trials: got {args.trials}; must be >= 1")
@@ -141,7 +141,7 @@ def main(args) -> int:
                     raise optuna.TrialPruned()
 
         try:  # each trial is a normal run: checked, in its own locked directory
-            result = execute(cfg, prepare(cfg), on_eval=report)
+            result = run_recipe(cfg, check(cfg), on_eval=report)
         finally:
             runlock.release(trial_dir)
         value = (result["final_metrics"] or {}).get(args.metric)

@@ -1,5 +1,20 @@
-"""Run a validated recipe: pick the output directory, build the task's job, train it through the shared loop, write
-what the run leaves behind. The command line (``finetune.cli``) and the search (``finetune.search``) both call it.
+"""Start-up: everything between a validated recipe (or the Python API's objects, or the planner) and the first step,
+in three stages, each returning one frozen record. Every refusal before the first step comes from here, as one line
+naming the setting (ConfigError); ``loop.train`` only trains.
+
+    checked = check(cfg, resume)     # 1. no model: the output directory and its lock, the checkpoint (read once and
+                                     #    checked), what this machine and the launch's engine config can run, the
+                                     #    split of the effective batch
+    built = build(cfg, checked)      # 2. the task's Job (seeded, told the run: ``TaskContext``), checked against
+                                     #    its data; the run's optimizer steps counted
+    run = assemble(built.job, cfg.training, built.shape, outputs)
+                                     # 3. the Accelerator, the prepared model and optimizers, the windows, the
+                                     #    checkpointer, the trackers; every refusal that needs the model
+    result = loop.train(run, checked.resume)
+
+``run_recipe`` takes stages 2 and 3 and writes the outputs (the command line, the search). The Python API, the
+planner and the benchmarks hold a Job already: ``shape_for`` (stage 1's split and stage 2's count) and
+``assemble``, or ``train_job`` for all three.
 """
 
 from __future__ import annotations
@@ -9,43 +24,65 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
+import torch
 import yaml
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
 
 from finetune import checkpoint, distributed, durable, loop, outputs, runlock
-from finetune.config import RecipeConfig, flatten, result_changes
+from finetune.config import RecipeConfig, TrainingConfig, flatten
 from finetune.errors import ConfigError
+from finetune.items import count_items, is_causal_lm
 from finetune.job import Job, TaskContext
+from finetune.memory.auto_batch import AutoBatch
+from finetune.memory.measure import MemoryMonitor
+from finetune.models import precision
+from finetune.models.forward import enable_checkpointing, enable_chunked_head
+from finetune.optim import group_settings, lr_scale, make_optims
+from finetune.packing import decide_packing
 from finetune.registry import task_module
-from finetune.shape import Shape, plan_shape
+from finetune.runlog import banner
+from finetune.shape import Shape
+from finetune.windows import WindowSpec, windows_per_epoch
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. checks that need no model
 
 
-def build_job(cfg: RecipeConfig, shape: Optional[Shape] = None) -> Job:
-    """Seed, then build the recipe's task (model init of new heads is part of the reproduction), telling it the run
-    (``TaskContext``; ``shape``: the run's split, by default this launch's split of the recipe's batch)."""
-    from accelerate.utils import set_seed
+@dataclass(frozen=True)
+class Checked:
+    """What stage 1 settled before a model is built."""
 
-    set_seed(cfg.training.seed)
+    out_dir: Path                       # the run's output directory (locked by the main process)
+    resume: Optional[checkpoint.Saved]  # the checkpoint the run continues, or None
+    shape: Shape                        # the split of the effective batch (its steps are counted in stage 2)
+    settings: dict                      # the recipe as the run uses it: its config.yaml (written once the job is
+                                        # built), what trackers and checkpoints record
+
+
+def check(cfg: RecipeConfig, resume: Optional[str] = None) -> Checked:
+    """Stage 1, on every process: the output directory (named and locked by the main process, the same on every
+    process), what this machine and the launch's engine config can run, the split of the effective batch, and the
+    checkpoint to resume. A refusal on any process stops every process with the same error, before anything is
+    written. The lock is held until ``runlock.release_all()`` (or exit)."""
     state = distributed.distributed_state()
-    shape = shape or plan_shape(cfg.training, state.num_processes)
-    ctx = TaskContext(shape=shape, processes=state.num_processes, rank=state.process_index, device=state.device,
-                      main=distributed.is_main_process(), seed=cfg.training.seed, agree=distributed.agree)
-    build = task_module(cfg.task).build
-    return build(cfg, ctx) if takes_context(build) else build(cfg)
+    out_dir = distributed.agree(lambda: claim_output_dir(cfg, resume), main_only=True)
+    saved, shape = distributed.agree(lambda: check_run(cfg, resume, out_dir, state.num_processes,
+                                                       state.process_index))
+    return Checked(out_dir, saved, shape, as_run(cfg, shape).to_dict())
 
 
-def takes_context(build) -> bool:
-    """Whether a task's ``build`` takes the context as well as the recipe (``build(cfg, ctx)``); one written for
-    ``build(cfg)`` keeps working."""
-    import inspect
-
+def check_before_launch(cfg: RecipeConfig, resume: Optional[str], processes: int) -> Path:
+    """``finetune run --processes N`` checks here what ``check`` checks, for N processes, before it starts them;
+    returns the output directory. The lock is only tried: the workers' main process takes it for the run."""
+    out_dir = claim_output_dir(cfg, resume)
     try:
-        params = list(inspect.signature(build).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+        check_run(cfg, resume, out_dir, processes, rank=0, speak=False)  # the launched processes say the notes
+    finally:
+        runlock.release(out_dir)
+    return out_dir
 
 
 def output_dir_for(cfg: RecipeConfig, resume: Optional[str] = None) -> Path:
@@ -71,96 +108,24 @@ def claim_output_dir(cfg: RecipeConfig, resume: Optional[str] = None) -> Path:
     return out
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """What ``prepare`` settled before a model is built."""
-
-    out_dir: Path                       # the run's output directory (locked by the main process)
-    resume: Optional[checkpoint.Saved]  # the checkpoint the run continues, or None
-    shape: Shape                        # the split of the effective batch (its steps are counted once the data is)
-    settings: dict                      # the recipe as the run uses it: its config.yaml (written once the job is
-                                        # built), what trackers and checkpoints record
-
-
 def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes: int, rank: int,
               speak: bool = True) -> tuple[Optional[checkpoint.Saved], Shape]:
-    """What every process checks before a model is built: that the effective batch splits over ``processes``, the
-    checkpoint to resume, and what this machine can run. Returns (the checkpoint or None, the run's shape before
-    the data is known). With ``speak``, rank 0 prints the notes on resuming (e.g. a new effective split)."""
-    distributed.check_environment(cfg.training, cfg.output.tracker)
+    """What every process checks before a model is built: what this machine and the launch's engine config can
+    run, that the effective batch splits over ``processes``, and the checkpoint to resume. Returns (the checkpoint
+    or None, the run's shape before the data is known). With ``speak``, rank 0 prints the notes on resuming (e.g.
+    a new effective split)."""
+    check_environment(cfg.training, cfg.output.tracker)
     shape = plan_shape(cfg.training, processes)
     saved = None
     if resume is not None:
         # refuses a missing / corrupt checkpoint; every process reads the same files, so every process reaches the
         # same verdict (no one waits on a peer that refused)
         saved = checkpoint.read(checkpoint.find_checkpoint(resume, out_dir))
-        notes = check_resume(saved, cfg, shape)
+        notes = checkpoint.check_resume(saved, cfg.to_dict(), shape)
         if speak and rank == 0:
             for note in notes:
                 print(note, file=sys.stderr)
     return saved, shape
-
-
-def prepare(cfg: RecipeConfig, resume: Optional[str] = None) -> Prepared:
-    """Everything checked before a model is built: the output directory (named and locked by the main process, the
-    same on every process), the checkpoint to resume, what this machine can run, and that the effective batch
-    splits. A refusal on any process stops every process with the same error. The lock is held until
-    ``runlock.release_all()`` (or exit)."""
-    state = distributed.distributed_state()
-    out_dir = distributed.agree(lambda: claim_output_dir(cfg, resume), main_only=True)
-    saved, shape = distributed.agree(lambda: check_run(cfg, resume, out_dir, state.num_processes,
-                                                       state.process_index))
-    return Prepared(out_dir, saved, shape, as_run(cfg, shape).to_dict())
-
-
-def check_before_launch(cfg: RecipeConfig, resume: Optional[str], processes: int) -> Path:
-    """``finetune run --processes N`` checks here what ``prepare`` checks, for N processes, before it starts them;
-    returns the output directory. The lock is only tried: the workers' main process takes it for the run."""
-    out_dir = claim_output_dir(cfg, resume)
-    try:
-        check_run(cfg, resume, out_dir, processes, rank=0, speak=False)  # the launched processes say the notes
-    finally:
-        runlock.release(out_dir)
-    return out_dir
-
-
-def execute(cfg: RecipeConfig, prepared: Prepared, on_eval=None):
-    """Build the recipe's task, train it through the shared loop, write the outputs; return the loop's result.
-    ``on_eval(record)`` is called after every evaluation (a search prunes there)."""
-    main = distributed.is_main_process()
-    if not main:
-        quiet_libraries()
-    out_dir = prepared.out_dir
-    job, shape = distributed.agree(lambda: build_checked(cfg, prepared))
-    if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        durable.atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(prepared.settings, sort_keys=False))
-    output = loop.Outputs(dir=out_dir, save_every=cfg.output.save_every, keep_checkpoints=cfg.output.keep_checkpoints,
-                          tracker=None if cfg.output.tracker == "none" else cfg.output.tracker,
-                          settings=prepared.settings, on_eval=on_eval)
-    start = time.perf_counter()
-    result = loop.train(job, cfg.training, shape, output, prepared.resume)
-    result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name,
-                            "arithmetic": outputs.arithmetic(next(result.model.parameters()).device)}
-    with distributed.whole_model(result.model):  # sharded weights (ZeRO-3, FSDP2) whole on every process
-        distributed.agree(lambda: outputs.write_outputs(cfg.output, job, result, out_dir, cfg.training.ema_beta),
-                          main_only=True)
-    return result
-
-
-def build_checked(cfg: RecipeConfig, prepared: Prepared) -> tuple[Job, Shape]:
-    """The job, and the run's shape over its data (checked against it: data the settings can't use; a resumed run
-    that is already complete)."""
-    job = build_job(cfg, prepared.shape)
-    if distributed.engine() == "deepspeed":  # before the run's directory holds anything
-        distributed.check_deepspeed({}, None, len(job.param_groups or [job.model]), cfg.training.on_nonfinite)
-    shape = prepared.shape.for_data(job, cfg.training)
-    if prepared.resume is not None:
-        done = prepared.resume.step
-        if done >= shape.total_steps:
-            raise ConfigError(f"resume: the run in {prepared.out_dir} is complete ({done} of {shape.total_steps} "
-                              "optimizer steps); nothing to do (raise training.epochs or --max-steps to train further)")
-    return job, shape
 
 
 def as_run(cfg: RecipeConfig, shape: Shape) -> RecipeConfig:
@@ -171,6 +136,452 @@ def as_run(cfg: RecipeConfig, shape: Shape) -> RecipeConfig:
                                                                  gradient_accumulation_steps=shape.accumulation))
 
 
+def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
+    """Refuse, naming the setting, what this machine or the launch cannot run (fail at set-up, not mid-run)."""
+    if tracker not in (None, "none"):
+        import importlib.util
+
+        if importlib.util.find_spec(tracker) is None:
+            raise ConfigError(f"output.tracker: {tracker} is not installed (pip install {tracker}); "
+                              "or set output.tracker=none")
+    if t.mixed_precision == "fp16" and not torch.cuda.is_available():  # Accelerate would silently train in fp32
+        raise ConfigError("training.mixed_precision: fp16 needs a CUDA device; use bf16 or no on this machine")
+    if t.activation_offloading and not torch.cuda.is_available():
+        raise ConfigError("training.activation_offloading: moves activations from GPU to host memory and needs CUDA; "
+                          "on this machine there is no device memory to save")
+    check_engine_config(t)
+
+
+def plan_shape(t: TrainingConfig, processes: int) -> Shape:
+    """The split of ``t``'s effective batch over ``processes`` processes.
+
+    ``batch_size: auto`` starts from the largest candidate, the whole window in one micro-batch
+    (``finetune.memory.auto_batch`` then picks the micro-batch the planner predicts to fit).
+
+    Raises:
+        ConfigError: an effective batch that does not split into micro-batches × processes; ``batch_size: auto`` on
+            several processes.
+    """
+    if t.batch_size != "auto":
+        return Shape(t.batch_size, resolve_accumulation(t, processes), processes)
+    if processes > 1:
+        raise ConfigError("training.batch_size: auto runs on one process (an out-of-memory error on one rank "
+                          "would leave the others waiting); give a number with several processes")
+    return Shape(micro_batch=t.effective_batch_size, accumulation=1, processes=1, auto=True)
+
+
+def resolve_accumulation(t, processes: int) -> int:
+    """N from ``t.effective_batch_size`` when given (it must split exactly, and agree with an N given beside it),
+    else ``t.gradient_accumulation_steps`` (1 when null) (``t``: a TrainingConfig). With ``batch_size: auto`` the
+    loop starts at N = 1 and shrinks micro-batches."""
+    if t.batch_size == "auto":
+        return 1
+    if t.effective_batch_size is None:
+        return t.gradient_accumulation_steps or 1
+    per_step = t.batch_size * processes
+    if t.effective_batch_size % per_step:
+        raise ConfigError(
+            f"training.effective_batch_size: {t.effective_batch_size} is not a multiple of batch_size × processes "
+            f"= {t.batch_size} × {processes}; pick a batch_size that divides {t.effective_batch_size // processes}")
+    n = t.effective_batch_size // per_step
+    if t.gradient_accumulation_steps not in (None, n):
+        raise ConfigError(
+            f"training.gradient_accumulation_steps: {t.gradient_accumulation_steps} contradicts "
+            f"training.effective_batch_size {t.effective_batch_size}, which makes N = {n} with batch_size "
+            f"{t.batch_size} on {processes} process{'es' if processes > 1 else ''}; give one of them")
+    return n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1b. the launch's engine config (DeepSpeed, FSDP), as `accelerate launch` hands it to the processes
+
+
+def check_engine_config(t: TrainingConfig) -> None:
+    """Every engine setting the launch's config holds, checked in stage 1 on every process: a key or value the
+    engine would refuse later (with its own traceback, mid set-up), and what it would run differently from the
+    recipe. One line each, naming the key; nothing is written before."""
+    name = distributed.engine()
+    if name == "fsdp":
+        check_fsdp_config()
+        check_sharding_launch()
+    elif name == "deepspeed":
+        config = launch_deepspeed_config()
+        check_deepspeed_values(config)
+        check_deepspeed(config, t.max_grad_norm, None, t.on_nonfinite)
+
+
+def launch_deepspeed_config() -> dict:
+    """The launch's DeepSpeed config (``distributed.launch_deepspeed_config``); a file or field Accelerate cannot
+    read is one line."""
+    try:
+        return distributed.launch_deepspeed_config()
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        raise ConfigError(f"deepspeed config: {first_line(error)}") from None
+
+
+# the top-level entries that must be numbers (or "auto", which Accelerate fills in)
+DEEPSPEED_NUMBERS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                     "gradient_clipping")
+
+
+def check_deepspeed_values(config: dict) -> None:
+    """The ZeRO section by DeepSpeed's own schema (``DeepSpeedZeroConfig``: the stage, the offload devices, the
+    bucket sizes, unknown keys), and the top-level numbers. Entries still "auto" are Accelerate's to fill in."""
+    for key in DEEPSPEED_NUMBERS:
+        value = config.get(key, "auto")
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigError(f"deepspeed config: {key} is {value!r}; give a number or auto")
+    zero = config.get("zero_optimization")
+    if not isinstance(zero, dict):
+        raise ConfigError("deepspeed config: zero_optimization is missing; give its stage (zero_stage: 0, 1, 2 or 3 "
+                          "in the accelerate config)")
+    if zero.get("stage") not in (0, 1, 2, 3):
+        raise ConfigError(f"deepspeed config: zero_optimization.stage is {zero.get('stage')!r}; one of 0, 1, 2, 3 "
+                          "(zero_stage in the accelerate config)")
+    try:
+        import pydantic
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ImportError:  # DeepSpeed itself is not installed: Accelerate says so when it starts the engine
+        return
+    try:
+        DeepSpeedZeroConfig(**without_auto(zero))
+    except pydantic.ValidationError as error:
+        problem = error.errors()[0]
+        where = ".".join(str(x) for x in problem["loc"])
+        raise ConfigError(f"deepspeed config: zero_optimization.{where} is {problem.get('input')!r}: "
+                          f"{problem['msg']}") from None
+
+
+def without_auto(section: dict) -> dict:
+    """``section`` without its "auto" entries (Accelerate fills them in from the model), nested sections too."""
+    return {k: without_auto(v) if isinstance(v, dict) else v for k, v in section.items() if v != "auto"}
+
+
+def check_deepspeed(config: dict, max_grad_norm: Optional[float], optimizers: Optional[int],
+                    on_nonfinite: str) -> None:
+    """Refuse what DeepSpeed would run differently from the recipe: its own accumulation (finetune tells the
+    engine where each window ends, and a DeepSpeed N > 1 would divide every loss by N once more), a clipping other
+    than the recipe's (refused rather than silently overruled), its own optimizer or schedule, a second optimizer,
+    and skipping a window. ``optimizers``: None before the task is built. Checked in stage 1 with the launch's
+    config, and again in stage 3 with the optimizers and the config Accelerate prepares with."""
+    if optimizers not in (None, 1):
+        raise ConfigError(f"accelerate config: DeepSpeed drives one model and one optimizer; this task trains "
+                          f"{optimizers} optimizers (use DDP: accelerate_configs/multi_gpu.yaml or multi_cpu_2.yaml)")
+    if on_nonfinite == "skip":  # the engine steps inside the window's last backward, before finetune sees the norm
+        raise ConfigError("training.on_nonfinite: skip cannot drop a window under DeepSpeed (its engine steps inside "
+                          "backward); use stop")
+    for section in ("optimizer", "scheduler"):
+        if section in config:
+            raise ConfigError(f"deepspeed config: remove its {section!r} section (finetune builds the optimizer and "
+                              "schedule from training.optimizer and training.lr_scheduler)")
+    steps = config.get("gradient_accumulation_steps")
+    if steps not in (None, "auto", 1):
+        raise ConfigError(f"deepspeed config: gradient_accumulation_steps is {steps}; set it to 1 or auto "
+                          "(finetune accumulates each window itself: training.gradient_accumulation_steps or "
+                          "training.effective_batch_size)")
+    clip, named = distributed.deepspeed_clipping(max_grad_norm), config.get("gradient_clipping", "auto")
+    if named not in ("auto", None) and clip != "auto" and float(named) != clip:
+        raise ConfigError(f"deepspeed config: gradient_clipping is {named} but training.max_grad_norm is "
+                          f"{max_grad_norm}; remove gradient_clipping from the accelerate / DeepSpeed config "
+                          "(finetune gives DeepSpeed the recipe's clipping) or make them equal")
+
+
+# fsdp_config keys of an accelerate config (FSDP_<KEY> in the launched processes' environment) and their values
+FSDP_CHOICES = {"version": ("1", "2"), "sharding_strategy": None, "auto_wrap_policy": None,
+                "backward_prefetch": None, "state_dict_type": None}
+
+
+def check_fsdp_config() -> None:
+    """The launch's ``fsdp_config``: each named choice among Accelerate's, then the rest as Accelerate's plugin
+    reads them (a wrong value is one line naming the key, not the plugin's KeyError mid set-up)."""
+    import os
+
+    from accelerate.utils import FullyShardedDataParallelPlugin, constants
+
+    for key, allowed in FSDP_CHOICES.items():
+        value = os.environ.get(f"FSDP_{key.upper()}")
+        allowed = allowed or getattr(constants, f"FSDP_{key.upper()}")
+        if value is not None and value.upper() not in allowed and not (value.isdigit() and key != "version"):
+            raise ConfigError(f"accelerate config: fsdp_config.fsdp_{key} is {value!r}; one of "
+                              f"{', '.join(allowed)}")
+    try:
+        FullyShardedDataParallelPlugin()
+    except (ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"accelerate config: fsdp_config: {first_line(error)}") from None
+
+
+def check_sharding_launch() -> None:
+    """Refuse an FSDP launch that would silently not shard. Accelerate starts its FSDP plugin only on GPUs: with
+    ``use_cpu: true``, or without a GPU, each process trains on its own, unsynchronised, and exits 0 with a wrong
+    step. (DeepSpeed's launch ignores ``use_cpu``; finetune runs it on the CPU over gloo when there is no GPU.)"""
+    if distributed.engine() == "fsdp" and (distributed.use_cpu_flag() or not distributed.has_device()):
+        raise ConfigError("accelerate config: FSDP does not shard here (with use_cpu: true or without a GPU, "
+                          "Accelerate's FSDP leaves each process training alone); run it on GPUs with use_cpu: "
+                          "false, or on the CPU use accelerate_configs/deepspeed_zero3.yaml (DeepSpeed over gloo)")
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. the task's job
+
+
+@dataclass(frozen=True)
+class Built:
+    """What stage 2 built: the task's job, and the run's shape over its data (its optimizer steps counted)."""
+
+    job: Job
+    shape: Shape
+
+
+def build(cfg: RecipeConfig, checked: Checked) -> Built:
+    """Stage 2: the task's job, checked against its data, and the run's optimizer steps; a resumed run that is
+    already complete is refused here, before the run's directory holds anything new."""
+    job = build_job(cfg, checked.shape)
+    shape = count_steps(job, cfg.training, checked.shape)
+    if checked.resume is not None and checked.resume.step >= shape.total_steps:
+        raise ConfigError(f"resume: the run in {checked.out_dir} is complete ({checked.resume.step} of "
+                          f"{shape.total_steps} optimizer steps); nothing to do (raise training.epochs or --max-steps "
+                          "to train further)")
+    return Built(job, shape)
+
+
+def build_job(cfg: RecipeConfig, shape: Optional[Shape] = None) -> Job:
+    """Seed, then build the recipe's task (model init of new heads is part of the reproduction), telling it the run
+    (``TaskContext``; ``shape``: the run's split, by default this launch's split of the recipe's batch)."""
+    from accelerate.utils import set_seed
+
+    set_seed(cfg.training.seed)
+    return build_task(cfg, shape)
+
+
+def build_task(cfg: RecipeConfig, shape: Optional[Shape] = None) -> Job:
+    """The recipe's task's ``build``, called with the context of this launch (``build_job`` without the seed: for a
+    caller that seeds itself)."""
+    state = distributed.distributed_state()
+    shape = shape or plan_shape(cfg.training, state.num_processes)
+    ctx = TaskContext(shape=shape, processes=state.num_processes, rank=state.process_index, device=state.device,
+                      main=distributed.is_main_process(), seed=cfg.training.seed, agree=distributed.agree)
+    make = task_module(cfg.task).build
+    return make(cfg, ctx) if takes_context(make) else make(cfg)
+
+
+def takes_context(make) -> bool:
+    """Whether a task's ``build`` takes the context as well as the recipe (``build(cfg, ctx)``); one written for
+    ``build(cfg)`` keeps working."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(make).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def count_steps(job: Job, t: TrainingConfig, shape: Shape) -> Shape:
+    """``shape`` over ``job``'s training set, checked against it (``check_data``), with the run's optimizer steps:
+    Σ over epochs of ceil(samples / effective batch), capped by ``t.max_steps``."""
+    check_data(job, t, shape)
+    steps = t.epochs * windows_per_epoch(len(job.train_data), shape.micro_batch, shape.accumulation,
+                                         shape.processes)
+    steps = min(steps, t.max_steps) if t.max_steps else steps
+    warn_about_schedule(t, steps)
+    return dataclasses.replace(shape, total_steps=steps)
+
+
+def shape_for(job: Job, t: TrainingConfig, processes: Optional[int] = None) -> Shape:
+    """Stage 1's split and stage 2's count, for a caller that holds the job already (the Python API, the planner);
+    ``processes``: this launch's (default)."""
+    if processes is None:
+        processes = distributed.distributed_state().num_processes
+    return count_steps(job, t, plan_shape(t, processes))
+
+
+def check_data(job: Job, t: TrainingConfig, shape: Shape) -> None:
+    """Data the settings can't use: an empty training set, a micro-batch larger than it, sorting without lengths, a
+    stream asked for what needs every sample ahead, shuffling a task whose samples must come in order."""
+    n_train = len(job.train_data)
+    if n_train == 0:
+        raise ConfigError("data: the training set is empty")
+    if shape.micro_batch > n_train:
+        field = "effective_batch_size" if shape.auto else "batch_size"  # auto starts from the whole window
+        raise ConfigError(f"training.{field}: {shape.micro_batch} is larger than the {n_train} training samples")
+    if t.sort_within_window and job.length_of is None:
+        raise ConfigError("training.sort_within_window: this task gives no sample lengths (Job.length_of)")
+    if job.stream_block is not None:
+        check_stream(t)
+    if job.windows_in_order and (t.shuffle or t.sort_within_window):
+        key = "shuffle" if t.shuffle else "sort_within_window"
+        raise ConfigError(f"training.{key}: this task's samples must come in order (Job.windows_in_order); set "
+                          f"training.{key}=false")
+
+
+def check_stream(t: TrainingConfig) -> None:
+    """What needs every sample before training, which a stream (read a window at a time) cannot give."""
+    if t.batch_size == "auto":
+        raise ConfigError("training.batch_size: auto measures the longest samples, which a stream has not read; give "
+                          "a number (finetune plan sizes it)")
+    if t.sample_order == "trainer" and t.shuffle:
+        raise ConfigError("training.sample_order: trainer draws one permutation of every sample, which a stream "
+                          "cannot read a block at a time; use finetune (blocks in a seeded order) or shuffle=false")
+    if t.packing and not t.pack_length:
+        raise ConfigError("training.pack_length: packing a stream needs the row length (its longest sample is not "
+                          "known ahead)")
+
+
+def warn_about_schedule(t: TrainingConfig, steps: int) -> None:
+    """One line (main process) when the warm-up does not end before the run does (the learning rate never reaches
+    its peak)."""
+    if distributed.is_main_process() and t.warmup_steps and t.warmup_steps >= steps and t.lr_scheduler != "constant":
+        print(f"warning: training.warmup_steps: {t.warmup_steps} is not below the run's {steps} optimizer steps; "
+              f"the learning rate never reaches training.learning_rate ({t.learning_rate:g})", file=sys.stderr,
+              flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. assembling the run
+
+
+def assemble(job: Job, t: TrainingConfig, shape: Shape, output: Optional[loop.Outputs] = None,
+             accelerator: Optional[Accelerator] = None) -> loop.Run:
+    """Stage 3: make the Accelerator, prepare the model and optimizers, settle how the samples become windows,
+    build the checkpointer, start the trackers, and say what the run will do (main process). Every refusal that
+    needs the model is in ``check_model``."""
+    output = output or loop.Outputs()
+    if accelerator is None:
+        accelerator = distributed.make_accelerator(t.mixed_precision, log_with=output.tracker,
+                                                   project_dir=str(output.dir) if output.dir else None)
+    torch.backends.cudnn.benchmark = t.cudnn_benchmark
+    model = job.model
+    model.train()  # from_pretrained returns a model in eval mode: dropout would silently stay off
+    precision.prepare_quantized(model)  # bitsandbytes-quantized weights: adapters only, and no CPU repacking
+    low_precision = t.mixed_precision != "no"
+    if low_precision and t.fp32_grad_sums:  # N micro-batches add the fp32 sum the big batch takes
+        precision.sum_weight_grads_in_fp32(model)
+    if t.gradient_checkpointing:
+        enable_checkpointing(model, job.enable_checkpointing)
+    head_note = enable_chunked_head(model, t.chunked_loss) if job.loss_fn is None or t.chunked_loss else \
+        "plain (the job computes its own loss)"
+    # Schedulers are not passed to accelerator.prepare: a prepared scheduler steps num_processes times per
+    # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
+    # process, so each raw scheduler is stepped exactly once per optimizer step.
+    pack_length_of, packing_note = decide_packing(t.packing, model, job.train_data, job.length_of, job.loss_fn)
+    if job.stream_block is not None and pack_length_of and not t.pack_length:  # rows as long as the longest sample:
+        pack_length_of, packing_note = None, STREAM_UNPACKED  # a stream's is not known ahead
+    distributed.agree(lambda: check_model(accelerator, model, job, t, pack_length_of, output))  # all refuse alike
+    optims = make_optims(model, job.param_groups, t, shape.total_steps, lr_scale(t, shape.effective))
+    distributed.configure_deepspeed(accelerator, shape.micro_batch, optims)
+    model, prepared = prepare(accelerator, model, [o.optimizer for o in optims])
+    checkpoint.keep_task_state(accelerator, job.checkpointed)  # e.g. precomputed reference log-probs
+    for o, p in zip(optims, prepared):
+        o.optimizer = p
+    auto = AutoBatch(accelerator, model) if shape.auto else None
+    if auto is not None:
+        shape = auto.plan(shape, job, t)
+    capacity = (t.pack_length or max(map(pack_length_of, range(len(job.train_data))))) if pack_length_of else None
+    causal = is_causal_lm(model)
+    run = loop.Run(job=job, t=t, shape=shape, output=output, accelerator=accelerator, model=model,
+                   forward_model=torch.compile(model, mode=t.compile_mode) if t.compile else model, optims=optims,
+                   counter=job.count_items or (lambda b: count_items(b, t.items, causal)),
+                   monitor=MemoryMonitor(accelerator.device), auto=auto,
+                   windows=WindowSpec.of(t, shape, len(job.train_data), job.length_of, pack_length_of, capacity,
+                                         job.stream_block),
+                   checkpointer=checkpoint.Checkpointer(output.dir, output.save_every, output.keep_checkpoints,
+                                                        output.settings, {"effective_batch_size": shape.effective,
+                                                                          "engine": distributed.launch_engine()}),
+                   packing_note=packing_note, head_note=head_note,
+                   pad_to_window=low_precision and t.pad_to_window and not pack_length_of
+                   and not t.max_tokens_per_micro_batch)
+    if output.banner and distributed.is_main_process():
+        print(banner(run), flush=True)
+    start_trackers(run)
+    return run
+
+
+STREAM_UNPACKED = "off (a stream's longest sample is not known ahead: training.pack_length packs it)"
+
+
+def check_model(accelerator: Accelerator, model, job: Job, t: TrainingConfig, pack_length_of,
+                output: loop.Outputs) -> None:
+    """The refusals that need the model: token budgets without sample lengths, checkpoints of a model the task
+    sharded itself, and what DeepSpeed would run differently with the job's optimizers (its config as Accelerate
+    prepares it)."""
+    if t.max_tokens_per_micro_batch and not (job.length_of or pack_length_of):
+        raise ConfigError("training.max_tokens_per_micro_batch: this task gives no sample lengths (Job.length_of)")
+    if distributed.is_fsdp2(model) and accelerator.distributed_type != DistributedType.FSDP and output.save_every:
+        raise ConfigError("output.save_every: checkpoints of a model the task sharded itself (fully_shard) are not "
+                          "written; set output.save_every=null, or launch with accelerate_configs/fsdp.yaml (GPUs)")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        groups = list(group_settings(job.param_groups, t).values())
+        check_deepspeed(accelerator.deepspeed_plugin.deepspeed_config, groups[0].max_grad_norm, len(groups),
+                        t.on_nonfinite)
+
+
+def prepare(accelerator: Accelerator, model, optimizers: list) -> tuple:
+    """``accelerator.prepare`` the model and optimizers. A model the task already sharded with ``fully_shard``
+    (FSDP2 on a device mesh) is trained as it is: wrapped in DDP it would be synchronised twice."""
+    if distributed.is_fsdp2(model):
+        return model, list(accelerator.prepare(*optimizers)) if len(optimizers) > 1 else \
+            [accelerator.prepare(*optimizers)]
+    model, *prepared = accelerator.prepare(model, *optimizers)
+    return model, prepared
+
+
+def start_trackers(run: loop.Run) -> None:
+    if run.output.tracker is None:
+        return
+    scalars = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
+               for k, v in flatten(run.output.settings or {}, sep="/").items()}  # trackers take nothing else
+    run.accelerator.init_trackers("finetune", config={
+        **scalars, "config/effective_batch_size": run.shape.effective,
+        "config/gradient_accumulation_steps": run.shape.accumulation,
+        "config/physical_batch_size": run.shape.micro_batch})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the stages together
+
+
+def run_recipe(cfg: RecipeConfig, checked: Checked, on_eval: Optional[Callable] = None):
+    """Stages 2 and 3 for a recipe checked by stage 1, then the loop and the outputs; returns the loop's result.
+    ``on_eval(record)`` is called after every evaluation (a search prunes there)."""
+    main = distributed.is_main_process()
+    if not main:
+        quiet_libraries()
+    built = distributed.agree(lambda: build(cfg, checked))
+    output = loop.Outputs(dir=checked.out_dir, save_every=cfg.output.save_every,
+                          keep_checkpoints=cfg.output.keep_checkpoints,
+                          tracker=None if cfg.output.tracker == "none" else cfg.output.tracker,
+                          settings=checked.settings, on_eval=on_eval)
+    run = assemble(built.job, cfg.training, built.shape, output)
+    if main:  # after every refusal: a run refused before training leaves its directory as it found it
+        checked.out_dir.mkdir(parents=True, exist_ok=True)
+        durable.atomic_write_text(checked.out_dir / "config.yaml", yaml.safe_dump(checked.settings, sort_keys=False))
+    start = time.perf_counter()
+    result = loop.train(run, checked.resume)
+    result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name,
+                            "arithmetic": outputs.arithmetic(next(result.model.parameters()).device)}
+    with distributed.whole_model(result.model):  # sharded weights (ZeRO-3, FSDP2) whole on every process
+        distributed.agree(lambda: outputs.write_outputs(cfg.output, built.job, result, checked.out_dir,
+                                                        cfg.training.ema_beta), main_only=True)
+    return result
+
+
+def train_job(job: Job, t: TrainingConfig, output: Optional[loop.Outputs] = None,
+              resume: Optional[checkpoint.Saved] = None, accelerator: Optional[Accelerator] = None,
+              processes: Optional[int] = None) -> loop.TrainResult:
+    """The three stages for a job built already (the Python API, the planner's measurement, the benchmarks): what
+    this machine can run, the shape over the job's data, the assembled run, the loop."""
+    check_environment(t)
+    shape = shape_for(job, t, processes if processes is not None else
+                      accelerator.num_processes if accelerator is not None else None)
+    return loop.train(assemble(job, t, shape, output, accelerator), resume)
+
+
 def quiet_libraries() -> None:
     """One process speaks: the others keep quiet about loading and mapping."""
     import datasets
@@ -179,51 +590,3 @@ def quiet_libraries() -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-
-
-def check_resume(saved: checkpoint.Saved, cfg: RecipeConfig, shape: Shape) -> list[str]:
-    """Whether the checkpoint ``saved`` can continue with ``cfg`` in ``shape``, and what to say.
-
-    The windows depend on the seed and the effective batch only, so any micro-batch and any number of processes
-    continue the same run as long as ``b × N × processes`` is the checkpoint's effective batch (elastic resume).
-    Another effective batch is refused — unless ``training.scale_lr`` says the run is meant to change batch, and
-    then only at an epoch boundary (mid-epoch the remaining windows would not cover the epoch's samples).
-    Returns lines to print: settings that change the result, and a changed process layout."""
-    t, effective, processes = cfg.training, shape.effective, shape.processes
-    notes = []
-    if saved.effective_batch_size not in (None, effective):
-        mid_epoch = saved.state.next_window != 0
-        if t.scale_lr == "none" or mid_epoch:
-            why = "mid-epoch the remaining windows would not be the epoch's samples" if t.scale_lr != "none" \
-                else "or set training.scale_lr to change the batch on purpose, at an epoch boundary"
-            raise ConfigError(f"resume: the checkpoint's effective batch is {saved.effective_batch_size}, this run's "
-                              f"{shape.micro_batch} × {shape.accumulation} × {processes} = {effective}; "
-                              f"give a micro-batch and N whose product with the processes is "
-                              f"{saved.effective_batch_size} ({why})")
-        notes.append(f"warning: resuming with another effective batch ({saved.effective_batch_size} → {effective}): "
-                     "the steps from here are not the baseline's")
-    new, old = flatten(cfg.to_dict()), saved.settings
-    changed = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in result_changes(old, new)]
-    if changed:
-        notes.append("warning: resuming with settings that change the result: " + ", ".join(changed))
-    check_resume_engine(saved, processes)
-    if saved.processes not in (None, processes):
-        notes.append(f"resume: saved on {saved.processes} process{'es' if saved.processes > 1 else ''}, continuing "
-                     f"on {processes} with the same windows (effective batch {effective}); random draws made per "
-                     "process (dropout) cannot replay the same masks on another layout — the rest is exact")
-    return notes
-
-
-def check_resume_engine(saved: checkpoint.Saved, processes: int) -> None:
-    """A checkpoint written by a sharding engine holds its model and optimizer state in that engine's files, split
-    per process: it resumes under the same engine (and ZeRO stage) on the same number of processes. Between DDP and
-    one process any layout resumes (elastic)."""
-    engine = distributed.launch_engine()
-    if saved.engine != engine:
-        raise ConfigError(f"resume: checkpoint {saved.path} was written under {saved.engine}, this launch is "
-                          f"{engine}; resume it with the launch config it was saved with (a DeepSpeed checkpoint's "
-                          "zero_to_fp32.py writes its weights whole)")
-    if saved.engine != "ddp" and saved.processes not in (None, processes):
-        raise ConfigError(f"resume: checkpoint {saved.path} was written by {saved.engine} on {saved.processes} "
-                          f"processes; it resumes on {saved.processes} (its state is split per process), not "
-                          f"{processes}")

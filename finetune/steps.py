@@ -15,7 +15,6 @@ import torch
 from accelerate.utils import send_to_device
 
 from finetune import distributed
-from finetune.config import TrainingConfig
 from finetune.items import batch_len
 from finetune.memory.measure import fake_oom_check
 from finetune.models.forward import compute_loss, offload_activations
@@ -130,9 +129,9 @@ def whole(norm):
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def optimizer_step(accelerator, optims: list, t: TrainingConfig, step: int, window) -> tuple[list, bool, list]:
+def optimizer_step(accelerator, optims: list, on_nonfinite: str, step: int, window) -> tuple[list, bool, list]:
     """Unscale → grad norm → clip → step → scheduler → zero_grad, for each optimizer. ``step`` is the number of
-    the update being taken (for messages).
+    the update being taken (for messages); ``on_nonfinite``: ``training.on_nonfinite``.
 
     Returns (total grad norm before clipping per optimizer, whether the update was skipped, lr per optimizer).
     """
@@ -157,7 +156,7 @@ def optimizer_step(accelerator, optims: list, t: TrainingConfig, step: int, wind
         for o in optims:
             o.optimizer.step()
         skipped = False
-    elif t.on_nonfinite == "skip":
+    elif on_nonfinite == "skip":
         skipped = True
     else:
         bad = ", ".join(f"{o.name} {n}" for o, n in zip(optims, norms) if not math.isfinite(n))

@@ -22,17 +22,15 @@ class MLP(torch.nn.Module):
 
 
 def train_quietly(job, t, output=None, resume_from=None, accelerator=None):
-    """``loop.train`` as a recipe run calls it — its shape computed at set-up, the checkpoint read once — without the
-    banner (the suite's output stays readable)."""
+    """``job`` trained through start-up's stages and the loop, as a recipe run is — its shape computed at start-up,
+    the checkpoint read once — without the banner (the suite's output stays readable)."""
     import dataclasses
 
-    from finetune import checkpoint, loop
-    from finetune.shape import shape_for
+    from finetune import checkpoint, loop, startup
 
-    processes = accelerator.num_processes if accelerator is not None else None
     output = dataclasses.replace(output or loop.Outputs(), banner=False)
     resume = checkpoint.read(Path(resume_from)) if resume_from is not None else None
-    return loop.train(job, t, shape_for(job, t, processes), output, resume, accelerator)
+    return startup.train_job(job, t, output, resume, accelerator)
 
 
 def regression_data(n, d_in=6, seed=0):

@@ -226,6 +226,7 @@ def test_one_writer_of_the_state_and_none_of_accelerate():
     assert violations(PACKAGE) == []
 
 
+SAVE_LINE = "    run.checkpointer.save_if_due(run.accelerator, state, run.schedulers, run.shape.total_steps)\n"  # loop.after_step's checkpoint
 # Writes the checker must find: the bugs it exists for, planted into a copy of the real source (a line of it
 # replaced), and the ways around a name check (an alias, setattr, a private member).
 PLANTS = {
@@ -237,14 +238,10 @@ PLANTS = {
         "    state.history[-1].update({'val_loss': 0.0})\n    if run.job.after_step is not None:\n"),
     "the log adds seconds to the record": ("runlog.py", "        if self.log_with is not None:\n",
                                            "        record['seconds'] = 0.0\n        if self.log_with is not None:\n"),
-    "a counter moved outside advance": ("loop.py", "    output = run.output\n",
-                                        "    output = run.output\n    state.optimizer_step += 1\n"),
-    "an alias of the state": ("loop.py", "    output = run.output\n",
-                              "    output, saved = run.output, state.history\n    saved.extend([])\n"),
-    "setattr on the state": ("loop.py", "    output = run.output\n",
-                             "    output = run.output\n    setattr(state, 'epoch', 0)\n"),
-    "a private counter of the Accelerator": ("loop.py", "    output = run.output\n",
-                                             "    output = run.output\n    run.accelerator.step = 0\n"),
+    "a counter moved outside advance": ("loop.py", SAVE_LINE, "    state.optimizer_step += 1\n" + SAVE_LINE),
+    "an alias of the state": ("loop.py", SAVE_LINE, "    saved = state.history\n    saved.extend([])\n" + SAVE_LINE),
+    "setattr on the state": ("loop.py", SAVE_LINE, "    setattr(state, 'epoch', 0)\n" + SAVE_LINE),
+    "a private counter of the Accelerator": ("loop.py", SAVE_LINE, "    run.accelerator.step = 0\n" + SAVE_LINE),
     "Accelerate's private method": ("steps.py", "    norms = []\n",
                                     "    norms = []\n    accelerator.gradient_state._set_sync_gradients(True)\n"),
     "a write through an alias of a plugin": (
@@ -401,9 +398,9 @@ def build(cfg):
                loss_fn=lambda m, b: (m(b["x"]) - b["y"]).pow(2).mean())
 '''
 # computed once per run: called more often, a fact would have two sources
-SET_UP_ONCE = ("finetune.shape.plan_shape", "finetune.shape.Shape.for_data", "finetune.checkpoint.find_checkpoint",
+SET_UP_ONCE = ("finetune.startup.plan_shape", "finetune.startup.count_steps", "finetune.checkpoint.find_checkpoint",
                "finetune.checkpoint.read", "finetune.windows.WindowSpec.of", "finetune.distributed.make_accelerator",
-               "finetune.distributed.check_environment", "build")
+               "finetune.startup.check_environment", "finetune.startup.assemble", "build")
 
 
 def traced_run(argv: list) -> tuple[list, dict]:
@@ -459,7 +456,7 @@ def returns(modules: list) -> list:
     return [m for i, m in enumerate(modules) if m in modules[:i]]
 
 
-def test_a_run_follows_its_configuration_in_12_stays_and_3_returns_and_sets_up_once(tmp_path):
+def test_a_run_follows_its_configuration_in_8_stays_and_1_return_and_sets_up_once(tmp_path):
     (tmp_path / "traced.py").write_text(TRACED_TASK)
     recipe = tmp_path / "traced.yaml"
     recipe.write_text("task: ./traced.py\ntraining: {batch_size: 2, effective_batch_size: 8, learning_rate: 0.05, "
@@ -470,13 +467,13 @@ def test_a_run_follows_its_configuration_in_12_stays_and_3_returns_and_sets_up_o
     for (path, calls), what in ((fresh, "fresh"), (resumed, "resumed")):
         modules = stays(path)
         shown = " → ".join(modules)
-        assert len(modules) <= 12 and len(returns(modules)) <= 3, f"{what}: {len(modules)} stays, returns " \
+        assert len(modules) <= 8 and len(returns(modules)) <= 1, f"{what}: {len(modules)} stays, returns " \
             f"{returns(modules)}: {shown}"
         assert modules[0] == "finetune.config" and "finetune.loop" in modules, shown
         twice = {f: n for f, n in calls.items() if any(f.endswith(s) for s in SET_UP_ONCE) and n != 1}
         assert not twice, f"{what}: set-up called more than once: {twice}"
     assert resumed[1]["finetune.checkpoint.read"] == 1 and "finetune.checkpoint.read" not in fresh[1]
     # negative controls: a shape computed again after the loop began is a return, and a second call is counted
-    planted = [*fresh[0], ("finetune.shape", "plan_shape")]
-    assert returns(stays(planted))[-1] == "finetune.shape"
+    planted = [*fresh[0], ("finetune.startup", "plan_shape")]
+    assert returns(stays(planted))[-1] == "finetune.startup"
     assert stays([("a", "f"), ("a", "g"), ("b", "h"), ("a", "k")]) == ["a", "b", "a"]

@@ -52,7 +52,7 @@ def test_every_recipe_loads_and_validates(name):
 
 def test_effective_batch_size_derives_n():
     cfg = load_recipe("minilm-sentiment", ["training.batch_size=4", "training.effective_batch_size=32"])
-    from finetune.shape import resolve_accumulation
+    from finetune.startup import resolve_accumulation
 
     assert resolve_accumulation(cfg.training, processes=1) == 8
     assert resolve_accumulation(cfg.training, processes=2) == 4

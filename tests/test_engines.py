@@ -157,30 +157,38 @@ def test_deepspeed_clips_as_the_recipe_says(max_grad_norm, clip):
     assert config["gradient_clipping"] == clip and config["train_micro_batch_size_per_gpu"] == 3
 
 
+def refuse_for(accelerator, optims, on_nonfinite="stop"):
+    """Start-up's check of what DeepSpeed would run differently, on the config Accelerate prepares with."""
+    from finetune import startup
+
+    startup.check_deepspeed(accelerator.deepspeed_plugin.deepspeed_config,
+                            optims[0].max_grad_norm if optims else None, len(optims), on_nonfinite)
+
+
 def test_deepspeed_config_that_contradicts_the_recipe_is_refused():
     with pytest.raises(ConfigError, match="^deepspeed config: gradient_clipping is 1.0 but training.max_grad_norm is "
                                           "None"):
-        distributed.configure_deepspeed(deepspeed_accelerator(zero_stage=2, gradient_clipping=1.0), 3, optims(None))
-    distributed.configure_deepspeed(deepspeed_accelerator(zero_stage=2, gradient_clipping=1.0), 3, optims(1.0))
+        refuse_for(deepspeed_accelerator(zero_stage=2, gradient_clipping=1.0), optims(None))
+    refuse_for(deepspeed_accelerator(zero_stage=2, gradient_clipping=1.0), optims(1.0))
     with pytest.raises(ConfigError, match="^deepspeed config: gradient_accumulation_steps is 4; set it to 1 or auto"):
-        distributed.configure_deepspeed(deepspeed_accelerator(zero_stage=2, gradient_accumulation_steps=4), 3,
-                                        optims(None))
+        refuse_for(deepspeed_accelerator(zero_stage=2, gradient_accumulation_steps=4), optims(None))
     with pytest.raises(ConfigError, match="^accelerate config: DeepSpeed drives one model and one optimizer"):
-        distributed.configure_deepspeed(deepspeed_accelerator(zero_stage=2), 3, optims(None, n=2))
+        refuse_for(deepspeed_accelerator(zero_stage=2), optims(None, n=2))
     with pytest.raises(ConfigError, match="^training.on_nonfinite: skip cannot drop a window under DeepSpeed"):
-        distributed.configure_deepspeed(deepspeed_accelerator(zero_stage=2), 3, optims(None), on_nonfinite="skip")
+        refuse_for(deepspeed_accelerator(zero_stage=2), optims(None), on_nonfinite="skip")
 
 
 def test_deepspeed_refusals_come_before_the_model_and_the_run_directory(monkeypatch, tmp_path):
     """What DeepSpeed would run otherwise is refused at set-up (every process checks the launch's config), and a
     task with two optimizers right after it is built, before its output directory holds anything."""
     from finetune.config import TrainingConfig
+    from finetune.startup import check_environment
 
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")
     with pytest.raises(ConfigError, match="^deepspeed config: gradient_clipping is 1.0 but training.max_grad_norm"):
-        distributed.check_environment(TrainingConfig(max_grad_norm=None))
-    distributed.check_environment(TrainingConfig(max_grad_norm=1.0))
+        check_environment(TrainingConfig(max_grad_norm=None))
+    check_environment(TrainingConfig(max_grad_norm=1.0))
     proc = launch("deepspeed_zero2.yaml", "finetune/run.py", "--recipe", "vae-digits", "--max-steps", "1",
                   "--output-dir", str(tmp_path / "o"), port=29568)
     assert proc.returncode != 0
@@ -189,7 +197,7 @@ def test_deepspeed_refusals_come_before_the_model_and_the_run_directory(monkeypa
 
 
 def test_a_checkpoint_resumes_only_under_the_engine_that_wrote_it(monkeypatch, tmp_path):
-    from finetune.startup import check_resume_engine
+    from finetune.checkpoint import check_resume_engine
 
     saved = lambda engine, processes=2: SimpleNamespace(path=tmp_path, engine=engine, processes=processes)  # noqa
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")

@@ -134,8 +134,7 @@ def _one_step(acc, model, max_norm, poison=False):
     acc.backward(model(**batch)["loss"])
     if poison:
         next(model.parameters()).grad[0, 0] = float("inf")
-    t = TrainingConfig(max_grad_norm=max_norm, optimizer="sgd")
-    norms, skipped, lrs = optimizer_step(acc, [Optim("model", opt, sched, params, max_norm)], t, 1,
+    norms, skipped, lrs = optimizer_step(acc, [Optim("model", opt, sched, params, max_norm)], "stop", 1,
                                          Window(0, 0, (0,), ((0,),), (True,), 1))
     return model, opt, sched, norms[0], skipped, lrs[0]
 
@@ -199,13 +198,13 @@ def test_an_unknown_grad_norm_is_not_non_finite():
     optim = Optim("model", opt, sched, list(model.parameters()), None)
     before = [p.detach().clone() for p in model.parameters()]
     unknown = SimpleNamespace(clip_grad_norm_=lambda params, max_norm: None, scaler=None)
-    norms, skipped, _ = optimizer_step(unknown, [optim], TrainingConfig(optimizer="sgd"), 1, window)
+    norms, skipped, _ = optimizer_step(unknown, [optim], "stop", 1, window)
     assert math.isnan(norms[0]) and not skipped
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the update was taken
     model(**{"x": torch.ones(4, 6), "y": torch.zeros(4)})["loss"].backward()
     nan = SimpleNamespace(clip_grad_norm_=lambda params, max_norm: torch.tensor(float("nan")), scaler=None)
     with pytest.raises(RuntimeError, match="non-finite gradient"):
-        optimizer_step(nan, [optim], TrainingConfig(optimizer="sgd"), 2, window)
+        optimizer_step(nan, [optim], "stop", 2, window)
 
 
 def test_history_file_and_metrics(tmp_path):

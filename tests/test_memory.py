@@ -15,6 +15,7 @@ from finetune.memory import measure as memory
 from finetune.memory import plan as plan_module
 from finetune.memory.measure import MemoryMonitor, activation_bytes
 from finetune.memory.plan import make_plan
+from finetune.plan_command import training_peak
 from tests.helpers import ENV, MLP, ROOT, TINY, copy_model, pad_collate, regression_data, rel_diff, tiny_gpt2
 
 
@@ -112,7 +113,7 @@ def test_step_peak_within_10_percent_of_the_loop(name):
             t = TrainingConfig(batch_size=b, gradient_accumulation_steps=n, max_steps=2, shuffle=False,
                                learning_rate=1e-5, packing=False, chunked_loss=flags.get("chunked_loss", False),
                                gradient_checkpointing=flags.get("gradient_checkpointing", False))
-            measured, _ = plan_module.training_peak(Job(model=copy_model(model), train_data=data[:2 * b * n],
+            measured, _ = training_peak(Job(model=copy_model(model), train_data=data[:2 * b * n],
                                                    collate_fn=pad_collate), t)
             predicted = plan.predict(b, n, setting)
             assert abs(predicted / measured - 1) <= 0.10, (label, b, n, predicted, measured)
@@ -136,7 +137,7 @@ def test_step_peak_past_one_chunk_of_the_loss_head():
                        packing=False)
     profile = auto_profile(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])], t, up_to=8)
     assert [b for b, _ in profile.later] == [1, 2, 4, 8]  # measured past one chunk
-    measured, _ = plan_module.training_peak(Job(model=copy_model(model), train_data=data, collate_fn=pad_collate), t)
+    measured, _ = training_peak(Job(model=copy_model(model), train_data=data, collate_fn=pad_collate), t)
     # auto_profile sizes AdamW's state from the gradients; the loop's fused AdamW adds a step counter per tensor
     assert abs(profile.step_peak(8, 2) / measured - 1) <= 0.10, (profile.step_peak(8, 2), measured)
     two_points = dataclasses.replace(profile, later=profile.later[:2], first=profile.first[:2])

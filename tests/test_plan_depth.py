@@ -146,7 +146,7 @@ def assert_depth_prediction(cfg, config, full_job, within=0.10, only=None) -> fl
         job = full_job(variant)
         full = Subject(job.model, batches, variant.training, job.loss_fn, checkpointing_of(job), Layout(),
                        8).measure(setting)
-        extrapolated = Extrapolated(variant, config, batches, Layout(), 8)
+        extrapolated = Extrapolated(variant, config, batches, Layout(), 8, build_job)
         copy = extrapolated.copy().measure(setting)  # negative control: the shallow copy alone misses
         naive = max(naive, *(abs(extrapolated.with_fixed(copy).step_peak(b, n) / full.step_peak(b, n) - 1)
                              for b, n in shapes))

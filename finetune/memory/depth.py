@@ -46,17 +46,17 @@ class Extrapolated:
     """A planning subject (``finetune.memory.plan.Subject``) for ``cfg`` whose model is ``config``'s architecture,
     priced per process of ``layout``."""
 
-    def __init__(self, cfg, config, batches: list, layout: Layout, per_process: int, meta=None):
-        """``meta``: ``cfg``'s model already built on the meta device (else built here)."""
+    def __init__(self, cfg, config, batches: list, layout: Layout, per_process: int, build, meta=None):
+        """``build(cfg)``: the recipe's job (start-up's, given by the command); ``meta``: ``cfg``'s model already
+        built on the meta device (else built here)."""
         from finetune.models.hf import stand_in
-        from finetune.startup import build_job
 
-        self.cfg, self.config, self.batches = cfg, config, batches
+        self.cfg, self.config, self.batches, self.build = cfg, config, batches, build
         self.layout, self.per_process = layout, per_process
         self.depth = config.num_hidden_layers
         if meta is None:
             with stand_in(config, meta=True):
-                meta = build_job(cfg).model
+                meta = build(cfg).model
         self.weights, self.gradients, self.optimizer_state = planned_fixed_part(meta, cfg)
         self.sizes = sharded.sizes_of(meta)
         self.parameters = sum(p.numel() for p in meta.parameters())
@@ -74,10 +74,9 @@ class Extrapolated:
         if self._measured is None:
             from finetune.memory.plan import Subject, checkpointing_of
             from finetune.models.hf import stand_in
-            from finetune.startup import build_job
 
             with stand_in(self.config, layers=min(DEPTHS[-1], self.depth)):
-                job = build_job(self.cfg)
+                job = self.build(self.cfg)
             # measured as one process holding everything: ``with_fixed`` spreads the full model over the layout
             self._measured = Subject(job.model, self.batches, self.cfg.training, job.loss_fn, checkpointing_of(job),
                                      Layout(), self.per_process)
@@ -160,22 +159,22 @@ def first_blocks(model: torch.nn.Module, k: int):
         config.num_hidden_layers = depth
 
 
-def plan_from_config(cfg, source: str, gpu: str, layout: Layout = Layout()):
+def plan_from_config(cfg, source: str, gpu: str, layout: Layout, build, effective: int):
     """``finetune plan`` for ``cfg`` with its model replaced by ``source``'s architecture (never built whole), per
-    process of ``layout``."""
+    process of ``layout``. ``build(cfg)``: the recipe's job (start-up's, given by the command); ``effective``: the
+    batch planned for."""
     from finetune.memory.plan import parse_gpu, plan_subjects, planned_window, recipe_levers, with_lever
     from finetune.models.hf import stand_in
-    from finetune.startup import build_job
 
     parse_gpu(gpu)
     config = load_architecture(source)
     with stand_in(config, meta=True):  # the recipe's data, tokenizer and collation; its model on the meta device
-        job = build_job(cfg)
-    effective = planned_window(cfg, job, layout.processes)
+        job = build(cfg)
+    planned_window(effective, job)
     batches, seq = longest_batches(job, sizes=(1, 2))
     per_process = effective // layout.processes
     levers = [(lever, lambda lever=lever: Extrapolated(with_lever(cfg, lever), config, batches, layout,
-                                                       per_process))
+                                                       per_process, build))
               for lever in recipe_levers(cfg)]
-    return plan_subjects(Extrapolated(cfg, config, batches, layout, per_process, job.model), levers, gpu,
+    return plan_subjects(Extrapolated(cfg, config, batches, layout, per_process, build, job.model), levers, gpu,
                          effective, layout, cfg.training, seq)

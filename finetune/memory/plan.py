@@ -15,11 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import torch
-
 from finetune.errors import ConfigError
 from finetune.memory import sharded
-from finetune.memory.measure import GiB, PeakMeter
+from finetune.memory.measure import GiB
 from finetune.memory.sharded import PERSISTENCE_THRESHOLD, REDUCE_BUCKET, Layout
 from finetune.memory.step import HEADROOM, Profile, Setting, longest_batches, measure, without_saved
 
@@ -360,37 +358,17 @@ def explain(chosen: Optional[Profile], profiles: list, gpu_bytes: int, budget: f
 
 # ---------------------------------------------------------------------------------------------------------------
 # the command
-def training_peak(job, t) -> tuple[int, object]:
-    """(the most bytes allocated at any moment of ``loop.train(job, t)``, weights included; its TrainResult). With
-    ``t.max_steps`` ≥ 2 that is the peak of a steady optimizer step (the optimizer's state exists from the first on),
-    which is what ``finetune plan`` predicts. A model on the CPU that trains on a GPU comes to it inside the run."""
-    from finetune import loop
-    from finetune.shape import shape_for
-
-    device = next(job.model.parameters()).device
-    if torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    held = 0 if device.type == "cuda" and next(job.model.parameters()).device.type != "cuda" else \
-        sum(x.numel() * x.element_size() for x in list(job.model.parameters()) + list(job.model.buffers()))
-    with PeakMeter(device) as meter:
-        result = loop.train(job, t, shape_for(job, t), loop.Outputs(banner=False))
-    return held + meter.peak, result
-
-
-
-
-def plan_recipe(cfg, gpu: str, layout: Layout = Layout()) -> Plan:
-    """``finetune plan`` for a recipe whose model this machine can build: every setting measured at full depth."""
-    from finetune.startup import build_job
-
+def plan_recipe(cfg, gpu: str, layout: Layout, build: Callable, effective: int) -> Plan:
+    """``finetune plan`` for a recipe whose model this machine can build: every setting measured at full depth.
+    ``build(cfg)``: the recipe's job (start-up's, given by the command); ``effective``: the batch planned for."""
     parse_gpu(gpu)  # before building the model
-    job = build_job(cfg)
-    effective = planned_window(cfg, job, layout.processes)
+    job = build(cfg)
+    planned_window(effective, job)
     batches, seq = longest_batches(job, sizes=(1, 2))
     t = cfg.training
 
     def subject(variant, built=None):
-        built = built or build_job(variant)
+        built = built or build(variant)
         return Subject(built.model, batches, variant.training, built.loss_fn, checkpointing_of(built),
                        layout, effective // layout.processes)
 
@@ -398,16 +376,12 @@ def plan_recipe(cfg, gpu: str, layout: Layout = Layout()) -> Plan:
     return plan_subjects(subject(cfg, job), levers, gpu, effective, layout, t, seq)
 
 
-def planned_window(cfg, job, processes: int) -> int:
-    """The effective batch the plan is for; ConfigError when it is larger than the training set."""
-    from finetune.shape import plan_shape
-
-    effective = plan_shape(cfg.training, processes).effective
+def planned_window(effective: int, job) -> None:
+    """ConfigError when the effective batch planned for is larger than the training set."""
     n_train = len(job.train_data)
     if effective > n_train:  # every window would be the whole set: a micro-batch above it is never used
         raise ConfigError(f"training.effective_batch_size: {effective} is larger than the {n_train} training "
                           f"samples; plan for at most {n_train} (one optimizer step per epoch)")
-    return effective
 
 
 def checkpointing_of(job) -> Callable:

@@ -129,8 +129,8 @@ def test_plan_from_a_config_predicts_the_full_depth_step_peak(figures, clean_cud
     from transformers import LlamaConfig
 
     from finetune.config import load_recipe
-    from finetune.memory.depth import plan_from_config
     from finetune.models.hf import stand_in
+    from finetune.plan_command import plan_from_config
     from finetune.startup import build_job
 
     config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
