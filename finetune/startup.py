@@ -210,13 +210,35 @@ def check_engine_config(t: TrainingConfig) -> None:
         check_deepspeed(config, t.max_grad_norm, None, t.on_nonfinite)
 
 
+# the accelerate config's deepspeed_config fields that reach the processes as numbers (ACCELERATE_<NAME>)
+DEEPSPEED_FIELDS = {"ACCELERATE_DEEPSPEED_ZERO_STAGE": ("zero_stage", int, False),
+                    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": ("gradient_accumulation_steps", int, True),
+                    "ACCELERATE_GRADIENT_CLIPPING": ("gradient_clipping", float, True)}
+
+
 def launch_deepspeed_config() -> dict:
-    """The launch's DeepSpeed config (``distributed.launch_deepspeed_config``); a file or field Accelerate cannot
-    read is one line."""
+    """The launch's DeepSpeed config (``distributed.launch_deepspeed_config``): its number fields checked first,
+    then a file or field Accelerate cannot read is one line naming it."""
+    import os
+
+    for env, (key, kind, auto) in DEEPSPEED_FIELDS.items():
+        value = os.environ.get(env)
+        if value is not None and not (auto and value == "auto") and not parses(value, kind):
+            raise ConfigError(f"accelerate config: deepspeed_config.{key} is {value!r}; give "
+                              f"{'an integer' if kind is int else 'a number'}{' or auto' if auto else ''}")
+    file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     try:
         return distributed.launch_deepspeed_config()
     except (ValueError, KeyError, TypeError, OSError) as error:
-        raise ConfigError(f"deepspeed config: {first_line(error)}") from None
+        raise ConfigError(f"deepspeed config{f' {file}' if file else ''}: {first_line(error)}") from None
+
+
+def parses(value: str, kind) -> bool:
+    try:
+        kind(value)
+        return True
+    except ValueError:
+        return False
 
 
 # the top-level entries that must be numbers (or "auto", which Accelerate fills in)
