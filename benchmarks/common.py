@@ -9,7 +9,7 @@ The peers are the loops a user would otherwise write or use:
 * ``run_finetune`` — ``finetune.startup.train_job``: start-up's stages and the loop, as the CLI and
   ``test_fine_tuning`` run them.
 
-Each trains the model it is given (pass a copy) and returns a :class:`Run`: the clocks when every optimizer step
+Each trains the model it is given (pass a copy) and returns a :class:`ToolRun`: the clocks when every optimizer step
 starts (its window's micro-batches fetched or about to be) and when training ends, the samples and the real / padded
 tokens of every step, and the trained model. Throughput counts from the start of step ``skip`` to the end, so
 set-up and the first (warm-up) step are left out the same way for every tool; ``wall`` is the whole call, set-up
@@ -243,7 +243,7 @@ def clocks() -> tuple:
 
 
 @dataclass
-class Run:
+class ToolRun:
     """One training run: the clocks at each optimizer step's start and at the end; per step its samples, real and
     padded tokens."""
 
@@ -277,7 +277,7 @@ class StepRecorder:
     """Per-step clocks and counts for the peers' loops: ``start()`` as a step begins, ``micro(batch)`` per
     micro-batch, ``done()`` after the last step."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: ToolRun):
         self.run = run
 
     def start(self) -> None:
@@ -308,12 +308,12 @@ def _loader(data, collate, b, shuffle, seed):
 
 def run_raw(model, data, collate, b: int, n: int, *, lr: float, epochs: int = 1, optimizer: str = "adamw",
             scheduler: str = "linear", max_grad_norm: Optional[float] = 1.0, shuffle: bool = False,
-            seed: int = 0) -> Run:
+            seed: int = 0) -> ToolRun:
     """A plain torch loop, as a user writes it: every micro-batch's mean loss ÷ N."""
     from transformers import get_scheduler
 
     start = time.perf_counter()
-    run = Run("raw torch")
+    run = ToolRun("raw torch")
     rec = StepRecorder(run)
     model.to(DEVICE).train()
     loader = _loader(data, collate, b, shuffle, seed)
@@ -340,13 +340,13 @@ def run_raw(model, data, collate, b: int, n: int, *, lr: float, epochs: int = 1,
 
 def run_accelerate(model, data, collate, b: int, n: int, *, lr: float, epochs: int = 1, optimizer: str = "adamw",
                    scheduler: str = "linear", max_grad_norm: Optional[float] = 1.0, shuffle: bool = False,
-                   seed: int = 0) -> Run:
+                   seed: int = 0) -> ToolRun:
     """Accelerate's documented gradient-accumulation loop (``accumulate()`` + a prepared DataLoader)."""
     from accelerate import Accelerator
     from transformers import get_scheduler
 
     start = time.perf_counter()
-    run = Run("hand Accelerate")
+    run = ToolRun("hand Accelerate")
     rec = StepRecorder(run)
     restart_accelerate_state()  # each peer starts from a fresh Accelerate, as in its own process
     accelerator = Accelerator(gradient_accumulation_steps=n, cpu=DEVICE.type == "cpu")
@@ -376,14 +376,14 @@ def run_accelerate(model, data, collate, b: int, n: int, *, lr: float, epochs: i
 
 def run_trainer(model, data, collate, b: int, n: int, *, lr: float, epochs: int = 1, optimizer: Optional[str] = "adamw",
                 scheduler: str = "linear", max_grad_norm: Optional[float] = 1.0, sampling: str = "sequential",
-                seed: int = 0, tokenizer=None, name: str = "HF Trainer") -> Run:
+                seed: int = 0, tokenizer=None, name: str = "HF Trainer") -> ToolRun:
     """🤗 Trainer with ``gradient_accumulation_steps``. ``optimizer=None``: the Trainer's own default (fused AdamW on
     torch ≥ 2.8); ``sampling``: its ``train_sampling_strategy`` (random, sequential, group_by_length,
     batch_rebalance); ``collate=None``: its default collator (padding with ``tokenizer`` when given)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     start = time.perf_counter()
-    run = Run(name)
+    run = ToolRun(name)
 
     class Steps(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):  # once a window, after its micro-batches are fetched
@@ -444,13 +444,13 @@ def run_finetune(model, data, collate, b: int, n: int, *, lr: float, epochs: int
                  scheduler: str = "linear", max_grad_norm: Optional[float] = 1.0, shuffle: bool = False,
                  seed: int = 0, lengths: Optional[list] = None, sort: Optional[bool] = False,
                  max_tokens: Optional[int] = None, packing: bool = False, chunked_loss: Optional[bool] = None,
-                 name: str = "finetune") -> Run:
+                 name: str = "finetune") -> ToolRun:
     """finetune's loop. ``lengths`` (per sample) is what a text task gives the loop (``Job.length_of``);
     ``sort=None`` keeps the default (sort within windows when lengths are known); ``packing`` packs each window's
     samples into rows (causal LMs; samples then need no "idx": windows are identified by the history's hash);
     ``chunked_loss`` is ``training.chunked_loss`` (None: the default, on for supported causal LMs)."""
     start = time.perf_counter()
-    run = Run(name)
+    run = ToolRun(name)
     if packing:
         data = [without_idx(s) for s in data]
     t = TrainingConfig(batch_size=b, gradient_accumulation_steps=n, learning_rate=lr, epochs=epochs,

@@ -146,9 +146,9 @@ def train(run: Run, resume: Optional[checkpoint.Saved] = None) -> TrainResult:
     state = start_state(run, resume)
     with RunLog(run.accelerator, run.output.dir, state, run.shape.total_steps, run.shape.effective,
                 run.output.tracker, rewrite=resume is not None) as log:
-        windows = open_stream(run, state)
+        stream = open_stream(run, state)
         while state.optimizer_step < run.shape.total_steps:
-            window, micro_batches, epoch_windows = next(windows, (None, None, None))
+            window, micro_batches, epoch_windows = next(stream, (None, None, None))
             if window is None:
                 break
             if job.before_window is not None:  # e.g. a KL weight or an R1 interval keyed on optimizer steps
@@ -164,7 +164,7 @@ def train(run: Run, resume: Optional[checkpoint.Saved] = None) -> TrainResult:
                     raise
                 smaller = run.auto.shrink(run.shape, window, rng)
                 run = dataclasses.replace(run, shape=smaller, windows=run.windows.with_micro_batch(smaller))
-                windows = open_stream(run, state)
+                stream = open_stream(run, state)
                 continue
             norms, skipped, lrs = optimizer_step(run.accelerator, run.optims, t.on_nonfinite,
                                                  state.optimizer_step + 1, window)

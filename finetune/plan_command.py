@@ -1,6 +1,6 @@
 """``finetune plan``: its arguments, and the plan of a recipe's own model (``memory.plan``) or of an architecture
 from its config alone (``memory.depth``). Above the loop and the memory model alike: it builds the recipe's job
-through start-up (``startup.build_job``, ``startup.plan_shape``) and hands the planner what it needs, so that
+through start-up (``startup.build_job``, ``startup.split_batch``) and hands the planner what it needs, so that
 ``finetune.memory`` imports neither. ``training_peak`` measures a real step through the same stages."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def plan_from_config(cfg, source: str, gpu: str, layout: sharded.Layout = sharde
 
 def effective_batch(cfg, layout: sharded.Layout) -> int:
     """The effective batch the plan is for: the recipe's, split over the layout's processes as a run splits it."""
-    return startup.plan_shape(cfg.training, layout.processes).effective
+    return startup.split_batch(cfg.training, layout.processes).effective
 
 
 def training_peak(job, t) -> tuple[int, object]:

@@ -1,7 +1,7 @@
 """The run's shape: how many samples an optimizer step takes and how they split, computed once at start-up.
 
 ``micro_batch × accumulation × processes`` is the effective batch, the baseline's batch that every optimizer step
-equals. ``finetune.startup`` splits it before anything is built (``plan_shape``: a split that cannot work is refused
+equals. ``finetune.startup`` splits it before anything is built (``split_batch``: a split that cannot work is refused
 before a model is downloaded) and counts the run's optimizer steps once the data is known (``count_steps``). The
 loop only reads the result.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Shape:
-    """The samples of one optimizer step and their split; made at start-up (``startup.plan_shape``), read by the
+    """The samples of one optimizer step and their split; made at start-up (``startup.split_batch``), read by the
     loop."""
 
     micro_batch: int      # samples per micro-batch on each process (batch_size: auto: the one being tried)

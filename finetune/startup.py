@@ -115,7 +115,7 @@ def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes
     or None, the run's shape before the data is known). With ``speak``, rank 0 prints the notes on resuming (e.g.
     a new effective split)."""
     check_environment(cfg.training, cfg.output.tracker)
-    shape = plan_shape(cfg.training, processes)
+    shape = split_batch(cfg.training, processes)
     saved = None
     if resume is not None:
         # refuses a missing / corrupt checkpoint; every process reads the same files, so every process reaches the
@@ -152,7 +152,7 @@ def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
     check_engine_config(t)
 
 
-def plan_shape(t: TrainingConfig, processes: int) -> Shape:
+def split_batch(t: TrainingConfig, processes: int) -> Shape:
     """The split of ``t``'s effective batch over ``processes`` processes.
 
     ``batch_size: auto`` starts from the largest candidate, the whole window in one micro-batch
@@ -384,7 +384,7 @@ def build_task(cfg: RecipeConfig, shape: Optional[Shape] = None) -> Job:
     """The recipe's task's ``build``, called with the context of this launch (``build_job`` without the seed: for a
     caller that seeds itself)."""
     state = distributed.distributed_state()
-    shape = shape or plan_shape(cfg.training, state.num_processes)
+    shape = shape or split_batch(cfg.training, state.num_processes)
     ctx = TaskContext(shape=shape, processes=state.num_processes, rank=state.process_index, device=state.device,
                       main=distributed.is_main_process(), seed=cfg.training.seed, agree=distributed.agree)
     make = task_module(cfg.task).build
@@ -420,7 +420,7 @@ def shape_for(job: Job, t: TrainingConfig, processes: Optional[int] = None) -> S
     ``processes``: this launch's (default)."""
     if processes is None:
         processes = distributed.distributed_state().num_processes
-    return count_steps(job, t, plan_shape(t, processes))
+    return count_steps(job, t, split_batch(t, processes))
 
 
 def check_data(job: Job, t: TrainingConfig, shape: Shape) -> None:
@@ -503,7 +503,7 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, output: Optional[loop.Ou
         o.optimizer = p
     auto = AutoBatch(accelerator, model) if shape.auto else None
     if auto is not None:
-        shape = auto.plan(shape, job, t)
+        shape = auto.initial_shape(shape, job, t)
     capacity = (t.pack_length or max(map(pack_length_of, range(len(job.train_data))))) if pack_length_of else None
     causal = is_causal_lm(model)
     run = loop.Run(job=job, t=t, shape=shape, output=output, accelerator=accelerator, model=model,

@@ -9,7 +9,7 @@ Inside a window the samples are cut into micro-batches of ``b`` (the last may be
 the processes. When a short window leaves a process without a micro-batch at some micro-step, that process still
 runs one (a copy of the window's first sample) with weight 0, so every process joins every gradient all-reduce.
 
-    >>> w = plan_epoch(10, micro_batch=2, accum=2, world=1, rank=0, seed=0, epoch=0)
+    >>> w = windows_of_epoch(10, micro_batch=2, accum=2, world=1, rank=0, seed=0, epoch=0)
     >>> [len(x.micro_batches) for x in w], [len(m) for m in w[-1].micro_batches]
     ([2, 2, 1], [2])
 """
@@ -102,7 +102,7 @@ def windows_per_epoch(n: int, micro_batch: int, accum: int, world: int = 1) -> i
     return math.ceil(n / (micro_batch * accum * world))
 
 
-def plan_epoch(
+def windows_of_epoch(
     n: int,
     micro_batch: int,
     accum: int,
@@ -152,8 +152,8 @@ def token_budget_chunks(members, length_of, max_tokens: int) -> list[tuple]:
 
 @dataclass(frozen=True)
 class WindowSpec:
-    """How a run's samples become windows: ``plan_epoch``'s arguments, settled once at set-up (``loop.setup``) and
-    read by the loop's stream, the banner and ``finetune compare``."""
+    """How a run's samples become windows: ``windows_of_epoch``'s arguments, settled once at start-up
+    (``startup.assemble``) and read by the loop's stream, the banner and ``finetune compare``."""
 
     samples: int                        # the training set's size
     micro_batch: int

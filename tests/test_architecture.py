@@ -226,7 +226,8 @@ def test_one_writer_of_the_state_and_none_of_accelerate():
     assert violations(PACKAGE) == []
 
 
-SAVE_LINE = "    run.checkpointer.save_if_due(run.accelerator, state, run.schedulers, run.shape.total_steps)\n"  # loop.after_step's checkpoint
+# loop.after_step's checkpoint, where the plants go
+SAVE_LINE = "    run.checkpointer.save_if_due(run.accelerator, state, run.schedulers, run.shape.total_steps)\n"
 # Writes the checker must find: the bugs it exists for, planted into a copy of the real source (a line of it
 # replaced), and the ways around a name check (an alias, setattr, a private member).
 PLANTS = {
@@ -398,7 +399,7 @@ def build(cfg):
                loss_fn=lambda m, b: (m(b["x"]) - b["y"]).pow(2).mean())
 '''
 # computed once per run: called more often, a fact would have two sources
-SET_UP_ONCE = ("finetune.startup.plan_shape", "finetune.startup.count_steps", "finetune.checkpoint.find_checkpoint",
+SET_UP_ONCE = ("finetune.startup.split_batch", "finetune.startup.count_steps", "finetune.checkpoint.find_checkpoint",
                "finetune.checkpoint.read", "finetune.windows.WindowSpec.of", "finetune.distributed.make_accelerator",
                "finetune.startup.check_environment", "finetune.startup.assemble", "build")
 
@@ -474,6 +475,6 @@ def test_a_run_follows_its_configuration_in_8_stays_and_1_return_and_sets_up_onc
         assert not twice, f"{what}: set-up called more than once: {twice}"
     assert resumed[1]["finetune.checkpoint.read"] == 1 and "finetune.checkpoint.read" not in fresh[1]
     # negative controls: a shape computed again after the loop began is a return, and a second call is counted
-    planted = [*fresh[0], ("finetune.startup", "plan_shape")]
+    planted = [*fresh[0], ("finetune.startup", "split_batch")]
     assert returns(stays(planted))[-1] == "finetune.startup"
     assert stays([("a", "f"), ("a", "g"), ("b", "h"), ("a", "k")]) == ["a", "b", "a"]

@@ -46,10 +46,10 @@ def test_sorting_cuts_padding(setup):
 
 
 def test_token_budget_varies_micro_batch_count():
-    from finetune.windows import plan_epoch
+    from finetune.windows import windows_of_epoch
 
     lengths = [2, 30, 3, 4, 28, 5, 6, 2]
-    windows = plan_epoch(8, 2, 4, 1, 0, seed=0, epoch=0, sort_key=lambda i: lengths[i],
+    windows = windows_of_epoch(8, 2, 4, 1, 0, seed=0, epoch=0, sort_key=lambda i: lengths[i],
                          length_of=lambda i: lengths[i], max_tokens=16)
     (w,) = windows
     sizes = [len(mb) for mb in w.micro_batches]

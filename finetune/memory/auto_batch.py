@@ -3,7 +3,7 @@ out-of-memory error.
 
 Only the split changes, never the effective batch: the micro-batch is a divisor of the window and N follows
 (``Shape.with_micro_batch``), so the optimizer steps are the baseline's whatever micro-batch the run settles on.
-The prediction comes from the planner's measurements (``finetune.memory.step``); ``shape.plan_shape`` refuses auto on
+The prediction comes from the planner's measurements (``finetune.memory.step``); ``shape.split_batch`` refuses auto on
 several processes (an out-of-memory error on one rank would leave the others waiting).
 """
 
@@ -24,14 +24,14 @@ class AutoBatch:
     """The micro-batch of a ``batch_size: auto`` run, for ``model`` (prepared by ``accelerator``).
 
         auto = AutoBatch(accelerator, model)
-        shape = auto.plan(shape, job, t)          # at set-up
+        shape = auto.initial_shape(shape, job, t)          # at set-up
         shape = auto.shrink(shape, window, rng)   # after an out-of-memory error in ``window``
     """
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module):
         self.accelerator, self.model = accelerator, model
 
-    def plan(self, shape: Shape, job: Job, t: TrainingConfig) -> Shape:
+    def initial_shape(self, shape: Shape, job: Job, t: TrainingConfig) -> Shape:
         """``shape`` in the largest micro-batch dividing its window whose step is predicted to fit the
         device (``finetune.memory.step.auto_profile``, measured on this model in this run's settings); one sample when
         none is."""
