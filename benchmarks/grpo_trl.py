@@ -168,15 +168,12 @@ def run_trl(path: str, rows: list, prompt_ids: list, completions: list, loss_typ
 def run_finetune(path: str, data_file: Path, rollouts: Path, loss_type: str, b: int, n: int, steps: int,
                  group: int, max_len: int, lr: float, meter=None) -> tuple:
     """The grpo task through finetune's loop, replaying ``rollouts``; (start weights, trained weights, seconds)."""
-    from accelerate.utils import set_seed
-
     from finetune import loop
     from finetune.shape import shape_for
-    from finetune.tasks import grpo
+    from finetune.startup import build_job
 
     cfg = finetune_config(path, data_file, rollouts, loss_type, b, n, steps, group, max_len, lr)
-    set_seed(cfg.training.seed)
-    job = grpo.build(cfg)
+    job = build_job(cfg)  # seeded, and told the run, as a recipe run builds it
     start = weights(job.model)
     began = time.perf_counter()
     with meter or contextlib.nullcontext():

@@ -32,15 +32,13 @@ def end_early(job):
 
 
 def grpo_run(b, n, *overrides, output=None, resume_from=None):
-    from accelerate.utils import set_seed
-
     from finetune.config import load_recipe
+    from finetune.startup import build_job
 
     tiny_chat_assets()
     cfg = load_recipe("grpo-smollm2", [*SMALL["grpo-smollm2"], *BASE, f"training.batch_size={b}",
                                        f"training.gradient_accumulation_steps={n}", *overrides])
-    set_seed(cfg.training.seed)
-    job = grpo.build(cfg)
+    job = build_job(cfg)  # seeded, and told the run (TaskContext), as a recipe run builds it
     end_early(job)
     result = train_quietly(job, cfg.training, output, resume_from)
     weights = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
@@ -172,17 +170,15 @@ def test_answer_reward_pays_the_right_sum_in_any_format():
 
 def test_grpo_through_test_fine_tuning():
     """The Python API trains the task's job (its hooks passed as keywords) and takes the loop's steps."""
-    from accelerate.utils import set_seed
-
     from finetune import test_fine_tuning
     from finetune.config import load_recipe
+    from finetune.startup import build_job
 
     tiny_chat_assets()
     cfg = load_recipe("grpo-smollm2", [*SMALL["grpo-smollm2"], *BASE, "training.batch_size=2",
                                        "training.gradient_accumulation_steps=3", "model.loss_type=grpo",
                                        "training.max_steps=4"])
-    set_seed(cfg.training.seed)
-    job = grpo.build(cfg)
+    job = build_job(cfg)
     end_early(job)
     result = test_fine_tuning(job.model, config=cfg, train_data=job.train_data, collate_fn=job.collate_fn,
                               loss_fn=job.loss_fn, count_items=job.count_items, before_window=job.before_window)

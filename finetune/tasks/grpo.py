@@ -39,14 +39,13 @@ from typing import ClassVar, Literal, Optional
 import numpy as np
 import torch
 
-from finetune import distributed, tables
+from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import split_samples
-from finetune.job import Job
+from finetune.job import Job, TaskContext
 from finetune.models.forward import shards_weights
 from finetune.models.hf import peft_save_hook
 from finetune.seeding import permutation, step_seed
-from finetune.shape import plan_shape
 from finetune.tasks import chat
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -382,12 +381,14 @@ class Generator:
     """Makes the generation batch a window needs (``before_window``): each process generates its share of the
     chunks, and every process ends up holding the whole batch (``shared_chunks``)."""
 
-    def __init__(self, m: ModelConfig, cfg, model, tokenizer, prompts: list, schedule: GenerationSchedule,
-                 rollouts: Rollouts, funcs: list, reference):
-        self.m, self.seed, self.model, self.tokenizer = m, cfg.training.seed, model, tokenizer
+    def __init__(self, m: ModelConfig, ctx: TaskContext, model, tokenizer, prompts: list,
+                 schedule: GenerationSchedule, rollouts: Rollouts, funcs: list, reference, replay_path=None):
+        self.m, self.seed, self.model, self.tokenizer = m, ctx.seed, model, tokenizer
+        # where this process generates and its share of the chunks; agree: a refusal stops every process alike
+        self.device, self.processes, self.rank, self.agree = ctx.device, ctx.processes, ctx.rank, ctx.agree
         self.prompts, self.schedule, self.rollouts = prompts, schedule, rollouts
         self.funcs, self.reference = funcs, reference
-        self.replay_path = cfg.training.rollouts
+        self.replay_path = replay_path
         self.replay = read_rollouts(self.replay_path) if self.replay_path else None
 
     def before_window(self, state) -> None:
@@ -423,8 +424,7 @@ class Generator:
         chunk's sampling is seeded from (seed, epoch, batch, chunk) alone and its log-probs are taken on the same
         weights on every process, so the batch is the same on any number of processes. With sharded weights
         (ZeRO-3, FSDP2) every process generates every chunk: each decoding step gathers weights from all of them."""
-        state = distributed.distributed_state()
-        device, world, rank = state.device, state.num_processes, state.process_index
+        device, world, rank = self.device, self.processes, self.rank
         if shards_weights(self.model):
             world, rank = 1, 0
         starts = list(range(0, len(chosen), self.m.generation_chunk))
@@ -442,7 +442,7 @@ class Generator:
                     made.append((c, part))
             return made
 
-        made = distributed.agree(make)
+        made = self.agree(make)
         if world > 1:
             from accelerate.utils import gather_object
 
@@ -630,9 +630,9 @@ def generation_batch(m: ModelConfig, effective: int) -> tuple[int, str]:
     return effective, "the effective batch: model.generation_batch_size is null"
 
 
-def schedule_of(cfg, prompts: int) -> tuple[GenerationSchedule, str]:
-    t, m = cfg.training, cfg.model
-    effective = plan_shape(t, distributed.distributed_state().num_processes).effective
+def schedule_of(m: ModelConfig, effective: int, prompts: int) -> tuple[GenerationSchedule, str]:
+    """The run's generation schedule over ``prompts`` prompts in steps of ``effective`` completions, and where its
+    generation batch comes from; one line when they do not fit together."""
     completions, source = generation_batch(m, effective)
     if completions % effective:
         raise ConfigError(f"model.generation_batch_size: {completions} completions ({source}) is not a multiple of "
@@ -648,7 +648,7 @@ def schedule_of(cfg, prompts: int) -> tuple[GenerationSchedule, str]:
     return schedule, source
 
 
-def build(cfg) -> Job:
+def build(cfg, ctx: TaskContext) -> Job:
     m, d = cfg.model, cfg.data
     funcs = load_rewards(m)
     rows = load_prompts(d)
@@ -661,11 +661,11 @@ def build(cfg) -> Job:
         part.check_length(m)
     tokenizer.padding_side = "left"
     model, _ = chat.tuned_model(cfg, tokenizer)
-    schedule, source = schedule_of(cfg, len(prompts))
+    schedule, source = schedule_of(m, ctx.shape.effective, len(prompts))
     rollouts = Rollouts()
-    generator = Generator(m, cfg, model, tokenizer, prompts, schedule, rollouts, funcs,
-                          make_reference(m, model, cfg.peft.enabled))
-    if distributed.is_main_process():
+    generator = Generator(m, ctx, model, tokenizer, prompts, schedule, rollouts, funcs,
+                          make_reference(m, model, cfg.peft.enabled), cfg.training.rollouts)
+    if ctx.main:
         print(f"grpo: {len(prompts)} prompts from {d.source} ({len(held_out)} held out); {m.num_generations} "
               f"completions each; generation batch {schedule.batch_completions} completions ({source}) for "
               f"{schedule.per_generation} × {schedule.iterations} optimizer steps; loss {m.loss_type}", flush=True)
