@@ -124,17 +124,28 @@ def warn_about_schedule(t, steps: int) -> None:
 
 
 def check_job(job: Job, t: TrainingConfig, shape: Shape) -> None:
-    """Data the settings can't use: an empty training set, a micro-batch larger than it."""
+    """Data the settings can't use: an empty training set, a micro-batch larger than it, an order the task's samples
+    cannot take."""
     n_train = len(job.train_data)
     if n_train == 0:
         raise ConfigError("data: the training set is empty")
     if shape.micro_batch > n_train:
         field = "effective_batch_size" if shape.auto else "batch_size"  # auto starts from the whole window
         raise ConfigError(f"training.{field}: {shape.micro_batch} is larger than the {n_train} training samples")
+    if job.windows_in_order:
+        check_in_order(t)
     if t.sort_within_window and job.length_of is None:
         raise ConfigError("training.sort_within_window: this task gives no sample lengths (Job.length_of)")
     if job.stream_block is not None:
         check_stream(t)
+
+
+def check_in_order(t: TrainingConfig) -> None:
+    """A task whose samples must come in their own order (``Job.windows_in_order``): neither shuffled nor sorted."""
+    for name in ("shuffle", "sort_within_window"):
+        if getattr(t, name):
+            raise ConfigError(f"training.{name}: this task's samples must come in order (Job.windows_in_order); "
+                              f"set training.{name}=false")
 
 
 def check_stream(t: TrainingConfig) -> None:

@@ -148,7 +148,10 @@ def bad_reward_module(tmp_path, body):
      "returned 1 rewards for", "first step"),
     (lambda p: "model.num_generations=5", "model.num_generations: 5 does not divide the generation batch", "set-up"),
     (lambda p: "model.max_prompt_length=4", "model.max_prompt_length: prompt 0 has", "set-up"),
-    (lambda p: "training.shuffle=true", "training.shuffle: must be false for grpo", "set-up"),
+    # the core's refusal (Job.windows_in_order), after the task is built and before anything is written
+    (lambda p: "training.shuffle=true", "training.shuffle: this task's samples must come in order", "set-up"),
+    (lambda p: "training.sort_within_window=true", "training.sort_within_window: this task's samples must come in "
+                                                   "order", "set-up"),
     (lambda p: "data.max_operand=0", "data.max_operand: got 0; must be an integer >= 1", "set-up"),
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, setting, message, when):

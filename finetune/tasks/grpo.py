@@ -107,16 +107,13 @@ class DataConfig(BaseDataConfig):
 
 
 def validate(cfg, problems: list) -> None:
-    m, d, t = cfg.model, cfg.data, cfg.training
+    m, d = cfg.model, cfg.data
     chat.validate_chat_model(m, problems)
     if not m.reward_funcs:
         problems.append("model.reward_funcs: give at least one 'module:function'")
     if m.reward_weights is not None and len(m.reward_weights) != len(m.reward_funcs or []):
         problems.append(f"model.reward_weights: {len(m.reward_weights)} weights for {len(m.reward_funcs or [])} "
                         "reward functions; give one each, or null")
-    if t.shuffle:
-        problems.append("training.shuffle: must be false for grpo (the task shuffles its prompts per epoch; the "
-                        "windows follow the generation batches in order)")
     chat.validate_source(d.source, "sums", problems)
 
 
@@ -684,5 +681,5 @@ def build(cfg, ctx: TaskContext) -> Job:
                loss_fn=make_loss_fn(m, rollouts, schedule, make_reward_eval(m, tokenizer, funcs)),
                count_items=make_count(m, rollouts, schedule), eval_step=eval_step, compute_metrics=held_out_metrics,
                before_window=generator.before_window, save=peft_save_hook(cfg, tokenizer), summarize=summarize,
-               checkpointed=[rollouts])
+               checkpointed=[rollouts], windows_in_order=True)  # the slots follow the generation batches
 
