@@ -86,18 +86,19 @@ def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes
               speak: bool = True) -> tuple[Optional[checkpoint.Saved], Shape]:
     """What every process checks before a model is built: that the effective batch splits over ``processes``, the
     checkpoint to resume, and what this machine can run. Returns (the checkpoint or None, the run's shape before
-    the data is known). With ``speak``, rank 0 prints the notes on resuming (e.g. a new effective split)."""
+    the data is known). With ``speak``, rank 0 prints the recipe's notes (a key in its old place) and the notes on
+    resuming (e.g. a new effective split)."""
     distributed.check_environment(cfg.training, cfg.output.tracker)
     shape = plan_shape(cfg.training, processes)
-    saved = None
+    saved, notes = None, list(cfg.notes)
     if resume is not None:
         # refuses a missing / corrupt checkpoint; every process reads the same files, so every process reaches the
         # same verdict (no one waits on a peer that refused)
         saved = checkpoint.read(checkpoint.find_checkpoint(resume, out_dir))
-        notes = check_resume(saved, cfg, shape)
-        if speak and rank == 0:
-            for note in notes:
-                print(note, file=sys.stderr)
+        notes += check_resume(saved, cfg, shape)
+    if speak and rank == 0:
+        for note in notes:
+            print(note, file=sys.stderr)
     return saved, shape
 
 

@@ -58,6 +58,9 @@ class ModelConfig(chat.ChatModelConfig):
     RETIRED: ClassVar[dict] = {"steps_per_generation": (
         "replaced by model.generation_batch_size, in completions (your steps_per_generation × the effective batch; "
         "null: the effective batch), which no micro-batch or process count changes")}
+    # training.rollouts was a shared key only grpo read; a recipe that still gives it there is carried here, with a
+    # note, for a release (config.carry_moved)
+    MOVED: ClassVar[dict] = {"rollouts": "training.rollouts"}
     reward_funcs: list = doc(
         "reward functions, each 'module:function' or 'path/to/file.py:function', called as TRL calls its "
         "reward_funcs: f(prompts=…, completions=…, completion_ids=…, **extra columns) → one float per completion",
@@ -91,6 +94,9 @@ class ModelConfig(chat.ChatModelConfig):
                                 "split", 8, at_least=1)
     max_prompt_length: int = doc("longest prompt in tokens (with its chat template); longer ones are refused", 128,
                                  at_least=1)
+    rollouts: Optional[str] = doc(
+        "a run's rollouts.jsonl to train on instead of generating (replays that run's rollouts, so that its steps "
+        "can be reproduced exactly); null: generate", None)
 
 
 @dataclass
@@ -379,13 +385,13 @@ class Generator:
     chunks, and every process ends up holding the whole batch (``shared_chunks``)."""
 
     def __init__(self, m: ModelConfig, ctx: TaskContext, model, tokenizer, prompts: list,
-                 schedule: GenerationSchedule, rollouts: Rollouts, funcs: list, reference, replay_path=None):
+                 schedule: GenerationSchedule, rollouts: Rollouts, funcs: list, reference):
         self.m, self.seed, self.model, self.tokenizer = m, ctx.seed, model, tokenizer
         # where this process generates and its share of the chunks; agree: a refusal stops every process alike
         self.device, self.processes, self.rank, self.agree = ctx.device, ctx.processes, ctx.rank, ctx.agree
         self.prompts, self.schedule, self.rollouts = prompts, schedule, rollouts
         self.funcs, self.reference = funcs, reference
-        self.replay_path = replay_path
+        self.replay_path = m.rollouts
         self.replay = read_rollouts(self.replay_path) if self.replay_path else None
 
     def before_window(self, state) -> None:
@@ -450,10 +456,10 @@ class Generator:
         """The generation batch as the recorded run made it: its completions, rewards, advantages and log-probs."""
         record = self.replay.get((epoch, batch))
         if record is None:
-            raise ConfigError(f"training.rollouts: {self.replay_path} holds no generation batch {batch} of epoch "
+            raise ConfigError(f"model.rollouts: {self.replay_path} holds no generation batch {batch} of epoch "
                               f"{epoch} (it holds {len(self.replay)}); train no further than the recorded run")
         if record["prompts"] != [p["id"] for p in chosen]:
-            raise ConfigError(f"training.rollouts: {self.replay_path} batch {batch} of epoch {epoch} holds prompts "
+            raise ConfigError(f"model.rollouts: {self.replay_path} batch {batch} of epoch {epoch} holds prompts "
                               f"{record['prompts'][:4]}…, this run's are {[p['id'] for p in chosen][:4]}…; replay "
                               "with the recorded run's data, seed and effective batch")
         prompts = [p for p in chosen for _ in range(self.schedule.group)]
@@ -512,7 +518,7 @@ def read_rollouts(path) -> dict:
         records = [json.loads(line) for line in Path(path).expanduser().read_text().splitlines() if line.strip()]
         return {(r["epoch"], r["batch"]): r for r in records}
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ConfigError(f"training.rollouts: cannot read {path} as a run's rollouts.jsonl "
+        raise ConfigError(f"model.rollouts: cannot read {path} as a run's rollouts.jsonl "
                           f"({type(error).__name__}: {str(error)[:120]})") from None
 
 
@@ -661,7 +667,7 @@ def build(cfg, ctx: TaskContext) -> Job:
     schedule, source = schedule_of(m, ctx.shape.effective, len(prompts))
     rollouts = Rollouts()
     generator = Generator(m, ctx, model, tokenizer, prompts, schedule, rollouts, funcs,
-                          make_reference(m, model, cfg.peft.enabled), cfg.training.rollouts)
+                          make_reference(m, model, cfg.peft.enabled))
     if ctx.main:
         print(f"grpo: {len(prompts)} prompts from {d.source} ({len(held_out)} held out); {m.num_generations} "
               f"completions each; generation batch {schedule.batch_completions} completions ({source}) for "
