@@ -5,7 +5,7 @@ Both tools train on the same fixed rollouts, so that only the loss's normalisati
 from the initial model at temperature 1 and cut to uneven lengths (some end with the end token, some run to
 ``max_completion_length``), scored by a fixed hash of their tokens. TRL gets them from a ``rollout_func`` that returns
 the recorded completions in place of generating, and scores them itself; finetune replays them from a
-``rollouts.jsonl`` (``training.rollouts``) holding the same completions, their rewards, group-normalised advantages
+``rollouts.jsonl`` (``model.rollouts``) holding the same completions, their rewards, group-normalised advantages
 and the initial model's log-probs. Full fine-tuning of the same weights, SGD at a constant learning rate, no clipping,
 no dropout, β = 0, one iteration, temperature 1, ε = 0.2, the prompts in the same order on both sides, and TRL's
 in-batch shuffle of a generation batch off (the micro-batches then hold the same completions in both tools).
@@ -194,7 +194,7 @@ def finetune_config(path: str, data_file: Path, rollouts, loss_type: str, b: int
         f"training.gradient_accumulation_steps={n}", "training.effective_batch_size=null", "training.optimizer=sgd",
         f"training.learning_rate={lr}", "training.lr_scheduler=constant", "training.warmup_steps=0",
         "training.max_grad_norm=null", "training.eval_at_start=false", "training.shuffle=false",
-        f"training.seed={SEED}", *([f"training.rollouts={rollouts}"] if rollouts else [])])
+        f"training.seed={SEED}", *([f"model.rollouts={rollouts}"] if rollouts else [])])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -117,6 +117,8 @@ def cmd_ls(args) -> int:
 
 def cmd_validate(args) -> int:
     cfg = load_recipe(args.recipe, args.set)
+    for note in cfg.notes:  # one process: it speaks
+        print(note, file=sys.stderr)
     t = cfg.training
     batch = f"effective batch {t.effective_batch_size}" if t.effective_batch_size else \
         f"N {t.gradient_accumulation_steps or 1}"

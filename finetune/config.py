@@ -193,9 +193,6 @@ class TrainingConfig:
     seed: int = doc("seeds model init, sample order and dropout; sample order depends on nothing else", 42,
                     flag="--seed", at_least=0, at_most=2**32 - 1)
     shuffle: bool = doc("reshuffle samples every epoch (seeded)", True)
-    rollouts: Optional[str] = doc(
-        "grpo: a run's rollouts.jsonl to train on instead of generating (replays that run's rollouts, so that its "
-        "steps can be reproduced exactly); null: generate", None)
     sample_order: Literal["finetune", "trainer"] = doc(
         "how each epoch's order is drawn from the seed: finetune's own permutation, or HF Trainer's (its seedable "
         "random sampler seeded with seed + epoch; transformers 5.23 / accelerate 1.15), so that window k holds the "
@@ -311,6 +308,9 @@ class RecipeConfig:
     name: str = "custom"
     description: str = ""
     peft: PeftConfig = field(default_factory=PeftConfig)
+    # what loading had to say about the recipe (a key given in its old place); the run's main process prints them
+    # (finetune.startup.check_run). Not a setting: not in to_dict, nor compared.
+    notes: list = field(default_factory=list, compare=False, repr=False)
 
     def to_dict(self) -> dict:
         return {
@@ -491,10 +491,7 @@ def _validate_ranges(cfg: RecipeConfig, problems: list):
         check_ranges(getattr(cfg, name), name, problems)
     if isinstance(cfg.model, PretrainedModelConfig):
         validate_precision(cfg, problems)
-    # Not field ranges: these depend on the task, or on peft.enabled.
-    if cfg.training.rollouts is not None and cfg.task != "grpo":
-        problems.append(f"training.rollouts: only the grpo task trains on recorded rollouts (this recipe's task is "
-                        f"{cfg.task})")
+    # Not field ranges: these depend on peft.enabled.
     p = cfg.peft
     if p.enabled:  # a disabled peft section is never read: its numbers cannot be wrong
         check_ranges(p, "peft", problems)
@@ -544,16 +541,12 @@ def config_from_dict(raw: dict, name: str = "custom", folder: Optional[Path] = N
                  for k in sorted(extra)]
     task = resolve_task(raw.get("task"), folder)
     module = task_module(task)
-    cfg = RecipeConfig(
-        task=task,
-        model=build_section(section_class(module, "ModelConfig"), raw.get("model"), "model", problems),
-        data=build_section(section_class(module, "DataConfig"), raw.get("data"), "data", problems),
-        training=build_section(TrainingConfig, raw.get("training"), "training", problems),
-        output=build_section(OutputConfig, raw.get("output"), "output", problems),
-        peft=build_section(PeftConfig, raw.get("peft"), "peft", problems),
-        name=str(raw.get("name") or name),
-        description=str(raw.get("description") or ""),
-    )
+    classes = {"model": section_class(module, "ModelConfig"), "data": section_class(module, "DataConfig"),
+               "training": TrainingConfig, "output": OutputConfig, "peft": PeftConfig}
+    raw, notes = carry_moved(raw, classes, problems)
+    sections = {s: build_section(cls, raw.get(s), s, problems) for s, cls in classes.items()}
+    cfg = RecipeConfig(task=task, **sections, name=str(raw.get("name") or name),
+                       description=str(raw.get("description") or ""), notes=notes)
     if not problems:
         _validate_ranges(cfg, problems)
         if hasattr(module, "validate"):
@@ -561,6 +554,30 @@ def config_from_dict(raw: dict, name: str = "custom", folder: Optional[Path] = N
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def carry_moved(raw: dict, classes: dict, problems: list) -> tuple[dict, list]:
+    """Keys a release moved into another section, carried there from their old place for a release. A section's
+    class names them in ``MOVED`` (its key → the old ``section.key``). Returns the recipe with each carried (a copy;
+    ``raw`` is left as given) and one note per key carried; the two places given different values is a problem
+    naming both."""
+    notes = []
+    for section, cls in classes.items():
+        for key, old in getattr(cls, "MOVED", {}).items():
+            old_section, old_key = old.split(".")
+            source, target = raw.get(old_section), raw.get(section) or {}
+            if not isinstance(source, dict) or old_key not in source or not isinstance(target, dict):
+                continue  # nothing to carry, or a section that is not a mapping (build_section says so)
+            value, new = source[old_key], f"{section}.{key}"
+            raw = {**raw, old_section: {k: v for k, v in source.items() if k != old_key}}
+            if key in target and target[key] != value:
+                problems.append(f"{new}: {target[key]!r} here and {value!r} in {old}, its old place; give {new} "
+                                "only")
+                continue
+            raw[section] = {**target, key: value}
+            notes.append(f"note: {old} moved to {new}; the old key still works in this release and will be "
+                         f"removed in a later one")
+    return raw, notes
 
 
 class _RecipeLoader(yaml.SafeLoader):

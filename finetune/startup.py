@@ -112,19 +112,19 @@ def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes
               speak: bool = True) -> tuple[Optional[checkpoint.Saved], Shape]:
     """What every process checks before a model is built: what this machine and the launch's engine config can
     run, that the effective batch splits over ``processes``, and the checkpoint to resume. Returns (the checkpoint
-    or None, the run's shape before the data is known). With ``speak``, rank 0 prints the notes on resuming (e.g.
-    a new effective split)."""
+    or None, the run's shape before the data is known). With ``speak``, rank 0 prints the recipe's notes (a key in
+    its old place) and the notes on resuming (e.g. a new effective split)."""
     check_environment(cfg.training, cfg.output.tracker)
     shape = split_batch(cfg.training, processes)
-    saved = None
+    saved, notes = None, list(cfg.notes)
     if resume is not None:
         # refuses a missing / corrupt checkpoint; every process reads the same files, so every process reaches the
         # same verdict (no one waits on a peer that refused)
         saved = checkpoint.read(checkpoint.find_checkpoint(resume, out_dir))
-        notes = checkpoint.check_resume(saved, cfg.to_dict(), shape)
-        if speak and rank == 0:
-            for note in notes:
-                print(note, file=sys.stderr)
+        notes += checkpoint.check_resume(saved, cfg.to_dict(), shape)
+    if speak and rank == 0:
+        for note in notes:
+            print(note, file=sys.stderr)
     return saved, shape
 
 
@@ -432,14 +432,14 @@ def check_data(job: Job, t: TrainingConfig, shape: Shape) -> None:
     if shape.micro_batch > n_train:
         field = "effective_batch_size" if shape.auto else "batch_size"  # auto starts from the whole window
         raise ConfigError(f"training.{field}: {shape.micro_batch} is larger than the {n_train} training samples")
+    if job.windows_in_order and (t.shuffle or t.sort_within_window):  # the cause, before what follows from it
+        key = "shuffle" if t.shuffle else "sort_within_window"
+        raise ConfigError(f"training.{key}: this task's samples must come in order (Job.windows_in_order); set "
+                          f"training.{key}=false")
     if t.sort_within_window and job.length_of is None:
         raise ConfigError("training.sort_within_window: this task gives no sample lengths (Job.length_of)")
     if job.stream_block is not None:
         check_stream(t)
-    if job.windows_in_order and (t.shuffle or t.sort_within_window):
-        key = "shuffle" if t.shuffle else "sort_within_window"
-        raise ConfigError(f"training.{key}: this task's samples must come in order (Job.windows_in_order); set "
-                          f"training.{key}=false")
 
 
 def check_stream(t: TrainingConfig) -> None:

@@ -32,15 +32,13 @@ def end_early(job):
 
 
 def grpo_run(b, n, *overrides, output=None, resume_from=None):
-    from accelerate.utils import set_seed
-
     from finetune.config import load_recipe
+    from finetune.startup import build_job
 
     tiny_chat_assets()
     cfg = load_recipe("grpo-smollm2", [*SMALL["grpo-smollm2"], *BASE, f"training.batch_size={b}",
                                        f"training.gradient_accumulation_steps={n}", *overrides])
-    set_seed(cfg.training.seed)
-    job = grpo.build(cfg)
+    job = build_job(cfg)  # seeded, and told the run (TaskContext), as a recipe run builds it
     end_early(job)
     result = train_quietly(job, cfg.training, output, resume_from)
     weights = torch.cat([p.detach().reshape(-1) for p in result.model.parameters()])
@@ -150,7 +148,10 @@ def bad_reward_module(tmp_path, body):
      "returned 1 rewards for", "first step"),
     (lambda p: "model.num_generations=5", "model.num_generations: 5 does not divide the generation batch", "set-up"),
     (lambda p: "model.max_prompt_length=4", "model.max_prompt_length: prompt 0 has", "set-up"),
-    (lambda p: "training.shuffle=true", "training.shuffle: must be false for grpo", "set-up"),
+    # the core's refusal (Job.windows_in_order), after the task is built and before anything is written
+    (lambda p: "training.shuffle=true", "training.shuffle: this task's samples must come in order", "set-up"),
+    (lambda p: "training.sort_within_window=true", "training.sort_within_window: this task's samples must come in "
+                                                   "order", "set-up"),
     (lambda p: "data.max_operand=0", "data.max_operand: got 0; must be an integer >= 1", "set-up"),
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, setting, message, when):
@@ -172,17 +173,15 @@ def test_answer_reward_pays_the_right_sum_in_any_format():
 
 def test_grpo_through_test_fine_tuning():
     """The Python API trains the task's job (its hooks passed as keywords) and takes the loop's steps."""
-    from accelerate.utils import set_seed
-
     from finetune import test_fine_tuning
     from finetune.config import load_recipe
+    from finetune.startup import build_job
 
     tiny_chat_assets()
     cfg = load_recipe("grpo-smollm2", [*SMALL["grpo-smollm2"], *BASE, "training.batch_size=2",
                                        "training.gradient_accumulation_steps=3", "model.loss_type=grpo",
                                        "training.max_steps=4"])
-    set_seed(cfg.training.seed)
-    job = grpo.build(cfg)
+    job = build_job(cfg)
     end_early(job)
     result = test_fine_tuning(job.model, config=cfg, train_data=job.train_data, collate_fn=job.collate_fn,
                               loss_fn=job.loss_fn, count_items=job.count_items, before_window=job.before_window)
@@ -210,7 +209,7 @@ def test_a_run_replayed_from_its_rollouts_takes_its_steps_and_compare_says_so(tm
 
     recorded = cli_run(tmp_path, "recorded", "training.batch_size=6", "training.gradient_accumulation_steps=1")
     replayed = cli_run(tmp_path, "replayed", "training.batch_size=2", "training.gradient_accumulation_steps=3",
-                       f"training.rollouts={recorded / 'rollouts.jsonl'}")
+                       f"model.rollouts={recorded / 'rollouts.jsonl'}")
     assert read_run(replayed)["rollouts"] == read_run(recorded)["rollouts"]
     c = compare_runs(recorded, replayed)
     by_name = {name: ok for name, ok, _, _ in c.checks}
@@ -229,7 +228,7 @@ def test_a_run_replayed_from_its_rollouts_takes_its_steps_and_compare_says_so(tm
     tampered = tmp_path / "tampered.jsonl"
     tampered.write_text("".join(json.dumps(r) + "\n" for r in records))
     other = cli_run(tmp_path, "other", "training.batch_size=2", "training.gradient_accumulation_steps=3",
-                    f"training.rollouts={tampered}")
+                    f"model.rollouts={tampered}")
     c = compare_runs(recorded, other)
     assert c.first_difference is not None and c.first_difference.startswith("rollouts")
 
@@ -238,9 +237,46 @@ def test_rollouts_that_do_not_fit_the_run_are_refused(capsys, tmp_path):
     recorded = cli_run(tmp_path, "recorded", "training.batch_size=6", "training.gradient_accumulation_steps=1")
     args = ["--recipe", "grpo-smollm2", *[x for s in [*SMALL["grpo-smollm2"], *BASE, "training.batch_size=6",
                                                       "training.gradient_accumulation_steps=1", "training.seed=7",
-                                                      f"training.rollouts={recorded / 'rollouts.jsonl'}"]
+                                                      f"model.rollouts={recorded / 'rollouts.jsonl'}"]
                                           for x in ("--set", s)], "--output-dir", str(tmp_path / "o")]
-    refused_in_process(capsys, args, "training.rollouts: ")
+    refused_in_process(capsys, args, "model.rollouts: ")
+
+
+MOVED = ("note: training.rollouts moved to model.rollouts; the old key still works in this release and will be "
+         "removed in a later one")
+
+
+def test_training_rollouts_still_replays_with_a_note_and_model_rollouts_is_silent(capsys, tmp_path):
+    """The key's old place works for a release: the same replay as model.rollouts, one note on stderr."""
+    from finetune.reproduce.compare import read_run
+    from tests.helpers import load_weights, same_bytes
+
+    layout = ("training.batch_size=6", "training.gradient_accumulation_steps=1", "training.max_steps=2")
+    recorded = cli_run(tmp_path, "recorded", *layout)
+    path = recorded / "rollouts.jsonl"
+    capsys.readouterr()
+    old = cli_run(tmp_path, "old", *layout, f"training.rollouts={path}")
+    assert [x for x in capsys.readouterr().err.splitlines() if "training.rollouts" in x] == [MOVED]
+    new = cli_run(tmp_path, "new", *layout, f"model.rollouts={path}")
+    assert "training.rollouts" not in capsys.readouterr().err
+    assert read_run(old)["rollouts"] == read_run(new)["rollouts"] == read_run(recorded)["rollouts"]
+    assert same_bytes(load_weights(old), load_weights(new))
+    assert read_run(old)["config"]["model"]["rollouts"] == str(path)  # the run records the new key
+
+
+def test_rollouts_in_both_places_are_carried_when_equal_and_refused_in_one_line_when_not(tmp_path):
+    from finetune.config import load_recipe
+    from tests.helpers import assert_one_error_line, cli
+
+    cfg = load_recipe("grpo-smollm2", ["training.rollouts=a.jsonl", "model.rollouts=a.jsonl"])
+    assert cfg.model.rollouts == "a.jsonl" and cfg.notes == [MOVED]
+    assert load_recipe("grpo-smollm2", ["model.rollouts=a.jsonl"]).notes == []
+    proc = cli("--recipe", "grpo-smollm2", "--set", "training.rollouts=a.jsonl", "--set", "model.rollouts=b.jsonl",
+               "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert_one_error_line(proc.stderr, "model.rollouts: 'b.jsonl' here and 'a.jsonl' in training.rollouts, its old "
+                                       "place; give model.rollouts only")
+    assert not (tmp_path / "o").exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------

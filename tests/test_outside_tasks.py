@@ -164,6 +164,56 @@ def test_a_task_with_build_alone_trains_and_its_sections_are_empty(tmp_path):
     assert refused.value.problems[0].startswith("model.hidden: unknown key")
 
 
+IN_ORDER = '''
+"""Its samples must come in their own order, a window after the other (as GRPO's slots): Job.windows_in_order."""
+from dataclasses import dataclass
+
+import torch
+
+from finetune.config import BaseModelConfig, doc
+from finetune.job import Job
+
+
+@dataclass
+class ModelConfig(BaseModelConfig):
+    in_order: bool = doc("sets Job.windows_in_order", True)
+
+
+def build(cfg):
+    x = torch.linspace(0, 3, 24).unsqueeze(-1)
+    return Job(model=torch.nn.Linear(1, 1), train_data=[{"x": a, "y": 2 * a} for a in x],
+               loss_fn=lambda m, b: (m(b["x"]) - b["y"]).pow(2).mean(), windows_in_order=cfg.model.in_order)
+'''
+
+
+@pytest.mark.parametrize("in_order, order, refused", [
+    (True, "shuffle", "training.shuffle: this task's samples must come in order (Job.windows_in_order); set "
+                      "training.shuffle=false"),
+    (True, "sort_within_window", "training.sort_within_window: this task's samples must come in order "
+                                 "(Job.windows_in_order); set training.sort_within_window=false"),
+    (True, None, None),       # in order: trains
+    (False, "shuffle", None),  # the negative control: without the flag, shuffled windows train
+])
+def test_a_task_whose_windows_come_in_order_refuses_shuffling_and_sorting(tmp_path, capsys, in_order, order,
+                                                                         refused):
+    (tmp_path / "ordered.py").write_text(IN_ORDER)
+    recipe = tmp_path / "ordered.yaml"
+    training = {"batch_size": 2, "effective_batch_size": 8, "learning_rate": 0.05, "shuffle": order == "shuffle",
+                **({"sort_within_window": True} if order == "sort_within_window" else {})}
+    recipe.write_text(yaml.safe_dump({"task": "./ordered.py", "model": {"in_order": in_order},
+                                      "training": training, "output": {"plots": False, "save_model": False}}))
+    out = tmp_path / "run"
+    capsys.readouterr()
+    code = run_main(["--recipe", str(recipe), "--output-dir", str(out)])
+    stderr = capsys.readouterr().err
+    if refused:
+        assert code == 2 and stderr.strip().splitlines() == [f"error: {refused}"], stderr[-2000:]
+        assert not out.exists()  # refused after the task is built, before anything is written
+    else:
+        assert code == 0, stderr[-2000:]
+        assert [h["step"] for h in history(out)] == [1, 2, 3]
+
+
 def test_a_relative_task_path_is_taken_from_the_recipes_folder(tmp_path, monkeypatch):
     recipe = user_folder(tmp_path / "a" / "b", task="../tasks/my_task.py")
     (tmp_path / "a" / "tasks").mkdir()

@@ -434,7 +434,7 @@ def _grpo(base: Baseline, out: Imported, model_fields: dict) -> None:
                            "model.reward_funcs to the baseline's")
     out.not_carried.append("not carried: the sampler's draws — TRL shuffles its prompts and samples completions with "
                            "its own random state, finetune draws its own: to take the baseline's steps, replay its "
-                           "completions with training.rollouts (a rollouts.jsonl)")
+                           "completions with model.rollouts (a rollouts.jsonl)")
 
 
 def training_file(out: Imported, data: str | None, data_fields: set, base: Baseline | None = None) -> None:

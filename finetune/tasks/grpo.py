@@ -39,14 +39,13 @@ from typing import ClassVar, Literal, Optional
 import numpy as np
 import torch
 
-from finetune import distributed, tables
+from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import split_samples
-from finetune.job import Job
+from finetune.job import Job, TaskContext
 from finetune.models.forward import shards_weights
 from finetune.models.hf import peft_save_hook
 from finetune.seeding import permutation, step_seed
-from finetune.shape import plan_shape
 from finetune.tasks import chat
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -59,6 +58,9 @@ class ModelConfig(chat.ChatModelConfig):
     RETIRED: ClassVar[dict] = {"steps_per_generation": (
         "replaced by model.generation_batch_size, in completions (your steps_per_generation × the effective batch; "
         "null: the effective batch), which no micro-batch or process count changes")}
+    # training.rollouts was a shared key only grpo read; a recipe that still gives it there is carried here, with a
+    # note, for a release (config.carry_moved)
+    MOVED: ClassVar[dict] = {"rollouts": "training.rollouts"}
     reward_funcs: list = doc(
         "reward functions, each 'module:function' or 'path/to/file.py:function', called as TRL calls its "
         "reward_funcs: f(prompts=…, completions=…, completion_ids=…, **extra columns) → one float per completion",
@@ -92,6 +94,9 @@ class ModelConfig(chat.ChatModelConfig):
                                 "split", 8, at_least=1)
     max_prompt_length: int = doc("longest prompt in tokens (with its chat template); longer ones are refused", 128,
                                  at_least=1)
+    rollouts: Optional[str] = doc(
+        "a run's rollouts.jsonl to train on instead of generating (replays that run's rollouts, so that its steps "
+        "can be reproduced exactly); null: generate", None)
 
 
 @dataclass
@@ -108,16 +113,13 @@ class DataConfig(BaseDataConfig):
 
 
 def validate(cfg, problems: list) -> None:
-    m, d, t = cfg.model, cfg.data, cfg.training
+    m, d = cfg.model, cfg.data
     chat.validate_chat_model(m, problems)
     if not m.reward_funcs:
         problems.append("model.reward_funcs: give at least one 'module:function'")
     if m.reward_weights is not None and len(m.reward_weights) != len(m.reward_funcs or []):
         problems.append(f"model.reward_weights: {len(m.reward_weights)} weights for {len(m.reward_funcs or [])} "
                         "reward functions; give one each, or null")
-    if t.shuffle:
-        problems.append("training.shuffle: must be false for grpo (the task shuffles its prompts per epoch; the "
-                        "windows follow the generation batches in order)")
     chat.validate_source(d.source, "sums", problems)
 
 
@@ -231,9 +233,9 @@ def advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How the run's completions are laid out: ``effective`` completions a step, ``per_generation`` steps a
-    generation batch, ``iterations`` passes over it, ``group`` completions a prompt."""
+class GenerationSchedule:
+    """When the run generates and which completion each slot trains on: ``effective`` completions a step,
+    ``per_generation`` steps a generation batch, ``iterations`` passes over it, ``group`` completions a prompt."""
 
     prompts: int
     effective: int
@@ -263,11 +265,11 @@ class Layout:
 class RolloutSlots(torch.utils.data.Dataset):
     """The training set the loop sees: one slot per completion trained on, in order; a sample is its slot number."""
 
-    def __init__(self, layout: Layout):
-        self.layout = layout
+    def __init__(self, schedule: GenerationSchedule):
+        self.schedule = schedule
 
     def __len__(self) -> int:
-        return len(self.layout)
+        return len(self.schedule)
 
     def __getitem__(self, i: int) -> dict:
         return {"slot": i}
@@ -346,22 +348,22 @@ def reduce(m: ModelConfig, per_token: torch.Tensor, mask: torch.Tensor) -> torch
     return (per_token * mask).sum() / mask.sum()
 
 
-def make_count(m: ModelConfig, rollouts: Rollouts, layout: Layout):
+def make_count(m: ModelConfig, rollouts: Rollouts, schedule: GenerationSchedule):
     def count(batch) -> int:
         if "slot" not in batch:  # held-out prompts
             return len(batch["prompts"])
         if m.loss_type in ("grpo", "dr_grpo"):
             return len(batch["slot"])
-        samples = [rollouts.samples[layout.locate(s)[1]] for s in batch["slot"].tolist()]
+        samples = [rollouts.samples[schedule.locate(s)[1]] for s in batch["slot"].tolist()]
         return sum(len(x["ids"]) - x["prompt_length"] for x in samples)
     return count
 
 
-def make_loss_fn(m: ModelConfig, rollouts: Rollouts, layout: Layout, reward_eval):
+def make_loss_fn(m: ModelConfig, rollouts: Rollouts, schedule: GenerationSchedule, reward_eval):
     def loss_fn(model, batch):
         if "slot" not in batch:
             return reward_eval(model, batch)
-        samples = [rollouts.samples[layout.locate(s)[1]] for s in batch["slot"].tolist()]
+        samples = [rollouts.samples[schedule.locate(s)[1]] for s in batch["slot"].tolist()]
         device = batch["slot"].device
         logps = token_log_probs(model, [x["ids"] for x in samples], [x["prompt_length"] for x in samples],
                                 m.temperature, device)
@@ -382,23 +384,25 @@ class Generator:
     """Makes the generation batch a window needs (``before_window``): each process generates its share of the
     chunks, and every process ends up holding the whole batch (``shared_chunks``)."""
 
-    def __init__(self, m: ModelConfig, cfg, model, tokenizer, prompts: list, layout: Layout, rollouts: Rollouts,
-                 funcs: list, reference):
-        self.m, self.seed, self.model, self.tokenizer = m, cfg.training.seed, model, tokenizer
-        self.prompts, self.layout, self.rollouts = prompts, layout, rollouts
+    def __init__(self, m: ModelConfig, ctx: TaskContext, model, tokenizer, prompts: list,
+                 schedule: GenerationSchedule, rollouts: Rollouts, funcs: list, reference):
+        self.m, self.seed, self.model, self.tokenizer = m, ctx.seed, model, tokenizer
+        # where this process generates and its share of the chunks; agree: a refusal stops every process alike
+        self.device, self.processes, self.rank, self.agree = ctx.device, ctx.processes, ctx.rank, ctx.agree
+        self.prompts, self.schedule, self.rollouts = prompts, schedule, rollouts
         self.funcs, self.reference = funcs, reference
-        self.replay_path = cfg.training.rollouts
+        self.replay_path = m.rollouts
         self.replay = read_rollouts(self.replay_path) if self.replay_path else None
 
     def before_window(self, state) -> None:
-        batch, _ = self.layout.locate(state.next_window * self.layout.effective)
+        batch, _ = self.schedule.locate(state.next_window * self.schedule.effective)
         if self.rollouts.key != (state.epoch, batch):
             self.generate(state.epoch, batch)
 
     @torch.no_grad()
     def generate(self, epoch: int, batch: int) -> None:
         order = permutation(len(self.prompts), self.seed, epoch)
-        L = self.layout
+        L = self.schedule
         chosen = [self.prompts[i] for i in order[batch * L.batch_prompts:(batch + 1) * L.batch_prompts]]
         if self.replay is not None:
             return self.replayed(epoch, batch, chosen)
@@ -423,8 +427,7 @@ class Generator:
         chunk's sampling is seeded from (seed, epoch, batch, chunk) alone and its log-probs are taken on the same
         weights on every process, so the batch is the same on any number of processes. With sharded weights
         (ZeRO-3, FSDP2) every process generates every chunk: each decoding step gathers weights from all of them."""
-        state = distributed.distributed_state()
-        device, world, rank = state.device, state.num_processes, state.process_index
+        device, world, rank = self.device, self.processes, self.rank
         if shards_weights(self.model):
             world, rank = 1, 0
         starts = list(range(0, len(chosen), self.m.generation_chunk))
@@ -442,7 +445,7 @@ class Generator:
                     made.append((c, part))
             return made
 
-        made = distributed.agree(make)
+        made = self.agree(make)
         if world > 1:
             from accelerate.utils import gather_object
 
@@ -453,13 +456,13 @@ class Generator:
         """The generation batch as the recorded run made it: its completions, rewards, advantages and log-probs."""
         record = self.replay.get((epoch, batch))
         if record is None:
-            raise ConfigError(f"training.rollouts: {self.replay_path} holds no generation batch {batch} of epoch "
+            raise ConfigError(f"model.rollouts: {self.replay_path} holds no generation batch {batch} of epoch "
                               f"{epoch} (it holds {len(self.replay)}); train no further than the recorded run")
         if record["prompts"] != [p["id"] for p in chosen]:
-            raise ConfigError(f"training.rollouts: {self.replay_path} batch {batch} of epoch {epoch} holds prompts "
+            raise ConfigError(f"model.rollouts: {self.replay_path} batch {batch} of epoch {epoch} holds prompts "
                               f"{record['prompts'][:4]}…, this run's are {[p['id'] for p in chosen][:4]}…; replay "
                               "with the recorded run's data, seed and effective batch")
-        prompts = [p for p in chosen for _ in range(self.layout.group)]
+        prompts = [p for p in chosen for _ in range(self.schedule.group)]
         ref = record.get("ref_log_probs") or [[0.0] * len(c) for c in record["completions"]]
         samples = [{"ids": torch.tensor(p["ids"] + c), "prompt_length": len(p["ids"]), "prompt": p, "reward": r,
                     "advantage": a, "old": torch.tensor(o, dtype=torch.float32),
@@ -473,7 +476,7 @@ class Generator:
         """``num_generations`` completions of each prompt (left-padded together), cut after their end token."""
         gen = chat.generation_config(self.model, self.tokenizer, self.m.max_completion_length)
         gen.update(do_sample=True, temperature=self.m.temperature, top_p=self.m.top_p, top_k=0,
-                   num_return_sequences=self.layout.group)
+                   num_return_sequences=self.schedule.group)
         longest = max(len(p["ids"]) for p in prompts)
         ids = torch.full((len(prompts), longest), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -484,7 +487,7 @@ class Generator:
                                   synced_gpus=shards_weights(self.model)).cpu()
         ends = set(gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])
         samples = []
-        for row, p in zip(out, [p for p in prompts for _ in range(self.layout.group)]):
+        for row, p in zip(out, [p for p in prompts for _ in range(self.schedule.group)]):
             completion = row[longest:].tolist()
             stop = next((i + 1 for i, t in enumerate(completion) if t in ends), len(completion))
             samples.append({"ids": torch.tensor(p["ids"] + completion[:stop]), "prompt_length": len(p["ids"]),
@@ -499,7 +502,7 @@ class Generator:
     def log_probs(self, samples: list, device) -> None:
         """The policy's (old) and the reference's log-probs of every completion token, a chunk of sequences at a
         time (fixed, so they do not depend on the training split)."""
-        chunk = self.m.generation_chunk * self.layout.group
+        chunk = self.m.generation_chunk * self.schedule.group
         for c in range(0, len(samples), chunk):
             part = samples[c:c + chunk]
             ids, lengths = [x["ids"] for x in part], [x["prompt_length"] for x in part]
@@ -515,7 +518,7 @@ def read_rollouts(path) -> dict:
         records = [json.loads(line) for line in Path(path).expanduser().read_text().splitlines() if line.strip()]
         return {(r["epoch"], r["batch"]): r for r in records}
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise ConfigError(f"training.rollouts: cannot read {path} as a run's rollouts.jsonl "
+        raise ConfigError(f"model.rollouts: cannot read {path} as a run's rollouts.jsonl "
                           f"({type(error).__name__}: {str(error)[:120]})") from None
 
 
@@ -630,25 +633,25 @@ def generation_batch(m: ModelConfig, effective: int) -> tuple[int, str]:
     return effective, "the effective batch: model.generation_batch_size is null"
 
 
-def layout_of(cfg, prompts: int) -> tuple[Layout, str]:
-    t, m = cfg.training, cfg.model
-    effective = plan_shape(t, distributed.distributed_state().num_processes).effective
+def schedule_of(m: ModelConfig, effective: int, prompts: int) -> tuple[GenerationSchedule, str]:
+    """The run's generation schedule over ``prompts`` prompts in steps of ``effective`` completions, and where its
+    generation batch comes from; one line when they do not fit together."""
     completions, source = generation_batch(m, effective)
     if completions % effective:
         raise ConfigError(f"model.generation_batch_size: {completions} completions ({source}) is not a multiple of "
                           f"the effective batch of {effective}; each optimizer step trains on one generation batch")
-    layout = Layout(prompts, effective, completions // effective, m.num_iterations, m.num_generations)
+    schedule = GenerationSchedule(prompts, effective, completions // effective, m.num_iterations, m.num_generations)
     if completions % m.num_generations:
         raise ConfigError(f"model.num_generations: {m.num_generations} does not divide the generation batch of "
                           f"{completions} completions ({source})")
-    if m.num_iterations > 1 and prompts % layout.batch_prompts:
+    if m.num_iterations > 1 and prompts % schedule.batch_prompts:
         raise ConfigError(f"model.num_iterations: with {m.num_iterations} passes each generation batch must be whole; "
-                          f"{prompts} prompts leave {prompts % layout.batch_prompts} over batches of "
-                          f"{layout.batch_prompts} (set data.limit to a multiple)")
-    return layout, source
+                          f"{prompts} prompts leave {prompts % schedule.batch_prompts} over batches of "
+                          f"{schedule.batch_prompts} (set data.limit to a multiple)")
+    return schedule, source
 
 
-def build(cfg) -> Job:
+def build(cfg, ctx: TaskContext) -> Job:
     m, d = cfg.model, cfg.data
     funcs = load_rewards(m)
     rows = load_prompts(d)
@@ -661,14 +664,14 @@ def build(cfg) -> Job:
         part.check_length(m)
     tokenizer.padding_side = "left"
     model, _ = chat.tuned_model(cfg, tokenizer)
-    layout, source = layout_of(cfg, len(prompts))
+    schedule, source = schedule_of(m, ctx.shape.effective, len(prompts))
     rollouts = Rollouts()
-    generator = Generator(m, cfg, model, tokenizer, prompts, layout, rollouts, funcs,
+    generator = Generator(m, ctx, model, tokenizer, prompts, schedule, rollouts, funcs,
                           make_reference(m, model, cfg.peft.enabled))
-    if distributed.is_main_process():
+    if ctx.main:
         print(f"grpo: {len(prompts)} prompts from {d.source} ({len(held_out)} held out); {m.num_generations} "
-              f"completions each; generation batch {layout.batch_completions} completions ({source}) for "
-              f"{layout.per_generation} × {layout.iterations} optimizer steps; loss {m.loss_type}", flush=True)
+              f"completions each; generation batch {schedule.batch_completions} completions ({source}) for "
+              f"{schedule.per_generation} × {schedule.iterations} optimizer steps; loss {m.loss_type}", flush=True)
 
     def summarize(trained, run_dir=None) -> dict:
         if run_dir is not None:
@@ -678,11 +681,11 @@ def build(cfg) -> Job:
         rewards = [r for record in rollouts.log for r in record["rewards"]]
         return {"mean_train_reward": sum(rewards) / len(rewards)} if rewards else {}
 
-    return Job(model=model, train_data=RolloutSlots(layout), val_data=held_out if len(held_out) else None,
+    return Job(model=model, train_data=RolloutSlots(schedule), val_data=held_out if len(held_out) else None,
                tokenizer=tokenizer,
                collate_fn=lambda samples: collate_slots(samples) if "slot" in samples[0] else {"prompts": samples},
-               loss_fn=make_loss_fn(m, rollouts, layout, make_reward_eval(m, tokenizer, funcs)),
-               count_items=make_count(m, rollouts, layout), eval_step=eval_step, compute_metrics=held_out_metrics,
+               loss_fn=make_loss_fn(m, rollouts, schedule, make_reward_eval(m, tokenizer, funcs)),
+               count_items=make_count(m, rollouts, schedule), eval_step=eval_step, compute_metrics=held_out_metrics,
                before_window=generator.before_window, save=peft_save_hook(cfg, tokenizer), summarize=summarize,
-               checkpointed=[rollouts])
+               checkpointed=[rollouts], windows_in_order=True)  # the slots follow the generation batches
 
