@@ -570,6 +570,7 @@ def carry_moved(raw: dict, classes: dict, problems: list) -> tuple[dict, list]:
                 continue  # nothing to carry, or a section that is not a mapping (build_section says so)
             value, new = source[old_key], f"{section}.{key}"
             raw = {**raw, old_section: {k: v for k, v in source.items() if k != old_key}}
+            target = raw[section] if section == old_section else target  # a key renamed in its own section
             if key in target and target[key] != value:
                 problems.append(f"{new}: {target[key]!r} here and {value!r} in {old}, its old place; give {new} "
                                 "only")

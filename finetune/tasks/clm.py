@@ -41,11 +41,14 @@ class DataConfig(BaseDataConfig):
     source: str = doc("'pydoc' (the Python docs shipped with Python) or a txt / json / jsonl / csv / parquet file",
                       "pydoc")
     text_field: str = doc("column holding the text (json / csv / parquet)", "text")
-    seq_len: int = doc("tokens per sample: longer texts are truncated (or, with packing, cut into blocks)", 128,
+    seq_len: int = doc("tokens per sample: longer texts are truncated (or, with concatenate, cut into blocks)", 128,
                        at_least=2)
-    packing: bool = doc("concatenate all texts and cut blocks of seq_len (no padding) instead of one text a sample",
-                        False)
+    concatenate: bool = doc("concatenate all texts and cut blocks of seq_len (no padding) instead of one text a "
+                            "sample: other samples (training.packing packs whole samples into rows)", False)
     min_chars: int = doc("drop texts shorter than this", 40)
+
+    # data.packing was this setting's name until training.packing existed beside it, meaning something else
+    MOVED = {"concatenate": "data.packing"}
 
 
 def validate(cfg, problems: list) -> None:
@@ -146,7 +149,7 @@ def build(cfg) -> Job:
 
     def tokenize(batch):
         eos = tokenizer.eos_token or ""
-        if d.packing:
+        if d.concatenate:
             return tokenizer([t + eos for t in batch["text"]])
         return tokenizer(batch["text"], truncation=True, max_length=d.seq_len)
 
@@ -162,13 +165,13 @@ def build(cfg) -> Job:
         texts_hash = tables.digest(tables.data_digest(d.source, texts), table._fingerprint)  # the rows of this part
         key = hashlib.sha256("|".join([texts_hash, tokenizer.backend_tokenizer.to_str()
                                        if getattr(tokenizer, "is_fast", False) else tokenizer.name_or_path,
-                                       str(d.seq_len), str(d.packing)]).encode()).hexdigest()[:16]
+                                       str(d.seq_len), str(d.concatenate)]).encode()).hexdigest()[:16]
         import datasets
 
         def build(out: Path) -> None:
             tokens = table.map(tokenize, batched=True, remove_columns=table.column_names, desc="tokenize")
             tokens = tokens.remove_columns([c for c in tokens.column_names if c != "input_ids"])
-            tokens = tokens.map(pack, batched=True, batch_size=1000, desc="pack") if d.packing else tokens
+            tokens = tokens.map(pack, batched=True, batch_size=1000, desc="pack") if d.concatenate else tokens
             tokens.save_to_disk(str(out))
 
         return datasets.load_from_disk(str(cache.folder(cache.root() / "datasets" / f"clm-{key}", build,
