@@ -247,7 +247,7 @@ def check_resume(saved: Saved, settings: dict, shape) -> list[str]:
     Another effective batch is refused — unless ``training.scale_lr`` says the run is meant to change batch, and
     then only at an epoch boundary (mid-epoch the remaining windows would not cover the epoch's samples).
     Returns lines to print: settings that change the result, and a changed process layout."""
-    from finetune.config import result_changes
+    from finetune.config import moved_keys, result_changes
 
     new = flatten(settings)
     scale_lr, effective, processes = new.get("training.scale_lr", "none"), shape.effective, shape.processes
@@ -263,7 +263,8 @@ def check_resume(saved: Saved, settings: dict, shape) -> list[str]:
                               f"{saved.effective_batch_size} ({why})")
         notes.append(f"warning: resuming with another effective batch ({saved.effective_batch_size} → {effective}): "
                      "the steps from here are not the baseline's")
-    old = saved.settings
+    moved = moved_keys(new.get("task"))  # a checkpoint saved before a key moved names it in its old place
+    old = {moved.get(k, k): v for k, v in saved.settings.items()}
     changed = [f"{k} ({old.get(k)!r} → {new.get(k)!r})" for k in result_changes(old, new)]
     if changed:
         notes.append("warning: resuming with settings that change the result: " + ", ".join(changed))

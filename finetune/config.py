@@ -541,8 +541,7 @@ def config_from_dict(raw: dict, name: str = "custom", folder: Optional[Path] = N
                  for k in sorted(extra)]
     task = resolve_task(raw.get("task"), folder)
     module = task_module(task)
-    classes = {"model": section_class(module, "ModelConfig"), "data": section_class(module, "DataConfig"),
-               "training": TrainingConfig, "output": OutputConfig, "peft": PeftConfig}
+    classes = section_classes(module)
     raw, notes = carry_moved(raw, classes, problems)
     sections = {s: build_section(cls, raw.get(s), s, problems) for s, cls in classes.items()}
     cfg = RecipeConfig(task=task, **sections, name=str(raw.get("name") or name),
@@ -554,6 +553,23 @@ def config_from_dict(raw: dict, name: str = "custom", folder: Optional[Path] = N
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def section_classes(module) -> dict:
+    """section → the dataclass of a recipe's section for the task ``module``."""
+    return {"model": section_class(module, "ModelConfig"), "data": section_class(module, "DataConfig"),
+            "training": TrainingConfig, "output": OutputConfig, "peft": PeftConfig}
+
+
+def moved_keys(task: str) -> dict:
+    """old flat key → its flat key now (``data.packing`` → ``data.concatenate``), for ``task``'s sections: a
+    checkpoint's settings, saved before a move, are compared under the new names."""
+    try:
+        classes = section_classes(task_module(task))
+    except ConfigError:  # a task that is gone: nothing to carry
+        return {}
+    return {old: f"{section}.{key}" for section, cls in classes.items()
+            for key, old in getattr(cls, "MOVED", {}).items()}
 
 
 def carry_moved(raw: dict, classes: dict, problems: list) -> tuple[dict, list]:

@@ -293,3 +293,26 @@ def test_clm_concatenate_was_data_packing(tmp_path):
     recipe.write_text(f"task: clm\n{model}data: {{packing: true, concatenate: false}}\n")
     with pytest.raises(ConfigError, match="data.concatenate: False here and True in data.packing, its old place"):
         load_recipe(str(recipe))
+
+
+def test_a_checkpoint_saved_before_a_key_moved_resumes_without_a_false_warning(tmp_path):
+    """A checkpoint's settings name a moved key in its old place (data.packing); resuming with the new name and the
+    same value warns of nothing, and another value is still named (the control)."""
+    from types import SimpleNamespace
+
+    from finetune.checkpoint import check_resume
+    from finetune.config import flatten
+    from finetune.shape import Shape
+
+    recipe = tmp_path / "c.yaml"
+    recipe.write_text("task: clm\nmodel: {config: {model_type: gpt2, n_layer: 1, n_embd: 32, n_head: 2, "
+                      "n_positions: 64}}\ndata: {concatenate: true}\n")
+    cfg = load_recipe(str(recipe))
+    before = {("data.packing" if k == "data.concatenate" else k): v for k, v in flatten(cfg.to_dict()).items()}
+    saved = SimpleNamespace(settings=before, effective_batch_size=8, processes=1, engine="ddp", path=tmp_path,
+                            state=SimpleNamespace(next_window=0))
+    shape = Shape(micro_batch=8, accumulation=1, processes=1)
+    assert check_resume(saved, cfg.to_dict(), shape) == []
+    other = load_recipe(str(recipe), ["data.concatenate=false"])
+    notes = check_resume(saved, other.to_dict(), shape)
+    assert len(notes) == 1 and "data.concatenate (True → False)" in notes[0], notes
