@@ -54,7 +54,8 @@ def main(argv=None) -> None:
 
     from transformers import Trainer, TrainingArguments, set_seed
 
-    from finetune.config import load_recipe, task_module
+    from finetune.config import load_recipe
+    from finetune.startup import build_task
 
     if not (Path(args.model) / "config.json").is_file():
         write_pretrained(Path(args.model))
@@ -63,7 +64,7 @@ def main(argv=None) -> None:
     # The recipe's tokenized samples, in finetune's indices, and its model: loaded from the checkpoint (and wrapped
     # in its new LoRA adapters, drawn after the same set_seed) as a finetune run with this seed builds it.
     set_seed(args.seed)
-    job = task_module(cfg.task).build(cfg)
+    job = build_task(cfg)  # the task's build, told this launch's run, without reseeding
     targs = TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=8, gradient_accumulation_steps=2, num_train_epochs=2,
         learning_rate=2e-3, lr_scheduler_type="linear", warmup_steps=0.1, optim="adamw_torch", weight_decay=0.01,
