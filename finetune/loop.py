@@ -138,14 +138,14 @@ class TrainResult:
 # the loop
 
 
-def train(run: Run, resume: Optional[checkpoint.Saved] = None) -> TrainResult:
+def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
     """Train the run start-up assembled (``finetune.startup``: its job, settings, shape, prepared model and
-    optimizers, windows and checkpointer) to its last optimizer step; ``resume``: a checkpoint (``checkpoint.read``)
+    optimizers, windows and checkpointer) to its last optimizer step; ``saved``: a checkpoint (``checkpoint.read``)
     the run continues at its next window, with the same sample order and random state."""
     job, t = run.job, run.t
-    state = start_state(run, resume)
+    state = start_state(run, saved)
     with RunLog(run.accelerator, run.output.dir, state, run.shape.total_steps, run.shape.effective,
-                run.output.tracker, rewrite=resume is not None) as log:
+                run.output.tracker, rewrite=saved is not None) as log:
         stream = open_stream(run, state)
         while state.optimizer_step < run.shape.total_steps:
             window, micro_batches, epoch_windows = next(stream, (None, None, None))
@@ -181,11 +181,11 @@ def train(run: Run, resume: Optional[checkpoint.Saved] = None) -> TrainResult:
 # the run's start
 
 
-def start_state(run: Run, resume: Optional[checkpoint.Saved]) -> TrainState:
+def start_state(run: Run, saved: Optional[checkpoint.Saved]) -> TrainState:
     """The state the run starts from: the checkpoint's (its model, optimizers and random state restored with it),
     or a fresh one — holding the untuned model's evaluation with ``training.eval_at_start``."""
-    if resume is not None:
-        return checkpoint.load_checkpoint(run.accelerator, resume, run.schedulers)
+    if saved is not None:
+        return checkpoint.load_checkpoint(run.accelerator, saved, run.schedulers)
     if run.job.val_data is not None and run.t.eval_at_start:
         return TrainState(val_history=[evaluate(run, step=0, epoch=0)])
     return TrainState()

@@ -10,11 +10,12 @@ naming the setting (ConfigError); ``loop.train`` only trains.
     run = assemble(built.job, cfg.training, built.shape, outputs)
                                      # 3. the Accelerator, the prepared model and optimizers, the windows, the
                                      #    checkpointer, the trackers; every refusal that needs the model
-    result = loop.train(run, checked.resume)
+    result = loop.train(run, checked.saved)
 
 ``run_recipe`` takes stages 2 and 3 and writes the outputs (the command line, the search). The Python API, the
 planner and the benchmarks hold a Job already: ``shape_for`` (stage 1's split and stage 2's count) and
-``assemble``, or ``train_job`` for all three.
+``assemble``, or ``train_job`` for all three. ``resume`` is the user's argument alone (a checkpoint's path or
+"latest"); the checkpoint it names, read once in stage 1, is ``saved``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class Checked:
     """What stage 1 settled before a model is built."""
 
     out_dir: Path                       # the run's output directory (locked by the main process)
-    resume: Optional[checkpoint.Saved]  # the checkpoint the run continues, or None
+    saved: Optional[checkpoint.Saved]   # the checkpoint the run continues (read once), or None
     shape: Shape                        # the split of the effective batch (its steps are counted in stage 2)
     settings: dict                      # the recipe as the run uses it: its config.yaml (written once the job is
                                         # built), what trackers and checkpoints record
@@ -364,8 +365,8 @@ def build(cfg: RecipeConfig, checked: Checked) -> Built:
     already complete is refused here, before the run's directory holds anything new."""
     job = build_job(cfg, checked.shape)
     shape = count_steps(job, cfg.training, checked.shape)
-    if checked.resume is not None and checked.resume.step >= shape.total_steps:
-        raise ConfigError(f"resume: the run in {checked.out_dir} is complete ({checked.resume.step} of "
+    if checked.saved is not None and checked.saved.step >= shape.total_steps:
+        raise ConfigError(f"resume: the run in {checked.out_dir} is complete ({checked.saved.step} of "
                           f"{shape.total_steps} optimizer steps); nothing to do (raise training.epochs or --max-steps "
                           "to train further)")
     return Built(job, shape)
@@ -584,7 +585,7 @@ def run_recipe(cfg: RecipeConfig, checked: Checked, on_eval: Optional[Callable] 
         checked.out_dir.mkdir(parents=True, exist_ok=True)
         durable.atomic_write_text(checked.out_dir / "config.yaml", yaml.safe_dump(checked.settings, sort_keys=False))
     start = time.perf_counter()
-    result = loop.train(run, checked.resume)
+    result = loop.train(run, checked.saved)
     result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name,
                             "arithmetic": outputs.arithmetic(next(result.model.parameters()).device)}
     with distributed.whole_model(result.model):  # sharded weights (ZeRO-3, FSDP2) whole on every process
@@ -594,14 +595,14 @@ def run_recipe(cfg: RecipeConfig, checked: Checked, on_eval: Optional[Callable] 
 
 
 def train_job(job: Job, t: TrainingConfig, output: Optional[loop.Outputs] = None,
-              resume: Optional[checkpoint.Saved] = None, accelerator: Optional[Accelerator] = None,
+              saved: Optional[checkpoint.Saved] = None, accelerator: Optional[Accelerator] = None,
               processes: Optional[int] = None) -> loop.TrainResult:
     """The three stages for a job built already (the Python API, the planner's measurement, the benchmarks): what
     this machine can run, the shape over the job's data, the assembled run, the loop."""
     check_environment(t)
     shape = shape_for(job, t, processes if processes is not None else
                       accelerator.num_processes if accelerator is not None else None)
-    return loop.train(assemble(job, t, shape, output, accelerator), resume)
+    return loop.train(assemble(job, t, shape, output, accelerator), saved)
 
 
 def quiet_libraries() -> None:

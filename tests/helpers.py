@@ -29,8 +29,8 @@ def train_quietly(job, t, output=None, resume_from=None, accelerator=None):
     from finetune import checkpoint, loop, startup
 
     output = dataclasses.replace(output or loop.Outputs(), banner=False)
-    resume = checkpoint.read(Path(resume_from)) if resume_from is not None else None
-    return startup.train_job(job, t, output, resume, accelerator)
+    saved = checkpoint.read(Path(resume_from)) if resume_from is not None else None
+    return startup.train_job(job, t, output, saved, accelerator)
 
 
 def regression_data(n, d_in=6, seed=0):
