@@ -470,7 +470,9 @@ def test_a_run_follows_its_configuration_in_8_stays_and_1_return_and_sets_up_onc
         shown = " → ".join(modules)
         assert len(modules) <= 8 and len(returns(modules)) <= 1, f"{what}: {len(modules)} stays, returns " \
             f"{returns(modules)}: {shown}"
-        assert modules[0] == "finetune.config" and "finetune.loop" in modules, shown
+        # the loop trains the assembled run once, and is handed no section of the configuration
+        assert modules[0] == "finetune.config" and "finetune.loop" not in modules, shown
+        assert calls["finetune.loop.train"] == 1, what
         twice = {f: n for f, n in calls.items() if any(f.endswith(s) for s in SET_UP_ONCE) and n != 1}
         assert not twice, f"{what}: set-up called more than once: {twice}"
     assert resumed[1]["finetune.checkpoint.read"] == 1 and "finetune.checkpoint.read" not in fresh[1]
@@ -478,3 +480,18 @@ def test_a_run_follows_its_configuration_in_8_stays_and_1_return_and_sets_up_onc
     planted = [*fresh[0], ("finetune.startup", "split_batch")]
     assert returns(stays(planted))[-1] == "finetune.startup"
     assert stays([("a", "f"), ("a", "g"), ("b", "h"), ("a", "k")]) == ["a", "b", "a"]
+
+
+def train_parameters(source: str) -> int:
+    """How many parameters the module-level ``train`` of ``source`` takes (``*args`` and ``**kwargs`` count)."""
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    a = fn.args
+    return len(a.posonlyargs + a.args + a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+
+
+def test_the_loop_takes_the_assembled_run_and_the_checkpoint_only():
+    """``loop.train`` is handed what start-up assembled and the checkpoint to continue, and only trains: the
+    settings, the shape and the outputs are in the run, not parameters of their own."""
+    assert train_parameters((PACKAGE / "loop.py").read_text()) <= 2
+    planted = "def train(job, t, shape, output=None, saved=None, **kw):\n    pass\n"  # the old signature, and more
+    assert train_parameters(planted) == 6
