@@ -495,3 +495,18 @@ def test_the_loop_takes_the_assembled_run_and_the_checkpoint_only():
     assert train_parameters((PACKAGE / "loop.py").read_text()) <= 2
     planted = "def train(job, t, shape, output=None, saved=None, **kw):\n    pass\n"  # the old signature, and more
     assert train_parameters(planted) == 6
+
+
+def memory_reaching_up(graph: dict) -> list:
+    """(memory module, upper module) for every import of the loop, start-up or a command from finetune/memory: the
+    loop uses the memory model, so the memory model must not use the loop (``finetune plan``'s command hands it
+    what it needs)."""
+    upper = {"finetune.loop", "finetune.startup", "finetune.plan_command", "finetune.cli", "finetune.api"}
+    return sorted((m, d) for m, deps in graph.items() if m.startswith("finetune.memory") for d in deps & upper)
+
+
+def test_memory_imports_neither_the_loop_nor_start_up():
+    graph = _graph()
+    assert memory_reaching_up(graph) == []
+    graph["finetune.memory.plan"] = graph["finetune.memory.plan"] | {"finetune.loop"}  # planted: training_peak's
+    assert memory_reaching_up(graph) == [("finetune.memory.plan", "finetune.loop")]     # old import
