@@ -92,11 +92,9 @@ def run_trl(path: str, rows: list, b: int, n: int, lr: float, out: Path) -> tupl
 
 def run_finetune(path: str, data_file: Path, b: int, n: int, lr: float) -> tuple:
     """The dpo task through finetune's loop with the same settings; (start weights, trained weights, seconds)."""
-    from accelerate.utils import set_seed
-
     from finetune import loop
     from finetune.config import load_recipe
-    from finetune.tasks import dpo
+    from finetune.startup import build_job
 
     cfg = load_recipe("dpo-smollm2", [
         f"model.name_or_path={path}", f"data.source={data_file}", "data.val_fraction=0", "data.limit=null",
@@ -105,8 +103,7 @@ def run_finetune(path: str, data_file: Path, b: int, n: int, lr: float) -> tuple
         "training.effective_batch_size=null", "training.optimizer=sgd", f"training.learning_rate={lr}",
         "training.lr_scheduler=constant", "training.warmup_steps=0", "training.max_grad_norm=null",
         "training.eval_at_start=false", "training.shuffle=false"])
-    set_seed(cfg.training.seed)
-    job = dpo.build(cfg)
+    job = build_job(cfg)  # seeded as a run is
     start = lora_weights(job.model)
     began = time.perf_counter()
     result = loop.train(job, cfg.training, print_banner=False)

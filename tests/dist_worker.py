@@ -8,10 +8,10 @@ import json
 import sys
 
 import torch
-from accelerate.utils import set_seed
 
 from finetune import distributed, test_fine_tuning
-from finetune.config import load_recipe, task_module
+from finetune.config import load_recipe
+from finetune.startup import build_job
 from tests.helpers import (
     EXACT,
     MLP,
@@ -111,8 +111,7 @@ def run(name, processes):
         recipe = name.split(":")[0]  # recipe:variant
         cfg = load_recipe(recipe, [*SMALL[recipe], *EXACT, "training.batch_size=3",
                                  f"training.gradient_accumulation_steps={4 // processes}", *CUSTOM[name]])
-        set_seed(cfg.training.seed)
-        job = task_module(cfg.task).build(cfg)
+        job = build_job(cfg)  # seeded, and told its run (the process group), as the CLI does
         generated = count_generated(job)
         result = train_quietly(job, cfg.training)
     else:

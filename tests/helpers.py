@@ -317,16 +317,13 @@ def dpo_recipe_run(b, n, *overrides, job_hook=None, output=None, resume_from=Non
     """The dpo recipe on the tiny chat model and pairs (call tiny_pairs_assets() first), trained through the loop
     with micro-batch ``b`` and N = ``n``, full fine-tuning, SGD, no evaluation unless ``overrides`` say otherwise:
     (result, the job, the trainable weights before training)."""
-    from accelerate.utils import set_seed
-
     from finetune.config import load_recipe
-    from finetune.tasks import dpo
+    from finetune.startup import build_job
 
     cfg = load_recipe("dpo-smollm2", [*SMALL["dpo-smollm2"], *EXACT, f"training.batch_size={b}",
                                       f"training.gradient_accumulation_steps={n}", "training.learning_rate=0.5",
                                       "training.eval_at_start=false", "peft.enabled=false", *overrides])
-    set_seed(cfg.training.seed)
-    job = dpo.build(cfg)
+    job = build_job(cfg)  # seeded as the CLI seeds it
     job.val_data = None
     if job_hook is not None:
         job_hook(job)
@@ -339,17 +336,14 @@ def sft_recipe_run(b, n, *overrides, job_hook=None):
     """The sft recipe on the tiny chat model (call tiny_chat_assets() first), seeded as the CLI seeds it, trained
     through the loop with micro-batch ``b`` and N = ``n``, full fine-tuning unless ``overrides`` say otherwise:
     (result, the trainable weights before training)."""
-    from accelerate.utils import set_seed
-
     from finetune.config import load_recipe
-    from finetune.tasks import sft
+    from finetune.startup import build_job
 
     cfg = load_recipe("sft-smollm2", [*SMALL["sft-smollm2"], *EXACT, f"training.batch_size={b}",
                                       f"training.gradient_accumulation_steps={n}", "training.learning_rate=0.5",
                                       "training.eval_at_start=false", "model.generate_prompts=0",
                                       "peft.enabled=false", *overrides])
-    set_seed(cfg.training.seed)
-    job = sft.build(cfg)
+    job = build_job(cfg)
     job.val_data = None
     if job_hook is not None:
         job_hook(job)
