@@ -151,10 +151,9 @@ def smollm2_chat(n: int, tiny: bool = False, seed: int = 0):
     from finetune.config import load_recipe
     from finetune.models.hf import apply_peft
 
-    cfg = load_recipe("sft-smollm2", [f"data.limit={n}"])
-    torch.manual_seed(seed)
+    cfg = load_recipe("sft-smollm2", [f"data.limit={n}", f"training.seed={seed}"])
     with quiet():  # the task's set-up line
-        job = startup.build_task(cfg)
+        job = startup.build_job(cfg)  # seeded with ``seed`` (the LoRA adapters' draw), told its run
     model, tokenizer = job.model, job.tokenizer
     samples = [{"input_ids": s["input_ids"], "labels": s["labels"]} for s in job.train_data]
     if tiny:

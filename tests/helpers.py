@@ -129,6 +129,16 @@ SMALL = {
     "video-motion": ["data.clips=60", "data.frames=3", "data.size=12", "model.channels=4", "model.dim=8",
                      "model.heads=2", "model.layers=1"],
 }
+# The transformer recipes at small shapes: a new 2-layer, 32-wide model from a config (the sentiment recipes keep
+# MiniLM's tokenizer; the clm recipes train a 512-token one), 48 samples, two steps of 8.
+TINY_TRANSFORMER = ["data.limit=48", "training.batch_size=4", "training.effective_batch_size=8"]
+for _name in ("minilm-sentiment", "minilm-sentiment-lora", "minilm-valence"):
+    SMALL[_name] = ["model.config={num_hidden_layers: 2, hidden_size: 32, num_attention_heads: 2, "
+                    "intermediate_size: 64}", "data.max_length=16", *TINY_TRANSFORMER]
+for _name in ("clm-pydoc", "clm-lion-long"):
+    SMALL[_name] = ["model.config={model_type: gpt2, n_layer: 2, n_embd: 32, n_head: 2, n_positions: 64}",
+                    "model.vocab_size=512", "data.seq_len=32", *TINY_TRANSFORMER]
+SMALL["clm-lion-long"] += ["training.compile=false"]  # a minute of compiling on a CPU; compiled = eager elsewhere
 # 22 training samples in windows of 12: the second window holds 10 = 3 + 3 + 3 + 1.
 EXACT = ["model.dropout=0", "data.limit=22", "training.optimizer=sgd", "training.max_grad_norm=null",
          "training.epochs=2", "training.warmup_steps=0", "training.lr_scheduler=constant",
@@ -315,16 +325,13 @@ def dpo_recipe_run(b, n, *overrides, job_hook=None, output=None, resume_from=Non
     """The dpo recipe on the tiny chat model and pairs (call tiny_pairs_assets() first), trained through the loop
     with micro-batch ``b`` and N = ``n``, full fine-tuning, SGD, no evaluation unless ``overrides`` say otherwise:
     (result, the job, the trainable weights before training)."""
-    from accelerate.utils import set_seed
-
     from finetune.config import load_recipe
-    from finetune.tasks import dpo
+    from finetune.startup import build_job
 
     cfg = load_recipe("dpo-smollm2", [*SMALL["dpo-smollm2"], *EXACT, f"training.batch_size={b}",
                                       f"training.gradient_accumulation_steps={n}", "training.learning_rate=0.5",
                                       "training.eval_at_start=false", "peft.enabled=false", *overrides])
-    set_seed(cfg.training.seed)
-    job = dpo.build(cfg)
+    job = build_job(cfg)  # seeded as the CLI seeds it
     job.val_data = None
     if job_hook is not None:
         job_hook(job)
@@ -337,17 +344,14 @@ def sft_recipe_run(b, n, *overrides, job_hook=None):
     """The sft recipe on the tiny chat model (call tiny_chat_assets() first), seeded as the CLI seeds it, trained
     through the loop with micro-batch ``b`` and N = ``n``, full fine-tuning unless ``overrides`` say otherwise:
     (result, the trainable weights before training)."""
-    from accelerate.utils import set_seed
-
     from finetune.config import load_recipe
-    from finetune.tasks import sft
+    from finetune.startup import build_job
 
     cfg = load_recipe("sft-smollm2", [*SMALL["sft-smollm2"], *EXACT, f"training.batch_size={b}",
                                       f"training.gradient_accumulation_steps={n}", "training.learning_rate=0.5",
                                       "training.eval_at_start=false", "model.generate_prompts=0",
                                       "peft.enabled=false", *overrides])
-    set_seed(cfg.training.seed)
-    job = sft.build(cfg)
+    job = build_job(cfg)
     job.val_data = None
     if job_hook is not None:
         job_hook(job)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from finetune.config import ConfigError, load_recipe
 from finetune.loop import Outputs
 from finetune.models.loss_head import model_sequence_log_probs, sequence_log_probs
+from finetune.startup import build_job
 from finetune.tasks import dpo
 from tests.helpers import SMALL, assert_one_error_line, cli, refused_in_process, tiny_pairs_assets
 from tests.helpers import dpo_recipe_run as run
@@ -271,7 +272,7 @@ def test_identical_pairs_are_counted_and_kept(tmp_path, capsys):
     rows[0]["chosen"] = rows[1]["chosen"] = rows[2]["chosen"] = "Same."
     (tmp_path / "same.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = load_recipe(RECIPE, [*SMALL[RECIPE], f"data.source={tmp_path / 'same.jsonl'}", "data.val_fraction=0"])
-    job = dpo.build(cfg)
+    job = build_job(cfg)
     err = capsys.readouterr().err
     assert "warning: data.source: 3 pairs have chosen identical to rejected" in err
     assert len(job.train_data) == 10

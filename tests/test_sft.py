@@ -22,6 +22,7 @@ import torch
 from finetune.cli import run_main
 from finetune.config import ConfigError, load_recipe
 from finetune.models.hf import gguf_file, resolve_model_path
+from finetune.startup import build_job
 from finetune.tasks import sft
 from tests.helpers import (
     CHATML,
@@ -281,7 +282,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, index, overrides, messag
 
 def test_long_conversations_are_dropped_and_counted(capsys):
     cfg = load_recipe(RECIPE, [*SMALL[RECIPE], "data.max_length=40"])
-    job = sft.build(cfg)
+    job = build_job(cfg)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("sft: "))
     dropped = int(line.split("; ")[1].split()[0])
     assert 0 < dropped < 40 and f"{dropped} longer than data.max_length=40 tokens dropped" in line

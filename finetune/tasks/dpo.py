@@ -33,10 +33,10 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from finetune import distributed, tables
+from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import attention_mask, right_pad
-from finetune.job import Job
+from finetune.job import Job, TaskContext
 from finetune.models import precision
 from finetune.models.hf import peft_save_hook
 from finetune.models.loss_head import model_sequence_log_probs
@@ -462,16 +462,16 @@ def load_rows(d: DataConfig):
     return chat.load_table(d.source, d.split)
 
 
-def tokenized_data(tokenizer, d: DataConfig) -> chat.TrainingData:
+def tokenized_data(tokenizer, d: DataConfig, main: bool) -> chat.TrainingData:
     """The data source's pairs tokenized into the cache, split and the longer ones dropped or cut. Warns about pairs
-    whose completions are the same."""
+    whose completions are the same (once, on the ``main`` process)."""
     samples = tokenized(tokenizer, load_rows(d), d)
     train, val, dropped_train, dropped_val = chat.parts(samples, d)
     if not len(train):
         raise ConfigError(f"data.max_length: every training pair is longer than {d.max_length} tokens")
     lengths = tables.column(train, "length")
     same = int(tables.column(train, "same").sum() + tables.column(val, "same").sum())
-    if same and distributed.is_main_process():
+    if same and main:
         print(f"warning: data.source: {same} pairs have chosen identical to rejected; kept (they add no gradient but "
               "count as pairs, as in TRL)", file=sys.stderr, flush=True)
     note = (f"{len(samples)} pairs from {d.source}: {len(train)} train, {len(val)} held out; "
@@ -479,19 +479,18 @@ def tokenized_data(tokenizer, d: DataConfig) -> chat.TrainingData:
     return chat.TrainingData(train, val if len(val) else None, lambda i: int(lengths[i]), note)
 
 
-def build(cfg) -> Job:
+def build(cfg, ctx: TaskContext) -> Job:
     m, d = cfg.model, cfg.data
     tokenizer = chat.load_tokenizer(m)
     # made before the model loads: a bad row is refused first
     data = chat.streamed(d, lambda row, i: encode_row(tokenizer, row, i, d), "pairs") if d.streaming else \
-        tokenized_data(tokenizer, d)
+        tokenized_data(tokenizer, d, ctx.main)
     train, val = placed(data.train, "train"), placed(data.val, "val") if data.val is not None else None
     model, reference = chat.tuned_model(cfg, tokenizer, lambda untuned: make_reference(cfg, untuned))
     collate_fn = collate(tokenizer.pad_token_id)
     if reference.kind == "precomputed":
-        reference.precompute(model, {"train": train, "val": val or []}, collate_fn,
-                             distributed.distributed_state().device)
-    if distributed.is_main_process():
+        reference.precompute(model, {"train": train, "val": val or []}, collate_fn, ctx.device)
+    if ctx.main:
         print(f"dpo: {data.note}; {m.loss_type} loss, beta {m.beta}; reference: {REFERENCES[reference.kind]}",
               flush=True)
     return Job(

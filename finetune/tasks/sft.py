@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from finetune import distributed, tables
+from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import attention_mask, parse_rows, right_pad
 from finetune.evaluation import load_metric
-from finetune.job import Job
+from finetune.job import Job, TaskContext
 from finetune.models.hf import peft_save_hook
 from finetune.packing import collate_rows
 from finetune.tasks.chat import (
@@ -353,7 +353,7 @@ def tokenized_data(tokenizer, d: DataConfig, m: ModelConfig) -> TrainingData:
                         None if d.pack else lambda i: int(lengths[i]), note)
 
 
-def build(cfg) -> Job:
+def build(cfg, ctx: TaskContext) -> Job:
     m, d = cfg.model, cfg.data
     tokenizer = load_tokenizer(m)
     # made before the model loads: a bad row is refused first
@@ -361,7 +361,7 @@ def build(cfg) -> Job:
         tokenized_data(tokenizer, d, m)
     model, _ = tuned_model(cfg, tokenizer)
     val = data.val
-    if distributed.is_main_process():
+    if ctx.main:
         print(f"sft: {data.note}" + (f"; loss on {d.train_on} tokens" if d.streaming else ""), flush=True)
 
     metric = load_metric("token_f1")

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from accelerate.utils import set_seed
 
 from finetune.config import load_recipe
 from finetune.models import precision
-from finetune.tasks import sft
+from finetune.startup import build_job
 from tests.gpu.common import GPU, flat, rel_diff, update_share
 from tests.helpers import EXACT, SMALL, tiny_chat_assets, train_quietly
 
@@ -24,8 +23,7 @@ def run(b: int, n: int, mixed_precision: str):
                                       f"training.gradient_accumulation_steps={n}", "training.learning_rate=0.5",
                                       "training.eval_at_start=false", "model.generate_prompts=0", "peft.enabled=true",
                                       "model.quantization=nf4", f"training.mixed_precision={mixed_precision}"])
-    set_seed(cfg.training.seed)
-    job = sft.build(cfg)
+    job = build_job(cfg)
     job.val_data = None
     start = flat(job.model, trainable_only=True)
     return train_quietly(job, cfg.training), start
