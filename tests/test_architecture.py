@@ -73,11 +73,6 @@ ABOVE_TASKS = {"finetune.loop", "finetune.steps", "finetune.cli", "finetune.run"
 # what a task is told through its TaskContext (finetune.job: the run's shape, main process, device, process count,
 # a collective refusal) instead of asking the loop, the shape or the process group itself
 TOLD_TO_TASKS = {"finetune.loop", "finetune.shape", "finetune.windows", "finetune.distributed"}
-# the tasks that still ask: grpo plans its own shape and asks the process group; the grpo change (build(cfg, ctx))
-# empties this set
-TASKS_THAT_STILL_ASK = {"finetune.tasks.grpo"}
-
-
 def task_imports(graph: dict, of: set) -> dict:
     """Task module → the modules of ``of`` it imports (anywhere in its file), for the tasks that import any."""
     return {m: sorted(deps & of) for m, deps in graph.items() if m.startswith("finetune.tasks") and deps & of}
@@ -86,7 +81,7 @@ def task_imports(graph: dict, of: set) -> dict:
 def test_tasks_never_import_the_loop_the_command_line_nor_what_they_are_told():
     graph = _graph()
     assert task_imports(graph, ABOVE_TASKS) == {}
-    assert set(task_imports(graph, TOLD_TO_TASKS)) == TASKS_THAT_STILL_ASK, task_imports(graph, TOLD_TO_TASKS)
+    assert task_imports(graph, TOLD_TO_TASKS) == {}
     # negative control: sft asking for the main process again, through a lazy import inside a function, is found
     source = (PACKAGE / "tasks" / "sft.py").read_text()
     planted = source + "\ndef main():\n    from finetune import distributed\n    return distributed.is_main_process()\n"
