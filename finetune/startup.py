@@ -489,13 +489,13 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, output: Optional[loop.Ou
         enable_checkpointing(model, job.enable_checkpointing)
     head_note = enable_chunked_head(model, t.chunked_loss) if job.loss_fn is None or t.chunked_loss else \
         "plain (the job computes its own loss)"
-    # Schedulers are not passed to accelerator.prepare: a prepared scheduler steps num_processes times per
-    # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
-    # process, so each raw scheduler is stepped exactly once per optimizer step.
     pack_length_of, packing_note = decide_packing(t.packing, model, job.train_data, job.length_of, job.loss_fn)
     if job.stream_block is not None and pack_length_of and not t.pack_length:  # rows as long as the longest sample:
         pack_length_of, packing_note = None, STREAM_UNPACKED  # a stream's is not known ahead
     distributed.agree(lambda: check_model(accelerator, model, job, t, pack_length_of, output))  # all refuse alike
+    # Schedulers are not passed to accelerator.prepare: a prepared scheduler steps num_processes times per
+    # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
+    # process, so each raw scheduler is stepped exactly once per optimizer step.
     optims = make_optims(model, job.param_groups, t, shape.total_steps, lr_scale(t, shape.effective))
     distributed.configure_deepspeed(accelerator, shape.micro_batch, optims)
     model, prepared = prepare(accelerator, model, [o.optimizer for o in optims])
