@@ -26,6 +26,7 @@ from accelerate import Accelerator
 
 from finetune import checkpoint, distributed
 from finetune.config import TrainingConfig
+from finetune.content import content_hash
 from finetune.evaluation import report, run_eval
 from finetune.job import Job
 from finetune.memory.auto_batch import AutoBatch
@@ -148,7 +149,7 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                 run.output.tracker, rewrite=saved is not None) as log:
         stream = open_stream(run, state)
         while state.optimizer_step < run.shape.total_steps:
-            window, micro_batches, epoch_windows = next(stream, (None, None, None))
+            window, micro_batches, epoch_windows, held = next(stream, (None,) * 4)
             if window is None:
                 break
             if job.before_window is not None:  # e.g. a KL weight or an R1 interval keyed on optimizer steps
@@ -168,7 +169,7 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                 continue
             norms, skipped, lrs = optimizer_step(run.accelerator, run.optims, t.on_nonfinite,
                                                  state.optimizer_step + 1, window)
-            record = step_record(run, state, window, result, norms, skipped, lrs)
+            record = step_record(run, state, window, result, norms, skipped, lrs, held)
             val = evaluate_if_due(run, record, last_of_epoch=window.index == epoch_windows - 1)
             record = {**record, **val_columns(val), "seconds": log.lap()}  # whole before it is stored
             advance(state, record, val, window, epoch_windows, result.micro_steps, t.ema_beta)
@@ -202,17 +203,19 @@ def open_stream(run: Run, state: TrainState):
 # per window
 
 
-def step_record(run: Run, state: TrainState, window, result: WindowResult, norms, skipped, lrs) -> dict:
+def step_record(run: Run, state: TrainState, window, result: WindowResult, norms, skipped, lrs, held) -> dict:
     """The history line of one optimizer step. The logged loss and its terms are summed over processes with one
-    all-reduce and read with one host sync."""
+    all-reduce and read with one host sync; so is what each process's part of the window held (``held``)."""
     logged = torch.stack([result.loss, *result.extras.values()])
     logged = (run.accelerator.reduce(logged, "sum") if run.shape.processes > 1 else logged).tolist()
+    if run.shape.processes > 1:  # int64 lane sums: exact, and equal to one process's sum of the whole window
+        held = run.accelerator.reduce(torch.tensor(held, device=run.accelerator.device), "sum").tolist()
     return {
         "step": state.optimizer_step + 1, "epoch": window.epoch, "window": window.index,
         "items": result.items, "samples": len(window.samples), "micro_batches": window.total_micro_batches,
         **({"tokens": result.real_tokens, "padded_tokens": result.padded_tokens} if result.padded_tokens else {}),
         "loss": logged[0], "lr": lrs[0], "grad_norm": norms[0], "skipped": skipped,
-        "window_hash": window.sample_hash, **dict(zip(result.extras, logged[1:])),
+        "window_hash": window.sample_hash, "content_hash": content_hash(held), **dict(zip(result.extras, logged[1:])),
         **{f"{key}_{o.name}": v[i] for i, o in enumerate(run.optims) if i
            for key, v in (("lr", lrs), ("grad_norm", norms))},
         "micro_batch_size": run.shape.micro_batch, **run.monitor.sample(),

@@ -119,16 +119,21 @@ class PackedRows(torch.utils.data.Dataset):
         return len(self.data)
 
     def __getitem__(self, row: tuple) -> dict:
-        ids, labels, positions = [], [], []
-        for i in row:
-            sample = self.data[i]
-            x = _tokens(sample["input_ids"])
-            y = _tokens(sample["labels"]) if sample.get("labels") is not None else list(x)
-            y[0] = -100  # not trained to predict a sample from the one before it
-            ids += x
-            labels += y
-            positions += range(len(x))
-        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+        return join_samples([self.data[i] for i in row])
+
+
+def join_samples(samples: list) -> dict:
+    """Samples laid end to end in one row: their tokens, labels (each sample's first one -100) and positions (each
+    restarting at 0)."""
+    ids, labels, positions = [], [], []
+    for sample in samples:
+        x = _tokens(sample["input_ids"])
+        y = _tokens(sample["labels"]) if sample.get("labels") is not None else list(x)
+        y[0] = -100  # not trained to predict a sample from the one before it
+        ids += x
+        labels += y
+        positions += range(len(x))
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
 def collate_rows(rows: list) -> dict:

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
+from torch.utils.data import default_collate
 
 from finetune import seeding
+from finetune.content import Digested, digested_collate, window_content
 from finetune.items import batch_len, count_items, is_causal_lm  # noqa: F401  (re-exported: the loop counts here)
-from finetune.packing import PackedRows, collate_rows, pack_rows
+from finetune.packing import collate_rows, join_samples, pack_rows
 from finetune.seeding import step_seed  # noqa: F401  (the old place of step_seed, kept for user tasks)
 
 
@@ -233,12 +235,14 @@ class WindowSpec:
 
 def stream_windows(job, spec: WindowSpec, rank: int, epoch: int, first: int, pin_memory: bool = False,
                    num_workers: int = 0):
-    """Yield (window, its micro-batches for this process, windows in its epoch) from window ``first`` of ``epoch``
-    to the end of the last epoch, as ``spec`` cuts them. Each window's micro-batches are collated
-    ahead, so they can be counted before the first backward. The position comes in as arguments: the stream
-    depends on nothing the loop mutates. Windows are cut one at a time, as the loader reaches them."""
+    """Yield (window, its micro-batches for this process, windows in its epoch, what this process's part of the
+    window held: ``content.window_content``) from window ``first`` of ``epoch`` to the end of the last epoch, as
+    ``spec`` cuts them. Each window's micro-batches are collated ahead, so they can be counted before the first
+    backward. The position comes in as arguments: the stream depends on nothing the loop mutates. Windows are cut one
+    at a time, as the loader reaches them."""
     packed = spec.pack_capacity is not None
-    data, collate = (PackedRows(job.train_data), collate_rows) if packed else (job.train_data, job.collate_fn)
+    data = Digested(job.train_data, join=join_samples if packed else None)
+    collate = digested_collate(collate_rows if packed else job.collate_fn or default_collate)
     for e in range(epoch, spec.epochs):
         # one stream of windows read twice: by the loader's sampler (ahead, with workers) and by this loop
         for_sampler, todo = itertools.tee(spec.windows(e, rank, first if e == epoch else 0))
@@ -249,7 +253,10 @@ def stream_windows(job, spec: WindowSpec, rank: int, epoch: int, first: int, pin
             pin_memory=pin_memory, generator=torch.Generator().manual_seed(spec.seed + e))
         batches = iter(loader)
         for window in todo:
-            yield window, [next(batches) for _ in window.micro_batches], spec.per_epoch
+            loaded = [next(batches) for _ in window.micro_batches]
+            # a weight-0 placeholder (a copy of the window's first sample) is not part of what the window held
+            held = window_content([lanes for (_, lanes), real in zip(loaded, window.active) if real])
+            yield window, [batch for batch, _ in loaded], spec.per_epoch, held
 
 
 class WindowSampler(torch.utils.data.Sampler):

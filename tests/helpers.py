@@ -373,7 +373,7 @@ def assert_same_history(two: list, one: list, same_split: bool = True, loss_abs:
 
     assert len(two) == len(one)
     for h2, h1 in zip(two, one):
-        for key in ("step", "epoch", "window", "items", "samples", "window_hash", "skipped",
+        for key in ("step", "epoch", "window", "items", "samples", "window_hash", "content_hash", "skipped",
                     *(["micro_batches"] if same_split else [])):
             assert h2[key] == h1[key], key
         for key in ("loss", "grad_norm", "lr"):

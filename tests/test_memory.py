@@ -227,6 +227,7 @@ def test_auto_micro_batch_under_injected_limit_reaches_the_same_weights(monkeypa
     assert rel_diff(auto["model"], fits["model"]) <= 1e-5
     assert auto["history"][-1]["micro_batch_size"] == 4  # 12 → 6 → 4: the largest divisor of 12 under the limit
     assert [h["window_hash"] for h in auto["history"]] == [h["window_hash"] for h in fits["history"]]
+    assert [h["content_hash"] for h in auto["history"]] == [h["content_hash"] for h in fits["history"]]
     assert auto["effective_batch_size"] == 12
 
 
@@ -252,6 +253,7 @@ def test_a_probe_that_runs_out_of_memory_still_gives_a_plan(monkeypatch):
     fixed = test_fine_tuning(copy_model(model), train_data=data, batch_size=2, effective_batch_size=12, **kw)
     assert [h["micro_batch_size"] for h in auto["history"]] == [2, 2]
     assert [h["window_hash"] for h in auto["history"]] == [h["window_hash"] for h in fixed["history"]]
+    assert [h["content_hash"] for h in auto["history"]] == [h["content_hash"] for h in fixed["history"]]
     assert rel_diff(auto["model"], fixed["model"]) <= 1e-5
 
     real = step_memory.micro_step

@@ -65,6 +65,7 @@ def test_packed_steps_equal_the_unpacked_big_batch(data, unpacked_big, name, spl
     packed = test_fine_tuning(MODELS[name](), train_data=data, packing=True, **SPLITS[split], **SGD)
     assert rel_diff(packed["model"], big["model"]) <= 1e-5
     assert [h["window_hash"] for h in packed["history"]] == [h["window_hash"] for h in big["history"]]
+    assert [h["content_hash"] for h in packed["history"]] == [h["content_hash"] for h in big["history"]]
     assert [h["items"] for h in packed["history"]] == [h["items"] for h in big["history"]]
     assert packed["tokens"] == big["tokens"]
     assert packed["padded_tokens"] < big["padded_tokens"]

@@ -29,6 +29,7 @@ def test_same_weights_as_one_big_batch(setup, split):
     small = test_fine_tuning(copy_model(model), train_data=data, length_of=lambda i: lengths[i], **split, **SGD)
     assert rel_diff(small["model"], big["model"]) <= 1e-5
     assert [h["window_hash"] for h in small["history"]] == [h["window_hash"] for h in big["history"]]
+    assert [h["content_hash"] for h in small["history"]] == [h["content_hash"] for h in big["history"]]
     assert small["tokens"] == big["tokens"] == 2 * sum(lengths)
     if "max_tokens_per_micro_batch" in split:  # each micro-batch within the budget, unless one sample exceeds it
         budget = split["max_tokens_per_micro_batch"]

@@ -75,6 +75,7 @@ def test_a_stream_takes_the_same_steps_for_any_split_of_the_batch():
     small, start = run(3, 3, *STREAM)
     big, _ = run(9, 1, *STREAM)
     assert [h["window_hash"] for h in small["history"]] == [h["window_hash"] for h in big["history"]]
+    assert [h["content_hash"] for h in small["history"]] == [h["content_hash"] for h in big["history"]]
     assert [h["items"] for h in small["history"]] == [h["items"] for h in big["history"]]
     assert small["loss_history"] == pytest.approx(big["loss_history"], rel=1e-5)
     delta = [(weights(r) - torch.cat([w.flatten() for w in start.values()])).double() for r in (small, big)]

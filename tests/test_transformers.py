@@ -127,6 +127,7 @@ def test_length_sorted_micro_batches_take_the_same_steps():
     big, sorted_small = run(6, 1, False), run(2, 3, True)
     assert rel_diff(sorted_small["model"], big["model"]) <= 1e-5
     assert [h["window_hash"] for h in sorted_small["history"]] == [h["window_hash"] for h in big["history"]]
+    assert [h["content_hash"] for h in sorted_small["history"]] == [h["content_hash"] for h in big["history"]]
 
 
 TRANSFORMER_RECIPES = ["minilm-valence", "minilm-sentiment-lora", "clm-pydoc"]

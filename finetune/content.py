@@ -1,0 +1,111 @@
+"""What a window held: a hash of its samples' content, beside the hash of their ids (``windows.membership_hash``).
+
+Two runs whose windows hold the same sample *ids* may still have trained on other data: one word of one answer
+changed, another tokenizer, another truncation. So every sample the loader hands over is hashed as the task built
+it (its token ids and labels, its tensors' bytes — before collation, padding or packing), and a window's hash is
+the sum of its samples' digests: free of their order, of how the window is cut into micro-batches, of the processes
+(each sums its own, one all-reduce adds them) and of packing. ``finetune compare`` then names the first step whose
+window held other content, exactly, in any precision.
+
+    >>> a, b = sample_digest({"input_ids": [1, 2, 3]}), sample_digest({"input_ids": [1, 2, 4]})
+    >>> window_content([a, b]) == window_content([b, a]) != window_content([a, a])
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+# A sample's digest is LANES numbers of LANE_BITS bits; a window sums them lane by lane in int64, exact for windows
+# of up to 2^(63 − LANE_BITS) samples.
+LANES, LANE_BITS = 4, 32
+
+
+def sample_digest(item) -> tuple:
+    """The digest of one training sample as the task's dataset returns it (a dict of token lists or tensors, a
+    tensor, a tuple of them, text …): ``LANES`` integers."""
+    h = hashlib.blake2b(digest_size=LANES * LANE_BITS // 8)
+    _feed(h, item)
+    raw = h.digest()
+    step = LANE_BITS // 8
+    return tuple(int.from_bytes(raw[i:i + step], "little") for i in range(0, len(raw), step))
+
+
+def _feed(h, x) -> None:
+    """Feed ``x`` to ``h`` with its type and shape, so that [1, 2] + [3] and [1] + [2, 3] differ."""
+    if isinstance(x, Mapping):
+        h.update(b"{%d" % len(x))
+        for key in sorted(x, key=str):
+            _feed(h, str(key))
+            _feed(h, x[key])
+    elif isinstance(x, torch.Tensor):
+        x = x.detach().cpu().contiguous()
+        h.update(f"T{x.dtype}{tuple(x.shape)}".encode())
+        h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(x, np.ndarray):
+        h.update(f"A{x.dtype}{x.shape}".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    elif isinstance(x, (list, tuple)):
+        h.update(b"[%d" % len(x))
+        packed = _int_array(x)
+        if packed is not None:  # token lists: one update, not one per token
+            h.update(packed)
+        else:
+            for v in x:
+                _feed(h, v)
+    elif isinstance(x, str):
+        h.update(b"s%d:" % len(x.encode()) + x.encode())
+    elif isinstance(x, bytes):
+        h.update(b"b%d:" % len(x) + x)
+    else:  # numbers, None, booleans
+        h.update(f"{type(x).__name__}:{x!r};".encode())
+
+
+def _int_array(xs) -> bytes | None:
+    """A list of plain ints as int64 bytes (None when it holds anything else)."""
+    if not xs or not all(type(v) is int for v in xs):
+        return None
+    try:
+        return b"i" + array("q", xs).tobytes()
+    except OverflowError:
+        return None
+
+
+def window_content(digests) -> tuple:
+    """The lane-wise sum of sample ``digests``: what one process's part of a window held (add the processes')."""
+    return tuple(sum(lane) for lane in zip(*digests)) if digests else (0,) * LANES
+
+
+def content_hash(lanes) -> str:
+    """The window's content hash as history records it (12 hex digits), from its summed lanes."""
+    return hashlib.sha1(",".join(map(str, lanes)).encode()).hexdigest()[:12]
+
+
+class Digested(torch.utils.data.Dataset):
+    """The training set as the loop's loader reads it: for a key (a sample index, or a packed row's tuple of them),
+    the item to collate and the digests of the samples it holds. ``join``: lays a packed row's samples end to end."""
+
+    def __init__(self, data, join=None):
+        self.data, self.join = data, join
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, key):
+        if self.join is None:
+            item = self.data[key]
+            return item, (sample_digest(item),)
+        items = [self.data[i] for i in key]
+        return self.join(items), tuple(map(sample_digest, items))
+
+
+def digested_collate(collate):
+    """``collate`` for items of :class:`Digested`: (the micro-batch, the lane sums of its samples' digests)."""
+    def collate_digested(pairs):
+        return collate([item for item, _ in pairs]), window_content([d for _, ds in pairs for d in ds])
+    return collate_digested
