@@ -5,7 +5,7 @@
     finetune ls                                       the recipes, one a line
     finetune validate RECIPE [--set k=v ...]          load + validate, every problem listed
     finetune plan --recipe R --gpu 8GiB               memory plan: micro-batch, N, checkpointing
-    finetune compare RUN_A RUN_B                      did two runs take the same optimizer steps?
+    finetune compare RUN_A RUN_B                      did two runs take the same optimizer steps? (exit 0 / 1 / 3)
     finetune compare BASELINE RUN                     ... BASELINE: a Trainer/TRL folder or its model card
     finetune import SOURCE [-o R.yaml] [--recipe B]   a recipe from a Trainer/TRL folder, model card, axolotl YAML
     finetune plot RUN                                 redraw a run's PNGs from its history
@@ -142,9 +142,13 @@ def cmd_compare(args) -> int:
     result = compare(args.run_a, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol,
                      **({"floor": args.floor} if args.floor else {}))
     print(result.report())
+    from finetune.reproduce.card import record_verdict
+
+    for card in record_verdict(args.run_b, result.report().splitlines()[-1], args.run_a):
+        print(f"verdict recorded in {card}")
     if args.plot:
         print(f"curves: {plot(args.run_a, args.run_b, args.plot)}")
-    return 0 if result.equivalent else 1
+    return result.exit_code  # 0 equivalent, 1 differs, 3 not certified
 
 
 def cmd_import(args) -> int:
@@ -206,6 +210,7 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
                                                    "baseline, RUN_B's): the rounding floor is measured between them "
                                                    "and each step held to 4× it")
     c.add_argument("--plot", metavar="PNG", help="write both runs' loss and lr curves here")
+    c.epilog = "exit code 0 equivalent, 1 differs, 3 not certified (outside an assumed floor: measure it with --floor)"
     c.set_defaults(func=cmd_compare)
     from finetune.reproduce import importer
 

@@ -1,21 +1,24 @@
 """``finetune compare RUN_A RUN_B``: did two runs take the same optimizer steps?
 
 "The same step to fp32 rounding" (docs/exact-steps.md#the-certificate) is judged where rounding cannot be amplified:
-at every optimizer step, what the optimizer consumed — the window's samples (an order-free hash of their ids), its
-learning rate, its loss, its gradient norm before clipping and the clipping applied — must agree to fp32 rounding,
-and the settings that shape the update (optimizer, betas, weight decay, precision, adapters) must be equal. Each
-per-step layer names the first step that differs; the verdict names the earliest. The trained weights are judged
-last: with a stateless optimizer (SGD) rounding stays rounding and the largest element may differ by
-``FP32_WEIGHT_RTOL``; an adaptive optimizer (AdamW, Lion) divides each element's update by its own history, so an
-element whose gradient is rounding noise takes a full-size step of either sign, and the weights are then held, as a
-whole (relative L2), to ``ADAPTIVE_WEIGHT_RTOL``, set from the measured rounding floor. Exit code 0 when equivalent.
+at every optimizer step, what the optimizer consumed — the window's samples (an order-free hash of their ids) and
+their content (an order-free hash of their tokens, ``finetune.content``), its learning rate, its loss, its gradient
+norm before clipping and the clipping applied — must agree to fp32 rounding, and the settings that shape the update
+(optimizer, betas, weight decay, precision, adapters) must be equal. Each per-step layer names the first step that
+differs; the verdict names the earliest. The trained weights are judged last: with a stateless optimizer (SGD)
+rounding stays rounding and the largest element may differ by ``FP32_WEIGHT_RTOL``; an adaptive optimizer (AdamW,
+Lion) divides each element's update by its own history, so an element whose gradient is rounding noise takes a full-
+size step of either sign, and the weights are then held, as a whole (relative L2), to ``ADAPTIVE_WEIGHT_RTOL``, set
+from the measured rounding floor. Exit code 0 when equivalent, 1 when a difference is known (settings, windows,
+content, a layer outside a measured floor or fp32's), 3 "not certified" when the only differences lie outside an
+assumed floor (``Comparison.verdict``).
 
 Runs with an 8-bit optimizer (``adamw8bit``, ``paged_adamw8bit``) are never called equivalent: their optimizer state
 is quantized block-wise, so gradients equal to fp32 rounding (``(b, N)`` against ``(b·N, 1)``) can round to
 neighbouring 8-bit codes, and the weights drift apart by far more than fp32 rounding (SmolLM2 QLoRA: 1.6e-3 after 6
-steps; docs/low-precision.md). The report says so, checks the windows, the schedule and the loss
-curve (at ``EIGHT_BIT_LOSS_RTOL``), and prints how far the weights ended apart without judging them (unless
-``weight_rtol`` is given). Exit code 0 then means: the same windows and schedule, loss curves close.
+steps; docs/low-precision.md). The report says so, checks the windows, the schedule and the loss curve (at
+``EIGHT_BIT_LOSS_RTOL``), and prints how far the weights ended apart without judging them (unless ``weight_rtol`` is
+given). Exit code 0 then means: the same windows and schedule, loss curves close.
 """
 
 from __future__ import annotations
@@ -66,34 +69,61 @@ class Comparison:
     measured: dict = field(default_factory=dict)  # each layer's largest difference, as a number (benchmarks read it)
     eight_bit: str | None = None                 # the 8-bit optimizer a run used: no fp32 equivalence to claim
     qualifier: str | None = None                 # what an "equivalent" verdict rests on (a band, unchecked items)
+    # the failed layers that were judged against an assumed floor, not a measured one: outside it is not known to
+    # differ (an assumed floor errs both ways), so alone they make the verdict "not certified"
+    uncertain: set = field(default_factory=set)
 
-    def add(self, name: str, ok, detail: str, step: int | None = None, basis: str | None = None) -> None:
+    def add(self, name: str, ok, detail: str, step: int | None = None, basis: str | None = None,
+            assumed: bool = False) -> None:
         """One layer's result; ``step``: the first optimizer step at which a per-step layer differs; ``basis``: what
-        the layer rests on when it passes (its tolerance and floor), said in the verdict."""
+        the layer rests on when it passes (its tolerance and floor), said in the verdict; ``assumed``: its tolerance
+        comes from an assumed floor."""
         self.checks.append((name, ok, detail, step))
         if ok and basis:
             self.bases.append(basis)
+        if ok is False and assumed:
+            self.uncertain.add(len(self.checks) - 1)
 
     @property
     def first_difference(self) -> str | None:
-        """The first failing check that is not per step (they come first), else the per-step layer that differs at
-        the earliest step."""
-        failed = [(name, detail, step) for name, ok, detail, step in self.checks if ok is False]
+        """The first failing check that is known to differ (an assumed floor's only when there is no other), the
+        ones that are not per step first, else the per-step layer that differs at the earliest step."""
+        failed = [(i, name, detail, step) for i, (name, ok, detail, step) in enumerate(self.checks) if ok is False]
+        failed = [f for f in failed if f[0] not in self.uncertain] or failed
         if not failed:
             return None
-        whole = [f for f in failed if f[2] is None]
-        name, detail, _ = whole[0] if whole else min(failed, key=lambda f: f[2])
+        whole = [f for f in failed if f[3] is None]
+        _, name, detail, _ = whole[0] if whole else min(failed, key=lambda f: f[3])
         return f"{name}: {detail}"
 
     @property
+    def verdict(self) -> str:
+        """"equivalent"; "differs" where a difference is known (settings, windows, their content, a layer outside a
+        measured floor or fp32's); "not certified" where the only differences lie outside an assumed floor."""
+        failed = [i for i, (_, ok, _, _) in enumerate(self.checks) if ok is False]
+        if not failed:
+            return "equivalent"
+        return "not certified" if all(i in self.uncertain for i in failed) else "differs"
+
+    @property
     def equivalent(self) -> bool:
-        return self.first_difference is None
+        return self.verdict == "equivalent"
+
+    @property
+    def exit_code(self) -> int:
+        """``finetune compare``'s exit code: 0 equivalent, 1 differs, 3 not certified (2 is bad input)."""
+        return {"equivalent": 0, "differs": 1, "not certified": 3}[self.verdict]
 
     def report(self) -> str:
         width = max(len(c[0]) for c in self.checks) if self.checks else 10
         mark = {True: "ok", False: "DIFF", None: "info"}
-        lines = [f"{mark[ok]:<4}  {name:<{width}}  {detail}" for name, ok, detail, _ in self.checks]
-        if not self.equivalent:
+        lines = [f"{'OUT' if i in self.uncertain else mark[ok]:<4}  {name:<{width}}  {detail}"
+                 for i, (name, ok, detail, _) in enumerate(self.checks)]
+        if self.verdict == "not certified":
+            lines.append(f"verdict: not certified — {self.first_difference}; outside an assumed floor, which errs "
+                         "both ways: measure the floor on this hardware with --floor TWIN (RUN_A's recipe at "
+                         "another --batch-size)" + (f"; {self.qualifier}" if self.qualifier else ""))
+        elif not self.equivalent:
             lines.append(f"verdict: differs — {self.first_difference}" + (f"; {self.qualifier}" if self.qualifier
                                                                          else ""))
         elif self.eight_bit:
@@ -222,6 +252,8 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
         floors.assumed(setting(a["config"], "training.mixed_precision") if a["config"] else None,
                        [r["metrics"].get("arithmetic") for r in (a, b)])
     c.qualifier = fl.note
+    # the layers held to an assumed floor: outside it, "not certified" (a user's own tolerance is no assumption)
+    assumed = fl.source.startswith("assumed")
     check_settings(c, run_settings(b["config"]), run_settings(a["config"]))
     rollouts(c, a["rollouts"], b["rollouts"])
 
@@ -237,38 +269,57 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     loss_tol = loss_rtol if loss_rtol is not None else EIGHT_BIT_LOSS_RTOL if c.eight_bit else fl.overall["loss"]
     losses_a, losses_b = [h["loss"] for h in ha[:n]], [h["loss"] for h in hb[:n]]
     th = fl.twin["history"][:n] if fl.twin else None  # the second reference of a measured floor
+    loss_assumed = assumed and loss_rtol is None and not c.eight_bit
     per_step(c, "loss curve", steps, losses_a, losses_b, loss_tol, floor=GRPO_LOSS_FLOOR if grpo else 1e-12,
-             twin=[h["loss"] for h in th] if th else None)
+             twin=[h["loss"] for h in th] if th else None, assumed=loss_assumed)
     shift = floors.one_sided(losses_a, losses_b, fl) if not grpo else None  # GRPO's loss sums to about 0
     if shift:
-        c.add("loss shift", False, shift, step=steps[0])
-    trained(c, ha[:n], hb[:n], loss_tol)
+        c.add("loss shift", False, shift, step=steps[0], assumed=loss_assumed)
+    trained(c, ha[:n], hb[:n], loss_tol, assumed=loss_assumed)
     norms_a, norms_b = [h["grad_norm"] for h in ha[:n]], [h["grad_norm"] for h in hb[:n]]
     # an 8-bit optimizer's state moves the weights, hence the later gradients, as far as the loss's band
     grad_tol = max(fl.overall["grad norm"], loss_tol) if c.eight_bit else fl.overall["grad norm"]
     per_step(c, "grad norm", steps, norms_a, norms_b, grad_tol, what="before clipping",
-             twin=[h["grad_norm"] for h in th] if th else None)
+             twin=[h["grad_norm"] for h in th] if th else None, assumed=assumed)
     clipping(c, steps, norms_a, norms_b, *(setting(r["config"], "training.max_grad_norm") if r["config"] else
-                                           UNKNOWN for r in (a, b)), rtol=grad_tol)
+                                           UNKNOWN for r in (a, b)), rtol=grad_tol, assumed=assumed)
     judge = weight_rtol is not None or not c.eight_bit
     nearer = fl.twin["weights"] if fl.twin and fl.twin["weights"] is not None and b["weights"] is not None and \
         _weight_distance(fl.twin["weights"], b["weights"], optimizers[0]) < _weight_distance(a["weights"], b["weights"],
                                                                                              optimizers[0]) else None
     weights(c, nearer or a["weights"], b["weights"], optimizers[0] or optimizers[1], weight_rtol, judge,
-            tolerances=fl.overall, against=" (from the twin, the nearer reference)" if nearer else "")
+            tolerances=fl.overall, against=" (from the twin, the nearer reference)" if nearer else "",
+            assumed=assumed and weight_rtol is None)
     return c
 
 
 def same_windows(c: Comparison, ha: list, hb: list, n: int) -> None:
-    """Every step's window held the same samples and used the same lr."""
+    """Every step's window held the same samples, with the same content, and used the same lr."""
     bad = next((i for i in range(n) if ha[i].get("window_hash") != hb[i].get("window_hash")), None)
     c.add("window samples", bad is None, f"all {n} windows held the same samples" if bad is None else
           f"step {ha[bad]['step']} (epoch {ha[bad]['epoch']}, window {ha[bad]['window']}) held different samples",
           step=None if bad is None else ha[bad]["step"], basis=f"samples and lr at all {n} steps")
+    same_content(c, ha, hb, n)
     bad = next((i for i in range(n) if _rel(ha[i]["lr"], hb[i]["lr"]) > 1e-9), None)
     c.add("lr schedule", bad is None, "identical" if bad is None else
           f"step {ha[bad]['step']}: {ha[bad]['lr']:.6g} vs {hb[bad]['lr']:.6g}",
           step=None if bad is None else ha[bad]["step"])
+
+
+def same_content(c: Comparison, ha: list, hb: list, n: int) -> None:
+    """Every step's window held the same content (its samples' token ids and labels, or their bytes: history's
+    ``content_hash``): exact in any precision, so a changed word of the data differs at the step it entered. Runs
+    recorded before content hashes were kept show which samples only; that is said."""
+    older = [name for name, h in (("RUN_A", ha), ("RUN_B", hb)) if any("content_hash" not in x for x in h[:n])]
+    if older:
+        c.add("window content", None, f"not checkable: {' and '.join(older)} recorded no content hashes (a run "
+                                      "before they were kept): only which samples each window held is checked")
+        return
+    bad = next((i for i in range(n) if ha[i]["content_hash"] != hb[i]["content_hash"]), None)
+    c.add("window content", bad is None, f"all {n} windows held the same tokens" if bad is None else
+          f"step {ha[bad]['step']} (epoch {ha[bad]['epoch']}, window {ha[bad]['window']}): the window held other "
+          "tokens (another sample's content: the data, its tokenization or truncation differ)",
+          step=None if bad is None else ha[bad]["step"], basis=f"the content of all {n} windows")
 
 
 def twin_floor(a: dict, twin: Path, optimizer: str | None) -> floors.Floor:
@@ -298,7 +349,7 @@ def twin_floor(a: dict, twin: Path, optimizer: str | None) -> floors.Floor:
     return fl
 
 
-def trained(c: Comparison, ha: list, hb: list, tolerance: float) -> None:
+def trained(c: Comparison, ha: list, hb: list, tolerance: float, assumed: bool = False) -> None:
     """Whether the runs trained: a loss that moved on one side only differs; one that moved on neither is said
     (then any two such runs would agree)."""
     moved = floors.moved(ha, tolerance), floors.moved(hb, tolerance)
@@ -306,7 +357,7 @@ def trained(c: Comparison, ha: list, hb: list, tolerance: float) -> None:
         return
     if any(moved):
         c.add("trained", False, f"the loss moved beyond {tolerance:.0e} in {'RUN_A' if moved[0] else 'RUN_B'} only",
-              step=ha[-1]["step"] if ha else None)
+              step=ha[-1]["step"] if ha else None, assumed=assumed)
         return
     c.add("trained", None, f"neither run's loss moved beyond the tolerance ({tolerance:.0e}) from its first step to "
                            "its last: equivalent steps, but no sign that either trained")
@@ -346,7 +397,7 @@ UNKNOWN = object()  # a side whose clipping setting is not known
 
 
 def per_step(c: Comparison, name: str, steps: list, xs: list, ys: list, rtol: float, what: str = "",
-             why: str | None = None, floor: float = 1e-12, twin: list | None = None) -> None:
+             why: str | None = None, floor: float = 1e-12, twin: list | None = None, assumed: bool = False) -> None:
     """One per-step layer: ``xs[i]`` against ``ys[i]`` at optimizer step ``steps[i]`` (pairs with a non-finite or
     missing value are skipped: DeepSpeed reports no norm when it does not clip), relative to the larger magnitude or
     ``floor``, within ``rtol``. ``twin``: a second reference (the twin a floor was measured on, ``xs``'s run in
@@ -365,7 +416,7 @@ def per_step(c: Comparison, name: str, steps: list, xs: list, ys: list, rtol: fl
           f", tolerance {rtol:g}{band}" + ("" if bad is None else
                                            f"; first above at step {bad[0]}: {bad[1]:.7g} vs {bad[2]:.7g} (tolerance "
                                            f"{rtol:.1e})"),
-          step=None if bad is None else bad[0], basis=f"{name.removesuffix(' curve')} ≤ {rtol:.0e}")
+          step=None if bad is None else bad[0], basis=f"{name.removesuffix(' curve')} ≤ {rtol:.0e}", assumed=assumed)
 
 
 def _finite(x) -> bool:
@@ -377,7 +428,8 @@ def clip_factor(norm: float, max_norm) -> float:
     return 1.0 if max_norm is None or max_norm <= 0 or norm <= max_norm else max_norm / norm
 
 
-def clipping(c: Comparison, steps: list, norms_a: list, norms_b: list, max_a, max_b, rtol=GRAD_NORM_RTOL) -> None:
+def clipping(c: Comparison, steps: list, norms_a: list, norms_b: list, max_a, max_b, rtol=GRAD_NORM_RTOL,
+             assumed: bool = False) -> None:
     """The clipping factor each step applied, from its grad norm and each side's max_grad_norm: a step clipped on
     one side only (or to another limit) took another update though its gradient was the same. ``rtol``: the grad
     norm's tolerance."""
@@ -392,11 +444,11 @@ def clipping(c: Comparison, steps: list, norms_a: list, norms_b: list, max_a, ma
     c.add("clipping", bad is None, (f"the same at {len(rows)} steps ({clipped} clipped; max_grad_norm {max_a} vs "
                                     f"{max_b})") if bad is None else
           f"step {bad[0]}: {show(bad[1])} vs {show(bad[2])} (max_grad_norm {max_a} vs {max_b})",
-          step=None if bad is None else bad[0], basis="clipping")
+          step=None if bad is None else bad[0], basis="clipping", assumed=assumed)
 
 
 def weights(c: Comparison, wa: dict | None, wb: dict | None, optimizer: str | None, rtol: float | None,
-            judge: bool = True, against: str = "", tolerances: dict = FP32) -> None:
+            judge: bool = True, against: str = "", tolerances: dict = FP32, assumed: bool = False) -> None:
     """The trained weights: the largest element's difference for a stateless optimizer; for an adaptive one, whose
     rounding-level gradients become full-size steps of either sign, the relative L2 difference of all weights."""
     if wa is None or wb is None:
@@ -426,7 +478,7 @@ def weights(c: Comparison, wa: dict | None, wb: dict | None, optimizer: str | No
         return
     # the weights are where every step ends: a per-step layer that differs names the cause first
     c.add("weights", value <= rtol, f"{measure} {value:.2e}{against} (tolerance {rtol:g}; {why})", step=math.inf,
-          basis=f"weights {'L2' if adaptive else 'max'} {value:.1e} ≤ {rtol:.0e}")
+          basis=f"weights {'L2' if adaptive else 'max'} {value:.1e} ≤ {rtol:.0e}", assumed=assumed)
 
 
 def _weight_distance(wa: dict | None, wb: dict, optimizer: str | None) -> float:
@@ -559,16 +611,18 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     fl = twin_floor(mine, Path(floor), setting(mine["config"], "training.optimizer")) if floor is not None else None
     if fl is not None:  # the floor measured on this hardware replaces the assumed band
         band, why = fl.overall["loss"], fl.note
+    # a band assumed for mixed precision or dropout, not measured: outside it the run is "not certified"
+    assumed = fl is None and why is not None and loss_rtol is None
     band = loss_rtol if loss_rtol is not None else band
     grad_band = max(band, fl.overall["grad norm"] if fl else GRAD_NORM_RTOL)
     if base.logs:
-        _check_logged_loss(c, base.logs, history, band, why, int(base.get("logging_steps") or 1))
-        _check_logged_norms(c, base, logs, by_step, grad_band, why, mine, unchecked)
+        _check_logged_loss(c, base.logs, history, band, why, int(base.get("logging_steps") or 1), assumed)
+        _check_logged_norms(c, base, logs, by_step, grad_band, why, mine, unchecked, assumed)
     elif base.card_losses:
         unchecked.append("training loss")
         c.add("loss curve", None, "not checkable: the card's Training Loss is the mean over logging_steps, which "
                                   "the card does not say")
-    _check_eval(c, base, mine, band, CARD_ROUNDING if card else 0.0)
+    _check_eval(c, base, mine, band, CARD_ROUNDING if card else 0.0, assumed)
 
     if base.weights is None:
         unchecked.append("weights")
@@ -577,7 +631,8 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         from safetensors.torch import load_file
 
         weights(c, mine["weights"], load_file(str(base.weights)), setting(mine["config"], "training.optimizer"),
-                weight_rtol, against=f" against {base.weights.name}", tolerances=fl.overall if fl else FP32)
+                weight_rtol, against=f" against {base.weights.name}", tolerances=fl.overall if fl else FP32,
+                assumed=assumed and weight_rtol is None)
     # a differing run's likeliest cause: a setting of the baseline that import could not carry, else the adapters'
     # start (only where no such setting is left to blame)
     cause = [] if c.equivalent else uncarried(base, mine) + short_micro_batch(base, mine)
@@ -595,7 +650,7 @@ def _check_baseline_settings(c: Comparison, base, mine: dict) -> None:
 
 
 def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: float, why, mine: dict,
-                        unchecked: list) -> None:
+                        unchecked: list, assumed: bool = False) -> None:
     """The grad norm the baseline logged at each logged step (the Trainer logs the norm of the step it logs at,
     before clipping, not a mean) against this run's, and the clipping each side applied."""
     logged = [e for e in logs if _finite(e.get("grad_norm"))]
@@ -606,10 +661,10 @@ def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: fl
         return
     steps, theirs = [e["step"] for e in logged], [e["grad_norm"] for e in logged]
     ours = [by_step[s]["grad_norm"] for s in steps]
-    per_step(c, "grad norm", steps, ours, theirs, rtol, what="before clipping", why=why)
+    per_step(c, "grad norm", steps, ours, theirs, rtol, what="before clipping", why=why, assumed=assumed)
     limit = (base.get("max_grad_norm") or None) if "max_grad_norm" in base.args else UNKNOWN
-    clipping(c, steps, ours, theirs,
-             setting(mine["config"], "training.max_grad_norm") if mine["config"] else UNKNOWN, limit, rtol=rtol)
+    clipping(c, steps, ours, theirs, setting(mine["config"], "training.max_grad_norm") if mine["config"] else
+             UNKNOWN, limit, rtol=rtol, assumed=assumed)
 
 
 def carried(base, mine: dict):
@@ -694,7 +749,8 @@ def _check_windows(c: Comparison, base, history: list, mine: dict, unchecked: li
           step=bad["step"] if bad else None, basis=f"the Trainer's samples in all {len(history)} windows")
 
 
-def _check_logged_loss(c: Comparison, logs: list, history: list, rtol: float, why, every: int) -> None:
+def _check_logged_loss(c: Comparison, logs: list, history: list, rtol: float, why, every: int,
+                       assumed: bool = False) -> None:
     """Each logged training loss against our mean over the steps it covers (since the previous log entry: the
     Trainer logs the mean over its ``logging_steps`` = ``every`` steps, and over fewer at the end)."""
     worst, bad, previous = 0.0, None, 0
@@ -713,10 +769,10 @@ def _check_logged_loss(c: Comparison, logs: list, history: list, rtol: float, wh
     c.add("loss curve", bad is None, f"max relative difference {worst:.2e} at {len(logs)} logged steps{per}, "
           f"tolerance {rtol:g}" + (f" (band: {why})" if why else "") + (
               "" if bad is None else f"; first above at step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g}"),
-          step=bad[0] if bad else None, basis=f"loss ≤ {rtol:.0e} at {len(logs)} logged steps")
+          step=bad[0] if bad else None, basis=f"loss ≤ {rtol:.0e} at {len(logs)} logged steps", assumed=assumed)
 
 
-def _check_eval(c: Comparison, base, mine: dict, rtol: float, rounding: float) -> None:
+def _check_eval(c: Comparison, base, mine: dict, rtol: float, rounding: float, assumed: bool = False) -> None:
     ours = {v["step"]: v["loss"] for v in mine["metrics"].get("val_history", []) if "loss" in v}
     pairs = [(s, loss, ours[s]) for s, loss in base.evals if s in ours]
     if not base.evals:
@@ -731,7 +787,7 @@ def _check_eval(c: Comparison, base, mine: dict, rtol: float, rounding: float) -
         " (the card's 4 decimals allowed)" if rounding else "") + (
         "" if bad is None else f"; step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g} (the Trainer averages per-batch "
                                "means: equal to finetune's token mean when the set is one eval batch)"),
-        step=bad[0] if bad else None, basis=f"eval loss ≤ {rtol:.0e}")
+        step=bad[0] if bad else None, basis=f"eval loss ≤ {rtol:.0e}", assumed=assumed)
 
 
 def plot_against_baseline(baseline, run, path) -> Path:
