@@ -142,7 +142,7 @@ def cmd_compare(args) -> int:
     result = compare(args.run_a, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol,
                      **({"floor": args.floor} if args.floor else {}))
     print(result.report())
-    from finetune.reproduce.card import record_verdict
+    from finetune.card import record_verdict
 
     for card in record_verdict(args.run_b, result.report().splitlines()[-1], args.run_a):
         print(f"verdict recorded in {card}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.card import write_cards
 from finetune.state import ema
 
 PLOTTED = (("loss", "window loss (mean over the window's items)"), ("lr", "learning rate"),
@@ -156,6 +157,9 @@ def write_outputs(o, job, result, out_dir: Path, ema_beta: float) -> None:
         write_plots(result.history, out_dir, result.val_history, ema_beta)
     if o.save_model:
         save_model(result.model, out_dir, job.tokenizer, job.save)
+        settings = read_config(out_dir)
+        if settings is not None:  # a recipe's run: the card that publishes and reproduces it
+            write_cards(Path(out_dir), settings, read_metrics(out_dir), result.history)
     final = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.final_metrics.items())
     pad = f"; padding {1 - result.tokens / result.padded_tokens:.0%}" if result.padded_tokens else ""
     print(f"done: {result.optimizer_steps} optimizer steps in {result.extra_metrics['train_seconds']} s;"

@@ -18,6 +18,9 @@ import sys
 import typing
 from pathlib import Path
 
+import yaml
+
+from finetune import card as card_io
 from finetune.errors import ConfigError
 from finetune.reproduce.baselines import Baseline, read_baseline
 from finetune.reproduce.settings import Imported, carry, model_config_of, model_difference, training_file
@@ -85,6 +88,50 @@ def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None
     return raw, imported, baseline
 
 
+def finetune_recipe(source, data=None, model=None) -> tuple[dict, list[str]] | None:
+    """The recipe that reproduces a finetune run, from its run folder or its model card (a ``model/`` folder or its
+    README.md): the run's resolved recipe whole, its effective batch kept (``card.reproducible``); ``data``,
+    ``model``: where the training file and the base model are on this machine. With it, what the import says: each
+    line names what was read and how the data stand against the run's (sha256). None when ``source`` is not
+    finetune's."""
+    from finetune.outputs import read_config, read_metrics
+
+    p = Path(source)
+    run = p if (p / "history.jsonl").is_file() and (p / "config.yaml").is_file() else None
+    card = next((c for c in ((p / "model") if run else p, p) if card_io.is_card(c)), None)
+    if run is None and card is None:
+        return None
+    if run is not None:
+        recipe = card_io.reproducible(read_config(run), read_metrics(run).get("effective_batch_size"))
+    else:
+        recipe = card_io.read_recipe(card)
+    said = [f"finetune {'run' if run else 'model card'}: {p} (its resolved recipe, whole; effective batch "
+            f"{(recipe.get('training') or {}).get('effective_batch_size')} kept, the micro-batch yours)"]
+    sections = {k: dict(recipe.get(k) or {}) for k in ("model", "data")}
+    if model is not None:
+        sections["model"]["name_or_path"] = str(model)
+        said.append(f"model.name_or_path  {model}  --model")
+    if data is not None:
+        sections["data"]["source"] = str(data)
+    recipe.update({k: v for k, v in sections.items() if v})
+    said.append(data_line(sections["data"].get("source"), card_io.card_data_sha(card) if card else None,
+                          "--data" if data is not None else "the run's"))
+    return recipe, said
+
+
+def data_line(source, sha: str | None, whose: str) -> str:
+    """How ``source`` (the data the recipe will train on) stands against the sha256 the run's card recorded."""
+    if sha is None:
+        return f"data.source  {source}  {whose} (the card records no file sha256: not a local file)"
+    mine = card_io.file_sha256(source)
+    if mine is None:
+        return f"missing: data.source {source} is not on this machine; give --data FILE (sha256 {sha[:12]}…)"
+    if mine != sha:
+        return (f"not carried: data.source {source} differs from the run's data (sha256 {mine[:12]}… vs "
+                f"{sha[:12]}…): the reproduction trains on other data")
+    return f"data.source  {source}  {whose}; sha256 {sha[:12]}… matches the run's"
+
+
 def table(imported: Imported, base: Baseline) -> str:
     rows = [("field", "value", "from")] + [(n, _show(v), s) for n, v, s in imported.rows]
     width = [max(len(r[i]) for r in rows) for i in range(2)]
@@ -97,24 +144,33 @@ def _show(v) -> str:
 
 
 def main(args) -> int:
-    import yaml
-
     out = Path(args.output or f"{Path(args.source).stem if Path(args.source).is_file() else Path(args.source).name}"
                                "-imported.yaml")
     if out.exists() and not args.force:
         raise ConfigError(f"import: -o {out} exists; give another path or --force")
+    own = finetune_recipe(args.source, args.data, args.model)
+    if own is not None:  # a finetune run or its card: its own recipe, whole
+        raw, said = own
+        for line in said:
+            print(line, file=sys.stderr if line.startswith(("missing:", "not carried:")) else sys.stdout)
+        return write_recipe(out, raw, args.source, "finetune run")
     raw, imported, baseline = import_recipe(args.source, args.recipe, args.steps, args.data, args.initial_adapter,
                                             args.model)
     print(table(imported, baseline))
     if baseline.unknown:  # listed, not fatal: axolotl grows keys faster than this list
         print(f"warning: {baseline.path.name}: keys finetune does not know, not read: {', '.join(baseline.unknown)}",
               file=sys.stderr)
-    command = f"finetune run --recipe {out} --batch-size B"
-    out.write_text(f"# {command}\n# imported from {args.source} ({baseline.kind}) by finetune import\n"
-                   + yaml.safe_dump(raw, sort_keys=False))
-    print(f"wrote {out}: run it with {command} (your micro-batch; N = effective batch / B)")
+    write_recipe(out, raw, args.source, baseline.kind)
     for line in imported.missing:
         print(f"missing: {line}", file=sys.stderr)
+    return 0
+
+
+def write_recipe(out: Path, raw: dict, source, kind: str) -> int:
+    command = f"finetune run --recipe {out} --batch-size B"
+    out.write_text(f"# {command}\n# imported from {source} ({kind}) by finetune import\n"
+                   + yaml.safe_dump(raw, sort_keys=False))
+    print(f"wrote {out}: run it with {command} (your micro-batch; N = effective batch / B)")
     return 0
 
 
