@@ -34,9 +34,10 @@ dense TFLOP/s from the card's name (H100 SXM and H200 989, H100 NVL 835, H100 PC
 over the training call, weights included; on a CPU the allocator's record (``finetune.memory.measure.PeakMeter``)
 plus the weights.
 
-Each row runs on its own: a row that fails (an import missing, out of memory, over its section's time) is written as
-failed with the reason, and the rest still runs. ``--out`` gets ``table.md``, ``rows.json`` and ``log.txt``, rewritten
-after every row, so an interrupted run keeps what it measured.
+Each row runs on its own: one that cannot run here (a package missing) is written as skipped, one that fails (out of
+memory, past its section's share of ``--budget``) as failed, each with the reason, and the rest still runs. ``--out``
+gets ``table.md``, ``rows.json`` and ``log.txt``, rewritten after every row, so an interrupted run keeps what it
+measured.
 """
 
 from __future__ import annotations
