@@ -145,7 +145,7 @@ def cmd_compare(args) -> int:
     from finetune.card import record_verdict
 
     for card in record_verdict(args.run_b, result.report().splitlines()[-1], args.run_a):
-        print(f"verdict recorded in {card}")
+        print(f"verdict recorded in {card}", file=sys.stderr)  # the verdict stays the report's last line
     if args.plot:
         print(f"curves: {plot(args.run_a, args.run_b, args.plot)}")
     return result.exit_code  # 0 equivalent, 1 differs, 3 not certified
