@@ -104,8 +104,11 @@ class Digested(torch.utils.data.Dataset):
         return self.join(items), tuple(map(sample_digest, items))
 
 
-def digested_collate(collate):
+class digested_collate:  # noqa: N801  (used as a function; a class so that loader workers can pickle it)
     """``collate`` for items of :class:`Digested`: (the micro-batch, the lane sums of its samples' digests)."""
-    def collate_digested(pairs):
-        return collate([item for item, _ in pairs]), window_content([d for _, ds in pairs for d in ds])
-    return collate_digested
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, pairs):
+        return self.collate([item for item, _ in pairs]), window_content([d for _, ds in pairs for d in ds])
