@@ -268,6 +268,31 @@ def test_a_probe_that_runs_out_of_memory_still_gives_a_plan(monkeypatch):
         step_memory.auto_profile(copy_model(model).train(), batches, TrainingConfig(), up_to=12)
 
 
+def test_a_card_that_holds_one_sample_still_trains_with_auto(monkeypatch):
+    """The base probes are 1 and 2 samples; where 2 already run out of memory the profile has no line, so it takes
+    each quantity as proportional to the samples (on the safe side) instead of ending the run, and ``batch_size:
+    auto`` trains at one sample the fixed micro-batch's steps. The first probe's own error still propagates."""
+    from finetune.config import TrainingConfig
+    from finetune.memory import step as step_memory
+
+    torch.manual_seed(0)
+    model, data = MLP(), regression_data(12)
+    batches = [torch.utils.data.default_collate(data[:1]), torch.utils.data.default_collate(data[:2])]
+    monkeypatch.setenv("FINETUNE_FAKE_OOM_ABOVE", "1")
+    capped = step_memory.auto_profile(copy_model(model).train(), batches, TrainingConfig(), up_to=12)
+    assert [b for b, _ in capped.later] == [1, 2] and capped.later[1][1] == 2 * capped.later[0][1]
+    kw = dict(optimizer="sgd", learning_rate=0.2, max_grad_norm=None, n_epochs=1, seed=1)
+    auto = test_fine_tuning(copy_model(model), train_data=data, batch_size="auto", effective_batch_size=4, **kw)
+    monkeypatch.setenv("FINETUNE_FAKE_OOM_ABOVE", "0")  # the control: not even one sample fits
+    with pytest.raises(RuntimeError):
+        step_memory.auto_profile(copy_model(model).train(), batches, TrainingConfig(), up_to=12)
+    monkeypatch.delenv("FINETUNE_FAKE_OOM_ABOVE")
+    fixed = test_fine_tuning(copy_model(model), train_data=data, batch_size=1, effective_batch_size=4, **kw)
+    assert {h["micro_batch_size"] for h in auto["history"]} == {1}
+    assert [h["content_hash"] for h in auto["history"]] == [h["content_hash"] for h in fixed["history"]]
+    assert rel_diff(auto["model"], fixed["model"]) <= 1e-5
+
+
 def test_the_device_budget_reads_a_cuda_device_without_an_index(monkeypatch):
     """Accelerate names the device "cuda" without an index, and torch's per-process cap takes only an index (on an
     H200 the cap's reader refused "cuda"): the budget asks for the current device's index. The reads are stood in

@@ -202,8 +202,20 @@ def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None,
         return linear(points[-2][1], points[-2][0], points[-1][1], points[-1][0])[1]
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for batch in batches:
-            tokens = at(batch)
+        for k, batch in enumerate(batches):
+            try:
+                tokens = at(batch)
+            except RuntimeError as error:
+                if not k or not is_oom(error):
+                    raise
+                # the card holds one sample, not two: no line through two sizes, so each quantity is taken as
+                # proportional to the samples (an over-estimate: the fixed part counted per sample), the plan picks
+                # a micro-batch on the safe side and the loop's retry shrinks it further if need be
+                model.zero_grad(set_to_none=True)
+                free_memory()
+                for points in (first, later, saved):
+                    points.append([2 * points[-1][0], 2 * points[-1][1]])
+                return {"first": first, "later": later, "saved": saved}
         batch = batches[-1]
         while (slope(later) < 0.9 * slope(saved) or tokens <= chunk) and 2 * later[-1][0] <= up_to:
             batch = doubled(batch)
