@@ -197,6 +197,11 @@ class TrainingConfig:
         "how each epoch's order is drawn from the seed: finetune's own permutation, or HF Trainer's (its seedable "
         "random sampler seeded with seed + epoch; transformers 5.23 / accelerate 1.15), so that window k holds the "
         "Trainer's batch k", "finetune")
+    drop_last: Optional[int] = doc(
+        "samples: each epoch trains on the largest multiple of this many samples of its order and drops the rest "
+        "(null: none dropped, the last window holds the remainder): the effective batch drops an incomplete last "
+        "window, as torchtune does; a baseline's micro-batch × processes drops its incomplete last micro-batch, as "
+        "HF Trainer's dataloader_drop_last", None, at_least=1)
     items: Literal["auto", "samples", "tokens", "shifted_tokens"] = doc(
         "what the loss averages over, used to weight micro-batches: auto detects label tokens (-100 ignored, "
         "shifted for causal LMs), else samples", "auto")
@@ -282,7 +287,8 @@ class PeftConfig:
     r: int = doc("LoRA rank", 8, at_least=1)
     alpha: int = doc("LoRA alpha (the update is scaled by alpha / r)", 16, at_least=1)
     dropout: float = doc("dropout on the LoRA branch (0 for an exact reproduction check)", 0.0, at_least=0, below=1)
-    target_modules: Optional[list] = doc("module names to adapt (null: peft's default for the architecture)", None)
+    target_modules: Optional[list] = doc("module names to adapt (null: peft's default for the architecture; "
+                                         "[all-linear]: every linear layer but the output layer)", None)
     modules_to_save: Optional[list] = doc("modules trained in full beside the adapters (e.g. [classifier])", None)
     merge: bool = doc("also save the model with the adapters merged in (model-merged/)", False)
     init_from: Optional[str] = doc(

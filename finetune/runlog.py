@@ -15,6 +15,7 @@ from finetune.durable import atomic_write_text
 from finetune.models import precision
 from finetune.optim import lr_scale
 from finetune.state import TrainState
+from finetune.windows import kept
 
 
 class RunLog:
@@ -73,9 +74,12 @@ def banner(run) -> str:
     n_train, total_steps, world, effective = windows.samples, shape.total_steps, shape.processes, shape.effective
     per_epoch = windows.per_epoch
     split = f"{shape.micro_batch} × {shape.accumulation}" + (f" × {world} processes" if world > 1 else "")
-    tail = n_train - (per_epoch - 1) * effective
+    trained = kept(n_train, windows.drop_last)
+    tail = trained - (per_epoch - 1) * effective
     tail_text = "every window is full" if tail == effective else \
         f"the last window of each epoch holds {tail} sample{'s' if tail > 1 else ''}"
+    if trained < n_train:  # training.drop_last: not the big batch's epoch, said
+        tail_text += f"; its last {n_train - trained} samples dropped (training.drop_last {windows.drop_last})"
     lines = [
         "=" * 60, "FINE-TUNING", "=" * 60,
         f"Training samples: {n_train}",

@@ -410,7 +410,7 @@ def count_steps(job: Job, t: TrainingConfig, shape: Shape) -> Shape:
     Σ over epochs of ceil(samples / effective batch), capped by ``t.max_steps``."""
     check_data(job, t, shape)
     steps = t.epochs * windows_per_epoch(len(job.train_data), shape.micro_batch, shape.accumulation,
-                                         shape.processes)
+                                         shape.processes, t.drop_last)
     steps = min(steps, t.max_steps) if t.max_steps else steps
     warn_about_schedule(t, steps)
     return dataclasses.replace(shape, total_steps=steps)

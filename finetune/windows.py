@@ -100,8 +100,20 @@ def trainer_epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
-def windows_per_epoch(n: int, micro_batch: int, accum: int, world: int = 1) -> int:
-    return math.ceil(n / (micro_batch * accum * world))
+def windows_per_epoch(n: int, micro_batch: int, accum: int, world: int = 1, drop_last: Optional[int] = None) -> int:
+    """Optimizer steps per epoch: the windows of ``micro_batch × accum × world`` samples over the epoch's
+    ``kept(n, drop_last)`` samples, the last one possibly short."""
+    return math.ceil(kept(n, drop_last) / (micro_batch * accum * world))
+
+
+def kept(n: int, drop_last: Optional[int]) -> int:
+    """The samples an epoch trains on: all ``n``, or with ``drop_last`` the largest multiple of it (its order's last
+    ``n mod drop_last`` are dropped: torchtune's incomplete last window, the Trainer's incomplete last micro-batch).
+
+        >>> kept(22, 4), kept(22, None)
+        (20, 22)
+    """
+    return n - n % drop_last if drop_last else n
 
 
 def windows_of_epoch(
@@ -170,6 +182,7 @@ class WindowSpec:
     max_tokens: Optional[int] = None        # padded tokens per micro-batch (its size then varies)
     pack_capacity: Optional[int] = None     # tokens per packed row; None: not packed
     block: Optional[int] = None             # a streamed training set: shuffled in blocks of this many (block_order)
+    drop_last: Optional[int] = None         # each epoch keeps the largest multiple of this many samples (kept())
 
     @classmethod
     def of(cls, t, shape, samples: int, length_of: Optional[Callable] = None,
@@ -181,11 +194,12 @@ class WindowSpec:
         sort = t.sort_within_window if t.sort_within_window is not None else length_of is not None
         return cls(samples, shape.micro_batch, shape.accumulation, shape.processes, t.seed, t.epochs, t.shuffle,
                    t.sample_order, sort_key=length_of if sort else None, length_of=pack_length_of or length_of,
-                   max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity, block=block)
+                   max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity, block=block,
+                   drop_last=getattr(t, "drop_last", None))
 
     @property
     def per_epoch(self) -> int:
-        return windows_per_epoch(self.samples, self.micro_batch, self.accumulation, self.processes)
+        return windows_per_epoch(self.samples, self.micro_batch, self.accumulation, self.processes, self.drop_last)
 
     def with_micro_batch(self, shape) -> WindowSpec:
         """The same windows cut as ``shape`` cuts them (``batch_size: auto`` after an out-of-memory error)."""
@@ -199,6 +213,7 @@ class WindowSpec:
         """Yield the windows of ``epoch`` from window ``first`` on, as process ``rank`` sees them, each cut when it
         is reached: a streamed window's lengths are read only then."""
         order = epoch_order(self.samples, self.seed, epoch, self.shuffle, self.sample_order, self.block)
+        order = order[:kept(self.samples, self.drop_last)]  # the dropped tail: the order's last samples
         size = self.micro_batch * self.accumulation * self.processes
         for w in range(first, self.per_epoch):
             samples = order[w * size:(w + 1) * size]

@@ -104,6 +104,10 @@ EXAMPLE = ROOT / "examples" / "trainer-baseline"
 AXOLOTL = ROOT / "tests" / "assets" / "axolotl-tiny-llama-lora.yaml"
 
 
+def verdict_line(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("verdict: "))
+
+
 def finetune_cli(capsys, *args) -> tuple[int, str, str]:
     """``finetune ARGS`` in this process: (exit code, stdout, stderr)."""
     from finetune.cli import main
@@ -152,8 +156,8 @@ def test_the_trainer_round_trip_is_equivalent(baseline, replayed, capsys):
     code, out, _ = finetune_cli(capsys, "compare", baseline / "baseline", replayed, "--plot", baseline / "c.png")
     assert code == 0, out
     lines = {line[6:22].strip(): line for line in out.splitlines()}
-    assert out.splitlines()[-2].startswith("verdict: equivalent — rests on ") and \
-        out.splitlines()[-1].startswith("curves:")
+    said = [line for line in out.splitlines() if not line.startswith("verdict recorded in ")]  # compare's own
+    assert said[-2].startswith("verdict: equivalent — rests on ") and said[-1].startswith("curves:")
     for check in ("effective batch", "optimizer steps", "window samples", "lr schedule", "loss curve", "grad norm",
                   "clipping", "eval loss", "weights"):
         assert lines[check].startswith("ok"), out
@@ -185,7 +189,7 @@ def test_the_model_card_alone(baseline, replayed, capsys):
     said to be not checkable."""
     code, out, _ = finetune_cli(capsys, "compare", baseline / "baseline" / "README.md", replayed)
     assert code == 0, out
-    verdict = out.splitlines()[-1]
+    verdict = verdict_line(out)
     assert verdict.startswith("verdict: equivalent — rests on ") and \
         verdict.endswith("not checkable from the model card: lr schedule, training loss, weights"), out
     code, out, _ = finetune_cli(capsys, "import", baseline / "baseline" / "README.md", "--recipe",
@@ -418,7 +422,7 @@ def test_a_mixed_precision_baseline_is_held_to_a_stated_band(baseline, replayed,
     assert ("tolerance 0.01 (band: mixed precision (bf16 baseline, no here) rounds each side differently; an assumed "
             "band: measure the floor on this hardware with --floor TWIN (this reproduction at another --batch-size))"
             in out)
-    assert out.splitlines()[-1].startswith("verdict: differs — settings: training.mixed_precision bf16 in the "
+    assert verdict_line(out).startswith("verdict: differs — settings: training.mixed_precision bf16 in the "
                                            "baseline vs no; loss held to 0.01, not 0.0001: mixed precision"), out
 
 

@@ -268,8 +268,10 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
             from peft import LoraConfig, get_peft_model
         except ImportError:
             raise ConfigError("peft.enabled: needs the peft package (pip install 'finetune[peft]')") from None
+        targets = peft_cfg.target_modules
+        targets = "all-linear" if targets == ["all-linear"] else targets  # peft takes its shorthand as a string
         lora = LoraConfig(task_type=task_type, r=peft_cfg.r, lora_alpha=peft_cfg.alpha,
-                          lora_dropout=peft_cfg.dropout, target_modules=peft_cfg.target_modules,
+                          lora_dropout=peft_cfg.dropout, target_modules=targets,
                           modules_to_save=peft_cfg.modules_to_save)
         model = get_peft_model(model, lora)
         if getattr(peft_cfg, "init_from", None):  # a stand-in section (the planner's) may not have it

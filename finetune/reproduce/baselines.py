@@ -21,50 +21,12 @@ import json
 import pickle
 import re
 import zipfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from finetune.errors import ConfigError
+from finetune.reproduce.record import TRL_ARGS, Baseline  # noqa: F401  (the record every reader fills)
 
 CARD = "README.md (model card)"
-# arguments that TRL's configs (SFTConfig, DPOConfig, GRPOConfig, …) add to the TrainingArguments
-TRL_ARGS = ("completion_only_loss", "assistant_only_loss", "dataset_text_field", "padding_free",
-            "max_prompt_length", "num_generations")
-
-
-@dataclass
-class Baseline:
-    kind: str                                     # "Trainer folder", "model card", "axolotl YAML", "args JSON"
-    path: Path
-    args: dict = field(default_factory=dict)      # TrainingArguments name → (value, source)
-    logs: list = field(default_factory=list)      # trainer_state's training log entries (with "loss"), in order
-    evals: list = field(default_factory=list)     # (step, eval_loss), from the log or the card's results table
-    card_losses: list = field(default_factory=list)  # (step, training loss) of the card's results table
-    max_steps: Optional[int] = None               # optimizer steps the baseline took (trainer_state's global_step)
-    model_config: Optional[dict] = None           # config.json
-    adapter_config: Optional[dict] = None         # adapter_config.json
-    weights: Optional[Path] = None                # model.safetensors / adapter_model.safetensors
-    base_model: Optional[str] = None              # the model it fine-tuned, as the source names it
-    unknown: list = field(default_factory=list)   # keys of the source that finetune does not know (axolotl)
-
-    def get(self, name, default=None):
-        return self.args[name][0] if name in self.args else default
-
-    @property
-    def trl(self) -> bool:
-        """Whether TRL trained it (its configs add these to the TrainingArguments)."""
-        return any(k in self.args for k in TRL_ARGS)
-
-    def effective_batch(self) -> Optional[int]:
-        """Samples per optimizer step: ``total_train_batch_size`` when the source says it, else per-device ×
-        accumulation × processes (1 when the source does not say)."""
-        if self.get("total_train_batch_size"):
-            return int(self.get("total_train_batch_size"))
-        if self.get("per_device_train_batch_size") is None:
-            return None
-        return int(self.get("per_device_train_batch_size")) * int(self.get("gradient_accumulation_steps") or 1) * \
-            int(self.get("num_devices") or 1)
 
 
 def read_baseline(path, what: str = "baseline") -> Baseline:
@@ -80,7 +42,9 @@ def read_baseline(path, what: str = "baseline") -> Baseline:
         read_card(path, b, what, required=True)
         return b
     if path.suffix.lower() in (".yaml", ".yml"):
-        return read_axolotl(path, what)
+        from finetune.reproduce.sources import read_yaml_source
+
+        return read_yaml_source(path, what)
     if path.suffix.lower() == ".json":
         b = Baseline("args JSON", path)
         b.args.update(_sourced(_json_object(path, what), path.name))
@@ -108,9 +72,13 @@ def read_folder(folder: Path, what: str) -> Baseline:
     if state_file is None:
         if (folder / "history.jsonl").is_file():
             raise ConfigError(f"{what}: {folder} is a finetune run, not a Trainer/TRL folder")
-        raise ConfigError(f"{what}: {folder} holds no trainer_state.json (nor a checkpoint-*/ with one); give a "
-                          "Trainer/TRL output or checkpoint folder, or its model card README.md")
-    read_trainer_state(state_file, b, what)
+        from finetune.reproduce.sources import read_other_folder
+
+        b, state_file = read_other_folder(folder, what), folder / "trainer_state.json"
+        if b.kind != "Hub folder":  # another tool's output folder, read whole by its module
+            return b
+    else:
+        read_trainer_state(state_file, b, what)
     places = [state_file.parent / n for n in ("training_args.json", "training_args.bin")] + \
         [folder / n for n in ("training_args.json", "training_args.bin")]
     args_file = next((p for p in places if p.is_file()), None)  # JSON first: it says the same without a pickle
@@ -122,6 +90,7 @@ def read_folder(folder: Path, what: str) -> Baseline:
         card = Baseline("model card", folder / "README.md")
         read_card(folder / "README.md", card, what, required=False)
         b.args = {**card.args, **b.args}  # the arguments files, when present, say it first hand
+        b.unknown, b.uncarried = card.unknown, card.uncarried
         b.base_model = card.base_model
         if not b.evals:
             b.evals = card.evals
@@ -264,6 +233,10 @@ def read_card(path: Path, b: Baseline, what: str, required: bool) -> None:
         b.base_model = base.group(1).strip("'\"") if base else None
     section = re.search(r"^#+\s*Training hyperparameters\s*$(.*?)(?=^#+\s)", text + "\n# end", re.M | re.S)
     pairs = re.findall(r"^- ([a-z_]+): (.+)$", section.group(1), re.M) if section else []
+    from finetune.reproduce.axolotl import card_config
+
+    if card_config(text, path, b) and not pairs:
+        return  # axolotl's card: its YAML block says the run (and no Trainer results table follows)
     if required and not pairs:
         raise ConfigError(f"{what}: {path} has no 'Training hyperparameters' list (transformers writes one into the "
                           "card of every Trainer run); give the Trainer's output folder or its arguments JSON")
@@ -330,50 +303,3 @@ def _number(raw: str):
         except ValueError:
             pass
     return raw
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# an axolotl YAML
-
-
-AXOLOTL = {  # axolotl's key → the TrainingArguments name it sets (None: the same name)
-    "micro_batch_size": "per_device_train_batch_size", "gradient_accumulation_steps": None,
-    "num_epochs": "num_train_epochs", "max_steps": None, "learning_rate": None, "lr_scheduler": "lr_scheduler_type",
-    "warmup_ratio": None, "warmup_steps": None, "optimizer": "optim", "adam_beta1": None, "adam_beta2": None,
-    "adam_epsilon": None, "weight_decay": None, "max_grad_norm": None, "seed": None, "bf16": None, "fp16": None,
-    "tf32": None, "gradient_checkpointing": None, "sequence_len": "max_length", "sample_packing": "packing",
-    "train_on_inputs": None, "neftune_noise_alpha": None, "logging_steps": None, "group_by_length": None,
-    "lr_scheduler_kwargs": None, "label_smoothing_factor": None, "cosine_min_lr_ratio": None,
-    "adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": None, "lora_target_modules": None,
-    "lora_target_linear": None, "load_in_4bit": None, "load_in_8bit": None, "bnb_4bit_quant_type": None,
-}
-# axolotl keys that say where data, models and logs go, not how a step is taken: read, never carried
-AXOLOTL_PLACES = {
-    "base_model", "base_model_config", "model_type", "tokenizer_type", "trust_remote_code", "datasets",
-    "dataset_prepared_path", "val_set_size", "output_dir", "eval_sample_packing", "pad_to_sequence_len",
-    "wandb_project", "wandb_entity", "wandb_watch", "wandb_name", "wandb_log_model", "hub_model_id", "strict",
-    "special_tokens", "evals_per_epoch", "saves_per_epoch", "eval_steps", "save_steps", "save_strategy",
-    "eval_strategy", "resume_from_checkpoint", "local_rank", "logging_dir", "early_stopping_patience", "debug",
-    "deepspeed", "fsdp", "fsdp_config", "flash_attention", "sdp_attention", "xformers_attention",
-    "chat_template", "lora_model_dir", "lora_fan_in_fan_out", "plugins", "auto_resume_from_checkpoints",
-    "save_total_limit", "gradient_checkpointing_kwargs", "eval_batch_size", "torch_compile",
-}
-
-
-def read_axolotl(path: Path, what: str) -> Baseline:
-    import yaml
-
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
-    if not isinstance(raw, dict) or not ({"base_model", "micro_batch_size", "datasets"} & set(raw)):
-        raise ConfigError(f"{what}: {path} is not an axolotl config (no base_model, micro_batch_size or datasets)")
-    b = Baseline("axolotl YAML", path, base_model=raw.get("base_model"))
-    for key, value in raw.items():
-        if key in AXOLOTL:
-            b.args[AXOLOTL[key] or key] = (value, f"{path.name}: {key}")
-        elif key not in AXOLOTL_PLACES:
-            b.unknown.append(key)
-    return b

@@ -56,6 +56,7 @@ FLIP_SHARE = 1e-4
 STEP_SETTINGS = ("training.optimizer", "training.weight_decay", "training.momentum", "training.betas",
                  "training.mixed_precision", "model.dtype", "model.quantization", "model.dropout", "peft.enabled",
                  "peft.r", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save",
+                 "training.drop_last",
                  *(f"model.{name}" for name in TASK_SETTINGS), "model.generation_batch_size", "data.pack",
                  "data.too_long")
 # The loss curves of two runs of the same steps with an 8-bit optimizer (their weights drift apart, see above).
@@ -599,8 +600,8 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         unchecked.append("lr schedule")
         c.add("lr schedule", None, f"not checkable: the {base.kind} logs no learning rate")
     else:
-        bad = next((e for e in logs if _rel(e.get("learning_rate", float("nan")), by_step[e["step"]]["lr"]) > 1e-9),
-                   None)
+        bad = next((e for e in logs if _rel(e.get("learning_rate", float("nan")), by_step[e["step"]]["lr"]) >
+                    base.lr_rounding), None)
         c.add("lr schedule", bad is None and len(logs) == len(base.logs),
               f"identical at all {len(logs)} logged steps" if bad is None and len(logs) == len(base.logs) else
               f"step {bad['step']}: {bad.get('learning_rate'):.6g} vs {by_step[bad['step']]['lr']:.6g}" if bad else
@@ -636,7 +637,10 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     # a differing run's likeliest cause: a setting of the baseline that import could not carry, else the adapters'
     # start (only where no such setting is left to blame)
     cause = [] if c.equivalent else uncarried(base, mine) + short_micro_batch(base, mine)
-    notes = ([f"loss held to {band:g}, not {FP32_LOSS_RTOL:g}: {why}"] if why else []) + \
+    from finetune.reproduce.hub import no_step_log
+
+    notes = [line for line in (no_step_log(base),) if line] + \
+        ([f"loss held to {band:g}, not {FP32_LOSS_RTOL:g}: {why}"] if why else []) + \
         ([f"not checkable from the {base.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
         (cause or start_notes(base, mine, c.equivalent))
     c.qualifier = "; ".join(notes) or None
@@ -737,8 +741,9 @@ def _check_windows(c: Comparison, base, history: list, mine: dict, unchecked: li
         unchecked.append("window samples")
         c.add("window samples", None, f"not checkable: {what} is unknown")
         return
+    # membership only: how a window splits does not matter
     windows = WindowSpec(samples=n, micro_batch=size, accumulation=1, processes=1, seed=int(seed),
-                         sample_order="trainer")  # membership only: how a window splits does not matter
+                         sample_order="trainer", drop_last=setting(mine["config"], "training.drop_last"))
     trainer = {(e, w.index): membership_hash(w.samples) for e in epochs for w in windows.epoch(e)}
     bad = next((h for h in history if trainer.get((h["epoch"], h["window"])) != h.get("window_hash")), None)
     order = (mine["config"].get("training") or {}).get("sample_order", "finetune")

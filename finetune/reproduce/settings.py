@@ -115,6 +115,8 @@ def carry(base: Baseline, model_fields: dict, data_fields: set, steps: int | Non
     if _lora(base, out):
         _lora_start(base, out, initial_adapter)
     _quantization(base, out, model_fields)
+    if base.get("model_dtype") and "dtype" in model_fields:  # the frozen base's dtype, as the source's reader says
+        out.set("model.dtype", base.get("model_dtype"), base.args["model_dtype"][1])
     _data(base, out, data_fields)
     _seed_and_order(base, out)  # after _data: a packing it carried makes the packed rows the samples
     _task_settings(base, out, model_fields)
@@ -127,7 +129,21 @@ def carry(base: Baseline, model_fields: dict, data_fields: set, steps: int | Non
     for name, why in NO_COUNTERPART.items():
         if get(name, DEFAULTS[name]) not in (DEFAULTS[name], {}, 0, 0.0, False):
             out.skip(name, get(name), why)
+    _drop_last(base, out)
+    for setting, value, why in base.uncarried:  # what the source's own reader knows finetune lacks
+        out.skip(setting, value, why)
     return out
+
+
+def _drop_last(base: Baseline, out: Imported) -> None:
+    """An epoch's dropped tail: the source's own (torchtune's incomplete last window) or the Trainer's
+    ``dataloader_drop_last`` (its incomplete last micro-batch: per-device batch × processes)."""
+    if base.get("drop_last"):
+        out.set("training.drop_last", int(base.get("drop_last")), base.args["drop_last"][1])
+    elif base.get("dataloader_drop_last") and base.get("per_device_train_batch_size"):
+        size = int(base.get("per_device_train_batch_size")) * int(base.get("num_devices") or 1)
+        out.set("training.drop_last", size, f"{base.args['dataloader_drop_last'][1]}: dataloader_drop_last, the "
+                                            "incomplete last micro-batch of each epoch dropped")
 
 
 def _scheduler(base: Baseline, out: Imported, steps_given: int | None) -> None:
@@ -248,10 +264,7 @@ def _lora(base: Baseline, out: Imported) -> bool:
     for key, value in values.items():
         if value is not None:
             if key == "target_modules" and isinstance(value, str):
-                value = [value] if value != "all-linear" else None
-                if value is None:
-                    out.skip("target_modules", "all-linear", "finetune names the adapted modules; list them")
-                    continue
+                value = [value]  # peft's "all-linear" too: finetune's peft.target_modules takes [all-linear]
             out.set(f"peft.{key}", sorted(value) if isinstance(value, (list, set)) else value, where)
     return True
 

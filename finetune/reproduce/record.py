@@ -1,0 +1,49 @@
+"""What a reader of another tool's run hands ``finetune import`` and ``finetune compare``: the run's settings as
+TrainingArguments names, each with where it came from, its per-step log, and its files (``Baseline``). Each tool's
+reader (``baselines``, ``axolotl``, ``torchtune``, ``trl_config``, ``hub``, ``tensorboard``) fills one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+# arguments that TRL's configs (SFTConfig, DPOConfig, GRPOConfig, …) add to the TrainingArguments
+TRL_ARGS = ("completion_only_loss", "assistant_only_loss", "dataset_text_field", "padding_free",
+            "max_prompt_length", "num_generations")
+
+
+@dataclass
+class Baseline:
+    kind: str                                     # "Trainer folder", "model card", "axolotl YAML", "args JSON"
+    path: Path
+    args: dict = field(default_factory=dict)      # TrainingArguments name → (value, source)
+    logs: list = field(default_factory=list)      # trainer_state's training log entries (with "loss"), in order
+    evals: list = field(default_factory=list)     # (step, eval_loss), from the log or the card's results table
+    card_losses: list = field(default_factory=list)  # (step, training loss) of the card's results table
+    max_steps: Optional[int] = None               # optimizer steps the baseline took (trainer_state's global_step)
+    model_config: Optional[dict] = None           # config.json
+    adapter_config: Optional[dict] = None         # adapter_config.json
+    weights: Optional[Path] = None                # model.safetensors / adapter_model.safetensors
+    base_model: Optional[str] = None              # the model it fine-tuned, as the source names it
+    unknown: list = field(default_factory=list)   # keys of the source that finetune does not know (axolotl)
+    uncarried: list = field(default_factory=list)  # (setting, value, why) the source's reader knows finetune lacks
+    lr_rounding: float = 1e-9                      # relative rounding of its logged lr (TensorBoard keeps fp32)
+
+    def get(self, name, default=None):
+        return self.args[name][0] if name in self.args else default
+
+    @property
+    def trl(self) -> bool:
+        """Whether TRL trained it (its configs add these to the TrainingArguments)."""
+        return any(k in self.args for k in TRL_ARGS)
+
+    def effective_batch(self) -> Optional[int]:
+        """Samples per optimizer step: ``total_train_batch_size`` when the source says it, else per-device ×
+        accumulation × processes (1 when the source does not say)."""
+        if self.get("total_train_batch_size"):
+            return int(self.get("total_train_batch_size"))
+        if self.get("per_device_train_batch_size") is None:
+            return None
+        return int(self.get("per_device_train_batch_size")) * int(self.get("gradient_accumulation_steps") or 1) * \
+            int(self.get("num_devices") or 1)

@@ -1,0 +1,46 @@
+"""Which tool wrote a YAML config: torchtune (its ``_component_`` paths), axolotl (``base_model``,
+``micro_batch_size``, ``datasets``) or TRL's command line (``trl sft --config x.yaml``: TrainingArguments / SFTConfig
+names beside ``model_name_or_path`` and ``dataset_name``). Each is read by its own module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.errors import ConfigError
+from finetune.reproduce.record import Baseline
+
+
+def read_yaml_source(path: Path, what: str) -> Baseline:
+    """The baseline a YAML config file describes; ConfigError (one line) when it is not YAML or no known tool's."""
+    import yaml
+
+    from finetune.reproduce import axolotl, torchtune, trl_config
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
+    if torchtune.is_torchtune(raw):
+        return torchtune.read_torchtune(path, raw, what)
+    if trl_config.is_trl_config(raw):
+        return trl_config.read_trl_config(path, raw, what)
+    if axolotl.is_axolotl(raw):
+        return axolotl.read_axolotl(path, what)
+    raise ConfigError(f"{what}: {path} is not a config finetune reads (torchtune: _component_ paths; axolotl: "
+                      "base_model, micro_batch_size, datasets; TRL's command line: model_name_or_path and its "
+                      "TrainingArguments)")
+
+
+def read_other_folder(folder: Path, what: str) -> Baseline:
+    """A folder without ``trainer_state.json``: a torchtune output folder (read whole), or a Hub-style folder, whose
+    per-step log, if any, is the TensorBoard event files the Trainer wrote (axolotl's logs)."""
+    from finetune.reproduce import hub, tensorboard, torchtune
+
+    if torchtune.is_run(folder):
+        return torchtune.read_run(folder, what)
+    events = tensorboard.event_files(folder)
+    b = hub.hub_folder(folder, what, events_too=bool(events))
+    if events:
+        tensorboard.read_events(events, b)
+    return b

@@ -1,0 +1,233 @@
+"""A torchtune run (0.6.1's single-device and distributed SFT recipes): its YAML config (``_component_`` paths;
+also the ``torchtune_config.yaml`` it saves into its output folder) and its metric log (``DiskLogger``'s
+``log_<unix time>.txt``: one ``Step k | loss:… lr:… tokens_per_second_per_gpu:… [grad_norm:…]`` line per logged step).
+
+torchtune's step, read from its recipes: the data loader drops each epoch's incomplete last micro-batch
+(``drop_last=True``) and an epoch takes ``micro-batches ÷ gradient_accumulation_steps`` steps (rounded down), so each
+epoch's incomplete last window is dropped — ``training.drop_last`` at the effective batch, which ``import`` sets; the
+loss is the window's token mean (``running_loss / num_tokens``), finetune's; the order is the distributed sampler's,
+seeded with 0 whatever ``seed`` says (``torch.randperm(n)`` from ``0 + epoch``: ``sample_order: trainer`` at seed
+0); ``dtype: bf16`` loads and trains every weight in bf16 (no fp32 master weights), which finetune does not do.
+The micro-batches left at an epoch's end are still backpropagated and their gradients join the next epoch's first
+step (the recipe zeroes gradients only after a step): from epoch 2 on that step is not the big batch's, said by
+``import``. The lr it logs at step k is read after the scheduler stepped: step k + 1's (the reader shifts it back).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from finetune.errors import ConfigError
+from finetune.reproduce.record import Baseline
+
+KIND = "torchtune config"
+OPTIMIZERS = {"torch.optim.AdamW": "adamw_torch", "torch.optim.SGD": "sgd", "bitsandbytes.optim.PagedAdamW8bit":
+              "paged_adamw_8bit", "bitsandbytes.optim.AdamW8bit": "adamw_8bit", "torchao.optim.AdamW8bit":
+              "adamw_8bit", "torch.optim.Adam": "adam"}
+SCHEDULERS = {"torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup": "cosine",
+              "torchtune.modules.get_cosine_schedule_with_warmup": "cosine"}
+# torchtune's names of the adapted projections → Hugging Face's (the checkpointer converts between them)
+LORA_MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+def is_torchtune(raw) -> bool:
+    """Whether a YAML mapping is a torchtune config: its sections name ``_component_`` paths."""
+    return isinstance(raw, dict) and any(isinstance(v, dict) and "_component_" in v for v in raw.values())
+
+
+def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
+    """The settings of torchtune config ``raw`` (read from ``path``), as TrainingArguments names with their sources;
+    ConfigError (one line) for a value of the wrong kind."""
+    b = Baseline(KIND, path)
+    src = lambda key: f"{path.name}: {key}"  # noqa: E731
+    for key, name in (("batch_size", "per_device_train_batch_size"), ("gradient_accumulation_steps", None),
+                      ("epochs", "num_train_epochs"), ("log_every_n_steps", "logging_steps")):
+        if raw.get(key) is not None:
+            b.args[name or key] = (_int(raw[key], key, path, what), src(key))
+    b.args.setdefault("gradient_accumulation_steps", (1, f"{path.name}: torchtune's default accumulation"))
+    b.args["seed"] = (0, f"{path.name}: torchtune's sampler is seeded with 0 whatever seed says")
+    if raw.get("seed") not in (None, 0):
+        b.uncarried.append(("seed", raw["seed"], "it seeds torchtune's model and adapters; its sampler draws the "
+                            "order from 0, which the recipe's one seed takes"))
+    if raw.get("shuffle") is False:
+        b.args["train_sampling_strategy"] = ("sequential", src("shuffle"))
+    if raw.get("max_steps_per_epoch") is not None:
+        steps, epochs = _int(raw["max_steps_per_epoch"], "max_steps_per_epoch", path, what), raw.get("epochs", 1)
+        if epochs == 1:
+            b.args["max_steps"] = (steps, src("max_steps_per_epoch"))
+        else:
+            b.uncarried.append(("max_steps_per_epoch", steps, "finetune caps the run's steps, not each epoch's"))
+    size = int(b.get("per_device_train_batch_size") or 1) * int(b.get("gradient_accumulation_steps"))
+    b.args["drop_last"] = (size, f"{path.name}: torchtune drops each epoch's incomplete last window (drop_last "
+                                 "micro-batches, steps = micro-batches ÷ gradient_accumulation_steps)")
+    if int(b.get("gradient_accumulation_steps")) > 1 and int(b.get("num_train_epochs") or 1) > 1:
+        b.uncarried.append(("the micro-batches left at an epoch's end", "backpropagated", "torchtune adds their "
+                            "gradients to the next epoch's first step (it zeroes gradients only after a step); "
+                            "finetune drops them: the steps from epoch 2 on differ unless rows ÷ batch_size, rounded "
+                            "down, is a multiple of gradient_accumulation_steps"))
+    _optimizer(raw, b, path)
+    _schedule(raw, b, path)
+    if "clip_grad_norm" in raw:
+        norm = raw.get("clip_grad_norm")
+        b.args["max_grad_norm"] = (None if norm in (None, "inf") else float(norm), src("clip_grad_norm"))
+    dtype = str(raw.get("dtype") or "fp32")
+    b.args["bf16"] = (False, src("dtype"))
+    if dtype in ("bf16", "fp16"):
+        b.uncarried.append(("dtype", dtype, "torchtune loads and trains every weight in it, with no fp32 master "
+                            "weights; finetune's trainable weights stay fp32 (mixed precision is another step)"))
+    if raw.get("enable_activation_checkpointing"):
+        b.args["gradient_checkpointing"] = (True, src("enable_activation_checkpointing"))
+    _model(raw, b, path)
+    _data(raw, b, path)
+    checkpointer = raw.get("checkpointer") or {}
+    b.base_model = checkpointer.get("checkpoint_dir") if isinstance(checkpointer, dict) else None
+    return b
+
+
+def _int(value, key: str, path: Path, what: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what}: {path}: {key} is {value!r}, not a whole number") from None
+
+
+def _optimizer(raw: dict, b: Baseline, path: Path) -> None:
+    opt = raw.get("optimizer") or {}
+    if not isinstance(opt, dict):
+        return
+    where = f"{path.name}: optimizer"
+    name = OPTIMIZERS.get(opt.get("_component_"), opt.get("_component_"))
+    b.args["optim"] = (name, f"{where}._component_")
+    if opt.get("lr") is not None:
+        b.args["learning_rate"] = (float(opt["lr"]), f"{where}.lr")
+    if name == "adamw_torch":  # torch's AdamW default weight decay is 0.01
+        b.args["weight_decay"] = (float(opt.get("weight_decay", 0.01)), f"{where}.weight_decay" if "weight_decay"
+                                  in opt else f"{where}: torch.optim.AdamW's default 0.01")
+    elif opt.get("weight_decay") is not None:
+        b.args["weight_decay"] = (float(opt["weight_decay"]), f"{where}.weight_decay")
+    if opt.get("betas") is not None:
+        b.args["adam_beta1"], b.args["adam_beta2"] = ((float(opt["betas"][0]), f"{where}.betas"),
+                                                      (float(opt["betas"][1]), f"{where}.betas"))
+    if opt.get("eps") is not None:
+        b.args["adam_epsilon"] = (float(opt["eps"]), f"{where}.eps")
+
+
+def _schedule(raw: dict, b: Baseline, path: Path) -> None:
+    sched = raw.get("lr_scheduler")
+    if not isinstance(sched, dict):  # none: the optimizer's lr throughout
+        b.args["lr_scheduler_type"] = ("constant", f"{path.name}: no lr_scheduler")
+        b.args["warmup_steps"] = (0, f"{path.name}: no lr_scheduler")
+        return
+    kind = SCHEDULERS.get(sched.get("_component_"), sched.get("_component_"))
+    b.args["lr_scheduler_type"] = (kind, f"{path.name}: lr_scheduler._component_")
+    b.args["warmup_steps"] = (int(sched.get("num_warmup_steps", 0)), f"{path.name}: lr_scheduler.num_warmup_steps")
+    if kind == "cosine" and float(sched.get("num_cycles", 0.5)) != 0.5:
+        b.uncarried.append(("lr_scheduler.num_cycles", sched["num_cycles"], "finetune's cosine falls over half a wave"))
+
+
+def _model(raw: dict, b: Baseline, path: Path) -> None:
+    model = raw.get("model") or {}
+    if not isinstance(model, dict) or "lora_rank" not in model:
+        return
+    where = f"{path.name}: model"
+    modules = [LORA_MODULES.get(m, m) for m in model.get("lora_attn_modules") or []]
+    modules += MLP if model.get("apply_lora_to_mlp") else []
+    modules += ["lm_head"] if model.get("apply_lora_to_output") else []
+    b.args.update({"adapter": ("lora", f"{where}._component_"), "lora_r": (model["lora_rank"], f"{where}.lora_rank"),
+                   "lora_alpha": (model.get("lora_alpha"), f"{where}.lora_alpha"),
+                   "lora_dropout": (model.get("lora_dropout", 0.0), f"{where}.lora_dropout"),
+                   "lora_target_modules": (modules, f"{where}.lora_attn_modules, apply_lora_to_mlp/output")})
+    if model.get("use_dora"):
+        b.uncarried.append(("use_dora", True, "DoRA adapters: finetune trains LoRA"))
+    if model.get("quantize_base"):
+        b.args["load_in_4bit"] = (True, f"{where}.quantize_base")
+        b.uncarried.append(("quantize_base", True, "torchtune quantizes the base to NF4 with torchao, finetune with "
+                            "bitsandbytes: other rounding"))
+
+
+def _data(raw: dict, b: Baseline, path: Path) -> None:
+    tokenizer, dataset = raw.get("tokenizer") or {}, raw.get("dataset") or {}
+    if isinstance(tokenizer, dict) and tokenizer.get("max_seq_len"):
+        b.args["max_length"] = (int(tokenizer["max_seq_len"]), f"{path.name}: tokenizer.max_seq_len")
+    for ds in dataset if isinstance(dataset, list) else [dataset]:
+        if not isinstance(ds, dict):
+            continue
+        if ds.get("packed"):
+            b.uncarried.append(("dataset.packed", True, "torchtune packs the rows in order into rows of max_seq_len "
+                                "tokens before sampling; finetune packs as TRL's bfd or wrapped"))
+        if "train_on_input" in ds:
+            b.args["train_on_inputs"] = (bool(ds["train_on_input"]), f"{path.name}: dataset.train_on_input")
+    if isinstance(dataset, list) and len(dataset) > 1:
+        b.uncarried.append(("dataset", f"{len(dataset)} data sets", "torchtune concatenates them: give --data the "
+                            "rows in that order"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a torchtune output folder and its metric log
+
+
+LINE = re.compile(r"^Step (\d+) \| (.*)$")
+PAIR = re.compile(r"(\w+):(?:tensor\()?([-+0-9.eE]+|nan|inf)")
+
+
+def is_run(folder: Path) -> bool:
+    return (folder / "torchtune_config.yaml").is_file()
+
+
+def read_run(folder: Path, what: str) -> Baseline:
+    """A torchtune output folder: its ``torchtune_config.yaml``, the newest ``log_*.txt`` of its metric logger, and
+    the last epoch's checkpoint (its ``config.json``, weights or adapters)."""
+    import json
+
+    import yaml
+
+    config = folder / "torchtune_config.yaml"
+    try:
+        raw = yaml.safe_load(config.read_text(encoding="utf-8", errors="replace"))
+    except yaml.YAMLError:
+        raise ConfigError(f"{what}: {config} is not valid YAML") from None
+    if not is_torchtune(raw):
+        raise ConfigError(f"{what}: {config} is not a torchtune config (no _component_ sections)")
+    b = read_torchtune(config, raw, what)
+    b.kind, b.path = "torchtune run", folder
+    logs = sorted(folder.rglob("log_*.txt"), key=lambda p: p.stat().st_mtime)
+    if logs:
+        b.logs = read_log(logs[-1], b, what)
+        b.max_steps = b.logs[-1]["step"] if b.logs and int(b.get("logging_steps") or 1) == 1 else None
+    epochs = sorted((p for p in folder.glob("epoch_*") if p.name.split("_")[-1].isdigit()),
+                    key=lambda p: int(p.name.split("_")[-1]))
+    if epochs:
+        last = epochs[-1]
+        for name, attr in (("config.json", "model_config"), ("adapter_config.json", "adapter_config")):
+            if (last / name).is_file():
+                setattr(b, attr, json.loads((last / name).read_text()))
+        found = [last / "adapter_model.safetensors"] if b.get("adapter") else sorted(last.glob("model*.safetensors"))
+        b.weights = found[0] if len(found) == 1 and found[0].is_file() else None
+    return b
+
+
+def read_log(path: Path, b: Baseline, what: str) -> list[dict]:
+    """The steps of a DiskLogger file, as Trainer log entries (``step``, ``loss``, ``learning_rate``,
+    ``grad_norm``). torchtune reads the lr after the scheduler stepped, so line k holds step k + 1's: each step's
+    lr is the previous line's (step 1's is the schedule's start: 0 under a warm-up, else the optimizer's lr)."""
+    entries = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        m = LINE.match(line.strip())
+        if not m:
+            continue
+        values = {k: float(v) for k, v in PAIR.findall(m.group(2))}
+        if "loss" not in values:
+            raise ConfigError(f"{what}: {path} line {number} logs no loss (torchtune writes 'Step k | loss:…')")
+        entries.append({"step": int(m.group(1)), **values})
+    logged = {e["step"]: e.get("lr") for e in entries}
+    start = 0.0 if int(b.get("warmup_steps") or 0) > 0 else b.get("learning_rate")
+    out = []
+    for e in entries:
+        lr = logged.get(e["step"] - 1) if e["step"] > 1 else start
+        entry = {"step": e["step"], "loss": e["loss"], **({"learning_rate": lr} if lr is not None else {})}
+        if "grad_norm" in e:
+            entry["grad_norm"] = e["grad_norm"]
+        out.append(entry)
+    return out

@@ -1,0 +1,72 @@
+"""The YAML that TRL's command line takes (``trl sft --config sft.yaml``, ``trl dpo …``): the trainer's config fields
+(TrainingArguments / SFTConfig / DPOConfig names, read as they are), TRL's ``ModelConfig`` (``model_name_or_path``,
+``dtype``, ``use_peft`` and its ``lora_*`` fields, ``load_in_4bit`` …) and the script's (``dataset_name`` …).
+
+``use_peft: true`` trains LoRA with ModelConfig's defaults where the file does not say (r 16, alpha 32, dropout 0.05,
+peft's default modules for the architecture); its ``lora_*`` names become the adapter settings. A model loaded in
+bf16 / fp16 (``dtype``) and trained whole keeps no fp32 master weights: not carried (finetune's trainable weights
+stay fp32); under LoRA the frozen base is kept so (``model.dtype``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.reproduce.record import Baseline
+
+# TRL ModelConfig's LoRA fields → (the adapter setting finetune's importer reads, TRL 1.16's default)
+LORA = {"lora_r": ("lora_r", 16), "lora_alpha": ("lora_alpha", 32), "lora_dropout": ("lora_dropout", 0.05),
+        "lora_target_modules": ("lora_target_modules", None)}
+# ModelConfig / script fields that change the steps and that finetune has no counterpart for: name → (default, why)
+NOT_CARRIED = {
+    "use_rslora": (False, "rank-stabilised LoRA scales by alpha/√r: finetune's adapters scale by alpha/r"),
+    "use_dora": (False, "DoRA adapters: finetune trains LoRA"),
+    "lora_modules_to_save": (None, "finetune takes peft.modules_to_save: set it to these"),
+    "lora_target_parameters": (None, "finetune adapts modules, not parameters"),
+    "use_bnb_nested_quant": (False, "finetune's 4-bit weights use double quantization always"),
+}
+# the names that tell TRL's command-line config from another tool's
+MARKS = {"model_name_or_path", "dataset_name", "per_device_train_batch_size", "use_peft", "dataset_train_split"}
+
+
+def is_trl_config(raw) -> bool:
+    return isinstance(raw, dict) and bool(MARKS & set(raw)) and "micro_batch_size" not in raw
+
+
+def read_trl_config(path: Path, raw: dict, what: str) -> Baseline:
+    """The baseline of a TRL command-line YAML config (every value with ``path.name: key`` as its source)."""
+    b = Baseline("TRL config YAML", path, base_model=raw.get("model_name_or_path"))
+    where = lambda key: f"{path.name}: {key}"  # noqa: E731
+    for key, value in raw.items():
+        if key in NOT_CARRIED:
+            default, why = NOT_CARRIED[key]
+            if value not in (default, None, []):
+                b.uncarried.append((key, value, why))
+        elif key not in LORA and key != "use_peft":
+            b.args[key] = (value, where(key))
+    # TRL's configs say TRL trained it (the importer's TRL rules follow: truncation, TRL's LoRA start)
+    if "beta" not in raw:  # an SFT config: SFTConfig's default
+        b.args.setdefault("completion_only_loss", (None, f"{path.name}: TRL's default (SFTConfig)"))
+    if raw.get("use_peft"):
+        b.args["adapter"] = ("lora", where("use_peft"))
+        for key, (name, default) in LORA.items():
+            if raw.get(key) is not None:
+                b.args[name] = (raw[key], where(key))
+            elif default is not None:
+                b.args[name] = (default, f"{path.name}: TRL ModelConfig's default {key}")
+    _dtype(raw, b, path)
+    return b
+
+
+def _dtype(raw: dict, b: Baseline, path: Path) -> None:
+    """``dtype`` (``torch_dtype`` before TRL 0.20): the weights TRL loads and trains."""
+    key = "dtype" if "dtype" in raw else "torch_dtype"
+    dtype = str(raw.get(key) or "float32").removeprefix("torch.")
+    half = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype)
+    if half is None:
+        return
+    if raw.get("use_peft"):
+        b.args["model_dtype"] = (half, f"{path.name}: {key} (the frozen base; peft keeps the adapters in fp32)")
+    else:
+        b.uncarried.append((key, dtype, f"TRL loads the model in {dtype} and trains every weight in it (no fp32 "
+                            "master weights); finetune's trainable weights stay fp32"))
