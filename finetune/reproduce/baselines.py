@@ -47,6 +47,9 @@ class Baseline:
     weights: Optional[Path] = None                # model.safetensors / adapter_model.safetensors
     base_model: Optional[str] = None              # the model it fine-tuned, as the source names it
     unknown: list = field(default_factory=list)   # keys of the source that finetune does not know (axolotl)
+    task: Optional[str] = None                    # the finetune task the source trains (LLaMA-Factory's stage)
+    own: dict = field(default_factory=dict)       # the tool's own settings, name → (value, source), for carry_own
+    carry_own: Optional[object] = None            # (baseline, Imported, model fields, data fields): its own settings
 
     def get(self, name, default=None):
         return self.args[name][0] if name in self.args else default
@@ -70,7 +73,11 @@ class Baseline:
 def read_baseline(path, what: str = "baseline") -> Baseline:
     """The baseline at ``path`` (a folder, a model card, an axolotl YAML or an arguments JSON); ConfigError when
     it is none of them or is unreadable."""
+    from finetune.reproduce import llamafactory
+
     path = Path(path)
+    if llamafactory.is_llamafactory(path):
+        return llamafactory.read(path, what)
     if path.is_dir():
         return read_folder(path, what)
     if not path.is_file():
@@ -177,7 +184,7 @@ def _sourced(values: dict, source: str) -> dict:
 # The classes a TrainingArguments pickle holds: the arguments class itself (TRL's configs derive from it), its enums
 # and the records it keeps (accelerate's state, its accelerator config, a torch.device). Each becomes an inert stand-in:
 # nothing from transformers, TRL or accelerate is imported or called while reading.
-ARGS_MODULES = ("transformers.", "trl.")
+ARGS_MODULES = ("transformers.", "trl.", "llamafactory.")
 ARGS_CLASSES = {"TrainingArguments", "Seq2SeqTrainingArguments"}
 ENUMS = {"IntervalStrategy", "SaveStrategy", "HubStrategy", "SchedulerType", "OptimizerNames", "FSDPOption",
          "DebugOption", "ParallelMode", "DistributedType", "EvaluationStrategy", "ExplicitEnum"}

@@ -28,7 +28,7 @@ from finetune.reproduce.settings import Imported, carry, model_config_of, model_
 
 def _skeleton(base: Baseline) -> dict:
     """A clm recipe on the baseline's base model (none when the source does not name it: said as missing)."""
-    return {"task": "clm", "description": f"imported from {base.path}",
+    return {"task": base.task or "clm", "description": f"imported from {base.path}",
             "model": {"name_or_path": base.base_model} if base.base_model else {}}
 
 

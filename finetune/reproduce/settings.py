@@ -127,6 +127,8 @@ def carry(base: Baseline, model_fields: dict, data_fields: set, steps: int | Non
     for name, why in NO_COUNTERPART.items():
         if get(name, DEFAULTS[name]) not in (DEFAULTS[name], {}, 0, 0.0, False):
             out.skip(name, get(name), why)
+    if base.carry_own is not None:  # a tool's own settings (LLaMA-Factory's template, stage), last
+        base.carry_own(base, out, model_fields, data_fields)
     return out
 
 
