@@ -10,11 +10,12 @@ import json
 import sys
 from pathlib import Path
 
-from tests.helpers import chat_rows, pair_rows, write_tiny_chat
+from tests.helpers import pair_rows, write_tiny_chat
 
 out = Path(sys.argv[1])
 write_tiny_chat(out)  # out/model (weights, tokenizer, ChatML template) and out/chat.jsonl
-(out / "chat.jsonl").rename(out / "data" / "chat.jsonl") if (out / "data").mkdir(exist_ok=True) is None else None
+(out / "data").mkdir(exist_ok=True)
+(out / "chat.jsonl").rename(out / "data" / "chat.jsonl")
 pairs = [r for r in pair_rows() if isinstance(r.get("prompt"), list)]  # the conversational pairs, prompt explicit
 # LLaMA-Factory's sharegpt ranking rows: the prompt's turns, then one chosen and one rejected message
 (out / "data" / "pairs.jsonl").write_text("".join(json.dumps({

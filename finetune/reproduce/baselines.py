@@ -77,7 +77,7 @@ def read_baseline(path, what: str = "baseline") -> Baseline:
 
     path = Path(path)
     if llamafactory.is_llamafactory(path):
-        return llamafactory.read(path, what)
+        return llamafactory.read(path, what, Baseline, read_folder)
     if path.is_dir():
         return read_folder(path, what)
     if not path.is_file():

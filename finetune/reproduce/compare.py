@@ -56,8 +56,8 @@ FLIP_SHARE = 1e-4
 STEP_SETTINGS = ("training.optimizer", "training.weight_decay", "training.momentum", "training.betas",
                  "training.mixed_precision", "model.dtype", "model.quantization", "model.dropout", "peft.enabled",
                  "peft.r", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save",
-                 *(f"model.{name}" for name in TASK_SETTINGS), "model.generation_batch_size", "data.pack", "data.turn_end",
-                 "data.too_long")
+                 *(f"model.{name}" for name in TASK_SETTINGS), "model.generation_batch_size", "data.pack",
+                 "data.turn_end", "data.too_long")
 # The loss curves of two runs of the same steps with an 8-bit optimizer (their weights drift apart, see above).
 EIGHT_BIT_LOSS_RTOL = 1e-2
 

@@ -20,7 +20,6 @@ import json
 from pathlib import Path
 
 from finetune.errors import ConfigError
-from finetune.reproduce.baselines import Baseline, _json_object, read_folder
 
 KIND = "LLaMA-Factory run"
 LOG = "trainer_log.jsonl"
@@ -104,9 +103,11 @@ def is_llamafactory(path) -> bool:
     return False
 
 
-def read(path, what: str = "baseline") -> Baseline:
-    """The LLaMA-Factory run at ``path`` (its YAML or its output folder) as a :class:`Baseline`; ConfigError (one
-    line naming the file) when it is unreadable."""
+def read(path, what: str, baseline, read_folder):
+    """The LLaMA-Factory run at ``path`` (its YAML or its output folder) as a ``baseline`` (the class
+    ``baselines.Baseline``; its ``read_folder`` reads the Trainer's files: both handed over by
+    ``baselines.read_baseline``, which dispatches here); ConfigError (one line naming the file) when it is
+    unreadable."""
     path = Path(path)
     folder, yaml_file = (path, path / SAVED_YAML) if path.is_dir() else (None, path)
     raw = _yaml(yaml_file, what) if yaml_file.is_file() else None
@@ -117,7 +118,7 @@ def read(path, what: str = "baseline") -> Baseline:
     if folder is not None and (folder / "trainer_state.json").is_file():
         b = read_folder(folder, what)
     else:
-        b = Baseline(KIND, path)
+        b = baseline(KIND, path)
     b.kind, b.path = KIND, path
     if folder is not None and (folder / LOG).is_file():
         read_log(folder / LOG, b, what)
@@ -129,7 +130,7 @@ def read(path, what: str = "baseline") -> Baseline:
     return b
 
 
-def read_log(path: Path, b: Baseline, what: str) -> None:
+def read_log(path: Path, b, what: str) -> None:
     """``trainer_log.jsonl``: one line per logged step (``current_steps``, ``total_steps``, ``loss``, ``lr``,
     ``epoch``). Where trainer_state.json gave no log (a run stopped early keeps only this file), its entries are the
     baseline's log; else it must agree with trainer_state's at every step it logs (the same run)."""
@@ -163,7 +164,7 @@ def read_log(path: Path, b: Baseline, what: str) -> None:
                           f"logs {state[bad['step']]['loss']}: not the same run")
 
 
-def read_yaml_keys(raw: dict, name: str, b: Baseline) -> None:
+def read_yaml_keys(raw: dict, name: str, b) -> None:
     """The YAML's keys onto ``b``: TrainingArguments names, LLaMA-Factory's own (``b.own``), not carried, unknown."""
     src = lambda key: f"{name}: {key}"  # noqa: E731
     b.base_model = b.base_model or raw.get("model_name_or_path")
@@ -196,11 +197,15 @@ def read_yaml_keys(raw: dict, name: str, b: Baseline) -> None:
     b.carry_own = carry_own
 
 
-def carry_own(b: Baseline, out, model_fields, data_fields: set) -> None:
+def carry_own(b, out, model_fields, data_fields: set) -> None:
     """LLaMA-Factory's own settings onto the recipe (called last by ``settings.carry``): its stage, template,
     preference loss and what it trains on; its packing and every other setting of :data:`NOT_CARRIED` that is not at
     its default, as not carried."""
     own = b.own
+    out.not_carried = [line for line in out.not_carried if not line.startswith("not carried: the adapters' start")]
+    if b.adapter_config or b.get("adapter"):
+        out.not_carried.append("adapters' start: replayed — LLaMA-Factory draws them after set_seed(seed), as "
+                               "finetune does before building the model (checked with LLaMA-Factory 0.9.5, peft 0.18)")
     value = lambda key, default=None: own[key][0] if key in own else default  # noqa: E731
     stage = str(value("stage", "sft"))
     if stage not in STAGES:
@@ -260,7 +265,7 @@ def _yaml(path: Path, what: str, quiet: bool = False):
         raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
 
 
-def dataset_file(b: Baseline) -> Path | None:
+def dataset_file(b) -> Path | None:
     """The training file the YAML names (``dataset`` in ``dataset_dir``'s ``dataset_info.json``), when it is one
     local file; None otherwise."""
     if "dataset" not in b.own:
@@ -270,7 +275,38 @@ def dataset_file(b: Baseline) -> Path | None:
     for base in (Path.cwd(), b.path.parent):
         info = base / root / "dataset_info.json"
         if len(names) == 1 and info.is_file():
-            entry = _json_object(info, "data").get(names[0]) or {}
+            try:
+                entry = json.loads(info.read_text(encoding="utf-8")).get(names[0]) or {}
+            except (ValueError, AttributeError):
+                raise ConfigError(f"data: {info} is not a JSON object of data sets") from None
             if entry.get("file_name") and (base / root / entry["file_name"]).is_file():
                 return base / root / entry["file_name"]
     return None
+
+
+def training_rows(source, data, recipe: Path, read_baseline):
+    """``finetune import``'s ``--data`` for a LLaMA-Factory source: the file given (else the one its YAML names in
+    ``dataset_info.json``), as rows finetune reads. Its preference rows (sharegpt ``ranking``: the prompt's
+    ``messages``, then one ``chosen`` and one ``rejected`` message) are written, in their order, as TRL's
+    conversational pairs beside the recipe (``RECIPE-rows.jsonl``); rows of messages are read as they are. Any other
+    source: ``data`` unchanged. ``read_baseline``: ``baselines.read_baseline`` (to find the YAML's file)."""
+    if not is_llamafactory(source):
+        return data
+    if data is None:
+        found = dataset_file(read_baseline(source, "import"))
+        if found is None:
+            return None
+        data = found
+    path = Path(data)
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
+        return data
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows or not all(isinstance(r, dict) and isinstance(r.get("chosen"), dict) and "messages" in r
+                           for r in rows):
+        return str(path)
+    out = recipe.with_name(f"{recipe.stem}-rows.jsonl")
+    out.write_text("".join(json.dumps({"prompt": r["messages"], "chosen": [r["chosen"]], "rejected": [r["rejected"]]})
+                           + "\n" for r in rows))
+    print(f"{path}: LLaMA-Factory's preference rows written as TRL's conversational pairs to {out} (the same turns, "
+          "in their order)")
+    return str(out)
