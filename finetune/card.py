@@ -177,7 +177,9 @@ Not compared yet: `finetune compare BASELINE RUN` writes its verdict here.
 {recipe}```
 {RECIPE_END}
 """
-    return str(ModelCard.from_template(meta, template_str="---\n{{ card_data }}\n---\n" + body))
+    # the body is text, not Jinja: a recipe's inline chat template ({{ … }}) must come out as written
+    return str(ModelCard.from_template(meta, template_str="---\n{{ card_data }}\n---\n{% raw %}" + body +
+                                       "{% endraw %}"))
 
 
 def reproducible(settings: dict, effective: int | None) -> dict:

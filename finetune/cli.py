@@ -8,6 +8,7 @@
     finetune compare RUN_A RUN_B                      did two runs take the same optimizer steps? (exit 0 / 1 / 3)
     finetune compare BASELINE RUN                     ... BASELINE: a Trainer/TRL folder or its model card
     finetune import SOURCE [-o R.yaml] [--recipe B]   a recipe from a Trainer/TRL folder, model card, axolotl YAML
+    finetune reproduce SOURCE [--data F] [-o DIR]     import, train, compare, report.md — in one command
     finetune plot RUN                                 redraw a run's PNGs from its history
     finetune search --recipe R --trials K --param lr=loguniform:1e-5:1e-3 ...   optuna search
 
@@ -157,6 +158,12 @@ def cmd_import(args) -> int:
     return importer.main(args)
 
 
+def cmd_reproduce(args) -> int:
+    from finetune.reproduce import command
+
+    return command.main(args, main)
+
+
 def cmd_plot(args) -> int:
     from finetune import outputs
 
@@ -217,6 +224,10 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     i = sub.add_parser("import", help="a recipe from a Trainer/TRL folder, a model card, an axolotl YAML or args JSON")
     importer.add_arguments(i)
     i.set_defaults(func=cmd_import)
+    from finetune.reproduce import command
+
+    command.add_arguments(sub.add_parser("reproduce", help="import, train, compare and report in one command"))
+    sub.choices["reproduce"].set_defaults(func=cmd_reproduce)
     pl = sub.add_parser("plot", help="redraw a run's loss / lr / grad-norm PNGs")
     pl.add_argument("run")
     pl.set_defaults(func=cmd_plot)

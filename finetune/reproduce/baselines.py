@@ -32,7 +32,11 @@ CARD = "README.md (model card)"
 def read_baseline(path, what: str = "baseline") -> Baseline:
     """The baseline at ``path`` (a folder, a model card, an axolotl YAML or an arguments JSON); ConfigError when
     it is none of them or is unreadable."""
+    from finetune.reproduce import llamafactory
+
     path = Path(path)
+    if llamafactory.is_llamafactory(path):
+        return llamafactory.read(path, what, Baseline, read_folder)
     if path.is_dir():
         return read_folder(path, what)
     if not path.is_file():
@@ -146,7 +150,7 @@ def _sourced(values: dict, source: str) -> dict:
 # The classes a TrainingArguments pickle holds: the arguments class itself (TRL's configs derive from it), its enums
 # and the records it keeps (accelerate's state, its accelerator config, a torch.device). Each becomes an inert stand-in:
 # nothing from transformers, TRL or accelerate is imported or called while reading.
-ARGS_MODULES = ("transformers.", "trl.")
+ARGS_MODULES = ("transformers.", "trl.", "llamafactory.")
 ARGS_CLASSES = {"TrainingArguments", "Seq2SeqTrainingArguments"}
 ENUMS = {"IntervalStrategy", "SaveStrategy", "HubStrategy", "SchedulerType", "OptimizerNames", "FSDPOption",
          "DebugOption", "ParallelMode", "DistributedType", "EvaluationStrategy", "ExplicitEnum"}

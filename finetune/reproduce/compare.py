@@ -58,7 +58,7 @@ STEP_SETTINGS = ("training.optimizer", "training.weight_decay", "training.moment
                  "peft.r", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save",
                  "training.drop_last",
                  *(f"model.{name}" for name in TASK_SETTINGS), "model.generation_batch_size", "data.pack",
-                 "data.too_long")
+                 "data.turn_end", "data.too_long")
 # The loss curves of two runs of the same steps with an 8-bit optimizer (their weights drift apart, see above).
 EIGHT_BIT_LOSS_RTOL = 1e-2
 

@@ -22,13 +22,14 @@ import yaml
 
 from finetune import card as card_io
 from finetune.errors import ConfigError
+from finetune.reproduce import llamafactory
 from finetune.reproduce.baselines import Baseline, read_baseline
 from finetune.reproduce.settings import Imported, carry, model_config_of, model_difference, training_file
 
 
 def _skeleton(base: Baseline) -> dict:
     """A clm recipe on the baseline's base model (none when the source does not name it: said as missing)."""
-    return {"task": "clm", "description": f"imported from {base.path}",
+    return {"task": base.task or "clm", "description": f"imported from {base.path}",
             "model": {"name_or_path": base.base_model} if base.base_model else {}}
 
 
@@ -154,6 +155,7 @@ def main(args) -> int:
         for line in said:
             print(line, file=sys.stderr if line.startswith(("missing:", "not carried:")) else sys.stdout)
         return write_recipe(out, raw, args.source, "finetune run")
+    args.data = llamafactory.training_rows(args.source, args.data, out, read_baseline)  # rows finetune reads
     raw, imported, baseline = import_recipe(args.source, args.recipe, args.steps, args.data, args.initial_adapter,
                                             args.model)
     print(table(imported, baseline))

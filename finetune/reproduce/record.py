@@ -29,6 +29,9 @@ class Baseline:
     unknown: list = field(default_factory=list)   # keys of the source that finetune does not know (axolotl)
     uncarried: list = field(default_factory=list)  # (setting, value, why) the source's reader knows finetune lacks
     lr_rounding: float = 1e-9                      # relative rounding of its logged lr (TensorBoard keeps fp32)
+    task: Optional[str] = None                    # the finetune task the source trains (LLaMA-Factory's stage)
+    own: dict = field(default_factory=dict)       # the tool's own settings, name → (value, source), for carry_own
+    carry_own: Optional[object] = None            # (baseline, Imported, model fields, data fields): its own settings
 
     def get(self, name, default=None):
         return self.args[name][0] if name in self.args else default

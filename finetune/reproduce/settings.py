@@ -132,6 +132,8 @@ def carry(base: Baseline, model_fields: dict, data_fields: set, steps: int | Non
     _drop_last(base, out)
     for setting, value, why in base.uncarried:  # what the source's own reader knows finetune lacks
         out.skip(setting, value, why)
+    if base.carry_own is not None:  # a tool's own settings (LLaMA-Factory's template, stage), last
+        base.carry_own(base, out, model_fields, data_fields)
     return out
 
 

@@ -74,6 +74,10 @@ class DataConfig(BaseDataConfig):
     too_long: Literal["drop", "keep_start", "keep_end"] = doc(
         "a conversation longer than data.max_length: dropped (counted at set-up), or cut to its first / last "
         "max_length tokens as TRL's SFTTrainer does (truncation_mode), one left with no trained token dropped", "drop")
+    turn_end: Literal["stripped", "trained"] = doc(
+        "the template's text after an assistant turn's end token (ChatML's newline): stripped — not trained, and "
+        "dropped after the last turn (TRL's assistant_only_loss); trained — part of the turn, as LLaMA-Factory's "
+        "templates train it (data.train_on: assistant only)", "stripped")
     system_prompt: Optional[str] = doc("system message put first in every conversation that has none (null: "
                                        "none; the template may add its own default)", None)
     pack: Optional[Literal["bfd", "wrapped"]] = doc(
@@ -158,12 +162,13 @@ def conversations(rows: list, d: DataConfig) -> list:
 # conversations → token ids and labels
 
 
-def encode(tokenizer, messages: list, train_on: str = "assistant") -> dict:
+def encode(tokenizer, messages: list, train_on: str = "assistant", turn_end: str = "stripped") -> dict:
     """Token ids of a conversation rendered with the tokenizer's chat template, labels (-100 outside the assistant's
     turns unless ``train_on == "all"``), and the prompt of its last assistant turn (for generation).
 
     Each assistant turn is found by rendering the conversation before it (with the generation prompt) and through
-    it: the turn is the text between the two (content and end-of-turn token; trailing whitespace is template glue).
+    it: the turn is the text between the two (content and end-of-turn token; trailing whitespace is template glue,
+    trained with ``turn_end="trained"`` as LLaMA-Factory trains it).
     The text is tokenized piece by piece at those boundaries, so a prompt's tokens are exactly those generation
     starts from. Raises ValueError when the template does not render a conversation turn by turn.
     """
@@ -188,7 +193,7 @@ def encode(tokenizer, messages: list, train_on: str = "assistant") -> dict:
         if not (through.startswith(before) and text.startswith(through) and message["content"].strip() in turn):
             raise ValueError("the chat template does not render this conversation turn by turn (the text before an "
                              "assistant turn changes when the turn is added), so its tokens cannot be found")
-        spans.append((len(before), len(before) + len(turn.rstrip())))
+        spans.append((len(before), len(before) + len(turn.rstrip() if turn_end == "stripped" else turn)))
     # pieces: before the first turn, turn 1, between turns 1 and 2, turn 2, …; what follows the last turn is dropped
     cuts = [0, *[c for span in spans for c in span]]
     ids, labels, prompt_len = [], [], 0
@@ -235,7 +240,7 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
     except ValueError as e:
         return {**empty, "error": f"data.source: row {i} {e}"}
     try:
-        sample = encode(tokenizer, messages, d.train_on)
+        sample = encode(tokenizer, messages, d.train_on, d.turn_end)
     except ValueError as e:
         return {**empty, "error": f"model.chat_template: {e} (data.train_on=all needs no turn boundaries)"}
     if len(sample["input_ids"]) > d.max_length and not d.pack:  # TRL's packing truncates instead
@@ -249,7 +254,7 @@ def tokenized(tokenizer, table, d: DataConfig):
     """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
     the settings that shape a sample, and read memory-mapped from the cache afterwards."""
     return tables.encoded("sft", table, d.source, tokenizer,
-                          (d.train_on, d.max_length, d.too_long, d.system_prompt, bool(d.pack)),
+                          (d.train_on, d.max_length, d.too_long, d.system_prompt, bool(d.pack), d.turn_end),
                           lambda row, i: encode_row(tokenizer, row, i, d), sample_features(), d.num_proc)
 
 

@@ -1,0 +1,132 @@
+"""``finetune reproduce SOURCE [--data FILE] [-o DIR]``: import, train, compare and report in one command.
+
+What a user types for whatever was published (a Trainer / TRL folder, a model card, a LLaMA-Factory YAML or output
+folder): the recipe is imported (``finetune import``; the base recipe from the task the source trained: sft, dpo,
+grpo), trained at a micro-batch that fits this machine (``--batch-size auto`` unless given: the planner's pick, shrunk
+on an out-of-memory error, the effective batch kept), compared with the source's own logs (``finetune compare``) and
+written up in ``DIR/report.md`` — the verdict, each layer, the curves side by side (``DIR/curves.png``) and the
+commands that did it. In mixed precision the rounding floor is measured, not assumed: a twin run (the same recipe at
+another micro-batch) is trained too and passed to compare as its floor. The three commands stay for those who want
+each step; this one runs them.
+
+    finetune reproduce runs/llamafactory-sft --model path/to/base -o reproduced
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from finetune.errors import ConfigError
+
+# the base recipe of each task a source can train (its model, data and loss builders; the numbers are imported)
+BASE_RECIPES = {"sft": "sft-smollm2", "dpo": "dpo-smollm2", "grpo": "grpo-smollm2"}
+
+
+def base_recipe(source) -> str | None:
+    """The recipe to import over: the task the source says (LLaMA-Factory's stage), else what a TRL folder's
+    arguments show (GRPOConfig's num_generations, DPOConfig's beta, else SFTConfig), else none (a clm recipe)."""
+    from finetune.reproduce.baselines import read_baseline
+
+    b = read_baseline(source, "reproduce")
+    task = b.task or ("grpo" if b.get("num_generations") is not None else
+                      "dpo" if b.get("beta") is not None and b.get("loss_type") is not None else
+                      "sft" if b.trl else None)
+    return BASE_RECIPES.get(task)
+
+
+def main(args, finetune) -> int:
+    """Run ``finetune reproduce``; ``finetune``: the command line's ``main`` (a list of arguments → exit code)."""
+    from finetune.reproduce import compare as comparing
+
+    out = Path(args.output or f"reproduce-{Path(args.source).stem}")
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise ConfigError(f"reproduce: -o {out} exists and is not empty; give another folder or --force")
+    out.mkdir(parents=True, exist_ok=True)
+    recipe = out / "recipe.yaml"
+    base = args.recipe or base_recipe(args.source)
+    imported = ["import", str(args.source), "-o", str(recipe), "--force", *(["--recipe", base] if base else []),
+                *(["--data", str(args.data)] if args.data else []), *(["--model", str(args.model)] if args.model
+                                                                       else [])]
+    commands = [imported]
+    code = finetune(imported)
+    if code:
+        return code
+    run_dir, micro = out / "run", args.batch_size or "auto"
+    train = ["run", "--recipe", str(recipe), "--batch-size", str(micro), "--output-dir", str(run_dir),
+             "--set", "output.tracker=none", *[x for s in args.set for x in ("--set", s)]]
+    commands.append(train)
+    code = finetune(train)
+    if code:
+        return code
+    twin = None
+    if _mixed_precision(run_dir):  # an assumed floor errs both ways: measure it on this machine
+        twin = out / "twin"
+        other = twin_batch_size(run_dir)
+        if other is None:
+            print("reproduce: no other micro-batch divides the effective batch; the floor stays assumed",
+                  file=sys.stderr)
+            twin = None
+        else:
+            commands.append(train[:4] + [str(other), "--output-dir", str(twin)] + train[6:])
+            code = finetune(commands[-1])
+            if code:
+                return code
+    result = comparing.compare_with_baseline(args.source, run_dir, floor=twin)
+    commands.append(["compare", str(args.source), str(run_dir), *(["--floor", str(twin)] if twin else [])])
+    curves = comparing.plot_against_baseline(args.source, run_dir, out / "curves.png")
+    report = result.report()
+    print(report)
+    write_report(out / "report.md", args.source, report, curves, commands)
+    from finetune.card import record_verdict
+
+    record_verdict(run_dir, report.splitlines()[-1], args.source)
+    print(f"report: {out / 'report.md'}")
+    return result.exit_code
+
+
+def _mixed_precision(run_dir: Path) -> bool:
+    from finetune.outputs import read_config
+
+    return ((read_config(run_dir) or {}).get("training") or {}).get("mixed_precision") not in (None, "no")
+
+
+def twin_batch_size(run_dir: Path) -> int | None:
+    """Another micro-batch for the twin: the largest divisor of the effective batch below the run's."""
+    from finetune.outputs import read_metrics
+
+    m = read_metrics(run_dir)
+    total, n = m.get("effective_batch_size"), m.get("gradient_accumulation_steps")
+    if not total or not n:
+        return None
+    micro = total // n
+    return next((b for b in range(int(micro) - 1, 0, -1) if total % b == 0), None) or \
+        next((b for b in range(int(micro) + 1, total + 1) if total % b == 0), None)
+
+
+def write_report(path: Path, source, report: str, curves: Path, commands: list) -> None:
+    verdict = report.splitlines()[-1]
+    lines = [f"# Reproducing {source}", "", f"**{verdict}**", "", "## Each layer", "", "```", report, "```", "",
+             "## The curves", "", f"![loss and learning rate, the source's and this run's]({curves.name})", "",
+             "## The commands", "", "```"] + ["finetune " + " ".join(c) for c in commands] + ["```", ""]
+    path.write_text("\n".join(lines))
+
+
+def add_arguments(p) -> None:
+    p.add_argument("source", help="what was published: a Trainer/TRL folder, a model card, a LLaMA-Factory YAML or "
+                                  "output folder, an axolotl YAML")
+    p.add_argument("--data", metavar="FILE", help="the baseline's training file (a LLaMA-Factory YAML names its own)")
+    p.add_argument("--model", metavar="MODEL", help="the model the baseline fine-tuned, when the source names it in "
+                                                    "another form")
+    p.add_argument("--recipe", metavar="BASE", help="the recipe to import over (default: the source's task's)")
+    p.add_argument("--batch-size", metavar="B", help="the micro-batch (default auto: the largest that fits here)")
+    p.add_argument("-o", "--output", metavar="DIR", help="where the recipe, the run, the curves and report.md go")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a field of the imported recipe for the run (repeatable)")
+    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+
+
+def namespace(**kw) -> SimpleNamespace:  # for callers outside the command line
+    return SimpleNamespace(**{"data": None, "model": None, "recipe": None, "batch_size": None, "output": None,
+                              "set": [], "force": False, **kw})

@@ -1,0 +1,312 @@
+"""Reading a LLaMA-Factory run: its YAML (``llamafactory-cli train run.yaml``) and its output folder.
+
+LLaMA-Factory (0.9.5) trains with the HF Trainer (TRL's DPOTrainer for ``stage: dpo``) from one YAML that holds its
+own keys (``stage``, ``finetuning_type``, ``template``, ``cutoff_len``, ``packing``, ``pref_beta``, …) beside the
+TrainingArguments'. Its output folder holds ``trainer_state.json`` and ``trainer_log.jsonl`` (its own log: step, loss,
+lr, epoch), the adapters or weights, and — from its web UI, or when you copy it there — the YAML as
+``training_args.yaml``. ``training_args.bin`` pickles its own TrainingArguments class (read as the Trainer's; the
+YAML, when there, says the same first hand, and more).
+
+A source is the YAML (its ``output_dir`` is read when it exists, relative to the current directory or to the
+YAML's) or the output folder (its ``training_args.yaml`` when there). Every key that decides the steps is mapped onto
+the TrainingArguments names (:data:`TRAINER_KEYS`), carried as a recipe field by :func:`carry_own`, or named as not
+carried with why (:data:`NOT_CARRIED`); keys that only say where things go are read and not carried
+(:data:`PLACES`). A key in none of these lists is reported as unknown. Every value keeps its source.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from finetune.errors import ConfigError
+
+KIND = "LLaMA-Factory run"
+LOG = "trainer_log.jsonl"
+SAVED_YAML = "training_args.yaml"  # what LLaMA-Factory's web UI writes into output_dir
+
+# LLaMA-Factory keys that are TrainingArguments (the same name, or LLaMA-Factory's name → the Trainer's)
+TRAINER_KEYS = {
+    "per_device_train_batch_size": None, "gradient_accumulation_steps": None, "learning_rate": None,
+    "num_train_epochs": None, "max_steps": None, "lr_scheduler_type": None, "warmup_ratio": None,
+    "warmup_steps": None, "weight_decay": None, "max_grad_norm": None, "seed": None, "data_seed": None,
+    "bf16": None, "fp16": None, "pure_bf16": None, "optim": None, "adam_beta1": None, "adam_beta2": None,
+    "adam_epsilon": None, "logging_steps": None, "lr_scheduler_kwargs": None, "label_smoothing_factor": None,
+    "group_by_length": None, "neftune_noise_alpha": None, "eval_steps": None, "eval_strategy": None,
+    "cutoff_len": "max_length", "tf32": None,
+}
+# LLaMA-Factory's own keys that change the steps and that finetune cannot take: key → (its default, why)
+NOT_CARRIED = {
+    "train_on_prompt": (False, "finetune's sft trains on the assistant's turns or on every token: set "
+                               "data.train_on=all to train on the prompts too (the system turn included)"),
+    "mask_history": (False, "finetune's sft trains on every assistant turn, not only the last"),
+    "neat_packing": (False, "finetune has no LLaMA-Factory neat packing"),
+    "pref_ftx": (0.0, "finetune's dpo adds no SFT loss to the preference loss"),
+    "dpo_label_smoothing": (0.0, "finetune's dpo has no label smoothing"),
+    "simpo_gamma": (0.5, None), "use_dora": (False, "finetune's LoRA is plain LoRA"),
+    "use_rslora": (False, "finetune scales LoRA by alpha / r"), "pissa_init": (False, "finetune starts LoRA as peft"),
+    "loraplus_lr_ratio": (None, "finetune gives every LoRA weight one learning rate"),
+    "lora_dropout": (0.0, None), "additional_target": (None, "finetune trains no extra modules beside LoRA"),
+    "use_galore": (False, "finetune has no GaLore"), "use_apollo": (False, "finetune has no APOLLO"),
+    "use_badam": (False, "finetune has no BAdam"), "use_muon": (False, "finetune has no Muon"),
+    "use_adam_mini": (False, "finetune has no Adam-mini"), "use_dft_loss": (False, "finetune has no DFT loss"),
+    "use_eaft_loss": (False, "finetune has no EAFT loss"), "use_asft_loss": (False, "finetune has no ASFT loss"),
+    "disable_shuffling": (False, "finetune draws the Trainer's random order; set training.shuffle=false for "
+                                 "LLaMA-Factory's sequential one"),
+    "max_samples": (None, "finetune trains on the whole --data file: cut it to the first rows yourself"),
+    "mix_strategy": ("concat", "finetune reads one file"), "val_size": (0.0, "finetune trains on the whole --data "
+                                                                            "file; its rows held out are not"),
+    "quantization_bit": (None, "finetune's sft loads the model unquantized unless model.quantization says"),
+    "rope_scaling": (None, "finetune loads the model's own rope"), "enable_liger_kernel": (False, None),
+    "upcast_layernorm": (False, "finetune keeps layer norms in the model's dtype"),
+    "resize_vocab": (False, "finetune keeps the tokenizer's vocabulary"),
+    "streaming": (False, "finetune's reproduction reads the file whole"),
+}
+# keys that say where things go, or change no step: read, never carried
+PLACES = {
+    "model_name_or_path", "adapter_name_or_path", "cache_dir", "trust_remote_code", "do_train", "do_eval",
+    "do_predict", "dataset", "dataset_dir", "eval_dataset", "overwrite_cache", "preprocessing_num_workers",
+    "preprocessing_batch_size", "dataloader_num_workers", "output_dir", "save_steps", "save_strategy",
+    "save_total_limit", "save_only_model", "plot_loss", "overwrite_output_dir", "report_to", "run_name",
+    "logging_dir", "ddp_timeout", "resume_from_checkpoint", "per_device_eval_batch_size", "flash_attn",
+    "deepspeed", "use_cpu", "disable_tqdm", "export_dir", "infer_backend", "hub_model_id", "push_to_hub",
+    "disable_gradient_checkpointing", "gradient_checkpointing", "enable_thinking", "tokenized_path",
+    "create_new_adapter", "print_param_status", "include_num_input_tokens_seen", "include_tokens_per_second",
+    "stage", "finetuning_type", "lora_rank", "lora_alpha", "lora_target", "template", "packing", "pref_beta",
+    "pref_loss", "ddp_find_unused_parameters", "trust_remote_code", "low_cpu_mem_usage", "image_max_pixels",
+    "video_max_pixels", "ray_run_name", "use_ray", "torch_empty_cache_steps",
+}
+# LLaMA-Factory's templates that render ChatML, with their default system message (added to a conversation that has
+# none): finetune renders them with the ChatML template and data.system_prompt
+CHATML_TEMPLATES = {
+    "smollm2": "You are a helpful AI assistant named SmolLM, trained by Hugging Face.", "smollm": "",
+    "chatml": "", "qwen": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+    "chatml_de": "Du bist ein freundlicher und hilfsbereiter KI-Assistent.",
+}
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+# stage → finetune task; pref_loss → the dpo task's loss_type
+STAGES = {"sft": "sft", "dpo": "dpo"}
+PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo"}
+
+
+def is_llamafactory(path) -> bool:
+    """Whether ``path`` is a LLaMA-Factory YAML or output folder (a ``trainer_log.jsonl`` or a saved
+    ``training_args.yaml`` with a ``stage``)."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / LOG).is_file() or (path / SAVED_YAML).is_file()
+    if path.suffix.lower() in (".yaml", ".yml") and path.is_file():
+        raw = _yaml(path, "baseline", quiet=True)
+        return isinstance(raw, dict) and "stage" in raw and ("template" in raw or "finetuning_type" in raw)
+    return False
+
+
+def read(path, what: str, baseline, read_folder):
+    """The LLaMA-Factory run at ``path`` (its YAML or its output folder) as a ``baseline`` (the class
+    ``baselines.Baseline``; its ``read_folder`` reads the Trainer's files: both handed over by
+    ``baselines.read_baseline``, which dispatches here); ConfigError (one line naming the file) when it is
+    unreadable."""
+    path = Path(path)
+    folder, yaml_file = (path, path / SAVED_YAML) if path.is_dir() else (None, path)
+    raw = _yaml(yaml_file, what) if yaml_file.is_file() else None
+    if folder is None:
+        out = Path(str(raw.get("output_dir") or ""))
+        folder = next((f for f in (out, path.parent / out) if str(out) and (f / "trainer_state.json").is_file()
+                       or str(out) and (f / LOG).is_file()), None)
+    if folder is not None and (folder / "trainer_state.json").is_file():
+        b = read_folder(folder, what)
+    else:
+        b = baseline(KIND, path)
+    b.kind, b.path = KIND, path
+    if folder is not None and (folder / LOG).is_file():
+        read_log(folder / LOG, b, what)
+    if raw is None:
+        b.unknown.append(f"{SAVED_YAML} (not in {path}: LLaMA-Factory's own settings — stage, template, cutoff_len, "
+                         "packing — are unknown; give the YAML you trained with)")
+        return b
+    read_yaml_keys(raw, yaml_file.name, b)
+    return b
+
+
+def read_log(path: Path, b, what: str) -> None:
+    """``trainer_log.jsonl``: one line per logged step (``current_steps``, ``total_steps``, ``loss``, ``lr``,
+    ``epoch``). Where trainer_state.json gave no log (a run stopped early keeps only this file), its entries are the
+    baseline's log; else it must agree with trainer_state's at every step it logs (the same run)."""
+    entries = []
+    for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            e = json.loads(line)
+        except ValueError:
+            raise ConfigError(f"{what}: {path} line {n} is not JSON") from None
+        if not isinstance(e, dict) or "current_steps" not in e:
+            raise ConfigError(f"{what}: {path} line {n} has no current_steps (LLaMA-Factory writes it on every line)")
+        if "loss" in e:
+            entries.append({"step": int(e["current_steps"]), "loss": float(e["loss"]),
+                            **({"learning_rate": float(e["lr"])} if "lr" in e else {}),
+                            **({"epoch": e["epoch"]} if "epoch" in e else {})})
+        if "eval_loss" in e:
+            b.evals.append((int(e["current_steps"]), float(e["eval_loss"])))
+        if e.get("total_steps"):
+            b.args.setdefault("schedule_steps", (int(e["total_steps"]), f"{path.name}: total_steps"))
+    if not b.logs:
+        b.logs = entries
+        b.max_steps = b.max_steps or (entries[-1]["step"] if entries else None)
+        return
+    state = {e["step"]: e for e in b.logs}
+    bad = next((e for e in entries if e["step"] in state and abs(state[e["step"]]["loss"] - e["loss"]) >
+                1e-6 * max(1.0, abs(e["loss"]))), None)
+    if bad is not None:
+        raise ConfigError(f"{what}: {path} step {bad['step']} logs loss {bad['loss']} where trainer_state.json "
+                          f"logs {state[bad['step']]['loss']}: not the same run")
+
+
+def read_yaml_keys(raw: dict, name: str, b) -> None:
+    """The YAML's keys onto ``b``: TrainingArguments names, LLaMA-Factory's own (``b.own``), not carried, unknown."""
+    src = lambda key: f"{name}: {key}"  # noqa: E731
+    b.base_model = b.base_model or raw.get("model_name_or_path")
+    for key, value in raw.items():
+        if key in TRAINER_KEYS:
+            b.args[TRAINER_KEYS[key] or key] = (value, src(key))
+        elif key in NOT_CARRIED:
+            b.own[key] = (value, src(key))
+        elif key not in PLACES:
+            b.unknown.append(key)
+    for key in ("stage", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target", "template",
+                "packing", "pref_beta", "pref_loss", "train_on_prompt", "cutoff_len", "dataset", "dataset_dir"):
+        if key in raw:
+            b.own[key] = (raw[key], src(key))
+    if raw.get("pure_bf16"):
+        b.args["bf16"] = (True, src("pure_bf16"))
+    stage = raw.get("stage", "sft")
+    b.task = STAGES.get(str(stage))
+    if raw.get("finetuning_type", "lora") == "lora" and b.adapter_config is None:
+        b.args["adapter"] = ("lora", src("finetuning_type"))
+        b.args["lora_r"] = (raw.get("lora_rank", 8), src("lora_rank") if "lora_rank" in raw else
+                            f"{name}: lora_rank (LLaMA-Factory's default)")
+        b.args["lora_alpha"] = (raw.get("lora_alpha") or 2 * int(raw.get("lora_rank", 8)),
+                                src("lora_alpha") if "lora_alpha" in raw else f"{name}: lora_rank × 2 "
+                                                                            "(LLaMA-Factory's default lora_alpha)")
+        b.args["lora_dropout"] = (raw.get("lora_dropout", 0.0), src("lora_dropout"))
+        target = raw.get("lora_target", "all")
+        b.args["lora_target_modules"] = ([t.strip() for t in str(target).split(",")] if target != "all" else
+                                         "all-linear", src("lora_target"))
+    b.carry_own = carry_own
+
+
+def carry_own(b, out, model_fields, data_fields: set) -> None:
+    """LLaMA-Factory's own settings onto the recipe (called last by ``settings.carry``): its stage, template,
+    preference loss and what it trains on; its packing and every other setting of :data:`NOT_CARRIED` that is not at
+    its default, as not carried."""
+    own = b.own
+    out.not_carried = [line for line in out.not_carried if not line.startswith("not carried: the adapters' start")]
+    if b.adapter_config or b.get("adapter"):
+        out.not_carried.append("adapters' start: replayed — LLaMA-Factory draws them after set_seed(seed), as "
+                               "finetune does before building the model (checked with LLaMA-Factory 0.9.5, peft 0.18)")
+    value = lambda key, default=None: own[key][0] if key in own else default  # noqa: E731
+    stage = str(value("stage", "sft"))
+    if stage not in STAGES:
+        out.skip("stage", stage, f"finetune reproduces LLaMA-Factory's sft and dpo stages, not {stage}")
+    template = value("template")
+    if template is not None:
+        where = own["template"][1]
+        if str(template) in CHATML_TEMPLATES:
+            system = CHATML_TEMPLATES[str(template)] or None
+            out.set("model.chat_template", CHATML, f"{where}: {template} renders ChatML, piece by piece as the "
+                                                   "tokenizer's template does here")
+            if "system_prompt" in data_fields:
+                out.set("data.system_prompt", system, f"{where}: {template}'s default system message, added to a "
+                                                      "conversation that has none" if system else
+                        f"{where}: {template} adds no system message")
+        else:
+            out.skip("template", template, "finetune renders conversations with the tokenizer's own chat template; "
+                     f"LLaMA-Factory's {template} template may render other text (finetune maps "
+                     f"{', '.join(sorted(CHATML_TEMPLATES))})")
+    if "turn_end" in data_fields and stage == "sft":
+        out.set("data.turn_end", "trained", f"{own['template'][1] if 'template' in own else 'LLaMA-Factory'}: its "
+                "templates train the whole assistant turn, the newline after its end token included")
+    if stage == "sft" and "train_on" in data_fields and not value("train_on_prompt"):
+        out.set("data.train_on", "assistant", "LLaMA-Factory's default: the loss on the assistant's turns "
+                                              "(train_on_prompt false)")
+    if stage == "dpo":
+        if "beta" in model_fields:
+            out.set("model.beta", float(value("pref_beta", 0.1)), own["pref_beta"][1] if "pref_beta" in own else
+                    "LLaMA-Factory's default pref_beta")
+        loss = str(value("pref_loss", "sigmoid"))
+        if loss in PREF_LOSSES and "loss_type" in model_fields:
+            out.set("model.loss_type", PREF_LOSSES[loss], own["pref_loss"][1] if "pref_loss" in own else
+                    "LLaMA-Factory's default pref_loss")
+        elif loss not in PREF_LOSSES:
+            out.skip("pref_loss", loss, f"finetune's dpo has {', '.join(PREF_LOSSES)}")
+    if value("packing"):
+        out.skip("packing", True, "LLaMA-Factory packs the whole data set into rows of cutoff_len + 1 tokens before "
+                 "sampling (greedy knapsack; the packed conversations attend to each other): its steps are of "
+                 "packed rows, not the big batch's; finetune keeps its exact big-batch step")
+    if "cutoff_len" in own and not value("packing"):
+        out.not_carried.append(f"note: cutoff_len={value('cutoff_len')} — LLaMA-Factory cuts a longer conversation "
+                               "turn by turn, finetune drops it (data.too_long=drop): the same while none is longer")
+    for key, (default, why) in NOT_CARRIED.items():
+        if key in own and own[key][0] not in (default, None) and why:
+            out.skip(key, own[key][0], why)
+
+
+def _yaml(path: Path, what: str, quiet: bool = False):
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
+    except (yaml.YAMLError, OSError) as e:
+        if quiet:
+            return None
+        mark = getattr(e, "problem_mark", None)
+        raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
+
+
+def dataset_file(b) -> Path | None:
+    """The training file the YAML names (``dataset`` in ``dataset_dir``'s ``dataset_info.json``), when it is one
+    local file; None otherwise."""
+    if "dataset" not in b.own:
+        return None
+    names = [n.strip() for n in str(b.own["dataset"][0]).split(",")]
+    root = Path(str(b.own.get("dataset_dir", ("data", ""))[0]))
+    for base in (Path.cwd(), b.path.parent):
+        info = base / root / "dataset_info.json"
+        if len(names) == 1 and info.is_file():
+            try:
+                entry = json.loads(info.read_text(encoding="utf-8")).get(names[0]) or {}
+            except (ValueError, AttributeError):
+                raise ConfigError(f"data: {info} is not a JSON object of data sets") from None
+            if entry.get("file_name") and (base / root / entry["file_name"]).is_file():
+                return base / root / entry["file_name"]
+    return None
+
+
+def training_rows(source, data, recipe: Path, read_baseline):
+    """``finetune import``'s ``--data`` for a LLaMA-Factory source: the file given (else the one its YAML names in
+    ``dataset_info.json``), as rows finetune reads. Its preference rows (sharegpt ``ranking``: the prompt's
+    ``messages``, then one ``chosen`` and one ``rejected`` message) are written, in their order, as TRL's
+    conversational pairs beside the recipe (``RECIPE-rows.jsonl``); rows of messages are read as they are. Any other
+    source: ``data`` unchanged. ``read_baseline``: ``baselines.read_baseline`` (to find the YAML's file)."""
+    if not is_llamafactory(source):
+        return data
+    if data is None:
+        found = dataset_file(read_baseline(source, "import"))
+        if found is None:
+            return None
+        data = found
+    path = Path(data)
+    if path.suffix.lower() != ".jsonl" or not path.is_file():
+        return data
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows or not all(isinstance(r, dict) and isinstance(r.get("chosen"), dict) and "messages" in r
+                           for r in rows):
+        return str(path)
+    out = recipe.with_name(f"{recipe.stem}-rows.jsonl")
+    out.write_text("".join(json.dumps({"prompt": r["messages"], "chosen": [r["chosen"]], "rejected": [r["rejected"]]})
+                           + "\n" for r in rows))
+    print(f"{path}: LLaMA-Factory's preference rows written as TRL's conversational pairs to {out} (the same turns, "
+          "in their order)")
+    return str(out)

@@ -1,0 +1,120 @@
+"""LLaMA-Factory runs, trained by ``llamafactory-cli train`` 0.9.5 in its own environment on the CPU (fp32, the tiny
+chat model, its ``smollm2`` template) and kept in ``tests/assets/llamafactory/`` (``examples/llamafactory/
+make_baselines.sh`` makes them again), reproduced through the CLI only: import → run at a smaller micro-batch →
+compare, and ``finetune reproduce`` in one command.
+
+* SFT with LoRA (4 × 2): "equivalent"; a one-word-changed answer differs; the template's newline left untrained
+  (``data.turn_end: stripped``) differs on the settings layer;
+* DPO with LoRA (sigmoid, beta 0.25, 2 × 2): "equivalent"; another beta differs on the settings layer;
+* SFT packed (``packing: true``): finetune keeps its exact big-batch step and the verdict names the packing;
+* bad input: one line naming the file, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from finetune.cli import main
+from tests.helpers import ROOT
+
+LF = ROOT / "tests" / "assets" / "llamafactory"
+MODEL = LF / "model"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cli(capsys, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def reproduce(capsys, tmp, baseline, recipe_name, *sets, data=None) -> tuple[int, str, str]:
+    """(compare's exit code, its last line, import's table): import over ``recipe_name``, run at micro-batch 1
+    with ``sets``, compare."""
+    name = f"{baseline.name}-{abs(hash((sets, str(data))))}"
+    recipe = tmp / f"{name}.yaml"
+    code, table = cli(capsys, "import", baseline, "--recipe", recipe_name, "--model", MODEL, "-o", recipe, "--force",
+                      *(["--data", data] if data else []))
+    assert code == 0, table
+    mine = tmp / f"{name}-mine"
+    code, out = cli(capsys, "run", "--recipe", recipe, "--batch-size", 1, "--output-dir", mine, "--set",
+                    "output.tracker=none", *[x for s in sets for x in ("--set", s)])
+    assert code == 0, out
+    code, out = cli(capsys, "compare", baseline, mine)
+    return code, next(line for line in out.splitlines() if line.startswith("verdict:")), table
+
+
+def test_sft_lora_is_reproduced_and_its_twins_differ(tmp_path, capsys):
+    baseline = LF / "sft-lora"
+    code, verdict, table = reproduce(capsys, tmp_path, baseline, "sft-smollm2", "model.generate_prompts=0")
+    assert "training_args.yaml: template: smollm2" in table and "data.turn_end" in table, table
+    assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+    rows = [json.loads(line) for line in open(LF / "data" / "chat.jsonl")]
+    answer = next(m for m in rows[5]["messages"] if m["role"] == "assistant")
+    answer["content"] = answer["content"].replace(" is ", " was ", 1)
+    changed = tmp_path / "chat.jsonl"
+    changed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, verdict, _ = reproduce(capsys, tmp_path, baseline, "sft-smollm2", "model.generate_prompts=0",
+                                 data=changed)
+    assert code == 1 and verdict.startswith("verdict: differs"), verdict
+    code, verdict, _ = reproduce(capsys, tmp_path, baseline, "sft-smollm2", "model.generate_prompts=0",
+                                 "data.turn_end=stripped")
+    assert code == 1 and "data.turn_end trained in the baseline vs stripped" in verdict, verdict
+
+
+def test_dpo_lora_is_reproduced_and_another_beta_differs(tmp_path, capsys):
+    baseline = LF / "dpo-lora"
+    code, verdict, table = reproduce(capsys, tmp_path, baseline, "dpo-smollm2")
+    assert "model.beta" in table and "pref_beta" in table and "TRL's conversational pairs" in table, table
+    assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+    code, verdict, _ = reproduce(capsys, tmp_path, baseline, "dpo-smollm2", "model.beta=0.1")
+    assert code == 1 and "settings: model.beta 0.25 in the baseline vs 0.1" in verdict, verdict
+
+
+def test_a_packed_run_keeps_the_big_batch_step_and_the_verdict_names_the_packing(tmp_path, capsys):
+    code, verdict, table = reproduce(capsys, tmp_path, LF / "sft-packed", "sft-smollm2", "model.generate_prompts=0")
+    assert "not carried: packing=True" in table, table
+    assert code == 1 and "the baseline's packing=True is not carried by finetune import" in verdict, verdict
+
+
+def test_reproduce_in_one_command(tmp_path, capsys):
+    out = tmp_path / "reproduced"
+    code, said = cli(capsys, "reproduce", LF / "sft-lora", "--model", MODEL, "-o", out, "--set",
+                     "model.generate_prompts=0")
+    assert code == 0, said
+    report = (out / "report.md").read_text()
+    assert "**verdict: equivalent" in report and (out / "curves.png").is_file(), report
+    assert "finetune run --recipe" in report and "--batch-size auto" in report, report
+
+
+def test_reproduce_a_trl_folder_in_one_command(tmp_path, capsys):
+    from tests.helpers import tiny_chat_assets
+    from tests.test_trl_runs import messages_rows, train_sft
+
+    data = messages_rows(tmp_path / "messages.jsonl")
+    baseline = tmp_path / "trl-sft"
+    train_sft(baseline, data)
+    code, said = cli(capsys, "reproduce", baseline, "--data", data, "--model", tiny_chat_assets()["model"], "-o",
+                     tmp_path / "out", "--set", "model.generate_prompts=0")
+    assert code == 0 and "verdict: equivalent" in said, said[-3000:]
+
+
+def test_a_bad_yaml_is_one_line(tmp_path, capsys):
+    folder = tmp_path / "lf"
+    shutil.copytree(LF / "sft-lora", folder)
+    (folder / "training_args.yaml").write_text("stage: sft\ntemplate: [unclosed\n")
+    code, said = cli(capsys, "import", folder, "-o", tmp_path / "r.yaml")
+    assert code == 2 and said.strip().splitlines()[-1].startswith("error: import: ") and "not valid YAML" in said, \
+        said
