@@ -259,6 +259,9 @@ def _lora(base: Baseline, out: Imported) -> bool:
     elif base.kind == "Trainer folder" and base.weights is not None and base.weights.name == "model.safetensors":
         out.set("peft.enabled", False, f"{base.weights.name} and no adapter_config.json: every weight trained")
         return False
+    elif "adapter" in base.args and get("adapter") is None:  # the baseline says so (torchtune's model component)
+        out.set("peft.enabled", False, base.args["adapter"][1])
+        return False
     else:
         out.skip("LoRA or not", "unknown", f"the {base.kind} does not say; the recipe's peft section is kept")
         return False
@@ -279,6 +282,10 @@ def _lora_start(base: Baseline, out: Imported, initial_adapter) -> None:
     elif base.trl:
         out.not_carried.append("adapters' start: replayed — TRL draws them right after set_seed(seed) and finetune "
                                "seeds the same way before building the model (checked with TRL 1.16, peft 0.21)")
+    elif base.kind.startswith("torchtune"):
+        out.skip("the adapters' start", "unknown", "torchtune draws them from its seed while it builds its own model "
+                 "and saves none: give --initial-adapter DIR, the adapters drawn by replaying that build (seed, then "
+                 "the model: examples/torchtune/make_baselines.py, initial_adapters)")
     else:
         out.skip("the adapters' start", "unknown", "a Trainer baseline drew them in its own script: the same only if "
                  "it called set_seed(seed) right before get_peft_model; else give --initial-adapter DIR (its adapters "
@@ -391,6 +398,8 @@ def _packing(base: Baseline, out: Imported, data_fields: set) -> None:
 def _train_on(base: Baseline) -> tuple:
     """(data.train_on, the argument it comes from) — (None, None) when the source says nothing."""
     get = base.get
+    if "train_on" in base.args:  # torchtune: finetune's own name
+        return get("train_on"), "train_on"
     if "train_on_inputs" in base.args:  # axolotl
         return ("all" if get("train_on_inputs") else "assistant"), "train_on_inputs"
     if get("assistant_only_loss"):

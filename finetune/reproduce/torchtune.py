@@ -11,6 +11,8 @@ seeded with 0 whatever ``seed`` says (``torch.randperm(n)`` from ``0 + epoch``: 
 The micro-batches left at an epoch's end are still backpropagated and their gradients join the next epoch's first
 step (the recipe zeroes gradients only after a step): from epoch 2 on that step is not the big batch's, said by
 ``import``. The lr it logs at step k is read after the scheduler stepped: step k + 1's (the reader shifts it back).
+``train_on_input: False`` trains each assistant message whole (its header, and the newline after a non-final turn's
+end token): ``data.train_on: assistant_turns``. Checked against runs torchtune trained (tests/test_torchtune_runs.py).
 """
 
 from __future__ import annotations
@@ -129,9 +131,11 @@ def _schedule(raw: dict, b: Baseline, path: Path) -> None:
 
 def _model(raw: dict, b: Baseline, path: Path) -> None:
     model = raw.get("model") or {}
+    where = f"{path.name}: model"
+    if isinstance(model, dict) and model.get("_component_") and "lora_rank" not in model:
+        b.args["adapter"] = (None, f"{where}._component_ {model['_component_']} (no lora_rank: every weight trained)")
     if not isinstance(model, dict) or "lora_rank" not in model:
         return
-    where = f"{path.name}: model"
     modules = [LORA_MODULES.get(m, m) for m in model.get("lora_attn_modules") or []]
     modules += MLP if model.get("apply_lora_to_mlp") else []
     modules += ["lm_head"] if model.get("apply_lora_to_output") else []
@@ -139,6 +143,12 @@ def _model(raw: dict, b: Baseline, path: Path) -> None:
                    "lora_alpha": (model.get("lora_alpha"), f"{where}.lora_alpha"),
                    "lora_dropout": (model.get("lora_dropout", 0.0), f"{where}.lora_dropout"),
                    "lora_target_modules": (modules, f"{where}.lora_attn_modules, apply_lora_to_mlp/output")})
+    checkpointer = raw.get("checkpointer") or {}
+    qk = sorted({"q_proj", "k_proj"} & set(model.get("lora_attn_modules") or []))
+    if qk and isinstance(checkpointer, dict) and checkpointer.get("model_type") == "QWEN2":
+        b.uncarried.append(("lora_attn_modules", qk, "torchtune 0.6.1 saves a Qwen2's q/k adapters permuted as a "
+                            "Llama's (convert_weights.tune_to_peft_adapter_weights), so its adapter_model.safetensors "
+                            "is not what it trained: the weights layer differs"))
     if model.get("use_dora"):
         b.uncarried.append(("use_dora", True, "DoRA adapters: finetune trains LoRA"))
     if model.get("quantize_base"):
@@ -151,14 +161,18 @@ def _data(raw: dict, b: Baseline, path: Path) -> None:
     tokenizer, dataset = raw.get("tokenizer") or {}, raw.get("dataset") or {}
     if isinstance(tokenizer, dict) and tokenizer.get("max_seq_len"):
         b.args["max_length"] = (int(tokenizer["max_seq_len"]), f"{path.name}: tokenizer.max_seq_len")
+        b.uncarried.append(("tokenizer.max_seq_len", tokenizer["max_seq_len"], "with it torchtune 0.6.1 never trains "
+                            "a conversation's last token, its end token (truncate() sets the mask's last element); "
+                            "finetune trains it"))
     for ds in dataset if isinstance(dataset, list) else [dataset]:
         if not isinstance(ds, dict):
             continue
         if ds.get("packed"):
             b.uncarried.append(("dataset.packed", True, "torchtune packs the rows in order into rows of max_seq_len "
                                 "tokens before sampling; finetune packs as TRL's bfd or wrapped"))
-        if "train_on_input" in ds:
-            b.args["train_on_inputs"] = (bool(ds["train_on_input"]), f"{path.name}: dataset.train_on_input")
+        if "train_on_input" in ds:  # False: each assistant message whole, header and glue after its end included
+            b.args["train_on"] = ("all" if ds["train_on_input"] else "assistant_turns",
+                                  f"{path.name}: dataset.train_on_input={ds['train_on_input']}")
     if isinstance(dataset, list) and len(dataset) > 1:
         b.uncarried.append(("dataset", f"{len(dataset)} data sets", "torchtune concatenates them: give --data the "
                             "rows in that order"))

@@ -65,8 +65,10 @@ class DataConfig(BaseDataConfig):
     source: str = doc("'stdlib-qa' (the standard library's docstrings as questions and answers), a jsonl / json / "
                       "parquet / csv file, a datasets.save_to_disk folder, or a hub dataset id", "stdlib-qa")
     split: str = split_field()
-    train_on: Literal["assistant", "completion", "all"] = doc(
-        "tokens the loss counts: the assistant's turns (everything else -100); completion: everything after the "
+    train_on: Literal["assistant", "assistant_turns", "completion", "all"] = doc(
+        "tokens the loss counts: the assistant's turns (everything else -100); assistant_turns: each assistant "
+        "message whole as the template renders it, its header (ChatML's '<|im_start|>assistant\\n') and the glue "
+        "after its end token included, as torchtune's train_on_input: False; completion: everything after the "
         "prompt (the conversation through its last user turn, with the generation prompt), the template's text after "
         "the answer included, as TRL's completion_only_loss on prompt/completion rows; or every token", "assistant")
     max_length: int = doc("longest conversation, in tokens: longer ones are dropped or cut (data.too_long)", 256,
@@ -164,7 +166,8 @@ def conversations(rows: list, d: DataConfig) -> list:
 
 def encode(tokenizer, messages: list, train_on: str = "assistant", turn_end: str = "stripped") -> dict:
     """Token ids of a conversation rendered with the tokenizer's chat template, labels (-100 outside the assistant's
-    turns unless ``train_on == "all"``), and the prompt of its last assistant turn (for generation).
+    turns unless ``train_on == "all"``; ``"assistant_turns"``: each turn with its header and trailing glue), and the
+    prompt of its last assistant turn (for generation).
 
     Each assistant turn is found by rendering the conversation before it (with the generation prompt) and through
     it: the turn is the text between the two (content and end-of-turn token; trailing whitespace is template glue,
@@ -183,17 +186,20 @@ def encode(tokenizer, messages: list, train_on: str = "assistant", turn_end: str
                 "prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"]}
     if train_on == "completion":
         return encode_completion(tokenizer, messages, text, reference)
-    spans = []
+    spans, whole = [], train_on == "assistant_turns"
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = render(messages[:i], tokenize=False, add_generation_prompt=True)
+        before = render(messages[:i], tokenize=False, add_generation_prompt=not whole)
         through = render(messages[:i + 1], tokenize=False)
         turn = through[len(before):]
         if not (through.startswith(before) and text.startswith(through) and message["content"].strip() in turn):
             raise ValueError("the chat template does not render this conversation turn by turn (the text before an "
                              "assistant turn changes when the turn is added), so its tokens cannot be found")
-        spans.append((len(before), len(before) + len(turn.rstrip() if turn_end == "stripped" else turn)))
+        # the glue after a turn's end token: trained with turn_end "trained" (LLaMA-Factory), and by assistant_turns
+        # (torchtune) after every turn but the last
+        glue = turn_end == "trained" or (whole and i != last)
+        spans.append((len(before), len(before) + len(turn if glue else turn.rstrip())))
     # pieces: before the first turn, turn 1, between turns 1 and 2, turn 2, …; what follows the last turn is dropped
     cuts = [0, *[c for span in spans for c in span]]
     ids, labels, prompt_len = [], [], 0
@@ -203,6 +209,10 @@ def encode(tokenizer, messages: list, train_on: str = "assistant", turn_end: str
             prompt_len = len(ids)  # the last assistant turn starts here
         ids += piece
         labels += piece if k % 2 == 1 else [-100] * len(piece)  # odd pieces are assistant turns
+    if whole:  # the last turn's header is trained, not prompted: generation starts from the generation prompt
+        prompt = render(messages[:last], tokenize=False, add_generation_prompt=True)
+        return {"input_ids": ids, "labels": labels, "reference": reference,
+                "prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"]}
     return {"input_ids": ids, "labels": labels, "prompt_ids": ids[:prompt_len], "reference": reference}
 
 
