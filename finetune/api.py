@@ -16,7 +16,15 @@ import typing
 from collections.abc import Mapping
 from typing import Callable, Optional
 
-from finetune.config import RecipeConfig, TrainingConfig, build_section, fields_with, validate_training
+from finetune.config import (
+    OutputConfig,
+    RecipeConfig,
+    TrainingConfig,
+    build_section,
+    check_ranges,
+    fields_with,
+    validate_training,
+)
 from finetune.errors import ConfigError
 from finetune.job import Job
 
@@ -27,7 +35,8 @@ _HOOKS = ("count_items", "eval_step", "compute_metrics", "param_groups", "before
 
 def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, collate_fn: Optional[Callable] = None,
                      loss_fn: Optional[Callable] = None, use_amp: bool = False, use_wandb=False,
-                     output_dir: Optional[str] = None, **training) -> dict:
+                     output_dir: Optional[str] = None, save_every: Optional[int] = None,
+                     resume: Optional[str] = None, **training) -> dict:
     """Fine-tune ``model`` with exact gradient accumulation and return what happened.
 
     Every optimizer step equals the step of one batch of ``batch_size × gradient_accumulation_steps × processes``
@@ -42,6 +51,11 @@ def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, coll
         use_amp: mixed precision — fp16 on CUDA, bf16 elsewhere; a ``mixed_precision`` of fp16 or bf16 wins.
         use_wandb: True (wandb) or a tracker name ("tensorboard", "mlflow") logged through Accelerate.
         output_dir: where ``history.jsonl`` and ``metrics.json`` go (nothing is written when None).
+        save_every: a checkpoint every this many optimizer steps and at the end, in ``output_dir/checkpoints``
+            (None: none), as ``finetune run --save-every``.
+        resume: continue from a checkpoint: "latest" (the newest in ``output_dir``) or a checkpoint's folder, with
+            the command line's checks (the same effective batch, unless ``scale_lr`` says otherwise at an epoch
+            boundary; a run already complete is refused).
         **training: the training keywords listed below (``TrainingConfig``'s fields, with its defaults: a keyword
             not given takes ``config``'s value, else that default), and the ``Job`` hooks ``count_items``,
             ``eval_step``, ``compute_metrics``, ``param_groups``, ``before_window``, ``after_step``,
@@ -55,7 +69,8 @@ def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, coll
         ``history.jsonl`` records) and ``model`` (trained in place, unwrapped).
 
     Raises:
-        ConfigError: a bad argument, naming it and what is allowed; an unknown keyword, naming the closest one.
+        ConfigError: a bad argument, naming it and what is allowed; an unknown keyword, naming the closest one; a
+            checkpoint the command line would refuse, with its line.
     """
     from accelerate.utils import set_seed
 
@@ -73,7 +88,8 @@ def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, coll
     if use_wandb:
         log_with = "wandb" if use_wandb is True else use_wandb
     # the three stages of a recipe run, from the job the caller's objects make
-    result = startup.train_job(job, t, loop.Outputs(dir=output_dir, tracker=log_with, settings=dataclasses.asdict(t)))
+    output = loop.Outputs(dir=output_dir, save_every=_save_every(save_every, output_dir), tracker=log_with)
+    result = startup.train_job(job, t, output, resume)
     if output_dir is not None and distributed.is_main_process():
         outputs.write_metrics(result, output_dir)
     return result
@@ -196,6 +212,19 @@ def _training_config(config, given: dict, use_amp: bool = False) -> TrainingConf
     if problems:
         raise ConfigError(problems)
     return t
+
+
+def _save_every(save_every, output_dir) -> Optional[int]:
+    """``save_every`` checked by the recipe schema's ``output.save_every`` (its type and range), and against where
+    the checkpoints would go."""
+    problems = []
+    checked = build_section(OutputConfig, {"save_every": save_every}, "output", problems)
+    check_ranges(checked, "output", problems)
+    if not problems and save_every is not None and output_dir is None:
+        problems.append("output.save_every: checkpoints need an output_dir to be saved in")
+    if problems:
+        raise ConfigError(problems)
+    return checked.save_every
 
 
 def _as_dataset(data):

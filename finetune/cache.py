@@ -9,6 +9,9 @@ tokenized data set), safe when several processes want the same folder at the sam
 * **A folder counts only when complete.** Its manifest, written last, lists every file with its size; a folder
   without one, or whose files differ from it (a half-written folder, one missing its weights), is rebuilt, never
   used. The folder is built under a temporary name and renamed into place whole.
+* **A cache that cannot be built in is one line**, on every process, before building: FINETUNE_CACHE naming a file
+  or a folder this process may not write in. A complete folder is only read, so a read-only cache that holds it
+  still serves.
 
     >>> folder(root() / "tokenizers" / key, lambda tmp: tokenizer.save(str(tmp / "tokenizer.json")), "tokenizer")
 """
@@ -66,6 +69,8 @@ def folder(target: Path, build: Callable[[Path], None], what: str, timeout: floa
     """
     target = Path(target)
     token = _group_token()
+    if not is_complete(target):  # every process, so that all refuse alike (a complete folder is only read)
+        _make_room(target.parent)
     if token is not None and not _is_rank_zero():
         return _wait(target, what, timeout, token)
     try:
@@ -79,6 +84,36 @@ def folder(target: Path, build: Callable[[Path], None], what: str, timeout: floa
             _failure_note(target, token).write_text(_one_line(error))
         raise
     return target
+
+
+def _make_room(parent: Path) -> None:
+    """Make ``parent``, the folder a cache folder is built in, or refuse with one line naming FINETUNE_CACHE when
+    it cannot be written in: a file where a folder must be (a typo, a stale mount) or a folder this process may not
+    write in (os.access: what the kernel would say, a read-only file system included)."""
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        writable = os.access(parent, os.W_OK | os.X_OK)
+    except (NotADirectoryError, FileExistsError):
+        raise unusable(parent, f"{_file_on_the_way(parent)} is a file, not a folder") from None
+    except OSError as error:  # no permission to make it, a read-only file system
+        raise unusable(parent, f"cannot make {parent} ({error.strerror or error})") from None
+    if not writable:
+        raise unusable(parent, f"no permission to write in {parent}")
+
+
+def _file_on_the_way(path: Path) -> Path:
+    """The first file among ``path`` and the folders above it."""
+    return next((p for p in reversed([path, *path.parents]) if p.exists() and not p.is_dir()), path)
+
+
+def unusable(parent: Path, why: str) -> ConfigError:
+    """The one line for a cache folder this process cannot build in: named by FINETUNE_CACHE where it lies under
+    the cache root (a folder a caller named itself is named as it is)."""
+    base = Path(root())
+    if parent != base and base not in parent.parents:
+        return ConfigError(f"cache: {why}; give a folder you can write in")
+    name = "FINETUNE_CACHE" if os.environ.get("FINETUNE_CACHE") else f"FINETUNE_CACHE (unset: {base})"
+    return ConfigError(f"{name}: {why}; point it at a folder you can write in")
 
 
 def is_complete(target: Path) -> bool:

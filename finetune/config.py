@@ -22,6 +22,7 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from finetune import optimizers
 from finetune.errors import ConfigError
 from finetune.registry import (  # noqa: F401  (list_recipes, recipe_path: re-exported)
     list_recipes,
@@ -102,7 +103,7 @@ class Range:
 
 def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, alias: Optional[str] = None,
         affects_result: bool = True, at_least=None, above=None, at_most=None, below=None,
-        length: Optional[int] = None, **kw):
+        length: Optional[int] = None, choices: Optional[typing.Callable[[], tuple]] = None, **kw):
     """A dataclass field and everything said about it, in one place.
 
     Args:
@@ -115,6 +116,9 @@ def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, a
         at_least, above: the lowest allowed number, included (``>=``) or not (``>``); give one at most.
         at_most, below: the highest allowed number, included (``<=``) or not (``<``); give one at most.
         length: for a list of numbers: how many it holds (the bounds apply to each).
+        choices: for a string field whose values live in a table elsewhere (``finetune.optimizers``): returns the
+            allowed values, asked at each validation, so that an entry added to the table is allowed at once (a
+            ``Literal`` would freeze them when the schema is imported).
 
     The bounds become a ``Range`` in the field's metadata (``metadata["range"]``): every recipe section is checked
     against it on load (``check_ranges``), and the help text ends with it (``; allowed: >= 1``).
@@ -136,7 +140,7 @@ def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, a
         kw["default"] = default
     shown = f"{text}; allowed: {allowed.bounds()}" if allowed else text
     return field(metadata={"help": shown, "flag": flag, "alias": alias, "affects_result": affects_result,
-                           "range": allowed}, **kw)
+                           "range": allowed, "choices": choices}, **kw)
 
 
 @dataclass
@@ -161,10 +165,8 @@ class TrainingConfig:
     epochs: int = doc("passes over the training data", 1, flag="--epochs", alias="n_epochs", at_least=1)
     max_steps: Optional[int] = doc("stop after this many optimizer steps (null: run all epochs)", None,
                                    flag="--max-steps", at_least=1)
-    optimizer: Literal["adamw", "sgd", "lion", "adamw8bit", "paged_adamw8bit"] = doc(
-        "adamw (no decay on biases/norms), sgd, lion, or bitsandbytes' adamw8bit / paged_adamw8bit (AdamW with its "
-        "state block-quantized to 8 bits; paged: the state can spill to host memory; not the fp32 AdamW update)",
-        "adamw")
+    optimizer: str = doc(f"one of finetune.optimizers.OPTIMIZERS — {optimizers.described()}", "adamw",
+                         choices=optimizers.names)
     weight_decay: float = doc("decoupled weight decay (adamw, lion) or L2 (sgd)", 0.0, at_least=0)
     momentum: float = doc("sgd momentum", 0.0, at_least=0, below=1)
     betas: list = doc("adamw / lion betas", dataclasses.MISSING, length=2, at_least=0, below=1,
@@ -401,8 +403,11 @@ def build_section(cls, raw, section: str, problems: list):
             problems.append(f"{section}.{key}: unknown key; allowed: {', '.join(known)}")
             continue
         out = _coerce(value, hints[key])
-        if out is _NO:
-            problems.append(f"{section}.{key}: got {value!r}; expected {_type_name(hints[key])}")
+        choices = known[key].metadata.get("choices")
+        allowed = choices() if choices else None
+        if out is _NO or (allowed is not None and out not in allowed):
+            expected = " | ".join(map(repr, allowed)) if allowed is not None else _type_name(hints[key])
+            problems.append(f"{section}.{key}: got {value!r}; expected {expected}")
             continue
         kwargs[key] = out
     return cls(**kwargs)
@@ -439,27 +444,36 @@ def validate_training(t: TrainingConfig, problems: list):
     if t.batch_size == "auto" and t.effective_batch_size is None:
         problems.append("training.batch_size: auto needs training.effective_batch_size (the window the micro-batches "
                         "split)")
-    if t.optimizer.endswith("8bit"):  # bitsandbytes' (finetune.optim.EIGHT_BIT)
-        need_bitsandbytes("training.optimizer", t.optimizer, problems)
+    entry = optimizers.OPTIMIZERS.get(t.optimizer)  # a name not in the table: build_section said so
+    if entry is not None and entry.needs:
+        need_package("training.optimizer", t.optimizer, *entry.needs, problems)
     if t.scale_lr != "none" and t.reference_batch_size is None:
         problems.append(f"training.reference_batch_size: got None; scale_lr={t.scale_lr} needs the baseline's "
                         "effective batch (an integer >= 1)")
 
 
-def bitsandbytes_installed() -> bool:
-    """Whether bitsandbytes is installed (looked up, not imported: importing it takes seconds)."""
+def installed(module: str) -> bool:
+    """Whether ``module`` is installed (looked up, not imported: importing bitsandbytes takes seconds)."""
     import importlib.util
 
     try:
-        return importlib.util.find_spec("bitsandbytes") is not None
+        return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
 
 
+def bitsandbytes_installed() -> bool:
+    return installed("bitsandbytes")
+
+
+def need_package(field: str, value: str, module: str, pip: str, problems: list) -> None:
+    """One line when ``field: value`` needs ``module`` and it is not installed (``pip``: what installs it)."""
+    if not installed(module):
+        problems.append(f"{field}: {value} needs {module}, which is not installed (pip install {pip})")
+
+
 def need_bitsandbytes(field: str, value: str, problems: list) -> None:
-    """One line when ``field: value`` needs bitsandbytes and it is not installed."""
-    if not bitsandbytes_installed():
-        problems.append(f"{field}: {value} needs bitsandbytes, which is not installed (pip install 'finetune[quant]')")
+    need_package(field, value, *optimizers.BITSANDBYTES, problems)
 
 
 def validate_precision(cfg: RecipeConfig, problems: list) -> None:

@@ -1,4 +1,4 @@
-"""Optimizers and their schedules, sized in optimizer steps."""
+"""Optimizers (made from the table in ``finetune.optimizers``) and their schedules, sized in optimizer steps."""
 
 from __future__ import annotations
 
@@ -10,40 +10,19 @@ from typing import Optional
 import torch
 
 from finetune.config import TrainingConfig
-from finetune.errors import ConfigError
-
-EIGHT_BIT = {"adamw8bit": "AdamW8bit", "paged_adamw8bit": "PagedAdamW8bit"}  # training.optimizer → bitsandbytes class
+from finetune.optimizers import EIGHT_BIT, OPTIMIZERS  # noqa: F401  (EIGHT_BIT: read by finetune compare)
 
 
 def make_optimizer(params, t: TrainingConfig) -> torch.optim.Optimizer:
-    """adamw / sgd / lion / adamw8bit / paged_adamw8bit over the trainable ones of ``params`` (a module or an iterable
-    of parameters); no weight decay on biases and norm weights (1-D)."""
+    """``t.optimizer`` (an entry of ``finetune.optimizers.OPTIMIZERS``) over the trainable ones of ``params`` (a
+    module or an iterable of parameters); no weight decay on biases and norm weights (1-D)."""
     decay, no_decay = [], []
     for p in (params.parameters() if isinstance(params, torch.nn.Module) else params):
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    if t.optimizer == "adamw":
-        # The fused kernel (one pass over all parameters): torch's default on a CPU is a loop over the tensors,
-        # ~6× slower for MiniLM's 22.7 M parameters. Not with fp16: the GradScaler then hands a fused optimizer its
-        # inf check, and Accelerate could no longer tell a skipped step.
-        fused = t.mixed_precision != "fp16" and all(p.is_floating_point() for g in groups for p in g["params"])
-        return torch.optim.AdamW(groups, lr=t.learning_rate, betas=tuple(t.betas), fused=fused or None)
-    if t.optimizer in EIGHT_BIT:
-        # bitsandbytes' AdamW with its two moments stored block-wise in 8 bits (tensors under 4096 elements keep
-        # fp32 state). The update rounds differently from fp32 AdamW: not the baseline's step (compare says so).
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise ConfigError(f"training.optimizer: {t.optimizer} needs bitsandbytes (pip install 'finetune[quant]')") \
-                from None
-        return getattr(bnb.optim, EIGHT_BIT[t.optimizer])(groups, lr=t.learning_rate, betas=tuple(t.betas))
-    if t.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=t.learning_rate, momentum=t.momentum)
-    from lion_pytorch import Lion
-
-    return Lion(groups, lr=t.learning_rate, betas=tuple(t.betas))
+    return OPTIMIZERS[t.optimizer].make(groups, t)
 
 
 @dataclass

@@ -13,9 +13,10 @@ naming the setting (ConfigError); ``loop.train`` only trains.
     result = loop.train(run, checked.saved)
 
 ``run_recipe`` takes stages 2 and 3 and writes the outputs (the command line, the search). The Python API, the
-planner and the benchmarks hold a Job already: ``shape_for`` (stage 1's split and stage 2's count) and
-``assemble``, or ``train_job`` for all three. ``resume`` is the user's argument alone (a checkpoint's path or
-"latest"); the checkpoint it names, read once in stage 1, is ``saved``.
+planner and the benchmarks hold a Job already; ``train_job`` runs the same stages for it — ``check_job`` (stage 1
+without the recipe's output directory: the caller's ``Outputs`` names it), ``counted`` (stage 2 without building),
+``assemble`` — so a job resumed from a checkpoint gets the command line's checks and refusals. ``resume`` is the
+user's argument alone (a checkpoint's path or "latest"); the checkpoint it names, read once in stage 1, is ``saved``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ from finetune.windows import WindowSpec, windows_per_epoch
 class Checked:
     """What stage 1 settled before a model is built."""
 
-    out_dir: Path                       # the run's output directory (locked by the main process)
+    out_dir: Optional[Path]             # the run's output directory (a recipe's: locked by the main process;
+                                        # a job's: the caller's, None when it writes nothing)
     saved: Optional[checkpoint.Saved]   # the checkpoint the run continues (read once), or None
     shape: Shape                        # the split of the effective batch (its steps are counted in stage 2)
     settings: dict                      # the recipe as the run uses it: its config.yaml (written once the job is
@@ -111,22 +113,46 @@ def claim_output_dir(cfg: RecipeConfig, resume: Optional[str] = None) -> Path:
 
 def check_run(cfg: RecipeConfig, resume: Optional[str], out_dir: Path, processes: int, rank: int,
               speak: bool = True) -> tuple[Optional[checkpoint.Saved], Shape]:
-    """What every process checks before a model is built: what this machine and the launch's engine config can
-    run, that the effective batch splits over ``processes``, and the checkpoint to resume. Returns (the checkpoint
-    or None, the run's shape before the data is known). With ``speak``, rank 0 prints the recipe's notes (a key in
-    its old place) and the notes on resuming (e.g. a new effective split)."""
-    check_environment(cfg.training, cfg.output.tracker)
-    shape = split_batch(cfg.training, processes)
-    saved, notes = None, list(cfg.notes)
+    """``check_training`` for a recipe: with ``speak``, rank 0 also prints the recipe's notes (a key in its old
+    place)."""
+    return check_training(cfg.training, cfg.to_dict(), resume, out_dir, processes, cfg.output.tracker,
+                          cfg.notes if speak and rank == 0 else None)
+
+
+def check_training(t: TrainingConfig, settings: dict, resume: Optional[str], out_dir: Optional[Path],
+                   processes: int, tracker: Optional[str] = None,
+                   notes: Optional[list] = None) -> tuple[Optional[checkpoint.Saved], Shape]:
+    """What every process checks before a model is built, for a recipe and for a job built already alike: what this
+    machine and the launch's engine config can run, that the effective batch splits over ``processes``, and the
+    checkpoint to resume against ``settings`` (the run's recipe as a mapping: ``training`` and what else it holds).
+    Returns (the checkpoint or None, the run's shape before the data is known). ``notes``: None on a process that
+    keeps quiet; else they are printed, with the notes on resuming (e.g. a new effective split), after them."""
+    check_environment(t, tracker)
+    shape = split_batch(t, processes)
+    saved, resuming = None, []
     if resume is not None:
         # refuses a missing / corrupt checkpoint; every process reads the same files, so every process reaches the
         # same verdict (no one waits on a peer that refused)
         saved = checkpoint.read(checkpoint.find_checkpoint(resume, out_dir))
-        notes += checkpoint.check_resume(saved, cfg.to_dict(), shape)
-    if speak and rank == 0:
-        for note in notes:
-            print(note, file=sys.stderr)
+        resuming = checkpoint.check_resume(saved, settings, shape)
+    for note in [*notes, *resuming] if notes is not None else []:
+        print(note, file=sys.stderr)
     return saved, shape
+
+
+def check_job(t: TrainingConfig, output: loop.Outputs, resume: Optional[str] = None,
+              processes: Optional[int] = None) -> Checked:
+    """Stage 1 for a job built already (the Python API, the planner, the benchmarks), on every process:
+    ``check_training`` with the caller's ``output`` (where it writes, its tracker, and the ``settings`` a checkpoint
+    is compared with) in place of a recipe's output directory, which the caller owns. ``processes``: this
+    launch's (default)."""
+    if resume == checkpoint.LATEST and output.dir is None:
+        raise ConfigError("resume: 'latest' needs output_dir (the run to continue); or give a checkpoint's folder")
+    processes = processes or distributed.distributed_state().num_processes
+    main = distributed.is_main_process()
+    saved, shape = distributed.agree(lambda: check_training(t, output.settings, resume, output.dir, processes,
+                                                            output.tracker, [] if main else None))
+    return Checked(output.dir, saved, shape, output.settings)
 
 
 def as_run(cfg: RecipeConfig, shape: Shape) -> RecipeConfig:
@@ -361,12 +387,18 @@ class Built:
 
 
 def build(cfg: RecipeConfig, checked: Checked) -> Built:
-    """Stage 2: the task's job, checked against its data, and the run's optimizer steps; a resumed run that is
-    already complete is refused here, before the run's directory holds anything new."""
-    job = build_job(cfg, checked.shape)
-    shape = count_steps(job, cfg.training, checked.shape)
+    """Stage 2: the task's job, then ``counted``."""
+    return counted(build_job(cfg, checked.shape), cfg.training, checked)
+
+
+def counted(job: Job, t: TrainingConfig, checked: Checked) -> Built:
+    """Stage 2 for a built job (a recipe's, or one the caller built): the job checked against its data, and the
+    run's optimizer steps; a resumed run that is already complete is refused here, before the run's directory holds
+    anything new."""
+    shape = count_steps(job, t, checked.shape)
     if checked.saved is not None and checked.saved.step >= shape.total_steps:
-        raise ConfigError(f"resume: the run in {checked.out_dir} is complete ({checked.saved.step} of "
+        where = checked.out_dir or checked.saved.path.parent.parent  # <run>/checkpoints/step-…
+        raise ConfigError(f"resume: the run in {where} is complete ({checked.saved.step} of "
                           f"{shape.total_steps} optimizer steps); nothing to do (raise training.epochs or --max-steps "
                           "to train further)")
     return Built(job, shape)
@@ -414,14 +446,6 @@ def count_steps(job: Job, t: TrainingConfig, shape: Shape) -> Shape:
     steps = min(steps, t.max_steps) if t.max_steps else steps
     warn_about_schedule(t, steps)
     return dataclasses.replace(shape, total_steps=steps)
-
-
-def shape_for(job: Job, t: TrainingConfig, processes: Optional[int] = None) -> Shape:
-    """Stage 1's split and stage 2's count, for a caller that holds the job already (the Python API, the planner);
-    ``processes``: this launch's (default)."""
-    if processes is None:
-        processes = distributed.distributed_state().num_processes
-    return count_steps(job, t, split_batch(t, processes))
 
 
 def check_data(job: Job, t: TrainingConfig, shape: Shape) -> None:
@@ -594,15 +618,28 @@ def run_recipe(cfg: RecipeConfig, checked: Checked, on_eval: Optional[Callable] 
     return result
 
 
-def train_job(job: Job, t: TrainingConfig, output: Optional[loop.Outputs] = None,
-              saved: Optional[checkpoint.Saved] = None, accelerator: Optional[Accelerator] = None,
-              processes: Optional[int] = None) -> loop.TrainResult:
-    """The three stages for a job built already (the Python API, the planner's measurement, the benchmarks): what
-    this machine can run, the shape over the job's data, the assembled run, the loop."""
-    check_environment(t)
-    shape = shape_for(job, t, processes if processes is not None else
-                      accelerator.num_processes if accelerator is not None else None)
-    return loop.train(assemble(job, t, shape, output, accelerator), saved)
+def train_job(job: Job, t: TrainingConfig, output: Optional[loop.Outputs] = None, resume: Optional[str] = None,
+              accelerator: Optional[Accelerator] = None) -> loop.TrainResult:
+    """The three stages for a job built already (the Python API, the planner's measurement, the benchmarks), then
+    the loop: ``check_job`` (what this machine can run, the split, the checkpoint ``resume`` names — "latest" in
+    ``output.dir``, or a checkpoint's folder — checked against the run as the command line checks it), ``counted``
+    (the shape over the job's data; a complete run refused), ``assemble``.
+
+    Raises:
+        ConfigError: what the command line refuses for the same settings, with the same line.
+    """
+    output = recorded(output or loop.Outputs(), t)
+    checked = check_job(t, output, resume, accelerator.num_processes if accelerator is not None else None)
+    built = distributed.agree(lambda: counted(job, t, checked))
+    return loop.train(assemble(built.job, t, built.shape, output, accelerator), checked.saved)
+
+
+def recorded(output: loop.Outputs, t: TrainingConfig) -> loop.Outputs:
+    """``output`` with the run's settings, for a caller that gave none: its training section, shaped as a recipe
+    (what a checkpoint records, and what a resumed run is compared with)."""
+    if output.settings is not None:
+        return output
+    return dataclasses.replace(output, settings={"training": dataclasses.asdict(t)})
 
 
 def quiet_libraries() -> None:

@@ -23,14 +23,14 @@ class MLP(torch.nn.Module):
 
 def train_quietly(job, t, output=None, resume_from=None, accelerator=None):
     """``job`` trained through start-up's stages and the loop, as a recipe run is — its shape computed at start-up,
-    the checkpoint read once — without the banner (the suite's output stays readable)."""
+    the checkpoint ``resume_from`` (a folder, or "latest" in ``output.dir``) found, read once and checked as the
+    command line checks it — without the banner (the suite's output stays readable)."""
     import dataclasses
 
-    from finetune import checkpoint, loop, startup
+    from finetune import loop, startup
 
     output = dataclasses.replace(output or loop.Outputs(), banner=False)
-    saved = checkpoint.read(Path(resume_from)) if resume_from is not None else None
-    return startup.train_job(job, t, output, saved, accelerator)
+    return startup.train_job(job, t, output, str(resume_from) if resume_from is not None else None, accelerator)
 
 
 def regression_data(n, d_in=6, seed=0):

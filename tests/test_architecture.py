@@ -495,6 +495,64 @@ def test_a_run_follows_its_configuration_in_8_stays_and_1_return_and_sets_up_onc
     assert stays([("a", "f"), ("a", "g"), ("b", "h"), ("a", "k")]) == ["a", "b", "a"]
 
 
+# the stage functions a resumed run passes through, whoever starts it
+RESUME_STAGES = ("finetune.startup.check_training", "finetune.checkpoint.find_checkpoint", "finetune.checkpoint.read",
+                 "finetune.checkpoint.check_resume", "finetune.startup.counted", "finetune.startup.assemble",
+                 "finetune.loop.train")
+
+
+def stage_calls(run) -> dict:
+    """Calls per finetune function (``module.qualname``) while ``run()`` runs."""
+    import sys
+    from collections import Counter
+
+    calls = Counter()
+
+    def profile(frame, event, arg):
+        module = frame.f_globals.get("__name__", "")
+        if event == "call" and module.startswith("finetune."):
+            calls[f"{module}.{frame.f_code.co_qualname}"] += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def stages_missed(calls: dict) -> list:
+    """The resume stages not called exactly once."""
+    return [s for s in RESUME_STAGES if calls.get(s) != 1]
+
+
+def test_the_command_line_and_the_python_api_resume_through_the_same_stages(tmp_path):
+    import torch
+
+    from finetune.api import test_fine_tuning
+    from tests.helpers import MLP, regression_data
+
+    (tmp_path / "traced.py").write_text(TRACED_TASK)
+    recipe = tmp_path / "traced.yaml"
+    recipe.write_text("task: ./traced.py\ntraining: {batch_size: 2, effective_batch_size: 8, learning_rate: 0.05}\n"
+                      "output: {plots: false, save_model: false, save_every: 2, tracker: none}\n")
+    out = str(tmp_path / "run")
+    traced_run(["--recipe", str(recipe), "--output-dir", out, "--max-steps", "2"])
+    cli = traced_run(["--recipe", str(recipe), "--output-dir", out, "--resume", "latest"])[1]
+
+    kw = dict(train_data=regression_data(24), batch_size=2, gradient_accumulation_steps=4, save_every=2,
+              output_dir=str(tmp_path / "api"))
+    torch.manual_seed(0)
+    test_fine_tuning(MLP(), max_steps=2, **kw)
+    api = stage_calls(lambda: test_fine_tuning(MLP(), resume="latest", **kw))
+    assert stages_missed(cli) == [] and stages_missed(api) == []
+    # the control: the Python API's old way (the checkpoint read and handed to the loop, unchecked) is caught
+    old = {**api, "finetune.checkpoint.find_checkpoint": 0, "finetune.checkpoint.check_resume": 0,
+           "finetune.startup.counted": 0}
+    assert stages_missed(old) == ["finetune.checkpoint.find_checkpoint", "finetune.checkpoint.check_resume",
+                                  "finetune.startup.counted"]
+
+
 def train_parameters(source: str) -> int:
     """How many parameters the module-level ``train`` of ``source`` takes (``*args`` and ``**kwargs`` count)."""
     fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "train")

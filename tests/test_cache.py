@@ -174,3 +174,71 @@ def test_a_test_run_leaves_nothing_in_the_temp_folder(tmp_path):
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode in (0, 5), proc.stdout + proc.stderr  # 5: no test selected
         assert not list(tmp_path.glob("finetune-tests-*")), selection
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a cache folder that cannot be built in: one line, exit 2, before anything is written
+
+
+def sft_args(chat, out) -> list:
+    """``finetune run`` of the sft recipe on the tiny chat model and rows in ``chat`` (their folder), one step."""
+    from tests.helpers import SMALL
+
+    sets = [s for s in SMALL["sft-smollm2"] if not s.startswith(("model.name_or_path=", "data.source="))]
+    sets += [f"model.name_or_path={chat / 'model'}", f"data.source={chat / 'chat.jsonl'}"]
+    return ["--recipe", "sft-smollm2", *[a for s in sets for a in ("--set", s)], "--max-steps", "1",
+            "--output-dir", str(out)]
+
+
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_a_cache_that_is_a_file_is_one_line_exit_2(tmp_path, capsys, monkeypatch, under):
+    """FINETUNE_CACHE naming a file (a typo, a stale mount), or a folder below one: the data set's cache cannot be
+    made there. It once ended in a NotADirectoryError traceback, exit 1."""
+    from tests.helpers import TINY_CHAT, refused_in_process, tiny_chat_assets
+
+    tiny_chat_assets()
+    stale = tmp_path / "stale-mount"
+    stale.write_text("")
+    monkeypatch.setenv("FINETUNE_CACHE", str(stale / under if under else stale))
+    out = tmp_path / "out"
+    refused_in_process(capsys, sft_args(TINY_CHAT, out), f"FINETUNE_CACHE: {stale} is a file, not a folder; point "
+                                                         "it at a folder you can write in")
+    assert not out.exists() and stale.read_text() == ""
+
+
+def test_a_cache_folder_without_write_permission_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    """A cache folder this user may not write in stops the run with one line before it writes anything."""
+    import stat
+
+    from tests.helpers import TINY_CHAT, refused_in_process, tiny_chat_assets
+
+    tiny_chat_assets()
+    locked = tmp_path / "cache"
+    (locked / "datasets").mkdir(parents=True)
+    for p in (locked, locked / "datasets"):
+        p.chmod(0o555)
+    if os.geteuid() == 0:  # root may write anywhere (and nobody may run this interpreter here): the answer the
+        # kernel gives the folder's owner, from its mode bits
+        owner_may = lambda path, mode: not mode & os.W_OK or bool(os.stat(path).st_mode & stat.S_IWUSR)  # noqa: E731
+        monkeypatch.setattr(cache.os, "access", owner_may)
+    monkeypatch.setenv("FINETUNE_CACHE", str(locked))
+    out = tmp_path / "out"
+    try:
+        refused_in_process(capsys, sft_args(TINY_CHAT, out), f"FINETUNE_CACHE: no permission to write in "
+                                                             f"{locked / 'datasets'}; point it at a folder you can "
+                                                             "write in")
+    finally:
+        for p in (locked, locked / "datasets"):
+            p.chmod(0o755)
+    assert not out.exists() and not list((locked / "datasets").iterdir())
+
+
+def test_a_complete_folder_in_a_cache_that_cannot_be_written_is_only_read(tmp_path, monkeypatch):
+    """The control: the check guards building only — a read-only cache that already holds the folder serves it."""
+    calls = []
+    target = cache.folder(tmp_path / "cache" / "ready", build_counter(calls), "test folder")
+    refuse = lambda parent: pytest.fail(f"checked {parent} to read a complete folder")  # noqa: E731
+    monkeypatch.setattr(cache, "_make_room", refuse)
+    assert cache.folder(target, build_counter(calls), "test folder") == target and len(calls) == 1
+    with pytest.raises(pytest.fail.Exception):  # and the planted check is live where the folder is missing
+        cache.folder(tmp_path / "cache" / "missing", build_counter(calls), "test folder")

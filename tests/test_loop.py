@@ -278,7 +278,8 @@ def test_keyword_defaults_and_their_docs_come_from_the_schema():
         assert params[f.name].default == getattr(schema, f.name), f.name
         assert f"\n        {f.name} " in doc, f.name
     assert "learning_rate (or lr) = 5e-05: peak learning rate" in doc and "epochs (or n_epochs) = 1" in doc
-    own = {"model", "config", "train_data", "val_data", "collate_fn", "loss_fn", "use_amp", "use_wandb", "output_dir"}
+    own = {"model", "config", "train_data", "val_data", "collate_fn", "loss_fn", "use_amp", "use_wandb", "output_dir",
+           "save_every", "resume"}
     assert set(params) == own | {f.name for f in dataclasses.fields(TrainingConfig)} | {"hooks_and_aliases"}
     assert _training_config(None, {}) == schema  # a keyword not given takes the schema's default
 

@@ -138,7 +138,7 @@ def test_step_peak_past_one_chunk_of_the_loss_head():
     profile = auto_profile(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])], t, up_to=8)
     assert [b for b, _ in profile.later] == [1, 2, 4, 8]  # measured past one chunk
     measured, _ = training_peak(Job(model=copy_model(model), train_data=data, collate_fn=pad_collate), t)
-    # auto_profile sizes AdamW's state from the gradients; the loop's fused AdamW adds a step counter per tensor
+    # auto_profile counts AdamW's state from the optimizer table (two moments and a step counter per tensor)
     assert abs(profile.step_peak(8, 2) / measured - 1) <= 0.10, (profile.step_peak(8, 2), measured)
     two_points = dataclasses.replace(profile, later=profile.later[:2], first=profile.first[:2])
     assert two_points.step_peak(8, 2) > 1.10 * measured  # the control: a line through 1 and 2 samples misses

@@ -20,6 +20,7 @@ from finetune.memory.sharded import Layout
 from finetune.memory.step import longest_batches
 from finetune.models import hf as hf_models
 from finetune.optim import make_optimizer
+from finetune.optimizers import OPTIMIZERS
 from tests.helpers import ENV, ROOT, tiny_chat_assets
 
 LLAMA_8B = ROOT / "tests" / "assets" / "llama-3.1-8b"
@@ -49,15 +50,15 @@ def built(config, dtype="fp32", quantization="none", lora=False, meta=False):
     return hf_models.apply_peft(model, peft, "CAUSAL_LM")
 
 
-FIXED_CASES = [("fp32", "none", False, "adamw"), ("fp32", "none", False, "adamw8bit"), ("fp32", "none", False, "sgd"),
-               ("fp32", "none", False, "lion"), ("bf16", "none", True, "adamw"), ("bf16", "nf4", True, "adamw"),
-               ("fp32", "fp4", True, "adamw8bit"), ("bf16", "int8", True, "adamw")]
+# every optimizer of the table, then the layouts of the frozen base
+FIXED_CASES = [*(("fp32", "none", False, name) for name in OPTIMIZERS), ("bf16", "none", True, "adamw"),
+               ("bf16", "nf4", True, "adamw"), ("fp32", "fp4", True, "adamw8bit"), ("bf16", "int8", True, "adamw")]
 
 
 @pytest.mark.parametrize("dtype,quantization,lora,optimizer", FIXED_CASES)
 def test_fixed_part_counted_on_the_meta_device_is_what_a_real_build_holds(dtype, quantization, lora, optimizer):
-    if quantization != "none" or optimizer.endswith("8bit"):
-        pytest.importorskip("bitsandbytes")
+    if quantization != "none" or OPTIMIZERS[optimizer].needs:
+        pytest.importorskip("bitsandbytes" if quantization != "none" else OPTIMIZERS[optimizer].needs[0])
     config = tiny_llama_config()
     t = TrainingConfig(optimizer=optimizer, momentum=0.9 if optimizer == "sgd" else 0.0)
     real = built(config, dtype, quantization, lora)

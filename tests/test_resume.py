@@ -1,5 +1,6 @@
 """A run killed at any moment resumes into the very run it would have been: same bytes at the end."""
 
+import copy
 import json
 import random
 import shutil
@@ -184,3 +185,42 @@ def test_a_resumed_history_has_seconds_on_every_line(tmp_path):
     assert [h["step"] for h in lines] == [1, 2, 3, 4, 5] and result.optimizer_steps == 5
     assert all(isinstance(h.get("seconds"), float) for h in lines), [sorted(h) for h in lines]
     assert [h["step"] for h in result.val_history] == [2, 4, 5]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the Python API resumes through the command line's stages
+
+
+def test_the_python_api_given_a_checkpoint_gets_the_command_lines_checks(tmp_path, capsys):
+    """``test_fine_tuning(resume=…)`` runs start-up's resume checks: another effective batch is refused with the
+    command line's own line, a complete run is refused, and the same batch continues into the uninterrupted run."""
+    from finetune.api import test_fine_tuning
+    from finetune.cli import run_main
+    from finetune.config import ConfigError
+
+    # the command line's line: the tiny recipe saved at 4 × 2 = 8, resumed at 4 × 1
+    run = tmp_path / "cli"
+    assert run_main(["--recipe", TINY, "--max-steps", "2", "--save-every", "2", "--set", "output.save_model=false",
+                     "--set", "output.tracker=none", "--output-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert run_main(["--recipe", TINY, "--resume", "latest", "--grad-accum-steps", "1", "--output-dir", str(run)]) == 2
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("error: "))
+    assert "resume: the checkpoint's effective batch is 8" in line, line
+
+    data, out = regression_data(40), tmp_path / "api"
+    torch.manual_seed(0)
+    start = MLP()
+    kw = dict(train_data=data, batch_size=4, learning_rate=0.05, seed=1, output_dir=str(out), save_every=2)
+    full = test_fine_tuning(copy.deepcopy(start), gradient_accumulation_steps=2, **kw)  # 5 steps: saved 2, 4, 5
+    assert full.optimizer_steps == 5
+    with pytest.raises(ConfigError) as refused:
+        test_fine_tuning(copy.deepcopy(start), gradient_accumulation_steps=1, resume="latest", **kw)
+    assert f"error: {refused.value}" == line
+    with pytest.raises(ConfigError, match=f"resume: the run in {out} is complete \\(5 of 5 optimizer steps\\)"):
+        test_fine_tuning(copy.deepcopy(start), gradient_accumulation_steps=2, resume="latest", **kw)
+
+    # the control: the same batch from step 4 continues, and ends where the uninterrupted run ended
+    resumed = test_fine_tuning(copy.deepcopy(start), gradient_accumulation_steps=2,
+                               resume=str(out / "checkpoints" / "step-000004"), **kw)
+    assert resumed.optimizer_steps == 5 and [h["step"] for h in resumed.history] == [1, 2, 3, 4, 5]
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), full.model.parameters()))

@@ -2,16 +2,15 @@
 
 ``finetune plan`` prices settings it does not build: a model many times larger than the machine that plans is built
 on the meta device (no storage), and its bytes are counted here for the dtype its frozen weights would be kept in,
-their bitsandbytes quantization and the optimizer. The same counts on a real model (``held_bytes``,
-``state_bytes``) are what a run allocates; ``tests/test_plan_depth.py`` holds the two equal.
+their bitsandbytes quantization and the optimizer (its state from the optimizer table, ``finetune.optimizers``). The
+same counts on a real model (``held_bytes``, ``state_bytes``) are what a run allocates; ``tests/test_plan_depth.py``
+holds the two equal.
 
-bitsandbytes' layouts (0.50), as its layers and optimizers allocate them:
+bitsandbytes' layouts (0.50), as its layers allocate them (its 8-bit optimizers': ``finetune.optimizers``):
 
 * 4-bit (nf4 / fp4, double quantization, blocks of 64): the packed weight (2 weights a byte), one 8-bit absmax per
   block, their fp32 absmax per 256 blocks with a 256-entry fp32 code, the 4-bit code (16 fp32) and an fp32 offset;
-* int8 (LLM.int8()): one byte a weight and one fp32 scale per output row;
-* AdamW8bit: both moments in 8 bits with one fp32 absmax per 256 elements, and two 256-entry fp32 maps shared by
-  every tensor; tensors under 4096 elements keep fp32 moments.
+* int8 (LLM.int8()): one byte a weight and one fp32 scale per output row.
 """
 
 from __future__ import annotations
@@ -22,9 +21,9 @@ from typing import Iterable
 import torch
 
 from finetune.models.precision import is_quantized
+from finetune.optimizers import OPTIMIZERS
 
 BLOCK_4BIT, BLOCK_NESTED, CODE_NESTED, CODE_4BIT = 64, 256, 256, 16
-BLOCK_8BIT_OPTIM, MIN_8BIT_SIZE, QMAP = 256, 4096, 256
 
 
 def quantized_weight_bytes(numel: int, out_features: int, quantization: str) -> int:
@@ -80,19 +79,8 @@ def held_bytes(model: torch.nn.Module) -> int:
 
 def optimizer_state_bytes(numels: list, optimizer: str, momentum: float = 0.0) -> int:
     """Bytes of the state ``optimizer`` (training.optimizer) holds for trainable tensors of ``numels`` elements
-    (fp32 master weights) once it has stepped."""
-    if optimizer == "adamw":
-        return sum(8 * n + 4 for n in numels)  # two moments and an fp32 step count per tensor
-    if optimizer in ("adamw8bit", "paged_adamw8bit"):
-        small = [n for n in numels if n < MIN_8BIT_SIZE]
-        large = [n for n in numels if n >= MIN_8BIT_SIZE]
-        maps = 2 * 4 * QMAP if large else 0
-        return sum(8 * n for n in small) + sum(2 * n + 8 * math.ceil(n / BLOCK_8BIT_OPTIM) for n in large) + maps
-    if optimizer == "sgd":
-        return sum(4 * n for n in numels) if momentum else 0
-    if optimizer == "lion":
-        return sum(4 * n for n in numels)
-    raise ValueError(f"unknown optimizer {optimizer!r}")
+    (fp32 master weights) once it has stepped: the optimizer table's count."""
+    return OPTIMIZERS[optimizer].state_bytes(numels, momentum)
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from finetune.memory.fixed import held_bytes, state_bytes
+from finetune.memory.fixed import held_bytes, optimizer_state_bytes, state_bytes
 from finetune.memory.measure import PeakMeter, SavedTensors, offload_to_host
 
 HEADROOM = 0.9        # plan to use at most 90 % of what is free (fragmentation)
@@ -307,13 +307,14 @@ def autocast_dtype(precision: str):
 def auto_profile(model, batches: list, t, loss_fn=None, up_to: int = 0) -> Profile:
     """The Profile ``batch_size: auto`` picks its micro-batch from: measured on the run's own model in its own
     settings (offloading as ``t`` says). The optimizer step is left out: it does not depend on the micro-batch, and
-    its state does not exist yet, so it is sized from the gradients (AdamW: two moments)."""
+    its state does not exist yet, so it is counted from the trainable tensors (``fixed.optimizer_state_bytes``, the
+    count ``finetune plan`` uses too)."""
     micro = profile_micro_steps(model, batches, loss_fn, autocast_dtype(t.mixed_precision), t.activation_offloading,
                                 up_to)
-    gradients = tensor_bytes(p for p in model.parameters() if p.requires_grad)
-    slots = {"adamw": 2, "lion": 1, "sgd": 1 if t.momentum else 0}[t.optimizer]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    state = optimizer_state_bytes([p.numel() for p in trainable], t.optimizer, t.momentum)
     return Profile(setting=Setting(), parameters=0, trainable=0, weights=tensor_bytes(model.parameters()),
-                   gradients=gradients, optimizer_state=slots * gradients, optimizer_step=0, buckets=0, **micro)
+                   gradients=tensor_bytes(trainable), optimizer_state=state, optimizer_step=0, buckets=0, **micro)
 
 
 def device_budget(device: torch.device, held: int) -> float:

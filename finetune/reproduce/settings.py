@@ -9,12 +9,9 @@ import math
 import typing
 from pathlib import Path
 
+from finetune.optimizers import OPTIMIZERS
 from finetune.reproduce.baselines import Baseline
 
-OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
-              "adamw_torch_4bit": None, "sgd": "sgd", "lion_32bit": "lion", "lion": "lion",
-              "adamw_bnb_8bit": "adamw8bit", "adamw_8bit": "adamw8bit", "bnb_8bit": "adamw8bit",
-              "paged_adamw_8bit": "paged_adamw8bit"}
 SCHEDULERS = {"linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"}
 # settings that change the step and that finetune has no counterpart for: TrainingArguments name → why
@@ -197,15 +194,21 @@ def _length(base: Baseline, out: Imported) -> None:
             out.set("training.epochs", int(float(epochs)), base.args["num_train_epochs"][1])
 
 
+def trainer_optimizers() -> dict:
+    """TrainingArguments.optim → training.optimizer, from the optimizer table's ``trainer_names`` (read at each
+    call: an entry added to the table is imported at once)."""
+    return {trainer: ours for ours, entry in OPTIMIZERS.items() for trainer in entry.trainer_names}
+
+
 def _optimizer(base: Baseline, out: Imported) -> None:
     get = base.get
     optim = get("optim")
     if optim is not None:
-        ours = OPTIMIZERS.get(str(optim).lower())
+        ours = trainer_optimizers().get(str(optim).lower())
         if ours:
             out.set("training.optimizer", ours, base.args["optim"][1])
         else:
-            out.skip("optim", optim, "finetune's optimizers are adamw, sgd, lion, adamw8bit, paged_adamw8bit")
+            out.skip("optim", optim, f"finetune's optimizers are {', '.join(OPTIMIZERS)}")
     if get("adam_beta1") is not None or get("adam_beta2") is not None:
         betas = [float(get("adam_beta1", 0.9)), float(get("adam_beta2", 0.999))]
         out.set("training.betas", betas, base.args["adam_beta1" if "adam_beta1" in base.args else "adam_beta2"][1])
