@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline
+from finetune.reproduce.record import Baseline, load_yaml
 
 KEYS = {  # axolotl's key → the TrainingArguments name it sets (None: the same name)
     "micro_batch_size": "per_device_train_batch_size", "gradient_accumulation_steps": None,
@@ -94,13 +94,7 @@ TARGET_LINEAR = "all-linear"  # peft's name for every linear layer but the outpu
 
 def read_axolotl(path: Path, what: str) -> Baseline:
     """An axolotl YAML config file."""
-    import yaml
-
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
+    raw = load_yaml(path, what)
     if not is_axolotl(raw):
         raise ConfigError(f"{what}: {path} is not an axolotl config (no base_model, micro_batch_size or datasets)")
     b = Baseline("axolotl YAML", path, base_model=raw.get("base_model"))

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from finetune.errors import ConfigError
+
 # arguments that TRL's configs (SFTConfig, DPOConfig, GRPOConfig, …) add to the TrainingArguments
 TRL_ARGS = ("completion_only_loss", "assistant_only_loss", "dataset_text_field", "padding_free",
             "max_prompt_length", "num_generations")
@@ -50,3 +52,14 @@ class Baseline:
             return None
         return int(self.get("per_device_train_batch_size")) * int(self.get("gradient_accumulation_steps") or 1) * \
             int(self.get("num_devices") or 1)
+
+
+def load_yaml(path: Path, what: str):
+    """A YAML file's content; ConfigError naming the file (and the line) when it is not YAML."""
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None

@@ -7,20 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline
+from finetune.reproduce.record import Baseline, load_yaml
 
 
 def read_yaml_source(path: Path, what: str) -> Baseline:
     """The baseline a YAML config file describes; ConfigError (one line) when it is not YAML or no known tool's."""
-    import yaml
-
     from finetune.reproduce import axolotl, torchtune, trl_config
 
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
+    raw = load_yaml(path, what)
     if torchtune.is_torchtune(raw):
         return torchtune.read_torchtune(path, raw, what)
     if trl_config.is_trl_config(raw):
