@@ -68,26 +68,26 @@ def test_a_hub_folder_is_imported_and_certified_without_a_step_log(hub, capsys):
     assert (t["effective_batch_size"], t["learning_rate"], t["lr_scheduler"], t["max_grad_norm"], t["seed"],
             t["sample_order"]) == (4, 0.001, "cosine", 0.15, SEED, "trainer")
     assert "training_args.bin" in table.split("training.learning_rate")[1].splitlines()[0]
-    mine = root / "mine"
-    code, out = cli(capsys, "run", "--recipe", recipe, "--batch-size", 1, "--output-dir", mine, "--set",
-                    "output.tracker=none", "--set", "model.generate_prompts=0")
-    assert code == 0, out
-    code, out = cli(capsys, "compare", folder, mine)
-    verdict = next(line for line in out.splitlines() if line.startswith("verdict:"))
+    code, out, verdict = replay(capsys, recipe, root / "mine", folder)
     assert code == 0 and verdict.startswith("verdict: equivalent"), out
     assert "no per-step log in the Hub folder (TRL and axolotl push no trainer_state.json)" in verdict, verdict
     assert "weights L2" in verdict and "the Trainer's samples in all 6 windows" in verdict, verdict
     # the twin on data with one word changed: the same settings and windows, other adapters
-    other = root / "mine-one-word"
-    code, out = cli(capsys, "run", "--recipe", recipe, "--batch-size", 1, "--output-dir", other, "--set",
-                    "output.tracker=none", "--set", "model.generate_prompts=0", "--set",
-                    f"data.source={one_word_changed(data, root / 'one-word.jsonl')}")
-    assert code == 0, out
-    code, out = cli(capsys, "compare", folder, other)
-    verdict = next(line for line in out.splitlines() if line.startswith("verdict:"))
+    code, out, verdict = replay(capsys, recipe, root / "mine-one-word", folder,
+                                f"data.source={one_word_changed(data, root / 'one-word.jsonl')}")
     assert code in (1, 3) and verdict.startswith(("verdict: differs — weights", "verdict: not certified — weights")), \
         out
     assert "no per-step log in the Hub folder" in verdict
+
+
+def replay(capsys, recipe, out, baseline, *overrides) -> tuple:
+    """``finetune run`` of the imported ``recipe`` at micro-batch 1 into ``out`` (with ``overrides``), then
+    ``finetune compare baseline out``: (compare's exit code, its report, its verdict line)."""
+    sets = [a for o in ("output.tracker=none", "model.generate_prompts=0", *overrides) for a in ("--set", o)]
+    code, printed = cli(capsys, "run", "--recipe", recipe, "--batch-size", 1, "--output-dir", out, *sets)
+    assert code == 0, printed
+    code, report = cli(capsys, "compare", baseline, out)
+    return code, report, next(line for line in report.splitlines() if line.startswith("verdict:"))
 
 
 def one_word_changed(data, out) -> str:
@@ -126,12 +126,7 @@ def test_tensorboard_events_are_the_per_step_log(events, capsys):
     code, table = cli(capsys, "import", folder, "--recipe", "sft-smollm2", "--data", data, "--model",
                       tiny_chat_assets()["model"], "-o", recipe, "--force")
     assert code == 0, table
-    mine = root / "mine"
-    code, out = cli(capsys, "run", "--recipe", recipe, "--batch-size", 1, "--output-dir", mine, "--set",
-                    "output.tracker=none", "--set", "model.generate_prompts=0")
-    assert code == 0, out
-    code, out = cli(capsys, "compare", folder, mine)
-    verdict = next(line for line in out.splitlines() if line.startswith("verdict:"))
+    code, out, verdict = replay(capsys, recipe, root / "mine", folder)
     assert code == 0 and verdict.startswith("verdict: equivalent"), out
     assert "loss ≤ 1e-04" in verdict and "no per-step log" not in verdict, verdict
     assert "identical at all 6 logged steps" in out
