@@ -91,3 +91,31 @@ class TaskContext:
     main: bool
     seed: int
     agree: Callable = field(default=lambda fn: fn(), repr=False)
+
+
+@dataclass(frozen=True)
+class CompareHints:
+    """What ``finetune compare``, ``import`` and ``reproduce`` know of a task, declared by its module as
+    ``COMPARE_HINTS`` (a task that declares none gets these defaults): they never switch on a task's name.
+
+    Args:
+        step_settings: the task's own dotted settings that shape each update beyond what the per-step layers see
+            (``model.beta``, ``data.pack``): two runs that differ in one take different steps.
+        loss_floor: for a loss that sums to about 0 (GRPO's centred advantages), the absolute floor a relative
+            difference is taken against, and no one-sided-shift check (a shift of nothing); None: relative as is.
+        mean_of_micro_batches: the trainer of a baseline of this task that averages each micro-batch's mean loss
+            over the window (so an epoch's short last micro-batch weighs like a full one), as said in a report.
+        base_recipe: the recipe ``finetune reproduce`` imports a baseline of this task over.
+        trl_marks: TRL arguments that a folder of this task's TRL trainer holds; a TRL folder is taken to be of the
+            task whose marks it holds all of, the most marks first (``()``: any TRL folder; None: no TRL trainer).
+        peer_names: what another tool calls this task (``{"llamafactory": "dpo"}``: its ``stage``).
+        peer_default: the tools that train this task when their config names none.
+    """
+
+    step_settings: tuple = ()
+    loss_floor: Optional[float] = None
+    mean_of_micro_batches: Optional[str] = None
+    base_recipe: Optional[str] = None
+    trl_marks: Optional[tuple] = None
+    peer_names: dict = field(default_factory=dict)
+    peer_default: tuple = ()

@@ -22,6 +22,7 @@ from typing import Optional
 import yaml
 
 from finetune.errors import ConfigError
+from finetune.job import CompareHints
 
 # what a task module defines (a dataclass for each of the recipe's own sections)
 TASK_API = ("build(cfg) -> Job, and ModelConfig / DataConfig dataclasses for the recipe's model / data sections "
@@ -96,6 +97,22 @@ def task_module(name, relative_to: Optional[Path] = None):
         raise ConfigError(f"task: {name}: {' and '.join(not_dataclasses)} must be a dataclass; a task module defines "
                           f"{TASK_API}")
     return module
+
+
+def task_hints(name) -> CompareHints:
+    """What compare and reproduce know of the task ``name`` (a run's ``task``): its module's ``COMPARE_HINTS``; the
+    defaults for a task that declares none, and for one that no longer imports here (a run's task file since moved:
+    its runs still compare, with the settings every task has)."""
+    try:
+        module = task_module(name)
+    except ConfigError:
+        return CompareHints()
+    return getattr(module, "COMPARE_HINTS", CompareHints())
+
+
+def built_in_hints() -> dict[str, CompareHints]:
+    """Each built-in task's hints, by name: what reproduce searches for the task a baseline trained."""
+    return {name: task_hints(name) for name in available_tasks()}
 
 
 @dataclasses.dataclass

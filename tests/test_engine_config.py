@@ -99,7 +99,7 @@ def test_a_bad_deepspeed_config_file_is_one_line_before_anything_is_written(laun
 def test_the_shipped_configs_pass_the_engine_checks(launch_env):
     """The control: the DeepSpeed configs finetune ships, as their launch hands them over, are not refused."""
     from finetune.config import TrainingConfig
-    from finetune.startup import check_engine_config
+    from finetune.engine_config import check_engine_config
 
     names = {"zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
              "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
@@ -135,17 +135,18 @@ def test_a_launched_bad_config_is_one_line_on_two_processes(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# only start-up refuses an engine config
+# only engine_config.py (start-up's first and third stages call it) refuses an engine config
 
 
 ENGINE_WORDS = ("deepspeed config", "accelerate config", "fsdp_config")
 
 
 def engine_refusals(package: Path) -> list:
-    """``file:line`` of every ConfigError whose message is about the launch's engine config, outside startup.py."""
+    """``file:line`` of every ConfigError whose message is about the launch's engine config, outside
+    engine_config.py."""
     found = []
     for path in sorted(package.rglob("*.py")):
-        if path.name == "startup.py":
+        if path.name == "engine_config.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from finetune import distributed
+from finetune import distributed, engine_config
 from finetune.errors import ConfigError
 from tests import engine_worker
 from tests.helpers import ACCELERATE, ENV, ROOT, SMALL, assert_same_history, tiny_chat_assets
@@ -159,10 +159,8 @@ def test_deepspeed_clips_as_the_recipe_says(max_grad_norm, clip):
 
 def refuse_for(accelerator, optims, on_nonfinite="stop"):
     """Start-up's check of what DeepSpeed would run differently, on the config Accelerate prepares with."""
-    from finetune import startup
-
-    startup.check_deepspeed(accelerator.deepspeed_plugin.deepspeed_config,
-                            optims[0].max_grad_norm if optims else None, len(optims), on_nonfinite)
+    engine_config.check_deepspeed(accelerator.deepspeed_plugin.deepspeed_config,
+                                  optims[0].max_grad_norm if optims else None, len(optims), on_nonfinite)
 
 
 def test_deepspeed_config_that_contradicts_the_recipe_is_refused():

@@ -341,3 +341,33 @@ def test_the_readme_example_trains_from_its_folder(tmp_path, capsys):
     assert run_main(["--recipe", str(folder / "my_recipe.yaml"), "--set", "model.hidden=0", "--output-dir",
                      str(tmp_path / "no")]) == 2  # its validate() is called
     assert capsys.readouterr().err.strip() == "error: model.hidden: got 0; must be an integer >= 1"
+
+
+# A setting the steps never read, which the task declares as one that shapes them (CompareHints.step_settings): compare
+# must then tell two runs apart by it, though every step is equal — the task's hints, not a list in compare.
+NOTED = TASK.replace('    hidden: int = doc("hidden units", 8)\n',
+                     '    hidden: int = doc("hidden units", 8)\n    note: str = doc("read by no step", "a")\n')
+HINTED = NOTED + '''
+from finetune.job import CompareHints
+
+COMPARE_HINTS = CompareHints(step_settings=("model.note",))
+'''
+
+
+@pytest.mark.parametrize("source, told_apart", [(HINTED, True), (NOTED, False)], ids=["hinted", "control"])
+def test_an_outside_task_is_compared_with_its_own_hints(tmp_path, capsys, source, told_apart):
+    from finetune.cli import main
+
+    runs = []
+    for note in ("a", "b"):
+        recipe = user_folder(tmp_path / note, model={"note": note}, output={"save_model": True})
+        (recipe.parent / "my_task.py").write_text(source)
+        runs.append(str(tmp_path / f"run-{note}"))
+        assert run_main(["--recipe", str(recipe), "--output-dir", runs[-1]]) == 0
+    losses = [[h["loss"] for h in history(Path(run))] for run in runs]
+    assert losses[0] == losses[1]  # the steps never read the note
+    capsys.readouterr()
+    code = main(["compare", *runs])
+    report = capsys.readouterr().out
+    assert code == (1 if told_apart else 0), report
+    assert ("model.note a vs b" in report or "model.note b vs a" in report) == told_apart, report

@@ -19,21 +19,28 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from finetune.errors import ConfigError
-
-# the base recipe of each task a source can train (its model, data and loss builders; the numbers are imported)
-BASE_RECIPES = {"sft": "sft-smollm2", "dpo": "dpo-smollm2", "grpo": "grpo-smollm2"}
+from finetune.registry import built_in_hints, task_hints
 
 
 def base_recipe(source) -> str | None:
-    """The recipe to import over: the task the source says (LLaMA-Factory's stage), else what a TRL folder's
-    arguments show (GRPOConfig's num_generations, DPOConfig's beta, else SFTConfig), else none (a clm recipe)."""
+    """The recipe to import over (its model, data and loss builders; the numbers are imported): the base recipe of
+    the task the source says (LLaMA-Factory's stage), else of the task whose TRL arguments a TRL folder holds
+    (``CompareHints.trl_marks``), else none (a clm recipe)."""
     from finetune.reproduce.baselines import read_baseline
 
     b = read_baseline(source, "reproduce")
-    task = b.task or ("grpo" if b.get("num_generations") is not None else
-                      "dpo" if b.get("beta") is not None and b.get("loss_type") is not None else
-                      "sft" if b.trl else None)
-    return BASE_RECIPES.get(task)
+    task = b.task or trl_task(b)
+    return task_hints(task).base_recipe if task else None
+
+
+def trl_task(b) -> str | None:
+    """The built-in task a TRL folder trained: the one whose marks (its trainer's own arguments) the folder holds
+    all of, the one with the most marks first — a GRPOConfig holds DPOConfig's beta and loss_type too."""
+    if not b.trl:
+        return None
+    held = [(len(h.trl_marks), name) for name, h in built_in_hints().items()
+            if h.base_recipe and h.trl_marks is not None and all(b.get(m) is not None for m in h.trl_marks)]
+    return max(held)[1] if held else None
 
 
 def main(args, finetune) -> int:

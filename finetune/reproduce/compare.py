@@ -30,10 +30,11 @@ from pathlib import Path
 
 import torch
 
+from finetune.job import CompareHints
 from finetune.outputs import read_config
+from finetune.registry import task_hints
 from finetune.reproduce import floor as floors
 from finetune.reproduce.floor import FP32
-from finetune.reproduce.settings import TASK_SETTINGS
 
 # The certificate's tolerances, each far above the rounding floor measured between layouts of the same run and far
 # below the smallest real difference its tests must catch (docs/exact-steps.md#the-certificate).
@@ -51,14 +52,12 @@ from finetune.optimizers import ADAPTIVE  # noqa: E402, I001  (the optimizer tab
 # 5e-4, fp32, 10 steps) ended with 10 of 460,800 adapter elements about one step (5e-4) apart, 1.25e-4 of the L2
 # with them and 4.8e-5 without, every step's loss and grad norm within the fp32 tolerances (benchmarks/README.md).
 FLIP_SHARE = 1e-4
-# the settings that shape each update beyond what the per-step layers see; the rest either does not change the steps
-# or shows in them (lr, clipping, batch)
+# the settings of every task that shape each update beyond what the per-step layers see; the rest either does not
+# change the steps or shows in them (lr, clipping, batch). A task adds its own (CompareHints.step_settings).
 STEP_SETTINGS = ("training.optimizer", "training.weight_decay", "training.momentum", "training.betas",
                  "training.mixed_precision", "model.dtype", "model.quantization", "model.dropout", "peft.enabled",
                  "peft.r", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save",
-                 "training.drop_last",
-                 *(f"model.{name}" for name in TASK_SETTINGS), "model.generation_batch_size", "data.pack",
-                 "data.turn_end", "data.too_long")
+                 "training.drop_last")
 # The loss curves of two runs of the same steps with an 8-bit optimizer (their weights drift apart, see above).
 EIGHT_BIT_LOSS_RTOL = 1e-2
 
@@ -229,12 +228,6 @@ def _rel(a: float, b: float, floor: float = 1e-12) -> float:
     return abs(a - b) / max(abs(a), abs(b), floor)
 
 
-# GRPO's loss is a sum of centred advantages times ratios near 1: it sums to about 0 (1e-8 at a first step), where a
-# relative difference is rounding over nothing. Its loss layer is judged relative to max(|a|, |b|, this floor), i.e.
-# to 1e-7 absolute at the fp32 tolerance; tests/test_grpo.py plants a 1e-6 difference that it must still catch.
-GRPO_LOSS_FLOOR = 1e-3
-
-
 def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: float | None = None,
                  floor=None) -> Comparison:
     """Compare two run directories as the module's docstring says: the settings, the windows, then every step's lr,
@@ -255,7 +248,8 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     c.qualifier = fl.note
     # the layers held to an assumed floor: outside it, "not certified" (a user's own tolerance is no assumption)
     assumed = fl.source.startswith("assumed")
-    check_settings(c, run_settings(b["config"]), run_settings(a["config"]))
+    names = tuple(dict.fromkeys(settings_of(a["config"]) + settings_of(b["config"])))  # both tasks' settings
+    check_settings(c, run_settings(b["config"], names), run_settings(a["config"], names))
     rollouts(c, a["rollouts"], b["rollouts"])
 
     ea, eb = a["metrics"].get("effective_batch_size"), b["metrics"].get("effective_batch_size")
@@ -266,14 +260,16 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     same_windows(c, ha, hb, n)
 
     steps = [h["step"] for h in ha[:n]]
-    grpo = all(r["config"] and r["config"].get("task") == "grpo" for r in (a, b))
+    # a loss that sums to about 0 (the task says so) is judged against an absolute floor, and has no one-sided shift
+    near_zero = [hints(r["config"]).loss_floor for r in (a, b)]
+    near_zero = near_zero[0] if near_zero[0] == near_zero[1] else None
     loss_tol = loss_rtol if loss_rtol is not None else EIGHT_BIT_LOSS_RTOL if c.eight_bit else fl.overall["loss"]
     losses_a, losses_b = [h["loss"] for h in ha[:n]], [h["loss"] for h in hb[:n]]
     th = fl.twin["history"][:n] if fl.twin else None  # the second reference of a measured floor
     loss_assumed = assumed and loss_rtol is None and not c.eight_bit
-    per_step(c, "loss curve", steps, losses_a, losses_b, loss_tol, floor=GRPO_LOSS_FLOOR if grpo else 1e-12,
+    per_step(c, "loss curve", steps, losses_a, losses_b, loss_tol, floor=near_zero or 1e-12,
              twin=[h["loss"] for h in th] if th else None, assumed=loss_assumed)
-    shift = floors.one_sided(losses_a, losses_b, fl) if not grpo else None  # GRPO's loss sums to about 0
+    shift = floors.one_sided(losses_a, losses_b, fl) if near_zero is None else None
     if shift:
         c.add("loss shift", False, shift, step=steps[0], assumed=loss_assumed)
     trained(c, ha[:n], hb[:n], loss_tol, assumed=loss_assumed)
@@ -364,16 +360,28 @@ def trained(c: Comparison, ha: list, hb: list, tolerance: float, assumed: bool =
                            "its last: equivalent steps, but no sign that either trained")
 
 
-def step_settings(values: dict) -> dict:
-    """The ``STEP_SETTINGS`` among dotted ``values`` (a run's, or what a baseline says), comparable: the adapted
+def hints(config: dict | None) -> CompareHints:
+    """What the task of a run's resolved config declares for compare (the defaults without a config)."""
+    return task_hints(config["task"]) if config and config.get("task") else CompareHints()
+
+
+def settings_of(config: dict | None) -> tuple:
+    """The dotted settings that shape a run's update: every task's, then its task's own."""
+    return STEP_SETTINGS + tuple(hints(config).step_settings)
+
+
+def step_settings(values: dict, names: tuple) -> dict:
+    """The settings ``names`` among dotted ``values`` (a run's, or what a baseline says), comparable: the adapted
     modules are a set, so their list is sorted."""
     return {k: sorted(v) if isinstance(v, list) and k.startswith("peft.") else v
-            for k, v in values.items() if k in STEP_SETTINGS}
+            for k, v in values.items() if k in names}
 
 
-def run_settings(config: dict | None) -> dict | None:
-    """A run's ``STEP_SETTINGS`` from its resolved config (None without one)."""
-    return step_settings({k: setting(config, k) for k in STEP_SETTINGS}) if config else None
+def run_settings(config: dict | None, names: tuple | None = None) -> dict | None:
+    """A run's update settings (``names``, else its own ``settings_of``) from its resolved config (None without
+    one)."""
+    names = names or settings_of(config)
+    return step_settings({k: setting(config, k) for k in names}, names) if config else None
 
 
 def check_settings(c: Comparison, ours: dict | None, theirs: dict | None, whose: str = "") -> None:
@@ -650,7 +658,8 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
 def _check_baseline_settings(c: Comparison, base, mine: dict) -> None:
     """The update settings the baseline's arguments and files say (as ``finetune import`` carries them) against this
     run's ``config.yaml``: a run that trained LoRA against a full fine-tuning, or another optimizer, differs."""
-    check_settings(c, run_settings(mine["config"]), step_settings(carried(base, mine).values), "the baseline")
+    check_settings(c, run_settings(mine["config"]), step_settings(carried(base, mine).values, settings_of(
+        mine["config"])), "the baseline")
 
 
 def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: float, why, mine: dict,
@@ -688,16 +697,13 @@ def uncarried(base, mine: dict) -> list:
             for line in lines]
 
 
-# Tasks whose baseline trainer averages each micro-batch's mean loss over the window (the Trainer divides by the
-# number of micro-batches when the loss is not divided by the window's item count): name → the trainer, as said
-MEAN_OF_MICRO_BATCHES = {"dpo": "TRL's DPOTrainer"}
-
-
 def short_micro_batch(base, mine: dict) -> list:
-    """Why a baseline of a task in ``MEAN_OF_MICRO_BATCHES`` differs at each epoch's last step: that window holds a
-    short micro-batch beside full ones, which its trainer weights like a full one, where finetune weights each sample
-    alike (the big batch's step). A property of the baseline's reduction, not something a run can carry."""
-    trainer = MEAN_OF_MICRO_BATCHES.get(mine["config"].get("task"))
+    """Why a baseline of a task whose trainer averages micro-batch means (``CompareHints.mean_of_micro_batches``:
+    the Trainer divides by the number of micro-batches when the loss is not divided by the window's item count)
+    differs at each epoch's last step: that window holds a short micro-batch beside full ones, which its trainer
+    weights like a full one, where finetune weights each sample alike (the big batch's step). A property of the
+    baseline's reduction, not something a run can carry."""
+    trainer = hints(mine["config"]).mean_of_micro_batches
     b, n = int(base.get("per_device_train_batch_size") or 0), mine["metrics"].get("train_samples")
     accumulation, processes = int(base.get("gradient_accumulation_steps") or 1), int(base.get("num_devices") or 1)
     if trainer is None or not b or not n or processes != 1 or n % b == 0:

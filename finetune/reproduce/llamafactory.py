@@ -16,12 +16,15 @@ carried with why (:data:`NOT_CARRIED`); keys that only say where things go are r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from finetune.errors import ConfigError
+from finetune.registry import built_in_hints, section_class, task_module
 
 KIND = "LLaMA-Factory run"
+TOOL = "llamafactory"  # this tool's name in a task's CompareHints.peer_names
 LOG = "trainer_log.jsonl"
 SAVED_YAML = "training_args.yaml"  # what LLaMA-Factory's web UI writes into output_dir
 
@@ -86,8 +89,7 @@ CHATML_TEMPLATES = {
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
           "{% endif %}")
-# stage → finetune task; pref_loss → the dpo task's loss_type
-STAGES = {"sft": "sft", "dpo": "dpo"}
+# pref_loss → the preference task's loss_type (which task a stage trains, its hints say: CompareHints.peer_names)
 PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo"}
 
 
@@ -181,8 +183,7 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
             b.own[key] = (raw[key], src(key))
     if raw.get("pure_bf16"):
         b.args["bf16"] = (True, src("pure_bf16"))
-    stage = raw.get("stage", "sft")
-    b.task = STAGES.get(str(stage))
+    b.task = stage_task(raw.get("stage"))
     if raw.get("finetuning_type", "lora") == "lora" and b.adapter_config is None:
         b.args["adapter"] = ("lora", src("finetuning_type"))
         b.args["lora_r"] = (raw.get("lora_rank", 8), src("lora_rank") if "lora_rank" in raw else
@@ -197,6 +198,29 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
     b.carry_own = carry_own
 
 
+def stage_task(stage) -> str | None:
+    """The built-in task LLaMA-Factory's ``stage`` trains (the one whose hints name it; no stage: LLaMA-Factory's
+    default), None for a stage no task trains."""
+    for name, hints in built_in_hints().items():
+        if (hints.peer_names.get(TOOL) == stage) if stage is not None else TOOL in hints.peer_default:
+            return name
+    return None
+
+
+def stages() -> list:
+    """The stages of LLaMA-Factory that finetune trains."""
+    return [h.peer_names[TOOL] for h in built_in_hints().values() if TOOL in h.peer_names]
+
+
+def stage_has(b, section: str, name: str) -> bool:
+    """Whether the task the baseline's stage trains has the setting ``section.name`` (its hints' tool, not the
+    recipe's: a stage's own settings are carried only from the stage that has them)."""
+    if b.task is None:
+        return False
+    module = task_module(b.task)
+    return name in {f.name for f in dataclasses.fields(section_class(module, f"{section.title()}Config"))}
+
+
 def carry_own(b, out, model_fields, data_fields: set) -> None:
     """LLaMA-Factory's own settings onto the recipe (called last by ``settings.carry``): its stage, template,
     preference loss and what it trains on; its packing and every other setting of :data:`NOT_CARRIED` that is not at
@@ -207,9 +231,9 @@ def carry_own(b, out, model_fields, data_fields: set) -> None:
         out.not_carried.append("adapters' start: replayed — LLaMA-Factory draws them after set_seed(seed), as "
                                "finetune does before building the model (checked with LLaMA-Factory 0.9.5, peft 0.18)")
     value = lambda key, default=None: own[key][0] if key in own else default  # noqa: E731
-    stage = str(value("stage", "sft"))
-    if stage not in STAGES:
-        out.skip("stage", stage, f"finetune reproduces LLaMA-Factory's sft and dpo stages, not {stage}")
+    if b.task is None:
+        out.skip("stage", value("stage"), f"finetune reproduces LLaMA-Factory's {' and '.join(stages())} stages, "
+                                          f"not {value('stage')}")
     template = value("template")
     if template is not None:
         where = own["template"][1]
@@ -225,13 +249,13 @@ def carry_own(b, out, model_fields, data_fields: set) -> None:
             out.skip("template", template, "finetune renders conversations with the tokenizer's own chat template; "
                      f"LLaMA-Factory's {template} template may render other text (finetune maps "
                      f"{', '.join(sorted(CHATML_TEMPLATES))})")
-    if "turn_end" in data_fields and stage == "sft":
+    if "turn_end" in data_fields and stage_has(b, "data", "turn_end"):
         out.set("data.turn_end", "trained", f"{own['template'][1] if 'template' in own else 'LLaMA-Factory'}: its "
                 "templates train the whole assistant turn, the newline after its end token included")
-    if stage == "sft" and "train_on" in data_fields and not value("train_on_prompt"):
+    if stage_has(b, "data", "train_on") and "train_on" in data_fields and not value("train_on_prompt"):
         out.set("data.train_on", "assistant", "LLaMA-Factory's default: the loss on the assistant's turns "
                                               "(train_on_prompt false)")
-    if stage == "dpo":
+    if stage_has(b, "model", "beta"):  # a preference stage
         if "beta" in model_fields:
             out.set("model.beta", float(value("pref_beta", 0.1)), own["pref_beta"][1] if "pref_beta" in own else
                     "LLaMA-Factory's default pref_beta")

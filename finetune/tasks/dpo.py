@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import attention_mask, right_pad
-from finetune.job import Job, TaskContext
+from finetune.job import CompareHints, Job, TaskContext
 from finetune.models import precision
 from finetune.models.hf import peft_save_hook
 from finetune.models.loss_head import model_sequence_log_probs
@@ -44,6 +44,13 @@ from finetune.tasks import chat
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 PRECOMPUTE_PAIRS = 8  # pairs per forward when precomputing: fixed, so the numbers never depend on the run's batch
+
+
+# What compare and reproduce know of this task. TRL's DPOTrainer (LLaMA-Factory's dpo stage too) averages each
+# micro-batch's mean loss over the window; its folders hold beta and loss_type.
+COMPARE_HINTS = CompareHints(step_settings=("model.beta", "model.loss_type", "model.label_smoothing", "data.too_long"),
+                             mean_of_micro_batches="TRL's DPOTrainer", base_recipe="dpo-smollm2",
+                             trl_marks=("beta", "loss_type"), peer_names={"llamafactory": "dpo"})
 
 
 @dataclass

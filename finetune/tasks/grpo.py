@@ -42,13 +42,25 @@ import torch
 from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import split_samples
-from finetune.job import Job, TaskContext
+from finetune.job import CompareHints, Job, TaskContext
 from finetune.models.forward import shards_weights
 from finetune.models.hf import peft_save_hook
 from finetune.seeding import permutation, step_seed
 from finetune.tasks import chat
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+# What compare and reproduce know of this task. Its loss is a sum of centred advantages times ratios near 1: it sums
+# to about 0 (1e-8 at a first step), where a relative difference is rounding over nothing, so the loss layer is judged
+# relative to max(|a|, |b|, 1e-3), i.e. to 1e-7 absolute at the fp32 tolerance (tests/test_grpo.py plants a 1e-6
+# difference that it must still catch). A GRPOTrainer folder holds num_generations beside DPO's beta and loss_type.
+COMPARE_HINTS = CompareHints(
+    step_settings=tuple(f"model.{name}" for name in (
+        "beta", "loss_type", "num_generations", "num_iterations", "epsilon", "epsilon_high", "temperature", "top_p",
+        "max_completion_length", "scale_rewards", "reward_weights", "use_bias_correction_kl",
+        "generation_batch_size")),
+    loss_floor=1e-3, base_recipe="grpo-smollm2", trl_marks=("beta", "loss_type", "num_generations"))
 
 
 @dataclass

@@ -25,7 +25,7 @@ from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, doc
 from finetune.data import attention_mask, parse_rows, right_pad
 from finetune.evaluation import load_metric
-from finetune.job import Job, TaskContext
+from finetune.job import CompareHints, Job, TaskContext
 from finetune.models.hf import peft_save_hook
 from finetune.packing import collate_rows
 from finetune.tasks.chat import (
@@ -49,6 +49,12 @@ from finetune.tasks.chat import (
     validate_source,
     validate_streaming,
 )
+
+# What compare and reproduce know of this task: packing, the turn end and long rows change which tokens each step
+# trains on; LLaMA-Factory's sft stage (its default) and any TRL SFTTrainer folder train it.
+COMPARE_HINTS = CompareHints(step_settings=("data.pack", "data.turn_end", "data.too_long"),
+                             base_recipe="sft-smollm2", trl_marks=(), peer_names={"llamafactory": "sft"},
+                             peer_default=("llamafactory",))
 
 
 @dataclass
