@@ -34,7 +34,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from finetune import checkpoint, distributed, durable, loop, outputs, runlock
-from finetune.config import RecipeConfig, TrainingConfig, flatten
+from finetune.config import RecipeConfig, TrainingConfig, flatten, installed
 from finetune.errors import ConfigError
 from finetune.items import count_items, is_causal_lm
 from finetune.job import Job, TaskContext
@@ -165,12 +165,10 @@ def as_run(cfg: RecipeConfig, shape: Shape) -> RecipeConfig:
 
 def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
     """Refuse, naming the setting, what this machine or the launch cannot run (fail at set-up, not mid-run)."""
-    if tracker not in (None, "none"):
-        import importlib.util
-
-        if importlib.util.find_spec(tracker) is None:
-            raise ConfigError(f"output.tracker: {tracker} is not installed (pip install {tracker}); "
-                              "or set output.tracker=none")
+    # not a field's needs (config.check_needs): the Python API names its tracker outside any recipe
+    if tracker not in (None, "none") and not installed(tracker):
+        raise ConfigError(f"output.tracker: {tracker} is not installed (pip install {tracker}); "
+                          "or set output.tracker=none")
     if t.mixed_precision == "fp16" and not torch.cuda.is_available():  # Accelerate would silently train in fp32
         raise ConfigError("training.mixed_precision: fp16 needs a CUDA device; use bf16 or no on this machine")
     if t.activation_offloading and not torch.cuda.is_available():
