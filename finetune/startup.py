@@ -1,6 +1,7 @@
 """Start-up: everything between a validated recipe (or the Python API's objects, or the planner) and the first step,
-in three stages, each returning one frozen record. Every refusal before the first step comes from here, as one line
-naming the setting (ConfigError); ``loop.train`` only trains.
+in three stages, each returning one frozen record. Every refusal before the first step comes from here, or earlier
+from loading the recipe (a field's range and what it needs: docs/code-map.md, "Where each refusal goes"), as one
+line naming the setting (ConfigError); ``loop.train`` only trains.
 
     checked = check(cfg, resume)     # 1. no model: the output directory and its lock, the checkpoint (read once and
                                      #    checked), what this machine and the launch's engine config can run, the
