@@ -101,9 +101,54 @@ class Range:
         return " or ".join([text, *alternatives])
 
 
+@dataclass(frozen=True)
+class Needs:
+    """What a field needs when it is set: a package, or another setting. Declared on the field
+    (``doc(needs=…)``) and checked on load with the field's range (``check_needs``), so that ``finetune validate``
+    lists it with every other problem and a run refuses it before any data is read or model loaded.
+
+    Args:
+        package: (the module looked up, what ``pip install`` installs it from), as the optimizer table writes it
+            (``optimizers.Optimizer.needs``); or a function of the field's value giving that pair, or None where
+            the value needs nothing (``training.optimizer`` asks the table).
+        setting: another field, ``section.name``, that must be set (true, or not null).
+        when: the values that need it; None: any value but the field's default, null and false.
+        why: what the line says after the setting it names, in brackets.
+
+        >>> @dataclass
+        ... class Data:
+        ...     pack: Optional[str] = doc("pack rows", None, needs=Needs(package=("no_such_module", "no-such")))
+        >>> problems = []
+        >>> check_needs(Data(pack="bfd"), "data", problems)
+        >>> problems
+        ['data.pack: bfd needs no_such_module, which is not installed (pip install no-such)']
+    """
+
+    package: Union[tuple, typing.Callable, None] = None
+    setting: Optional[str] = None
+    when: Optional[typing.Callable[[Any], bool]] = None
+    why: str = ""
+
+
+def always(_value) -> bool:
+    """``Needs.when`` for a field whose every value needs it (its default too)."""
+    return True
+
+
+def names_gguf(name_or_path) -> bool:
+    """Whether a model path names a GGUF file (``path/to/model.gguf``, ``gguf:PACKAGE/FILE.gguf``), which
+    ``finetune.models.hf`` converts with the gguf package."""
+    return isinstance(name_or_path, str) and (name_or_path.startswith("gguf:")
+                                              or name_or_path.lower().endswith(".gguf"))
+
+
+GGUF = Needs(package=("gguf", "'finetune[gguf]'"), when=names_gguf)  # every field a model path is read from
+
+
 def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, alias: Optional[str] = None,
         affects_result: bool = True, at_least=None, above=None, at_most=None, below=None,
-        length: Optional[int] = None, choices: Optional[typing.Callable[[], tuple]] = None, **kw):
+        length: Optional[int] = None, choices: Optional[typing.Callable[[], tuple]] = None,
+        needs: Union[Needs, tuple, None] = None, **kw):
     """A dataclass field and everything said about it, in one place.
 
     Args:
@@ -119,6 +164,8 @@ def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, a
         choices: for a string field whose values live in a table elsewhere (``finetune.optimizers``): returns the
             allowed values, asked at each validation, so that an entry added to the table is allowed at once (a
             ``Literal`` would freeze them when the schema is imported).
+        needs: what the field needs when it is set (``Needs``; a tuple of them for several): a package, another
+            setting. Checked on load beside the range (``check_needs``).
 
     The bounds become a ``Range`` in the field's metadata (``metadata["range"]``): every recipe section is checked
     against it on load (``check_ranges``), and the help text ends with it (``; allowed: >= 1``).
@@ -139,8 +186,9 @@ def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, a
     if default is not dataclasses.MISSING:
         kw["default"] = default
     shown = f"{text}; allowed: {allowed.bounds()}" if allowed else text
+    needs = (needs,) if isinstance(needs, Needs) else tuple(needs or ())
     return field(metadata={"help": shown, "flag": flag, "alias": alias, "affects_result": affects_result,
-                           "range": allowed, "choices": choices}, **kw)
+                           "range": allowed, "choices": choices, "needs": needs}, **kw)
 
 
 @dataclass
@@ -148,7 +196,9 @@ class TrainingConfig:
     batch_size: Union[int, Literal["auto"]] = doc(
         "micro-batch: samples per process per forward/backward; auto: the largest that fits (needs "
         "effective_batch_size; on out-of-memory the same window is retried with a smaller one)", 8,
-        flag="--batch-size", affects_result=False, at_least=1)
+        flag="--batch-size", affects_result=False, at_least=1,
+        needs=Needs(setting="training.effective_batch_size", when=lambda size: size == "auto",
+                    why="the window the micro-batches split"))
     gradient_accumulation_steps: Optional[int] = doc(
         "N: micro-batches per process per optimizer step (null: derived from effective_batch_size, else 1)", None,
         flag="--grad-accum-steps", affects_result=False, at_least=1)
@@ -159,14 +209,16 @@ class TrainingConfig:
                                flag="--lr", alias="lr", at_least=0)
     scale_lr: Literal["none", "linear", "sqrt"] = doc(
         "scale learning_rate by (effective batch / reference_batch_size) or its square root — for a run that can't "
-        "use the baseline's batch; none keeps it", "none")
+        "use the baseline's batch; none keeps it", "none",
+        needs=Needs(setting="training.reference_batch_size", why="the baseline's effective batch that learning_rate "
+                                                                  "belongs to"))
     reference_batch_size: Optional[int] = doc("the baseline's effective batch that learning_rate belongs to", None,
                                               at_least=1)
     epochs: int = doc("passes over the training data", 1, flag="--epochs", alias="n_epochs", at_least=1)
     max_steps: Optional[int] = doc("stop after this many optimizer steps (null: run all epochs)", None,
                                    flag="--max-steps", at_least=1)
     optimizer: str = doc(f"one of finetune.optimizers.OPTIMIZERS — {optimizers.described()}", "adamw",
-                         choices=optimizers.names)
+                         choices=optimizers.names, needs=Needs(package=optimizers.needs_of))
     weight_decay: float = doc("decoupled weight decay (adamw, lion) or L2 (sgd)", 0.0, at_least=0)
     momentum: float = doc("sgd momentum", 0.0, at_least=0, below=1)
     betas: list = doc("adamw / lion betas", dataclasses.MISSING, length=2, at_least=0, below=1,
@@ -256,7 +308,7 @@ class OutputConfig:
 
 @dataclass
 class BaseModelConfig:
-    name_or_path: Optional[str] = doc("hub id or local directory of a pretrained model", None)
+    name_or_path: Optional[str] = doc("hub id or local directory of a pretrained model", None, needs=GGUF)
     dropout: Optional[float] = doc("dropout probability for every dropout layer (null: model default; 0: off)", None,
                                    at_least=0, below=1)
     trust_remote_code: bool = doc("allow model code from the checkpoint directory", False)
@@ -272,7 +324,10 @@ class PretrainedModelConfig(BaseModelConfig):
         "stays fp32, and computing follows training.mixed_precision (fp32 without it); fp16 needs CUDA", "fp32")
     quantization: Literal["none", "nf4", "fp4", "int8"] = doc(
         "quantize the frozen linear layers with bitsandbytes (QLoRA: nf4): 4-bit nf4 / fp4 with double quantization, "
-        "or 8-bit int8; needs peft.enabled and pip install 'finetune[quant]'", "none")
+        "or 8-bit int8; needs peft.enabled and pip install 'finetune[quant]'", "none",
+        needs=(Needs(setting="peft.enabled", why="the base stays frozen and LoRA adapters train on it: full "
+                                                 "fine-tuning cannot update quantized weights"),
+               Needs(package=optimizers.BITSANDBYTES)))
 
 
 @dataclass
@@ -285,7 +340,8 @@ class BaseDataConfig:
 
 @dataclass
 class PeftConfig:
-    enabled: bool = doc("train LoRA adapters (peft) instead of all weights", False)
+    enabled: bool = doc("train LoRA adapters (peft) instead of all weights", False,
+                        needs=Needs(package=("peft", "'finetune[peft]'")))
     r: int = doc("LoRA rank", 8, at_least=1)
     alpha: int = doc("LoRA alpha (the update is scaled by alpha / r)", 16, at_least=1)
     dropout: float = doc("dropout on the LoRA branch (0 for an exact reproduction check)", 0.0, at_least=0, below=1)
@@ -429,6 +485,49 @@ def check_ranges(section, prefix: str, problems: list) -> None:
             problems.append(f"{prefix}.{f.name}: got {value}; must be {allowed.describe(hints[f.name])}")
 
 
+def check_needs(section, prefix: str, problems: list, sections: Optional[dict] = None) -> None:
+    """One line per field of the dataclass instance ``section`` that is set to a value needing what is missing: a
+    package not installed, another setting not set (the ``Needs`` its ``doc(...)`` declares). ``sections``: section
+    name → section, where a needed setting outside ``section`` is looked up (the recipe's). A value its range
+    refuses is reported by the range alone.
+
+        >>> problems = []
+        >>> check_needs(TrainingConfig(batch_size="auto"), "training", problems)
+        >>> problems
+        ['training.batch_size: auto needs training.effective_batch_size (the window the micro-batches split)']
+    """
+    sections = {**(sections or {}), prefix: section}
+    for f in dataclasses.fields(section):
+        value, allowed = getattr(section, f.name), f.metadata.get("range")
+        if allowed is not None and not allowed.allows(value):
+            continue
+        for need in f.metadata.get("needs", ()):
+            if not (need.when(value) if need.when is not None else is_set(value, f)):
+                continue
+            shown = yaml_value(value)
+            package = need.package(value) if callable(need.package) else need.package
+            if package is not None:
+                need_package(f"{prefix}.{f.name}", shown, *package, problems)
+            if need.setting is not None:
+                where, name = need.setting.split(".")
+                other = getattr(sections[where], name)
+                if other is None or other is False:
+                    wanted = f"{need.setting}=true" if isinstance(other, bool) else need.setting
+                    problems.append(f"{prefix}.{f.name}: {shown} needs {wanted}"
+                                    + (f" ({need.why})" if need.why else ""))
+
+
+def is_set(value, f: dataclasses.Field) -> bool:
+    """Whether field ``f`` holds ``value`` on purpose: not null, not false, not its default."""
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return value is not None and value is not False and value != default
+
+
+def yaml_value(value) -> str:
+    """A value as a recipe writes it: true / false / null, other values as they are."""
+    return "true" if value is True else "false" if value is False else "null" if value is None else str(value)
+
+
 def in_range(section, name: str) -> bool:
     """Whether field ``name`` of ``section`` is within its declared range (True without one). A cross-field check
     asks it first, so that a value its range refuses is reported once, by the range."""
@@ -437,23 +536,15 @@ def in_range(section, name: str) -> bool:
 
 
 def validate_training(t: TrainingConfig, problems: list):
-    """The training section: each field's declared range, then the checks that involve more than one field or the
-    machine; appends one line per problem."""
+    """The training section: each field's declared range and what it needs (a package, another training field);
+    appends one line per problem."""
     check_ranges(t, "training", problems)
-    # Not field ranges: each depends on another field, or on what is installed.
-    if t.batch_size == "auto" and t.effective_batch_size is None:
-        problems.append("training.batch_size: auto needs training.effective_batch_size (the window the micro-batches "
-                        "split)")
-    entry = optimizers.OPTIMIZERS.get(t.optimizer)  # a name not in the table: build_section said so
-    if entry is not None and entry.needs:
-        need_package("training.optimizer", t.optimizer, *entry.needs, problems)
-    if t.scale_lr != "none" and t.reference_batch_size is None:
-        problems.append(f"training.reference_batch_size: got None; scale_lr={t.scale_lr} needs the baseline's "
-                        "effective batch (an integer >= 1)")
+    check_needs(t, "training", problems)
 
 
 def installed(module: str) -> bool:
-    """Whether ``module`` is installed (looked up, not imported: importing bitsandbytes takes seconds)."""
+    """Whether ``module`` is installed (looked up, not imported: importing bitsandbytes takes seconds). Every refusal
+    of a missing package asks here (``check_needs``)."""
     import importlib.util
 
     try:
@@ -462,31 +553,16 @@ def installed(module: str) -> bool:
         return False
 
 
-def bitsandbytes_installed() -> bool:
-    return installed("bitsandbytes")
-
-
 def need_package(field: str, value: str, module: str, pip: str, problems: list) -> None:
     """One line when ``field: value`` needs ``module`` and it is not installed (``pip``: what installs it)."""
     if not installed(module):
         problems.append(f"{field}: {value} needs {module}, which is not installed (pip install {pip})")
 
 
-def need_bitsandbytes(field: str, value: str, problems: list) -> None:
-    need_package(field, value, *optimizers.BITSANDBYTES, problems)
-
-
 def validate_precision(cfg: RecipeConfig, problems: list) -> None:
-    """``model.dtype`` / ``model.quantization`` against the rest of the recipe; appends one line per problem."""
-    m = cfg.model
-    if m.quantization == "none":
-        return
-    if not cfg.peft.enabled:
-        problems.append(f"model.quantization: {m.quantization} keeps the base frozen and trains LoRA adapters on it; "
-                        "set peft.enabled=true (peft.enabled is false: full fine-tuning cannot update quantized "
-                        "weights)")
-    need_bitsandbytes("model.quantization", m.quantization, problems)
-    t = cfg.training
+    """``model.quantization`` against the training section; appends one line per problem. (What it needs,
+    peft.enabled and bitsandbytes, its field declares: ``check_needs``.)"""
+    m, t = cfg.model, cfg.training
     # bitsandbytes' 8-bit matmul (0.50) keeps each layer's input on itself, outside autograd's saved tensors, whether
     # or not backward needs it: checkpointing cannot free those inputs and offloading cannot move them.
     for flag in ("gradient_checkpointing", "activation_offloading"):
@@ -506,9 +582,14 @@ def refuse_precision_for_new_model(m: PretrainedModelConfig, problems: list) -> 
 
 
 def _validate_ranges(cfg: RecipeConfig, problems: list):
+    """Every section's field ranges and what its fields need (``check_needs``: packages, other settings), then the
+    checks of combinations; appends one line per problem."""
     validate_training(cfg.training, problems)
+    sections = {name: getattr(cfg, name) for name in ("model", "data", "training", "output", "peft")}
     for name in ("model", "data", "output"):
-        check_ranges(getattr(cfg, name), name, problems)
+        check_ranges(sections[name], name, problems)
+    for name in ("model", "data", "output", "peft"):  # training's: validate_training
+        check_needs(sections[name], name, problems, sections)
     if isinstance(cfg.model, PretrainedModelConfig):
         validate_precision(cfg, problems)
     # Not field ranges: these depend on peft.enabled.

@@ -20,8 +20,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from finetune.errors import ConfigError
-
 # bitsandbytes' 8-bit AdamW (0.50): both moments in 8 bits with one fp32 absmax per 256 elements, and two 256-entry
 # fp32 maps shared by every tensor; tensors under 4096 elements keep fp32 moments.
 BLOCK_8BIT_OPTIM, MIN_8BIT_SIZE, QMAP = 256, 4096, 256
@@ -61,11 +59,8 @@ def make_bitsandbytes(name: str) -> Callable:
     tensors under 4096 elements keep fp32 state). The update rounds differently from fp32 AdamW: not the baseline's
     step (compare says so)."""
     def make(groups, t):
-        try:
-            import bitsandbytes as bnb
-        except ImportError:  # validation refuses it first; a caller that skipped validation gets the same line
-            raise ConfigError(f"training.optimizer: {t.optimizer} needs bitsandbytes (pip install 'finetune[quant]')") \
-                from None
+        import bitsandbytes as bnb  # missing: refused on load, as the entry's needs say (config.check_needs)
+
         return getattr(bnb.optim, name)(groups, lr=t.learning_rate, betas=tuple(t.betas))
     return make
 
@@ -122,6 +117,13 @@ OPTIMIZERS: dict[str, Optimizer] = {
                                  "the same, its state paged to host memory when the GPU runs short",
                                  eight_bit=True, needs=BITSANDBYTES, trainer_names=("paged_adamw_8bit",)),
 }
+
+
+def needs_of(name: str) -> Optional[tuple[str, str]]:
+    """What optimizer ``name`` needs installed, (module, pip), or None (a name not in the table: the schema's
+    choices refuse it)."""
+    entry = OPTIMIZERS.get(name)
+    return entry.needs if entry is not None else None
 
 
 def names() -> tuple:

@@ -1,6 +1,7 @@
 """Start-up: everything between a validated recipe (or the Python API's objects, or the planner) and the first step,
-in three stages, each returning one frozen record. Every refusal before the first step comes from here, as one line
-naming the setting (ConfigError); ``loop.train`` only trains.
+in three stages, each returning one frozen record. Every refusal before the first step comes from here, or earlier
+from loading the recipe (a field's range and what it needs: docs/code-map.md, "Where each refusal goes"), as one
+line naming the setting (ConfigError); ``loop.train`` only trains.
 
     checked = check(cfg, resume)     # 1. no model: the output directory and its lock, the checkpoint (read once and
                                      #    checked), what this machine and the launch's engine config can run, the
@@ -34,7 +35,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from finetune import checkpoint, distributed, durable, loop, outputs, runlock
-from finetune.config import RecipeConfig, TrainingConfig, flatten
+from finetune.config import RecipeConfig, TrainingConfig, flatten, installed
 from finetune.engine_config import check_deepspeed, check_engine_config
 from finetune.errors import ConfigError
 from finetune.items import count_items, is_causal_lm
@@ -166,12 +167,10 @@ def as_run(cfg: RecipeConfig, shape: Shape) -> RecipeConfig:
 
 def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
     """Refuse, naming the setting, what this machine or the launch cannot run (fail at set-up, not mid-run)."""
-    if tracker not in (None, "none"):
-        import importlib.util
-
-        if importlib.util.find_spec(tracker) is None:
-            raise ConfigError(f"output.tracker: {tracker} is not installed (pip install {tracker}); "
-                              "or set output.tracker=none")
+    # not a field's needs (config.check_needs): the Python API names its tracker outside any recipe
+    if tracker not in (None, "none") and not installed(tracker):
+        raise ConfigError(f"output.tracker: {tracker} is not installed (pip install {tracker}); "
+                          "or set output.tracker=none")
     if t.mixed_precision == "fp16" and not torch.cuda.is_available():  # Accelerate would silently train in fp32
         raise ConfigError("training.mixed_precision: fp16 needs a CUDA device; use bf16 or no on this machine")
     if t.activation_offloading and not torch.cuda.is_available():

@@ -394,7 +394,7 @@ def test_compare_does_not_call_8bit_runs_equivalent(qlora_run, tmp_path):
 
 BAD = [
     (["peft.enabled=false", "model.quantization=nf4"],
-     "model.quantization: nf4 keeps the base frozen and trains LoRA adapters on it; set peft.enabled=true"),
+     "model.quantization: nf4 needs peft.enabled=true (the base stays frozen and LoRA adapters train on it"),
     (["model.dtype=fp8"], "model.dtype: got 'fp8'; expected 'fp32' | 'bf16' | 'fp16'"),
     (["model.quantization=int4"], "model.quantization: got 'int4'; expected 'none' | 'nf4' | 'fp4' | 'int8'"),
     (["model.dtype=fp16"], "model.dtype: fp16 weights need a CUDA device"),

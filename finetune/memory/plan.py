@@ -394,14 +394,16 @@ def recipe_levers(cfg) -> list[Setting]:
     """The levers that can make ``cfg`` fit, in ``LEVERS`` order, each cumulative with LoRA where it needs it: an
     8-bit AdamW (full fine-tuning with AdamW), LoRA (a recipe that trains every weight), then for a pretrained
     Hugging Face model a bf16 base, a 4-bit nf4 base, and computing in bf16. bitsandbytes' levers only where it is
-    installed."""
-    from finetune.config import PretrainedModelConfig, bitsandbytes_installed
+    installed, LoRA's only where peft is (the levers' recipes are not validated: what they need is asked here)."""
+    from finetune.config import PretrainedModelConfig, installed
 
     m, t, lora = cfg.model, cfg.training, cfg.peft.enabled
-    quant = bitsandbytes_installed()
+    quant = installed("bitsandbytes")
     out = []
     if quant and t.optimizer == "adamw" and not lora:
         out.append(Setting(optimizer="adamw8bit"))
+    if not lora and not installed("peft"):  # every lever below trains LoRA adapters
+        return out
     if not lora:
         out.append(Setting(lora=True))
     if not (isinstance(m, PretrainedModelConfig) and m.name_or_path):

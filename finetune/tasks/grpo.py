@@ -397,14 +397,14 @@ class Generator:
     chunks, and every process ends up holding the whole batch (``shared_chunks``)."""
 
     def __init__(self, m: ModelConfig, ctx: TaskContext, model, tokenizer, prompts: list,
-                 schedule: GenerationSchedule, rollouts: Rollouts, funcs: list, reference):
+                 schedule: GenerationSchedule, rollouts: Rollouts, funcs: list, reference,
+                 replay: Optional[dict] = None):
         self.m, self.seed, self.model, self.tokenizer = m, ctx.seed, model, tokenizer
         # where this process generates and its share of the chunks; agree: a refusal stops every process alike
         self.device, self.processes, self.rank, self.agree = ctx.device, ctx.processes, ctx.rank, ctx.agree
         self.prompts, self.schedule, self.rollouts = prompts, schedule, rollouts
         self.funcs, self.reference = funcs, reference
-        self.replay_path = m.rollouts
-        self.replay = read_rollouts(self.replay_path) if self.replay_path else None
+        self.replay_path, self.replay = m.rollouts, replay  # model.rollouts, read before the model loaded
 
     def before_window(self, state) -> None:
         batch, _ = self.schedule.locate(state.next_window * self.schedule.effective)
@@ -666,20 +666,22 @@ def schedule_of(m: ModelConfig, effective: int, prompts: int) -> tuple[Generatio
 def build(cfg, ctx: TaskContext) -> Job:
     m, d = cfg.model, cfg.data
     funcs = load_rewards(m)
+    replay = read_rollouts(m.rollouts) if m.rollouts else None
     rows = load_prompts(d)
+    train_part, val_part = split_samples(list(range(len(rows))), d.val_fraction, d.split_seed, d.limit)
+    # the generation batches against the prompts, before any is tokenized or the model loads
+    schedule, source = schedule_of(m, ctx.shape.effective, len(train_part))
     tokenizer = chat.load_tokenizer(m)
     tokens = tokenized(tokenizer, rows, d)
-    train_part, val_part = split_samples(list(range(len(rows))), d.val_fraction, d.split_seed, d.limit)
     prompts = Prompts(rows, tokens, train_part)
     held_out = Prompts(rows, tokens, val_part or [], first_id=len(prompts))
     for part in (prompts, held_out):
         part.check_length(m)
     tokenizer.padding_side = "left"
     model, _ = chat.tuned_model(cfg, tokenizer)
-    schedule, source = schedule_of(m, ctx.shape.effective, len(prompts))
     rollouts = Rollouts()
     generator = Generator(m, ctx, model, tokenizer, prompts, schedule, rollouts, funcs,
-                          make_reference(m, model, cfg.peft.enabled))
+                          make_reference(m, model, cfg.peft.enabled), replay)
     if ctx.main:
         print(f"grpo: {len(prompts)} prompts from {d.source} ({len(held_out)} held out); {m.num_generations} "
               f"completions each; generation batch {schedule.batch_completions} completions ({source}) for "

