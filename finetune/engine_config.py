@@ -11,14 +11,14 @@ from typing import Optional
 from accelerate.utils import FullyShardedDataParallelPlugin, constants
 
 from finetune import distributed
-from finetune.config import TrainingConfig
 from finetune.errors import ConfigError
 
 
-def check_engine_config(t: TrainingConfig) -> None:
+def check_engine_config(max_grad_norm: Optional[float], on_nonfinite: str) -> None:
     """Every engine setting the launch's config holds, checked in stage 1 on every process: a key or value the
     engine would refuse later (with its own traceback, mid set-up), and what it would run differently from the
-    recipe. One line each, naming the key; nothing is written before."""
+    recipe (its ``training.max_grad_norm`` and ``training.on_nonfinite``, the two settings an engine can overrule).
+    One line each, naming the key; nothing is written before."""
     name = distributed.engine()
     if name == "fsdp":
         check_fsdp_config()
@@ -26,7 +26,7 @@ def check_engine_config(t: TrainingConfig) -> None:
     elif name == "deepspeed":
         config = read_deepspeed_config()
         check_deepspeed_values(config)
-        check_deepspeed(config, t.max_grad_norm, None, t.on_nonfinite)
+        check_deepspeed(config, max_grad_norm, None, on_nonfinite)
 
 
 # the accelerate config's deepspeed_config fields that reach the processes as numbers (ACCELERATE_<NAME>)

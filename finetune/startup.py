@@ -176,7 +176,7 @@ def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
     if t.activation_offloading and not torch.cuda.is_available():
         raise ConfigError("training.activation_offloading: moves activations from GPU to host memory and needs CUDA; "
                           "on this machine there is no device memory to save")
-    check_engine_config(t)
+    check_engine_config(t.max_grad_norm, t.on_nonfinite)
 
 
 def split_batch(t: TrainingConfig, processes: int) -> Shape:

@@ -109,7 +109,7 @@ def test_the_shipped_configs_pass_the_engine_checks(launch_env):
         fields = yaml.safe_load(path.read_text())["deepspeed_config"]
         launch_env({"ACCELERATE_USE_DEEPSPEED": "true",
                     **{names[k]: str(v).lower() for k, v in fields.items() if k in names}})
-        check_engine_config(TrainingConfig())
+        check_engine_config(TrainingConfig().max_grad_norm, TrainingConfig().on_nonfinite)
 
 
 def test_a_launched_bad_config_is_one_line_on_two_processes(tmp_path):
