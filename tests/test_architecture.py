@@ -497,8 +497,8 @@ def test_a_run_follows_its_configuration_in_8_stays_and_1_return_and_sets_up_onc
 
 # the stage functions a resumed run passes through, whoever starts it
 RESUME_STAGES = ("finetune.startup.check_training", "finetune.checkpoint.find_checkpoint", "finetune.checkpoint.read",
-                 "finetune.checkpoint.check_resume", "finetune.startup.counted", "finetune.startup.assemble",
-                 "finetune.loop.train")
+                 "finetune.checkpoint.check_resume", "finetune.startup.counted", "finetune.checkpoint.check_holds",
+                 "finetune.startup.assemble", "finetune.loop.train")
 
 
 def stage_calls(run) -> dict:
