@@ -39,7 +39,8 @@ class Job:
             checkpoint (an EMA of the weights, a sample image every K steps); ``model`` is the unwrapped model.
         tokenizer: saved beside the model when it has ``save_pretrained``.
         checkpointed: objects with ``state_dict()`` (name → tensor) and ``load_state_dict`` whose state is saved
-            in every checkpoint and restored on resume (e.g. reference log-probs computed once at set-up).
+            in every checkpoint and restored on resume (e.g. reference log-probs computed once at set-up); a
+            checkpoint without it is refused at start-up (``checkpoint.contents``, the registry it joins).
         stream_block: ``train_data`` is read a block of this many consecutive samples at a time (a stream,
             ``finetune.streaming``): it is shuffled in blocks (``windows.block_order``), and set-up reads no sample
             ahead of its window.
