@@ -459,7 +459,7 @@ def run_finetune(model, data, collate, b: int, n: int, *, lr: float, epochs: int
     job = Job(model=model, train_data=data, collate_fn=collate,
               length_of=(lambda i: lengths[i]) if lengths is not None else None,
               before_window=lambda state: run.starts.append(clocks()))  # after the window's micro-batches are fetched
-    result = startup.train_job(job, t, loop.Outputs(banner=False))
+    result = startup.train_job(job, t, loop.Reporting(banner=False))
     run.end = clocks()
     t_end = run.end[0]
     run.samples = [h["samples"] for h in result["history"]]

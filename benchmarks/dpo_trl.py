@@ -105,7 +105,7 @@ def run_finetune(path: str, data_file: Path, b: int, n: int, lr: float) -> tuple
     job = startup.build_job(cfg)  # seeded, as a run builds it
     start = lora_weights(job.model)
     began = time.perf_counter()
-    result = startup.train_job(job, cfg.training, loop.Outputs(banner=False))
+    result = startup.train_job(job, cfg.training, loop.Reporting(banner=False))
     return start, lora_weights(result.model), time.perf_counter() - began
 
 

@@ -291,7 +291,7 @@ def train_finetune(model, data, t: TrainingConfig, lengths=None, on_window=None)
 
     job = Job(model=model, train_data=data, collate_fn=pad_collate(PAD),
               length_of=(lambda i: lengths[i]) if lengths is not None else None, before_window=before_window)
-    result = startup.train_job(job, t, loop.Outputs(banner=False))
+    result = startup.train_job(job, t, loop.Reporting(banner=False))
     run = C.ToolRun("finetune", starts=[starts[k] for k in sorted(starts)], end=C.clocks())
     run.tokens = [h.get("tokens", 0) for h in result.history]
     return run, result

@@ -175,7 +175,7 @@ def run_finetune(path: str, data_file: Path, rollouts: Path, loss_type: str, b: 
     start = weights(job.model)
     began = time.perf_counter()
     with meter or contextlib.nullcontext():
-        result = startup.train_job(job, cfg.training, loop.Outputs(banner=False))
+        result = startup.train_job(job, cfg.training, loop.Reporting(banner=False))
     seconds = time.perf_counter() - began
     assert result.optimizer_steps == steps, f"finetune took {result.optimizer_steps} steps, not {steps}"
     return start, weights(result.model), seconds

@@ -124,7 +124,7 @@ def finetune_steps(model, data, collate, b: int, n: int, steps: int, checkpointi
     job = Job(model=model, train_data=data[:b * n * steps], collate_fn=collate, before_window=before_window)
     with C.quiet():
         t = training(b, n, steps, checkpointing, chunked)
-        return startup.train_job(job, t, loop.Outputs(banner=False))
+        return startup.train_job(job, t, loop.Reporting(banner=False))
 
 
 def accelerate_steps(model, data, collate, b: int, n: int, steps: int, before_window=None) -> None:
@@ -381,7 +381,7 @@ def finetune_clocked(model, data, collate, t: TrainingConfig) -> list:
     job = Job(model=model, train_data=data[:t.batch_size * t.gradient_accumulation_steps * t.max_steps],
               collate_fn=collate, before_window=lambda state: marks.append(C.clocks()))
     with C.quiet():
-        startup.train_job(job, t, loop.Outputs(banner=False))
+        startup.train_job(job, t, loop.Reporting(banner=False))
     return step_times([*marks, C.clocks()])
 
 

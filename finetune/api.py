@@ -88,8 +88,8 @@ def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, coll
     if use_wandb:
         log_with = "wandb" if use_wandb is True else use_wandb
     # the three stages of a recipe run, from the job the caller's objects make
-    output = loop.Outputs(dir=output_dir, save_every=_save_every(save_every, output_dir), tracker=log_with)
-    result = startup.train_job(job, t, output, resume)
+    reporting = loop.Reporting(dir=output_dir, save_every=_save_every(save_every, output_dir), tracker=log_with)
+    result = startup.train_job(job, t, reporting, resume)
     if output_dir is not None and distributed.is_main_process():
         outputs.write_metrics(result, output_dir)
     return result

@@ -46,7 +46,7 @@ from finetune.windows import WindowSpec, stream_windows
 
 
 @dataclass(frozen=True)
-class Outputs:
+class Reporting:
     """What a run writes and whom it tells; the default writes nothing. ``finetune.startup`` fills it from the
     recipe's output section."""
 
@@ -69,9 +69,9 @@ class Run:
     (``batch_size: auto`` replaces it by one with a smaller micro-batch)."""
 
     job: Job
-    t: TrainingConfig
+    training: TrainingConfig
     shape: Shape
-    output: Outputs
+    reporting: Reporting
     accelerator: Accelerator
     model: torch.nn.Module            # prepared (DDP-wrapped with several processes)
     forward_model: torch.nn.Module    # the model the forward goes through (compiled, or the prepared one)
@@ -79,7 +79,7 @@ class Run:
     counter: Callable                 # micro-batch → items its mean loss averages over
     monitor: MemoryMonitor
     auto: Optional[AutoBatch]         # batch_size: auto — a smaller micro-batch after an out-of-memory error
-    windows: WindowSpec               # how the samples become windows (the stream, the banner)
+    window_spec: WindowSpec           # how the samples become windows (the stream, the banner)
     checkpointer: checkpoint.Checkpointer  # what its checkpoints hold; it saves, loads, and knows when
     packing_note: str                 # what the banner says about packing
     head_note: str                    # what the banner says about the loss head
@@ -143,11 +143,11 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
     """Train the run start-up assembled (``finetune.startup``: its job, settings, shape, prepared model and
     optimizers, windows and checkpointer) to its last optimizer step; ``saved``: a checkpoint (``checkpoint.read``)
     the run continues at its next window, with the same sample order and random state."""
-    job, t = run.job, run.t
+    job, t = run.job, run.training
     with run.checkpointer.hooked(run.accelerator):  # its Accelerate hooks, removed when the run ends, error or not
         state = start_state(run, saved)
-        with RunLog(run.accelerator, run.output.dir, state, run.shape.total_steps, run.shape.effective,
-                    run.output.tracker, rewrite=saved is not None) as log:
+        with RunLog(run.accelerator, run.reporting.dir, state, run.shape.total_steps, run.shape.effective,
+                    run.reporting.tracker, rewrite=saved is not None) as log:
             stream = open_stream(run, state)
             while state.optimizer_step < run.shape.total_steps:
                 window, micro_batches, epoch_windows, held = next(stream, (None,) * 4)
@@ -165,7 +165,8 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                     if run.auto is None or not is_oom(error):
                         raise
                     smaller = run.auto.shrink(run.shape, window, rng)
-                    run = dataclasses.replace(run, shape=smaller, windows=run.windows.with_micro_batch(smaller))
+                    run = dataclasses.replace(run, shape=smaller,
+                                              window_spec=run.window_spec.with_micro_batch(smaller))
                     stream = open_stream(run, state)
                     continue
                 norms, skipped, lrs = optimizer_step(run.accelerator, run.optims, t.on_nonfinite,
@@ -188,7 +189,7 @@ def start_state(run: Run, saved: Optional[checkpoint.Saved]) -> TrainState:
     or a fresh one — holding the untuned model's evaluation with ``training.eval_at_start``."""
     if saved is not None:
         return run.checkpointer.load(run.accelerator, saved, run.schedulers)
-    if run.job.val_data is not None and run.t.eval_at_start:
+    if run.job.val_data is not None and run.training.eval_at_start:
         return TrainState(val_history=[evaluate(run, step=0, epoch=0)])
     return TrainState()
 
@@ -196,8 +197,8 @@ def start_state(run: Run, saved: Optional[checkpoint.Saved]) -> TrainState:
 def open_stream(run: Run, state: TrainState):
     """The windows from where the state stands (its epoch and next window) to the end of training."""
     a = run.accelerator
-    return stream_windows(run.job, run.windows, a.process_index, state.epoch, state.next_window,
-                          pin_memory=a.device.type == "cuda", num_workers=run.t.num_workers)
+    return stream_windows(run.job, run.window_spec, a.process_index, state.epoch, state.next_window,
+                          pin_memory=a.device.type == "cuda", num_workers=run.training.num_workers)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ def step_record(run: Run, state: TrainState, window, result: WindowResult, norms
 def evaluate_if_due(run: Run, record: dict, last_of_epoch: bool) -> Optional[dict]:
     """The evaluation after the step of ``record``, when one is due: every ``eval_every`` steps (else at the end of
     each epoch) and after the last step."""
-    t, step = run.t, record["step"]
+    t, step = run.training, record["step"]
     if run.job.val_data is None:
         return None
     if step >= run.shape.total_steps or (t.eval_every and step % t.eval_every == 0) or \
@@ -269,11 +270,11 @@ def after_step(run: Run, state: TrainState) -> None:
 def evaluate(run: Run, step: int, epoch: int) -> dict:
     """The validation record after optimizer step ``step`` (0: the untuned model), also handed to ``on_eval``."""
     metrics = run_eval(run.job, run.forward_model, run.accelerator, run.counter, run.shape.micro_batch,
-                       run.t.num_workers)
+                       run.training.num_workers)
     record = {"step": step, "epoch": epoch, **metrics}
-    report(record, run.accelerator, run.output.tracker)
-    if run.output.on_eval is not None:
-        run.output.on_eval(record)
+    report(record, run.accelerator, run.reporting.tracker)
+    if run.reporting.on_eval is not None:
+        run.reporting.on_eval(record)
     return record
 
 
@@ -282,7 +283,7 @@ def evaluate(run: Run, step: int, epoch: int) -> dict:
 
 
 def finish(run: Run, state: TrainState) -> TrainResult:
-    if run.output.tracker is not None:  # not accelerator.end_training(): it also tears down the process group
+    if run.reporting.tracker is not None:  # not accelerator.end_training(): it also tears down the process group
         for tracker in run.accelerator.trackers:
             tracker.finish()
     # only a run that succeeded waits here: no process leaves (closing its connections) while another still has a

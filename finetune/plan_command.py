@@ -82,5 +82,5 @@ def training_peak(job, t) -> tuple[int, object]:
     held = 0 if device.type == "cuda" and next(job.model.parameters()).device.type != "cuda" else \
         sum(x.numel() * x.element_size() for x in list(job.model.parameters()) + list(job.model.buffers()))
     with PeakMeter(device) as meter:
-        result = startup.train_job(job, t, loop.Outputs(banner=False))
+        result = startup.train_job(job, t, loop.Reporting(banner=False))
     return held + meter.peak, result

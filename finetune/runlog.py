@@ -70,7 +70,7 @@ class RunLog:
 
 def banner(run) -> str:
     """What the run will do, said once before the first step (``run``: ``loop.Run``)."""
-    t, shape, accelerator, windows = run.t, run.shape, run.accelerator, run.windows
+    t, shape, accelerator, windows = run.training, run.shape, run.accelerator, run.window_spec
     n_train, total_steps, world, effective = windows.samples, shape.total_steps, shape.processes, shape.effective
     per_epoch = windows.per_epoch
     split = f"{shape.micro_batch} × {shape.accumulation}" + (f" × {world} processes" if world > 1 else "")

@@ -16,7 +16,7 @@ line naming the setting (ConfigError); ``loop.train`` only trains.
 
 ``run_recipe`` takes stages 2 and 3 and writes the outputs (the command line, the search). The Python API, the
 planner and the benchmarks hold a Job already; ``train_job`` runs the same stages for it — ``check_job`` (stage 1
-without the recipe's output directory: the caller's ``Outputs`` names it), ``counted`` (stage 2 without building),
+without the recipe's output directory: the caller's ``Reporting`` names it), ``counted`` (stage 2 without building),
 ``assemble`` — so a job resumed from a checkpoint gets the command line's checks and refusals. ``resume`` is the
 user's argument alone (a checkpoint's path or "latest"); the checkpoint it names, read once in stage 1, is ``saved``.
 """
@@ -143,19 +143,19 @@ def check_training(t: TrainingConfig, settings: dict, resume: Optional[str], out
     return saved, shape
 
 
-def check_job(t: TrainingConfig, output: loop.Outputs, resume: Optional[str] = None,
+def check_job(t: TrainingConfig, reporting: loop.Reporting, resume: Optional[str] = None,
               processes: Optional[int] = None) -> Checked:
     """Stage 1 for a job built already (the Python API, the planner, the benchmarks), on every process:
-    ``check_training`` with the caller's ``output`` (where it writes, its tracker, and the ``settings`` a checkpoint
+    ``check_training`` with the caller's ``reporting`` (where it writes, its tracker, and the ``settings`` a checkpoint
     is compared with) in place of a recipe's output directory, which the caller owns. ``processes``: this
     launch's (default)."""
-    if resume == checkpoint.LATEST and output.dir is None:
+    if resume == checkpoint.LATEST and reporting.dir is None:
         raise ConfigError("resume: 'latest' needs output_dir (the run to continue); or give a checkpoint's folder")
     processes = processes or distributed.distributed_state().num_processes
     main = distributed.is_main_process()
-    saved, shape = distributed.agree(lambda: check_training(t, output.settings, resume, output.dir, processes,
-                                                            output.tracker, [] if main else None))
-    return Checked(output.dir, saved, shape, output.settings)
+    saved, shape = distributed.agree(lambda: check_training(t, reporting.settings, resume, reporting.dir, processes,
+                                                            reporting.tracker, [] if main else None))
+    return Checked(reporting.dir, saved, shape, reporting.settings)
 
 
 def as_run(cfg: RecipeConfig, shape: Shape) -> RecipeConfig:
@@ -254,17 +254,12 @@ def counted(job: Job, t: TrainingConfig, checked: Checked) -> Built:
 
 
 def build_job(cfg: RecipeConfig, shape: Optional[Shape] = None) -> Job:
-    """Seed, then build the recipe's task (model init of new heads is part of the reproduction), telling it the run
-    (``TaskContext``; ``shape``: the run's split, by default this launch's split of the recipe's batch)."""
+    """Seed (model init of new heads is part of the reproduction), then call the recipe's task's ``build`` with the
+    context of this launch (``TaskContext``; ``shape``: the run's split, by default this launch's split of the
+    recipe's batch)."""
     from accelerate.utils import set_seed
 
     set_seed(cfg.training.seed)
-    return build_task(cfg, shape)
-
-
-def build_task(cfg: RecipeConfig, shape: Optional[Shape] = None) -> Job:
-    """The recipe's task's ``build``, called with the context of this launch (``build_job`` without the seed: for a
-    caller that seeds itself)."""
     state = distributed.distributed_state()
     shape = shape or split_batch(cfg.training, state.num_processes)
     ctx = TaskContext(shape=shape, processes=state.num_processes, rank=state.process_index, device=state.device,
@@ -342,15 +337,15 @@ def warn_about_schedule(t: TrainingConfig, steps: int) -> None:
 # 3. assembling the run
 
 
-def assemble(job: Job, t: TrainingConfig, shape: Shape, output: Optional[loop.Outputs] = None,
+def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop.Reporting] = None,
              accelerator: Optional[Accelerator] = None) -> loop.Run:
     """Stage 3: make the Accelerator, prepare the model and optimizers, settle how the samples become windows,
     build the checkpointer, start the trackers, and say what the run will do (main process). Every refusal that
     needs the model is in ``check_model``."""
-    output = output or loop.Outputs()
+    reporting = reporting or loop.Reporting()
     if accelerator is None:
-        accelerator = distributed.make_accelerator(t.mixed_precision, log_with=output.tracker,
-                                                   project_dir=str(output.dir) if output.dir else None)
+        accelerator = distributed.make_accelerator(t.mixed_precision, log_with=reporting.tracker,
+                                                   project_dir=str(reporting.dir) if reporting.dir else None)
     torch.backends.cudnn.benchmark = t.cudnn_benchmark
     model = job.model
     model.train()  # from_pretrained returns a model in eval mode: dropout would silently stay off
@@ -365,7 +360,7 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, output: Optional[loop.Ou
     pack_length_of, packing_note = decide_packing(t.packing, model, job.train_data, job.length_of, job.loss_fn)
     if job.stream_block is not None and pack_length_of and not t.pack_length:  # rows as long as the longest sample:
         pack_length_of, packing_note = None, STREAM_UNPACKED  # a stream's is not known ahead
-    distributed.agree(lambda: check_model(accelerator, model, job, t, pack_length_of, output))  # all refuse alike
+    distributed.agree(lambda: check_model(accelerator, model, job, t, pack_length_of, reporting))  # all refuse alike
     # Schedulers are not passed to accelerator.prepare: a prepared scheduler steps num_processes times per
     # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
     # process, so each raw scheduler is stepped exactly once per optimizer step.
@@ -379,20 +374,20 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, output: Optional[loop.Ou
         shape = auto.initial_shape(shape, job, t)
     capacity = (t.pack_length or max(map(pack_length_of, range(len(job.train_data))))) if pack_length_of else None
     causal = is_causal_lm(model)
-    run = loop.Run(job=job, t=t, shape=shape, output=output, accelerator=accelerator, model=model,
+    run = loop.Run(job=job, training=t, shape=shape, reporting=reporting, accelerator=accelerator, model=model,
                    forward_model=torch.compile(model, mode=t.compile_mode) if t.compile else model, optims=optims,
                    counter=job.count_items or (lambda b: count_items(b, t.items, causal)),
                    monitor=MemoryMonitor(accelerator.device), auto=auto,
-                   windows=WindowSpec.of(t, shape, len(job.train_data), job.length_of, pack_length_of, capacity,
+                   window_spec=WindowSpec.of(t, shape, len(job.train_data), job.length_of, pack_length_of, capacity,
                                          job.stream_block),
-                   checkpointer=checkpoint.Checkpointer(checkpoint.contents(job), output.dir, output.save_every,
-                                                        output.keep_checkpoints, output.settings,
+                   checkpointer=checkpoint.Checkpointer(checkpoint.contents(job), reporting.dir, reporting.save_every,
+                                                        reporting.keep_checkpoints, reporting.settings,
                                                         {"effective_batch_size": shape.effective,
                                                          "engine": distributed.launch_engine()}),
                    packing_note=packing_note, head_note=head_note,
                    pad_to_window=low_precision and t.pad_to_window and not pack_length_of
                    and not t.max_tokens_per_micro_batch)
-    if output.banner and distributed.is_main_process():
+    if reporting.banner and distributed.is_main_process():
         print(banner(run), flush=True)
     start_trackers(run)
     return run
@@ -402,13 +397,13 @@ STREAM_UNPACKED = "off (a stream's longest sample is not known ahead: training.p
 
 
 def check_model(accelerator: Accelerator, model, job: Job, t: TrainingConfig, pack_length_of,
-                output: loop.Outputs) -> None:
+                reporting: loop.Reporting) -> None:
     """The refusals that need the model: token budgets without sample lengths, checkpoints of a model the task
     sharded itself, and what DeepSpeed would run differently with the job's optimizers (its config as Accelerate
     prepares it)."""
     if t.max_tokens_per_micro_batch and not (job.length_of or pack_length_of):
         raise ConfigError("training.max_tokens_per_micro_batch: this task gives no sample lengths (Job.length_of)")
-    if distributed.is_fsdp2(model) and accelerator.distributed_type != DistributedType.FSDP and output.save_every:
+    if distributed.is_fsdp2(model) and accelerator.distributed_type != DistributedType.FSDP and reporting.save_every:
         raise ConfigError("output.save_every: checkpoints of a model the task sharded itself (fully_shard) are not "
                           "written; set output.save_every=null, or launch with accelerate_configs/fsdp.yaml (GPUs)")
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -428,10 +423,10 @@ def prepare(accelerator: Accelerator, model, optimizers: list) -> tuple:
 
 
 def start_trackers(run: loop.Run) -> None:
-    if run.output.tracker is None:
+    if run.reporting.tracker is None:
         return
     scalars = {k: v if isinstance(v, (int, float, str, bool)) else str(v)
-               for k, v in flatten(run.output.settings or {}, sep="/").items()}  # trackers take nothing else
+               for k, v in flatten(run.reporting.settings or {}, sep="/").items()}  # trackers take nothing else
     run.accelerator.init_trackers("finetune", config={
         **scalars, "config/effective_batch_size": run.shape.effective,
         "config/gradient_accumulation_steps": run.shape.accumulation,
@@ -449,11 +444,11 @@ def run_recipe(cfg: RecipeConfig, checked: Checked, on_eval: Optional[Callable] 
     if not main:
         quiet_libraries()
     built = distributed.agree(lambda: build(cfg, checked))
-    output = loop.Outputs(dir=checked.out_dir, save_every=cfg.output.save_every,
-                          keep_checkpoints=cfg.output.keep_checkpoints,
-                          tracker=None if cfg.output.tracker == "none" else cfg.output.tracker,
-                          settings=checked.settings, on_eval=on_eval)
-    run = assemble(built.job, cfg.training, built.shape, output)
+    reporting = loop.Reporting(dir=checked.out_dir, save_every=cfg.output.save_every,
+                               keep_checkpoints=cfg.output.keep_checkpoints,
+                               tracker=None if cfg.output.tracker == "none" else cfg.output.tracker,
+                               settings=checked.settings, on_eval=on_eval)
+    run = assemble(built.job, cfg.training, built.shape, reporting)
     if main:  # after every refusal: a run refused before training leaves its directory as it found it
         checked.out_dir.mkdir(parents=True, exist_ok=True)
         durable.atomic_write_text(checked.out_dir / "config.yaml", yaml.safe_dump(checked.settings, sort_keys=False))
@@ -467,28 +462,28 @@ def run_recipe(cfg: RecipeConfig, checked: Checked, on_eval: Optional[Callable] 
     return result
 
 
-def train_job(job: Job, t: TrainingConfig, output: Optional[loop.Outputs] = None, resume: Optional[str] = None,
+def train_job(job: Job, t: TrainingConfig, reporting: Optional[loop.Reporting] = None, resume: Optional[str] = None,
               accelerator: Optional[Accelerator] = None) -> loop.TrainResult:
     """The three stages for a job built already (the Python API, the planner's measurement, the benchmarks), then
     the loop: ``check_job`` (what this machine can run, the split, the checkpoint ``resume`` names — "latest" in
-    ``output.dir``, or a checkpoint's folder — checked against the run as the command line checks it), ``counted``
+    ``reporting.dir``, or a checkpoint's folder — checked against the run as the command line checks it), ``counted``
     (the shape over the job's data; a complete run refused), ``assemble``.
 
     Raises:
         ConfigError: what the command line refuses for the same settings, with the same line.
     """
-    output = recorded(output or loop.Outputs(), t)
-    checked = check_job(t, output, resume, accelerator.num_processes if accelerator is not None else None)
+    reporting = recorded(reporting or loop.Reporting(), t)
+    checked = check_job(t, reporting, resume, accelerator.num_processes if accelerator is not None else None)
     built = distributed.agree(lambda: counted(job, t, checked))
-    return loop.train(assemble(built.job, t, built.shape, output, accelerator), checked.saved)
+    return loop.train(assemble(built.job, t, built.shape, reporting, accelerator), checked.saved)
 
 
-def recorded(output: loop.Outputs, t: TrainingConfig) -> loop.Outputs:
-    """``output`` with the run's settings, for a caller that gave none: its training section, shaped as a recipe
+def recorded(reporting: loop.Reporting, t: TrainingConfig) -> loop.Reporting:
+    """``reporting`` with the run's settings, for a caller that gave none: its training section, shaped as a recipe
     (what a checkpoint records, and what a resumed run is compared with)."""
-    if output.settings is not None:
-        return output
-    return dataclasses.replace(output, settings={"training": dataclasses.asdict(t)})
+    if reporting.settings is not None:
+        return reporting
+    return dataclasses.replace(reporting, settings={"training": dataclasses.asdict(t)})
 
 
 def quiet_libraries() -> None:

@@ -21,7 +21,7 @@ class MLP(torch.nn.Module):
         return {"loss": torch.nn.functional.mse_loss(self.net(x).squeeze(-1), y)}
 
 
-def train_quietly(job, t, output=None, resume_from=None, accelerator=None):
+def train_quietly(job, t, reporting=None, resume_from=None, accelerator=None):
     """``job`` trained through start-up's stages and the loop, as a recipe run is — its shape computed at start-up,
     the checkpoint ``resume_from`` (a folder, or "latest" in ``output.dir``) found, read once and checked as the
     command line checks it — without the banner (the suite's output stays readable)."""
@@ -29,8 +29,8 @@ def train_quietly(job, t, output=None, resume_from=None, accelerator=None):
 
     from finetune import loop, startup
 
-    output = dataclasses.replace(output or loop.Outputs(), banner=False)
-    return startup.train_job(job, t, output, str(resume_from) if resume_from is not None else None, accelerator)
+    reporting = dataclasses.replace(reporting or loop.Reporting(), banner=False)
+    return startup.train_job(job, t, reporting, str(resume_from) if resume_from is not None else None, accelerator)
 
 
 def regression_data(n, d_in=6, seed=0):

@@ -244,9 +244,9 @@ SAVE_LINE = "    run.checkpointer.save_if_due(run.accelerator, state, run.schedu
 # Writes the checker must find: the bugs it exists for, planted into a copy of the real source (a line of it
 # replaced), and the ways around a name check (an alias, setattr, a private member).
 PLANTS = {
-    "evaluate appends to the state": ("loop.py", "    if run.output.on_eval is not None:\n",
+    "evaluate appends to the state": ("loop.py", "    if run.reporting.on_eval is not None:\n",
                                       "    run.state.val_history.append(record)\n"
-                                      "    if run.output.on_eval is not None:\n"),
+                                      "    if run.reporting.on_eval is not None:\n"),
     "a hook adds val_* to the stored record": (
         "loop.py", "    if run.job.after_step is not None:\n",
         "    state.history[-1].update({'val_loss': 0.0})\n    if run.job.after_step is not None:\n"),

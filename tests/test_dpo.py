@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config import ConfigError, load_recipe
-from finetune.loop import Outputs
+from finetune.loop import Reporting
 from finetune.models.loss_head import model_sequence_log_probs, sequence_log_probs
 from finetune.startup import build_job
 from finetune.tasks import dpo
@@ -109,7 +109,7 @@ def test_precomputed_reference_is_exact_and_equals_the_frozen_copy(big):
 def test_precomputed_reference_is_restored_on_resume(tmp_path):
     out = tmp_path / "run"
     first, job, _ = run(3, 3, "model.precompute_ref_log_probs=true", "training.max_steps=3",
-                        output=Outputs(dir=out, save_every=2))
+                        output=Reporting(dir=out, save_every=2))
     saved = {k: v.clone() for k, v in job.checkpointed[0].state_dict().items()}
     assert (out / "checkpoints" / "step-000002" / "task_state.safetensors").is_file()
 

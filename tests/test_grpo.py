@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from finetune import steps
-from finetune.loop import Outputs
+from finetune.loop import Reporting
 from finetune.tasks import grpo
 from tests.helpers import SMALL, refused_in_process, tiny_chat_assets, train_quietly
 
@@ -103,7 +103,7 @@ def test_resume_mid_generation_batch_is_bit_identical(tmp_path):
     """The checkpoint after step 3 falls inside a generation batch: its rollouts come back from the checkpoint."""
     out = tmp_path / "run"
     whole, _, _ = grpo_run(2, 3, "model.loss_type=grpo", "training.max_steps=6",
-                           output=Outputs(dir=out, save_every=3))
+                           output=Reporting(dir=out, save_every=3))
     resumed, result, _ = grpo_run(2, 3, "model.loss_type=grpo", "training.max_steps=6",
                                   resume_from=out / "checkpoints" / "step-000003")
     assert result.optimizer_steps == 6 and torch.equal(resumed, whole)

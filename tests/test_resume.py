@@ -177,7 +177,7 @@ def test_a_resumed_history_has_seconds_on_every_line(tmp_path):
     def train(out, resume_from=None):
         torch.manual_seed(0)
         job = Job(model=MLP(), train_data=data[:20], val_data=data[20:])
-        return train_quietly(job, t, loop.Outputs(dir=out, save_every=2), resume_from)
+        return train_quietly(job, t, loop.Reporting(dir=out, save_every=2), resume_from)
 
     full = tmp_path / "full"
     train(full)  # 5 steps: checkpoints after 2, 4 and 5
@@ -250,7 +250,7 @@ def test_a_run_leaves_no_checkpoint_hooks_on_its_accelerator(tmp_path, monkeypat
     from torch.utils.hooks import RemovableHandle
 
     from finetune.job import Job
-    from finetune.loop import Outputs
+    from finetune.loop import Reporting
 
     data, out = regression_data(16), tmp_path / "run"
     t = TrainingConfig(batch_size=2, gradient_accumulation_steps=2, learning_rate=0.05)
@@ -267,7 +267,7 @@ def test_a_run_leaves_no_checkpoint_hooks_on_its_accelerator(tmp_path, monkeypat
         torch.manual_seed(0)
         job = Job(model=MLP(), train_data=data, before_window=watch)
         with contextlib.suppress(Stopped):
-            train_quietly(job, t, Outputs(dir=out, save_every=2), resume, acc)
+            train_quietly(job, t, Reporting(dir=out, save_every=2), resume, acc)
         return acc, during
 
     for what, (acc, during) in {"saved": run(), "resumed": run(resume=out / "checkpoints" / "step-000002"),
