@@ -87,15 +87,15 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def distributed_state() -> PartialState:
+def process_group() -> PartialState:
     """The process group Accelerate sets up from the launcher's environment. Without an accelerator we ask for the
     CPU explicitly: several processes then train with gloo DDP (``accelerate launch --multi_gpu`` or torchrun),
     which ``accelerate launch --cpu --num_processes 2`` does not give (it starts one process)."""
-    state = PartialState(**_state_kwargs())
-    if state.num_processes > 1 and not _shutdown_registered:
+    group = PartialState(**_state_kwargs())
+    if group.num_processes > 1 and not _shutdown_registered:
         atexit.register(shutdown)
         _shutdown_registered.append(True)
-    return state
+    return group
 
 
 _shutdown_registered: list = []
@@ -114,8 +114,8 @@ def agree(check: Callable, main_only: bool = False):
     """
     from accelerate.utils import gather_object
 
-    state = distributed_state()
-    if state.num_processes == 1:
+    group = process_group()
+    if group.num_processes == 1:
         return check()
     value, refusal = None, None
     if is_main_process() or not main_only:
@@ -135,9 +135,9 @@ def agree(check: Callable, main_only: bool = False):
 
 def wait_for_everyone() -> None:
     """A barrier over the run's processes (none with one process)."""
-    state = distributed_state()
-    if state.num_processes > 1:
-        state.wait_for_everyone()
+    group = process_group()
+    if group.num_processes > 1:
+        group.wait_for_everyone()
 
 
 GLOO_GRACE_SECONDS = 0.25

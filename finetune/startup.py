@@ -73,10 +73,10 @@ def check(cfg: RecipeConfig, resume: Optional[str] = None) -> Checked:
     process), what this machine and the launch's engine config can run, the split of the effective batch, and the
     checkpoint to resume. A refusal on any process stops every process with the same error, before anything is
     written. The lock is held until ``runlock.release_all()`` (or exit)."""
-    state = distributed.distributed_state()
+    group = distributed.process_group()
     out_dir = distributed.agree(lambda: claim_output_dir(cfg, resume), main_only=True)
-    saved, shape = distributed.agree(lambda: check_run(cfg, resume, out_dir, state.num_processes,
-                                                       state.process_index))
+    saved, shape = distributed.agree(lambda: check_run(cfg, resume, out_dir, group.num_processes,
+                                                       group.process_index))
     return Checked(out_dir, saved, shape, as_run(cfg, shape).to_dict())
 
 
@@ -151,7 +151,7 @@ def check_job(t: TrainingConfig, reporting: loop.Reporting, resume: Optional[str
     launch's (default)."""
     if resume == checkpoint.LATEST and reporting.dir is None:
         raise ConfigError("resume: 'latest' needs output_dir (the run to continue); or give a checkpoint's folder")
-    processes = processes or distributed.distributed_state().num_processes
+    processes = processes or distributed.process_group().num_processes
     main = distributed.is_main_process()
     saved, shape = distributed.agree(lambda: check_training(t, reporting.settings, resume, reporting.dir, processes,
                                                             reporting.tracker, [] if main else None))
@@ -260,9 +260,9 @@ def build_job(cfg: RecipeConfig, shape: Optional[Shape] = None) -> Job:
     from accelerate.utils import set_seed
 
     set_seed(cfg.training.seed)
-    state = distributed.distributed_state()
-    shape = shape or split_batch(cfg.training, state.num_processes)
-    ctx = TaskContext(shape=shape, processes=state.num_processes, rank=state.process_index, device=state.device,
+    group = distributed.process_group()
+    shape = shape or split_batch(cfg.training, group.num_processes)
+    ctx = TaskContext(shape=shape, processes=group.num_processes, rank=group.process_index, device=group.device,
                       main=distributed.is_main_process(), seed=cfg.training.seed, agree=distributed.agree)
     make = task_module(cfg.task).build
     return make(cfg, ctx) if takes_context(make) else make(cfg)

@@ -41,7 +41,7 @@ def shard(model):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (distributed.distributed_state().num_processes,))
+    mesh = init_device_mesh("cpu", (distributed.process_group().num_processes,))
     blocks = model.transformer.h if hasattr(model, "transformer") else [model.net[0], model.net[2]]
     for block in blocks:
         fully_shard(block, mesh=mesh)

@@ -128,7 +128,7 @@ MUTATORS = {"append", "extend", "insert", "update", "setdefault", "pop", "popite
 # (also reachable as TrainResult.history), and a step or evaluation record handed to a function
 STATE_NAMES = {"state", "history", "val_history"}
 RECORD_PARAMETERS = {"record", "val"}
-ACCELERATE_NAMES = {"AcceleratorState", "GradientState", "PartialState", "distributed_state", "deepspeed_plugin"}
+ACCELERATE_NAMES = {"AcceleratorState", "GradientState", "PartialState", "process_group", "deepspeed_plugin"}
 STATE_OWNER = ("loop.py", "advance")
 # the documented exceptions, each (file, function, the exact expression written or called)
 ACCELERATE_EXCEPTIONS = {
@@ -261,8 +261,8 @@ PLANTS = {
     "a write through an alias of a plugin": (
         "distributed.py", "    if plugin.is_auto(",
         "    plugin.deepspeed_config['gradient_accumulation_steps'] = 1\n    if plugin.is_auto("),
-    "the reset outside its one place": ("distributed.py", "        state.wait_for_everyone()\n",
-                                        "        state.wait_for_everyone()\n    GradientState._reset_state()\n"),
+    "the reset outside its one place": ("distributed.py", "        group.wait_for_everyone()\n",
+                                        "        group.wait_for_everyone()\n    GradientState._reset_state()\n"),
 }
 
 

@@ -144,7 +144,7 @@ def test_a_refusal_on_one_process_is_agreed_by_all(monkeypatch):
         num_processes, is_main_process = 2, True
 
     refusal = (ConfigError, ["resume: checkpoint c has no random state for process 1"])
-    monkeypatch.setattr(distributed, "distributed_state", lambda: TwoProcesses())
+    monkeypatch.setattr(distributed, "process_group", lambda: TwoProcesses())
     monkeypatch.setattr("accelerate.utils.gather_object", lambda mine: [mine[0], (None, refusal)])
     with pytest.raises(ConfigError, match="no random state for process 1") as refused:
         distributed.agree(lambda: "fine here")
