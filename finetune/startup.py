@@ -339,58 +339,88 @@ def warn_about_schedule(t: TrainingConfig, steps: int) -> None:
 
 def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop.Reporting] = None,
              accelerator: Optional[Accelerator] = None) -> loop.Run:
-    """Stage 3: make the Accelerator, prepare the model and optimizers, settle how the samples become windows,
-    build the checkpointer, start the trackers, and say what the run will do (main process). Every refusal that
-    needs the model is in ``check_model``."""
+    """Stage 3: make the Accelerator, ready the model, decide packing, refuse what needs the model
+    (``check_model``), prepare the model and optimizers, settle the micro-batch and how the samples become windows,
+    build the checkpointer, start the trackers, and say what the run will do (main process)."""
     reporting = reporting or loop.Reporting()
-    if accelerator is None:
-        accelerator = distributed.make_accelerator(t.mixed_precision, log_with=reporting.tracker,
-                                                   project_dir=str(reporting.dir) if reporting.dir else None)
-    torch.backends.cudnn.benchmark = t.cudnn_benchmark
-    model = job.model
-    model.train()  # from_pretrained returns a model in eval mode: dropout would silently stay off
-    precision.prepare_quantized(model)  # bitsandbytes-quantized weights: adapters only, and no CPU repacking
-    low_precision = t.mixed_precision != "no"
-    if low_precision and t.fp32_grad_sums:  # N micro-batches add the fp32 sum the big batch takes
-        precision.sum_weight_grads_in_fp32(model)
-    if t.gradient_checkpointing:
-        enable_checkpointing(model, job.enable_checkpointing)
-    head_note = enable_chunked_head(model, t.chunked_loss) if job.loss_fn is None or t.chunked_loss else \
-        "plain (the job computes its own loss)"
-    pack_length_of, packing_note = decide_packing(t.packing, model, job.train_data, job.length_of, job.loss_fn)
-    if job.stream_block is not None and pack_length_of and not t.pack_length:  # rows as long as the longest sample:
-        pack_length_of, packing_note = None, STREAM_UNPACKED  # a stream's is not known ahead
+    accelerator = accelerator if accelerator is not None else accelerator_for(t, reporting)
+    model, head_note = ready_model(job, t)
+    pack_length_of, packing_note = packing_for(job, t, model)
     distributed.agree(lambda: check_model(accelerator, model, job, t, pack_length_of, reporting))  # all refuse alike
-    # Schedulers are not passed to accelerator.prepare: a prepared scheduler steps num_processes times per
-    # optimizer step (Accelerate assumes each process's dataloader shrank by W). Our windows already span every
-    # process, so each raw scheduler is stepped exactly once per optimizer step.
-    optims = make_optims(model, job.param_groups, t, shape.total_steps, lr_scale(t, shape.effective))
-    distributed.configure_deepspeed(accelerator, shape.micro_batch, optims)
-    model, prepared = prepare(accelerator, model, [o.optimizer for o in optims])
-    for o, p in zip(optims, prepared):
-        o.optimizer = p
+    model, optims = with_optimizers(accelerator, model, job, t, shape)
     auto = AutoBatch(accelerator, model) if shape.auto else None
-    if auto is not None:
-        shape = auto.initial_shape(shape, job, t)
-    capacity = (t.pack_length or max(map(pack_length_of, range(len(job.train_data))))) if pack_length_of else None
+    shape = auto.initial_shape(shape, job, t) if auto is not None else shape
     causal = is_causal_lm(model)
     run = loop.Run(job=job, training=t, shape=shape, reporting=reporting, accelerator=accelerator, model=model,
                    forward_model=torch.compile(model, mode=t.compile_mode) if t.compile else model, optims=optims,
                    counter=job.count_items or (lambda b: count_items(b, t.items, causal)),
                    monitor=MemoryMonitor(accelerator.device), auto=auto,
-                   window_spec=WindowSpec.of(t, shape, len(job.train_data), job.length_of, pack_length_of, capacity,
-                                         job.stream_block),
-                   checkpointer=checkpoint.Checkpointer(checkpoint.contents(job), reporting.dir, reporting.save_every,
-                                                        reporting.keep_checkpoints, reporting.settings,
-                                                        {"effective_batch_size": shape.effective,
-                                                         "engine": distributed.launch_engine()}),
+                   window_spec=WindowSpec.of(t, shape, len(job.train_data), job.length_of, pack_length_of,
+                                             pack_capacity(job, t.pack_length, pack_length_of), job.stream_block),
+                   checkpointer=checkpointer_for(job, shape, reporting),
                    packing_note=packing_note, head_note=head_note,
-                   pad_to_window=low_precision and t.pad_to_window and not pack_length_of
+                   pad_to_window=t.mixed_precision != "no" and t.pad_to_window and not pack_length_of
                    and not t.max_tokens_per_micro_batch)
     if reporting.banner and distributed.is_main_process():
         print(banner(run), flush=True)
     start_trackers(run)
     return run
+
+
+def accelerator_for(t: TrainingConfig, reporting: loop.Reporting) -> Accelerator:
+    """The run's Accelerator: its mixed precision, and the tracker writing into the run's folder."""
+    return distributed.make_accelerator(t.mixed_precision, log_with=reporting.tracker,
+                                        project_dir=str(reporting.dir) if reporting.dir else None)
+
+
+def ready_model(job: Job, t: TrainingConfig) -> tuple:
+    """The job's model in training mode with what the recipe turns on before it is wrapped: fp32 gradient sums
+    under autocast, gradient checkpointing, the chunked loss head. Returns (model, what the banner says of the
+    head)."""
+    torch.backends.cudnn.benchmark = t.cudnn_benchmark
+    model = job.model
+    model.train()  # from_pretrained returns a model in eval mode: dropout would silently stay off
+    precision.prepare_quantized(model)  # bitsandbytes-quantized weights: adapters only, and no CPU repacking
+    if t.mixed_precision != "no" and t.fp32_grad_sums:  # N micro-batches add the fp32 sum the big batch takes
+        precision.sum_weight_grads_in_fp32(model)
+    if t.gradient_checkpointing:
+        enable_checkpointing(model, job.enable_checkpointing)
+    head_note = enable_chunked_head(model, t.chunked_loss) if job.loss_fn is None or t.chunked_loss else \
+        "plain (the job computes its own loss)"
+    return model, head_note
+
+
+def packing_for(job: Job, t: TrainingConfig, model) -> tuple:
+    """(each sample's length for packing, or None when the run does not pack; what the banner says of packing)."""
+    pack_length_of, packing_note = decide_packing(t.packing, model, job.train_data, job.length_of, job.loss_fn)
+    if job.stream_block is not None and pack_length_of and not t.pack_length:  # rows as long as the longest sample:
+        return None, STREAM_UNPACKED  # a stream's is not known ahead
+    return pack_length_of, packing_note
+
+
+def with_optimizers(accelerator: Accelerator, model, job: Job, t: TrainingConfig, shape: Shape) -> tuple:
+    """The model and the optimizers, made for the run's steps and prepared by Accelerate (DeepSpeed told the
+    micro-batch first). Schedulers are not passed to ``accelerator.prepare``: a prepared scheduler steps
+    num_processes times per optimizer step (Accelerate assumes each process's dataloader shrank by W); the windows
+    already span every process, so each raw scheduler is stepped exactly once per optimizer step."""
+    optims = make_optims(model, job.param_groups, t, shape.total_steps, lr_scale(t, shape.effective))
+    distributed.configure_deepspeed(accelerator, shape.micro_batch, optims)
+    model, optimizers = prepare(accelerator, model, [o.optimizer for o in optims])
+    for o, p in zip(optims, optimizers):
+        o.optimizer = p
+    return model, optims
+
+
+def pack_capacity(job: Job, pack_length: Optional[int], pack_length_of) -> Optional[int]:
+    """A packed run's row capacity: ``training.pack_length``, else its longest sample (None: not packed)."""
+    return (pack_length or max(map(pack_length_of, range(len(job.train_data))))) if pack_length_of else None
+
+
+def checkpointer_for(job: Job, shape: Shape, reporting: loop.Reporting) -> checkpoint.Checkpointer:
+    """The checkpointer of what the job's checkpoints hold, where and how often the run saves them."""
+    return checkpoint.Checkpointer(checkpoint.contents(job), reporting.dir, reporting.save_every,
+                                   reporting.keep_checkpoints, reporting.settings,
+                                   {"effective_batch_size": shape.effective, "engine": distributed.launch_engine()})
 
 
 STREAM_UNPACKED = "off (a stream's longest sample is not known ahead: training.pack_length packs it)"
