@@ -109,7 +109,8 @@ class CompareHints:
         base_recipe: the recipe ``finetune reproduce`` imports a baseline of this task over.
         trl_marks: TRL arguments that a folder of this task's TRL trainer holds; a TRL folder is taken to be of the
             task whose marks it holds all of, the most marks first (``()``: any TRL folder; None: no TRL trainer).
-        peer_names: what another tool calls this task (``{"llamafactory": "dpo"}``: its ``stage``).
+        peer_names: what another tool calls this task (``{"llamafactory": "dpo"}``: its ``stage``; axolotl: the
+            ``type`` of its data sets).
         peer_default: the tools that train this task when their config names none.
     """
 

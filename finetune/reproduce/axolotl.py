@@ -1,5 +1,6 @@
 """An axolotl run's settings: its YAML config, or the copy of it that axolotl writes into the model card (under
-"See axolotl config"), as TrainingArguments names with their sources (:class:`baselines.Baseline`).
+"See axolotl config"), as TrainingArguments names with their sources (:class:`baselines.Baseline`). What is said here
+of axolotl was read in axolotl 0.21.0's source.
 
 axolotl trains with HF Trainer, so its step is the Trainer's (per-device batch × accumulation × processes, the
 Trainer's sampler) except where a key changes it: ``sample_packing`` replaces the sampler with axolotl's own
@@ -7,8 +8,22 @@ multipack sampler (it packs each batch into ``micro_batch_size`` bins of ``seque
 estimates the step count from the most efficient rank: ``sample_packing_eff_est``) — another packing than TRL's bfd
 or wrapped, which finetune has; ``context_parallel_size`` splits each sequence over several GPUs;
 ``dataloader_drop_last`` drops each epoch's incomplete last micro-batch (carried: ``training.drop_last``). Every key
-that decides the steps is mapped (:data:`KEYS`) or named as not carried (:data:`NOT_CARRIED`); keys that say where
-data, models and logs go are read and left (:data:`PLACES`); any other key is listed as unknown.
+that decides the steps is mapped (:data:`KEYS`, with axolotl's defaults where the config omits one:
+:data:`DEFAULTS`) or named as not carried (:data:`NOT_CARRIED`, :data:`CHAT_KEYS` for a data set's); keys that say
+where data, models and logs go are read and left (:data:`PLACES`); any other key is listed as unknown.
+
+What axolotl does beyond the Trainer's arguments, carried here:
+
+* it shuffles its training rows once before training, even a single data set (``utils/data/shared.py``,
+  ``merge_datasets``: ``ds.shuffle(seed=cfg.seed)`` unless ``shuffle_merged_datasets: false`` or
+  ``curriculum_sampling``): ``Baseline.shuffled``, and ``finetune import --data`` writes the rows in that order;
+* its warm-up (``core/builders/base.py``, ``_configure_warmup_and_logging``): ``warmup_steps`` as given, else
+  ``int(warmup_ratio × steps)`` rounded down, else ``min(int(0.03 × steps), 100)``; a warm-up of 1 becomes 2
+  (:func:`warmup`, ``Baseline.warmup_of``);
+* no ``adapter``: every weight trained (``peft.enabled: false``);
+* a ``chat_template`` data set is a conversation trained on the assistant's turns: the task whose hints name it
+  (``CompareHints.peer_names["axolotl"]``), rendered with the template axolotl took (:func:`carry_own`) and no
+  system message added (``default_system_message`` only replaces a text that 0.21.0's chatml template lacks).
 
 axolotl logs through the Trainer: ``trainer_state.json`` in its output and checkpoint folders (read as a Trainer
 folder), and TensorBoard event files under ``output_dir/runs`` (:mod:`finetune.reproduce.tensorboard`).
@@ -20,12 +35,15 @@ import re
 from pathlib import Path
 
 from finetune.errors import ConfigError
+from finetune.registry import built_in_hints
 from finetune.reproduce.record import Baseline, load_yaml
+
+TOOL = "axolotl"  # this tool's name in a task's CompareHints.peer_names (the type of its data sets)
 
 KEYS = {  # axolotl's key → the TrainingArguments name it sets (None: the same name)
     "micro_batch_size": "per_device_train_batch_size", "gradient_accumulation_steps": None,
     "num_epochs": "num_train_epochs", "max_steps": None, "learning_rate": None, "lr_scheduler": "lr_scheduler_type",
-    "warmup_ratio": None, "warmup_steps": None, "optimizer": "optim", "adam_beta1": None, "adam_beta2": None,
+    "optimizer": "optim", "adam_beta1": None, "adam_beta2": None,
     "adam_epsilon": None, "weight_decay": None, "max_grad_norm": None, "seed": None, "bf16": None, "fp16": None,
     "tf32": None, "gradient_checkpointing": None, "sequence_len": "max_length",
     "train_on_inputs": None, "neftune_noise_alpha": None, "logging_steps": None, "group_by_length": None,
@@ -34,9 +52,21 @@ KEYS = {  # axolotl's key → the TrainingArguments name it sets (None: the same
     "load_in_4bit": None, "load_in_8bit": None, "bnb_4bit_quant_type": None, "eval_steps": None,
     "eval_strategy": None,
 }
+# axolotl 0.21.0's defaults (its config schema) for keys of KEYS that a config may omit: key → (value, why)
+DEFAULTS = {
+    "micro_batch_size": (1, "axolotl's default"), "num_epochs": (1, "axolotl's default"),
+    "lr_scheduler": ("cosine", "axolotl's default"), "optimizer": ("adamw_torch_fused", "axolotl's default"),
+    "weight_decay": (0.0, "axolotl's default"),
+    "max_grad_norm": (1.0, "the Trainer's default (axolotl passes none)"),
+    "train_on_inputs": (False, "axolotl's default"), "sequence_len": (512, "axolotl's default"),
+    "seed": (42, "axolotl's default (it sets 42 when none is given)"),
+}
 # keys read here into other settings: batch_size (→ accumulation), lora_target_linear (→ the adapted modules),
-# dataloader_drop_last (→ training.drop_last), sample_packing and its companions (named, not carried)
-READ_HERE = {"batch_size", "lora_target_linear", "dataloader_drop_last", "sample_packing", "shuffle_merged_datasets"}
+# dataloader_drop_last (→ training.drop_last), the warm-up (→ axolotl's rule), the shuffle (→ Baseline.shuffled), the
+# chat template and precision (→ carry_own, the model's dtype), sample_packing and its companions (named, not carried)
+READ_HERE = {"batch_size", "lora_target_linear", "dataloader_drop_last", "sample_packing", "shuffle_merged_datasets",
+             "shuffle_before_merging_datasets", "warmup_ratio", "warmup_steps", "chat_template",
+             "chat_template_jinja", "default_system_message"}
 MULTIPACK = ("multipack_real_batches", "sample_packing_eff_est", "sample_packing_group_size",
              "sample_packing_bin_size", "sample_packing_sequentially", "sample_packing_drop_attention_mask",
              "eval_sample_packing", "pretrain_multipack_attn", "pretrain_multipack_buffer_size")
@@ -50,8 +80,6 @@ NOT_CARRIED = {
                         "--data the rows it trained on"),
     "curriculum_sampling": (False, "axolotl draws the rows in order (a sequential sampler) for curriculum learning; "
                                    "set training.shuffle=false if the data are already in that order"),
-    "shuffle_before_merging_datasets": (False, "axolotl shuffles each data set (seeded) before training: the rows' "
-                                               "order is not the file's; give --data the rows in axolotl's order"),
     "bfloat16": (False, "axolotl loads the model in bf16 and trains it so (no fp32 master weights); finetune's "
                         "trainable weights stay fp32"),
     "float16": (False, "axolotl loads the model in fp16 and trains it so; finetune's trainable weights stay fp32"),
@@ -68,6 +96,32 @@ NOT_CARRIED = {
     "rl": (None, "an axolotl RL run (DPO, ORPO, KTO, GRPO): import its TRL trainer's arguments instead"),
     "tokens": (None, "axolotl adds these tokens to the vocabulary (new embeddings): finetune trains the model as "
                      "given"),
+    "dataset_exact_deduplication": (False, "axolotl drops rows that repeat another exactly: give --data without "
+                                           "them"),
+    "excess_length_strategy": ("drop", "finetune drops a conversation longer than sequence_len (data.too_long: "
+                                       "drop), as axolotl's default does"),
+    "min_sample_len": (None, "axolotl drops rows shorter than this: give --data without them"),
+    "chat_template_kwargs": (None, "finetune renders the chat template with no extra arguments"),
+    "eot_tokens": (None, "finetune trains each assistant turn's end token, the tokenizer's eos (axolotl's default)"),
+}
+# a chat_template data set's keys that change which tokens are trained, or the rows: key → (axolotl's default, why)
+CHAT_KEYS = {
+    "field_messages": ("messages", "finetune reads each row's conversation from its messages column: give --data "
+                                   "rows with the conversation there"),
+    "roles_to_train": (["assistant"], "finetune trains the assistant's turns (data.train_on: assistant) or every "
+                                      "token (data.train_on: all)"),
+    "train_on_eos": ("turn", "finetune trains the end token of each trained turn (axolotl's train_on_eos: turn)"),
+    "train_on_eot": (None, "finetune trains the end token of each trained turn (axolotl's train_on_eos: turn)"),
+    "message_property_mappings": ({}, "axolotl maps other fields onto role and content: give --data rows with role "
+                                      "and content"),
+    "message_field_role": (None, "give --data rows whose messages have role and content"),
+    "message_field_content": (None, "give --data rows whose messages have role and content"),
+    "roles": (None, "axolotl maps other role names onto system, user and assistant: give --data rows with those"),
+    "drop_system_message": (False, "axolotl drops each conversation's system turn: give --data rows without it"),
+    "message_field_training": (None, "axolotl trains the turns each row marks; finetune trains by role"),
+    "message_field_training_detail": (None, "axolotl trains the spans each row marks; finetune trains by role"),
+    "shards": (None, "axolotl keeps one shard of the shuffled rows: give --data that shard"),
+    "weight": (None, "axolotl keeps this share of the shuffled rows: give --data those rows"),
 }
 # keys that say where data, models and logs go, or how fast, not how a step is taken: read, never carried
 PLACES = {
@@ -86,10 +140,15 @@ PLACES = {
     "dataloader_prefetch_factor", "skip_prepare_dataset", "quantization_config", "max_memory", "gpu_memory_limit",
     "low_cpu_mem_usage", "device_map", "is_llama_derived_model", "is_mistral_derived_model", "is_qwen_derived_model",
     "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy", "cut_cross_entropy",
-    "unsloth_cross_entropy_loss", "adapter_path", "chat_template_jinja", "default_system_message",
-    "dataset_exact_deduplication", "profiler_steps",
+    "unsloth_cross_entropy_loss", "adapter_path", "profiler_steps", "dataset_num_proc", "lora_mlp_kernel",
+    "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel",
 }
 TARGET_LINEAR = "all-linear"  # peft's name for every linear layer but the output layer (axolotl: all but lm_head)
+# axolotl 0.21.0's chatml template (axolotl/utils/chat_templates/templates/chatml.jinja), as it is
+CHATML = ("{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+          "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TOKENIZER_TEMPLATE = "tokenizer_default"  # axolotl's default: the tokenizer's own template
 
 
 def read_axolotl(path: Path, what: str) -> Baseline:
@@ -126,7 +185,8 @@ def card_config(text: str, path: Path, b: Baseline) -> bool:
 
 
 def read_config(raw: dict, b: Baseline, source: str, what: str) -> None:
-    """axolotl's keys into ``b``: mapped (:data:`KEYS`), read here, named as not carried, or listed as unknown."""
+    """axolotl's keys into ``b``: mapped (:data:`KEYS`, :data:`DEFAULTS` for those it omits), read here, named as
+    not carried, or listed as unknown; the task its data sets train, the order of its rows and its warm-up rule."""
     where = lambda key: f"{source}: {key}"  # noqa: E731
     for key, value in raw.items():
         if key in KEYS:
@@ -144,6 +204,13 @@ def read_config(raw: dict, b: Baseline, source: str, what: str) -> None:
             raise ConfigError(f"{what}: batch_size needs micro_batch_size (axolotl derives the accumulation from both)")
         b.args["gradient_accumulation_steps"] = (int(batch) // int(micro),
                                                  f"{where('batch_size')} {batch} ÷ micro_batch_size {micro}")
+    elif not accumulation:
+        b.args["gradient_accumulation_steps"] = (1, f"{where('gradient_accumulation_steps')}: 1, axolotl's default")
+    for key, (value, why) in DEFAULTS.items():
+        if raw.get(key) is None:
+            b.args[KEYS[key] or key] = (value, f"{where(key)}: {value}, {why}")
+    if not raw.get("adapter"):
+        b.args["adapter"] = (None, f"{source}: no adapter: every weight trained")
     if raw.get("dataloader_drop_last"):
         b.args["drop_last"] = (int(micro or 1), f"{where('dataloader_drop_last')}: each epoch's incomplete last "
                                                 "micro-batch of micro_batch_size rows dropped (one process)")
@@ -151,9 +218,9 @@ def read_config(raw: dict, b: Baseline, source: str, what: str) -> None:
         named = raw.get("lora_target_modules") or []
         b.args["lora_target_modules"] = ([TARGET_LINEAR], f"{where('lora_target_linear')}: every linear layer but "
                                          "lm_head (peft's all-linear)" + (f", which holds {named}" if named else ""))
-    if len(raw.get("datasets") or []) > 1 and raw.get("shuffle_merged_datasets", True):
-        b.uncarried.append(("shuffle_merged_datasets", raw.get("shuffle_merged_datasets", True), "axolotl shuffles "
-                            "its merged data sets (seeded) before training: give --data the merged rows in that order"))
+    _precision(raw, b, where)
+    _warmup(raw, b, source, where)
+    _datasets(raw, b, source, where)
     if raw.get("sample_packing"):
         said = ", ".join(f"{k}={raw[k]}" for k in MULTIPACK if raw.get(k) is not None)
         b.uncarried.append(("sample_packing", True, "axolotl packs with its own multipack sampler: each batch is "
@@ -161,3 +228,134 @@ def read_config(raw: dict, b: Baseline, source: str, what: str) -> None:
                             "lengths, and its step count is estimated from the most efficient rank "
                             "(sample_packing_eff_est)" + (f" ({said})" if said else "") + "; finetune packs as TRL's "
                             "bfd or wrapped, another algorithm (other rows, other steps): the recipe trains unpacked"))
+    b.carry_own = carry_own
+
+
+def _precision(raw: dict, b: Baseline, where) -> None:
+    """bf16 / fp16: axolotl's ``bf16: auto`` (its default) is bf16 where the GPU has it, else fp16 (said, unless the
+    Trainer's arguments beside the config say what it became); with bf16 or fp16 on, axolotl also loads the model in
+    that dtype (``utils/config.resolve_dtype``): the frozen base of a LoRA run (peft keeps the adapters in fp32), every
+    weight of a full run (not carried: finetune's trainable weights stay fp32)."""
+    bf16 = raw.get("bf16", "auto")
+    if bf16 == "auto":
+        b.args.pop("bf16", None)
+        if not raw.get("fp16"):
+            b.own["bf16"] = ("auto", where("bf16"))
+    if raw.get("tf32") == "auto":  # axolotl passes tf32=False unless it is True
+        b.args["tf32"] = (False, f"{where('tf32')}: auto (the Trainer's tf32 off)")
+    half = "bf16" if bf16 is True or raw.get("bfloat16") else "fp16" if raw.get("fp16") or raw.get("float16") else None
+    if half is None:
+        return
+    key = "bf16" if bf16 is True else "bfloat16" if raw.get("bfloat16") else "fp16" if raw.get("fp16") else "float16"
+    if raw.get("adapter"):
+        b.args["model_dtype"] = (half, f"{where(key)} (axolotl loads the frozen base in {half}; peft keeps the "
+                                       "adapters in fp32)")
+    elif key in ("bf16", "fp16"):  # bfloat16 / float16 are named by NOT_CARRIED
+        b.uncarried.append((key, True, f"axolotl loads the model in {half} and trains every weight in it (no fp32 "
+                                       "master weights); finetune's trainable weights stay fp32"))
+
+
+def _warmup(raw: dict, b: Baseline, source: str, where) -> None:
+    """axolotl's warm-up keys as the Trainer's, and its rounding of a ratio (:func:`warmup`)."""
+    if raw.get("warmup_steps") is not None:
+        steps = int(raw["warmup_steps"])
+        b.args["warmup_steps"] = (2 if steps == 1 else steps, where("warmup_steps") + (
+            " (1 made 2, as axolotl does)" if steps == 1 else ""))
+    elif raw.get("warmup_ratio") is not None:
+        b.args["warmup_ratio"] = (float(raw["warmup_ratio"]), where("warmup_ratio"))
+    else:
+        b.args["warmup_ratio"] = (0.03, f"{source}: no warmup_steps nor warmup_ratio (axolotl's default: 3% of the "
+                                        "steps, at most 100)")
+    cap = 100 if raw.get("warmup_steps") is None and raw.get("warmup_ratio") is None else None
+    b.warmup_of = lambda ratio, total: warmup(ratio, total, cap)
+
+
+def warmup(ratio: float, total: int | None, cap: int | None = None) -> tuple:
+    """(warm-up steps, how they were rounded) as axolotl 0.21.0 turns a ratio into steps
+    (``_configure_warmup_and_logging``): ``int(ratio × total)``, rounded down, at most ``cap`` (its default ratio's
+    100), and 1 made 2; (None, the formula) when the steps are unknown."""
+    if total is None:
+        return None, f"int({ratio:g} × N){f', at most {cap}' if cap else ''}, 1 made 2 (axolotl rounds down)"
+    steps = int(ratio * total)
+    steps = min(steps, cap) if cap else steps
+    return (2 if steps == 1 else steps), "rounded down as axolotl does" + (f", at most {cap}" if cap else "") + (
+        ", 1 made 2 as axolotl does" if steps == 1 else "")
+
+
+def _datasets(raw: dict, b: Baseline, source: str, where) -> None:
+    """The data sets: the task their type trains, the keys of theirs finetune cannot follow, the template they are
+    rendered with, and the one shuffle of their merged rows (``Baseline.shuffled``)."""
+    sets = [d for d in raw.get("datasets") or [] if isinstance(d, dict)]
+    types = {str(d.get("type")) for d in sets}
+    if not raw.get("rl"):
+        b.task = dataset_task(types)
+    for n, d in enumerate(sets):
+        name = f"datasets[{n}]" if len(sets) > 1 else "datasets"
+        if dataset_task({str(d.get("type"))}) is None:
+            trained = ", ".join(sorted(h.peer_names[TOOL] for h in built_in_hints().values() if TOOL in h.peer_names))
+            b.uncarried.append((f"{name}.type", d.get("type"), f"axolotl formats these rows with its own "
+                                f"{d.get('type')} prompt strategy; finetune's tasks train axolotl's {trained} rows"))
+        for key, (default, why) in CHAT_KEYS.items():
+            value = d.get(key)
+            if value is not None and value != default and not (key == "weight" and float(value) >= 1):
+                b.uncarried.append((f"{name}.{key}", value, why))
+    chats = [d for d in sets if d.get("type") == "chat_template"]
+    templates = {(d["chat_template"], d.get("chat_template_jinja")) if d.get("chat_template") else
+                 (raw.get("chat_template") or TOKENIZER_TEMPLATE, raw.get("chat_template_jinja")) for d in chats}
+    if len(templates) == 1:
+        said = "chat_template" if "chat_template" in raw else f"chat_template (axolotl's default {TOKENIZER_TEMPLATE})"
+        b.own["chat_template"] = (next(iter(templates)), where(said))
+    elif templates:
+        b.uncarried.append(("chat_template", sorted(str(t[0]) for t in templates), "its data sets are rendered with "
+                            "different templates; finetune renders every row with one"))
+    if raw.get("default_system_message"):
+        b.own["default_system_message"] = (raw["default_system_message"], where("default_system_message"))
+    if raw.get("curriculum_sampling") or raw.get("shuffle_merged_datasets", True) is False or not sets:
+        return  # the rows in the files' order
+    if len(sets) > 1 and raw.get("shuffle_before_merging_datasets"):
+        b.uncarried.append(("shuffle_before_merging_datasets", True, "axolotl shuffles each data set (seeded), then "
+                            "their merged rows again: give --data the rows in the order axolotl trained them"))
+        return
+    said = "shuffle_merged_datasets" + ("" if "shuffle_merged_datasets" in raw else " (axolotl's default true)")
+    b.shuffled = (int(raw["seed"]) if raw.get("seed") is not None else DEFAULTS["seed"][0],
+                  where(said) + (f", its {len(sets)} data sets one after another" if len(sets) > 1 else ""))
+
+
+def dataset_task(types: set) -> str | None:
+    """The built-in task that trains axolotl data sets of these types (the one whose hints name the type), when
+    they are all of one type; None otherwise."""
+    if len(types) != 1:
+        return None
+    kind = next(iter(types))
+    return next((name for name, h in built_in_hints().items() if h.peer_names.get(TOOL) == kind), None)
+
+
+def carry_own(b: Baseline, out, model_fields, data_fields: set) -> None:
+    """axolotl's own settings onto the recipe (called last by ``settings.carry``): the chat template it rendered
+    with, no system message, where its adapters started, and its ``bf16: auto`` when nothing says what it became."""
+    own = b.own
+    if "chat_template" in own and "chat_template" in model_fields:
+        (choice, jinja), where = own["chat_template"]
+        if choice == TOKENIZER_TEMPLATE or str(choice).startswith(f"{TOKENIZER_TEMPLATE}_fallback_"):
+            out.set("model.chat_template", None, f"{where}: {choice}, the tokenizer's own template")
+        elif choice == "jinja" and jinja:
+            out.set("model.chat_template", jinja, f"{where}: jinja, its chat_template_jinja")
+        elif choice == "chatml":
+            out.set("model.chat_template", CHATML, f"{where}: chatml, axolotl 0.21.0's template as it is")
+        else:
+            out.skip("chat_template", choice, "finetune renders conversations with the tokenizer's template or "
+                     f"model.chat_template: set it to axolotl's {choice}.jinja (axolotl/utils/chat_templates/"
+                     "templates/)")
+    if "system_prompt" in data_fields:
+        said = own.get("default_system_message")
+        out.set("data.system_prompt", None, f"{said[1]}: axolotl puts it only in place of 'You are a helpful "
+                "assistant.' in its chatml template, which 0.21.0's does not hold: no system message added" if said
+                else "axolotl adds no system message to a conversation (the template's own default stays)")
+    out.not_carried = [
+        "not carried: the adapters' start=unknown — axolotl draws them after set_seed(seed) while it loads the "
+        "model, which finetune's draw does not replay (checked with axolotl 0.21.0, peft 0.21): give "
+        "--initial-adapter DIR, the adapters of axolotl's start replayed (examples/axolotl/initial_adapters.py)"
+        if line.startswith("not carried: the adapters' start") else line for line in out.not_carried]
+    if "bf16" in own and "bf16" not in b.args:
+        out.skip("bf16", "auto", "axolotl trains in bf16 where the GPU has it, else in fp16 (auto, its default): "
+                 "set training.mixed_precision to what it took")

@@ -96,6 +96,9 @@ def read_folder(folder: Path, what: str) -> Baseline:
         b.args = {**card.args, **b.args}  # the arguments files, when present, say it first hand
         b.unknown, b.uncarried = card.unknown, card.uncarried
         b.base_model = card.base_model
+        # what the card's tool config says beyond the arguments (axolotl's task, row order, warm-up rounding)
+        b.task, b.own, b.carry_own = card.task, card.own, card.carry_own
+        b.warmup_of, b.shuffled = card.warmup_of, card.shuffled
         if not b.evals:
             b.evals = card.evals
     for name, attr in (("config.json", "model_config"), ("adapter_config.json", "adapter_config")):

@@ -682,11 +682,12 @@ def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: fl
 
 def carried(base, mine: dict):
     """The baseline's settings as ``finetune import`` carries them onto this run's recipe: its model and data
-    fields, so that a task's own settings (DPO's beta, GRPO's loss type, TRL's packing) are the baseline's too."""
+    fields, so that a task's own settings (DPO's beta, GRPO's loss type, TRL's packing) are the baseline's too, and
+    the adapters it started from (``peft.init_from``: the baseline's start, given to import as --initial-adapter)."""
     from finetune.reproduce.settings import carry
 
     return carry(base, {name: None for name in (mine["config"].get("model") or {})},
-                 set(mine["config"].get("data") or {}))
+                 set(mine["config"].get("data") or {}), initial_adapter=setting(mine["config"], "peft.init_from"))
 
 
 def uncarried(base, mine: dict) -> list:

@@ -2,12 +2,13 @@
 
 ``SOURCE`` is anything :func:`baselines.read_baseline` reads. The recipe gets the baseline's effective
 batch, learning rate, schedule and warm-up (a warm-up ratio becomes steps as transformers computes them:
-``ceil(steps × ratio)``), epochs or max steps, optimizer, betas, weight decay, ``max_grad_norm``, seed, mixed
-precision, LoRA, max length / completion-only loss where the task has them, quantization, and the Trainer's sample
-order (``training.sample_order: trainer``). The model, data and everything else come from ``--recipe BASE``
-(else a ``clm`` recipe on the baseline's base model). One table says each field, its value and where it came from;
-each setting that cannot be carried gets one ``not carried:`` line. The micro-batch is yours: run the recipe with
-``--batch-size``.
+``ceil(steps × ratio)``, or as the source's tool rounds it), epochs or max steps, optimizer, betas, weight decay,
+``max_grad_norm``, seed, mixed precision, LoRA, max length / completion-only loss where the task has them,
+quantization, and the Trainer's sample order (``training.sample_order: trainer``); rows the baseline's tool shuffled
+before training (axolotl) are written beside the recipe in that order. The model, data and everything else come from
+``--recipe BASE`` (else a recipe of the task the source says it trained — ``clm`` when it says none — on the
+baseline's base model). One table says each field, its value and where it came from; each setting that cannot be
+carried gets one ``not carried:`` line. The micro-batch is yours: run the recipe with ``--batch-size``.
 
     finetune import runs/trainer-baseline --recipe examples/trainer-baseline/recipe.yaml -o imported.yaml
 """
@@ -28,15 +29,17 @@ from finetune.reproduce.settings import Imported, carry, model_config_of, model_
 
 
 def _skeleton(base: Baseline) -> dict:
-    """A clm recipe on the baseline's base model (none when the source does not name it: said as missing)."""
+    """A recipe of the task the baseline trained (its ``Baseline.task``; clm when the source does not say) on its base
+    model (none when the source does not name it: said as missing)."""
     return {"task": base.task or "clm", "description": f"imported from {base.path}",
             "model": {"name_or_path": base.base_model} if base.base_model else {}}
 
 
 def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None,
-                  model=None) -> tuple[dict, Imported, Baseline]:
+                  model=None, recipe=None) -> tuple[dict, Imported, Baseline]:
     """The recipe mapping for baseline ``source`` (over recipe ``base`` when given; ``data``: the baseline's training
-    file; ``model``: its base model), what was carried and the baseline. Raises ConfigError (one line) for bad
+    file; ``model``: its base model; ``recipe``: where the recipe will be written, beside which the rows go when the
+    baseline's tool reordered them), what was carried and the baseline. Raises ConfigError (one line) for bad
     input, a recipe that would not validate, or a model that differs from the baseline's. A baseline that names no
     base model, imported without ``base``, gives a recipe whose ``model.name_or_path`` is missing
     (``Imported.missing`` says so)."""
@@ -59,10 +62,11 @@ def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None
     model_fields = typing.get_type_hints(section_class(module, "ModelConfig"))  # name → type
     data_fields = set(getattr(section_class(module, "DataConfig"), "__dataclass_fields__", {}))
     imported = carry(baseline, model_fields, data_fields, steps, initial_adapter)
-    training_file(imported, data, data_fields, baseline)
+    training_file(imported, data, data_fields, baseline, recipe)
     if not base and data is None:
-        imported.skip("the data set", "unknown", f"not in the {baseline.kind}; this recipe trains on the clm task's "
-                      "default data until you set data.source (or give --recipe BASE, or --data FILE)")
+        imported.skip("the data set", "unknown", f"not in the {baseline.kind}; this recipe trains on the "
+                      f"{raw['task']} task's default data until you set data.source (or give --recipe BASE, or "
+                      "--data FILE)")
     ours = ((raw.get("model") or {}).get("name_or_path") if isinstance(raw.get("model"), dict) else None)
     if model is not None:
         imported.set("model.name_or_path", str(model), "--model")
@@ -157,7 +161,7 @@ def main(args) -> int:
         return write_recipe(out, raw, args.source, "finetune run")
     args.data = llamafactory.training_rows(args.source, args.data, out, read_baseline)  # rows finetune reads
     raw, imported, baseline = import_recipe(args.source, args.recipe, args.steps, args.data, args.initial_adapter,
-                                            args.model)
+                                            args.model, out)
     print(table(imported, baseline))
     if baseline.unknown:  # listed, not fatal: axolotl grows keys faster than this list
         print(f"warning: {baseline.path.name}: keys finetune does not know, not read: {', '.join(baseline.unknown)}",
@@ -181,8 +185,8 @@ def add_arguments(p) -> None:
                                   "YAML or a Trainer/TRL arguments JSON")
     p.add_argument("-o", "--output", metavar="RECIPE.yaml", help="where to write the recipe "
                                                                   "(default: <source>-imported.yaml)")
-    p.add_argument("--recipe", metavar="BASE", help="keep this recipe's task, model and data (default: a clm recipe "
-                                                    "on the baseline's base model)")
+    p.add_argument("--recipe", metavar="BASE", help="keep this recipe's task, model and data (default: a recipe of "
+                                                    "the task the source trained, else clm, on its base model)")
     p.add_argument("--model", metavar="MODEL", help="the model the baseline fine-tuned (hub id, folder, gguf:…), "
                                                     "when its folder does not name it or names it in another form")
     p.add_argument("--data", metavar="FILE", help="the baseline's training file (jsonl, json, parquet, csv): trained "

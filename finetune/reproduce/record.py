@@ -34,6 +34,10 @@ class Baseline:
     task: Optional[str] = None                    # the finetune task the source trains (LLaMA-Factory's stage)
     own: dict = field(default_factory=dict)       # the tool's own settings, name → (value, source), for carry_own
     carry_own: Optional[object] = None            # (baseline, Imported, model fields, data fields): its own settings
+    warmup_of: Optional[object] = None            # (ratio, steps or None) → (warm-up steps or None, how): the tool's
+    #                                               own rounding of a warm-up ratio (axolotl's); None: the Trainer's
+    shuffled: Optional[tuple] = None              # (seed, source): the tool shuffled its training rows once before
+    #                                               training, as datasets' Dataset.shuffle(seed=seed) does (axolotl)
 
     def get(self, name, default=None):
         return self.args[name][0] if name in self.args else default

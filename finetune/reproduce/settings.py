@@ -154,28 +154,44 @@ def _scheduler(base: Baseline, out: Imported, steps_given: int | None) -> None:
         else:
             out.skip("lr_scheduler_type", kind, f"finetune's schedulers are {', '.join(sorted(SCHEDULERS))}")
     # transformers 5: warmup_steps below 1 is a ratio (TrainingArguments has no warmup_ratio); older arguments and
-    # axolotl have warmup_ratio. Both become ceil(steps × ratio), as TrainingArguments.get_warmup_steps computes.
+    # axolotl have warmup_ratio. The Trainer's warmup_steps are what it took, 0 too: a ratio from another file (the
+    # axolotl config beside its arguments) never overrides them; a ratio in the same file is used when they are 0
+    # (transformers 4's rule). A ratio becomes steps as the source's tool rounds it (Baseline.warmup_of), else as
+    # TrainingArguments.get_warmup_steps does: ceil(steps × ratio).
     steps, ratio, ratio_src = get("warmup_steps"), get("warmup_ratio"), None
     if steps is not None and 0 < float(steps) < 1:
         ratio, ratio_src = float(steps), base.args["warmup_steps"][1]
-    elif steps is not None and float(steps) >= 1:
+    elif steps is not None and (float(steps) >= 1 or not ratio or _origin(base, "warmup_ratio") !=
+                                _origin(base, "warmup_steps")):
         out.set("training.warmup_steps", int(steps), base.args["warmup_steps"][1])
         return
     elif ratio:
         ratio, ratio_src = float(ratio), base.args["warmup_ratio"][1]
     if not ratio:
-        if steps is not None:
-            out.set("training.warmup_steps", 0, base.args["warmup_steps"][1])
         return
     total = get("schedule_steps") or (get("max_steps") if (get("max_steps") or -1) > 0 else None)
     where = base.args["schedule_steps" if get("schedule_steps") else "max_steps"][1] if total else "--steps"
-    total = total or steps_given
-    if total:
-        out.set("training.warmup_steps", math.ceil(int(total) * ratio),
-                f"{ratio_src}: ratio {ratio:g} × {total} steps ({where}), rounded up as transformers does")
+    rule = base.warmup_of or trainer_warmup
+    warmup, how = rule(ratio, int(total or steps_given) if total or steps_given else None)
+    if warmup is not None:
+        out.set("training.warmup_steps", warmup, f"{ratio_src}: ratio {ratio:g} × {total or steps_given} steps "
+                                                 f"({where}), {how}")
     else:
         out.skip("warmup ratio", ratio, "this source does not say how many optimizer steps the run took; give "
-                 f"--steps N, or set training.warmup_steps=ceil({ratio:g} × N) (transformers rounds up)")
+                 f"--steps N, or set training.warmup_steps={how}")
+
+
+def trainer_warmup(ratio: float, total: int | None) -> tuple:
+    """(warm-up steps, how they were rounded) for a warm-up ratio over ``total`` optimizer steps, as transformers
+    rounds it (up); (None, the formula) when the steps are unknown."""
+    if total is None:
+        return None, f"ceil({ratio:g} × N) (transformers rounds up)"
+    return math.ceil(total * ratio), "rounded up as transformers does"
+
+
+def _origin(base: Baseline, name: str) -> str | None:
+    """The file a setting was read from (its source less the key it names)."""
+    return base.args[name][1].split(": ")[0] if name in base.args else None
 
 
 def _length(base: Baseline, out: Imported) -> None:
@@ -336,9 +352,9 @@ def _data(base: Baseline, out: Imported, data_fields: set) -> None:
                 "every token there: set data.train_on=all for those)" if train_on == "completion" else ""))
         elif train_on != "all":
             out.skip(key, get(key), "this recipe's task trains on every token (no data.train_on)")
-    if "system_prompt" in data_fields and base.kind != "axolotl YAML":
-        out.set("data.system_prompt", None, "the baseline's rows as they are: a Trainer / TRL run adds no system "
-                                            "message (the template's own default stays)")
+    if "system_prompt" in data_fields:
+        out.set("data.system_prompt", None, "the baseline's rows as they are: a Trainer / TRL / axolotl run adds no "
+                                            "system message (the template's own default stays)")
 
 
 def row_format(path) -> str | None:
@@ -464,12 +480,29 @@ def _grpo(base: Baseline, out: Imported, model_fields: dict) -> None:
                            "completions with model.rollouts (a rollouts.jsonl)")
 
 
-def training_file(out: Imported, data: str | None, data_fields: set, base: Baseline | None = None) -> None:
+def training_file(out: Imported, data: str | None, data_fields: set, base: Baseline | None = None,
+                  recipe: Path | None = None) -> None:
     """``--data FILE``: the baseline's training file, whole and in its order (the Trainer's order draws from it); for
-    a TRL SFT baseline, the tokens it trained on, from the rows' format (``trl_train_on``)."""
+    a TRL SFT baseline, the tokens it trained on, from the rows' format (``trl_train_on``). A baseline whose tool
+    shuffled its rows once before training (``Baseline.shuffled``: axolotl) trains on them in that order, written
+    beside ``recipe`` (:func:`shuffled_rows`); without ``--data`` or ``recipe`` the order is said as not carried."""
+    order = base.shuffled if base is not None else None
     if data is None:
+        if order is not None:
+            out.skip("the rows' order", f"shuffled with seed {order[0]}", f"{order[1]}: the rows are shuffled once "
+                     "before training (datasets' Dataset.shuffle); give --data FILE, the rows it loaded, and import "
+                     "writes them in that order")
         return
     out.set("data.source", str(data), "--data")
+    if order is not None:
+        written = shuffled_rows(data, order[0], recipe) if recipe is not None else None
+        if written is None:
+            out.skip("the rows' order", f"shuffled with seed {order[0]}", f"{order[1]}: the rows are shuffled once "
+                     "before training (datasets' Dataset.shuffle); import writes them in that order from a local "
+                     "jsonl, json, parquet or csv --data only")
+        else:
+            out.set("data.source", str(written), f"{order[1]}: the rows of --data {data} shuffled once before "
+                                                 f"training, as datasets' Dataset.shuffle(seed={order[0]}) does")
     kind = row_format(data) if base is not None and base.trl else None
     if kind is not None and "train_on" in data_fields and not kind.startswith("preference"):
         train_on, why = trl_train_on(base, kind)
@@ -481,6 +514,29 @@ def training_file(out: Imported, data: str | None, data_fields: set, base: Basel
     for name, value in (("val_fraction", 0.0), ("limit", None)):
         if name in data_fields:
             out.set(f"data.{name}", value, "--data: the baseline trained on the whole file, in its order")
+
+
+def shuffled_rows(data, seed: int, recipe: Path) -> Path | None:
+    """The rows of the local file ``data`` in the order ``datasets.Dataset.shuffle(seed=seed)`` puts them (the
+    permutation is the datasets library's own, which depends only on the row count and the seed), written beside
+    ``recipe`` (``RECIPE-rows.jsonl``; a jsonl's lines kept as they are, a parquet or csv file's format kept). None
+    when ``data`` is not a local jsonl, json, parquet or csv file."""
+    import datasets
+
+    path = Path(data)
+    kind = path.suffix.lower().lstrip(".")
+    if not path.is_file() or kind not in ("jsonl", "json", "parquet", "csv"):
+        return None
+    if kind == "jsonl":
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        order = datasets.Dataset.from_dict({"row": range(len(lines))}).shuffle(seed=seed)["row"]
+        out = recipe.with_name(f"{recipe.stem}-rows.jsonl")
+        out.write_text("".join(lines[i] + "\n" for i in order), encoding="utf-8")
+        return out
+    table = datasets.load_dataset(kind, data_files=str(path), split="train").shuffle(seed=seed)
+    out = recipe.with_name(f"{recipe.stem}-rows.{'jsonl' if kind == 'json' else kind}")
+    {"json": table.to_json, "parquet": table.to_parquet, "csv": table.to_csv}[kind](str(out))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -53,7 +53,8 @@ from finetune.tasks.chat import (
 # What compare and reproduce know of this task: packing, the turn end and long rows change which tokens each step
 # trains on; LLaMA-Factory's sft stage (its default) and any TRL SFTTrainer folder train it.
 COMPARE_HINTS = CompareHints(step_settings=("data.pack", "data.turn_end", "data.too_long"),
-                             base_recipe="sft-smollm2", trl_marks=(), peer_names={"llamafactory": "sft"},
+                             base_recipe="sft-smollm2", trl_marks=(),
+                             peer_names={"llamafactory": "sft", "axolotl": "chat_template"},
                              peer_default=("llamafactory",))
 
 
