@@ -8,7 +8,8 @@ imports tests.helpers); axolotl then trains from these files in its own environm
 axolotl 0.21.0 shuffles its data set before the Trainer's sampler even when there is only one
 (``axolotl.utils.data.shared.merge_datasets``: ``ds.shuffle(seed=cfg.seed)`` unless ``shuffle_merged_datasets`` is
 false): ``chat-axolotl-order.jsonl`` holds the rows in that order (datasets' ``shuffle(seed=42)``, the same
-permutation in datasets 5.0 and 5.2), the file a reproduction gives ``--data``.
+permutation in datasets 5.0 and 5.2): what ``finetune import --data chat.jsonl`` writes beside its recipe
+(``tests/test_axolotl_runs.py`` checks the two are the same).
 """
 
 import sys
