@@ -52,19 +52,19 @@ def main(argv=None) -> None:
                    "the settings of tests/assets/axolotl-tiny-llama-lora.yaml) instead of every weight")
     args = p.parse_args(argv)
 
-    from transformers import Trainer, TrainingArguments, set_seed
+    from transformers import Trainer, TrainingArguments
 
     from finetune.config import load_recipe
-    from finetune.startup import build_task
+    from finetune.startup import build_job
 
     if not (Path(args.model) / "config.json").is_file():
         write_pretrained(Path(args.model))
     lora = ["peft.enabled=true", "peft.r=8", "peft.alpha=16", "peft.target_modules=[q_proj, v_proj]"]
-    cfg = load_recipe(args.recipe, [f"model.name_or_path={args.model}", *(lora if args.lora else [])])
+    cfg = load_recipe(args.recipe, [f"model.name_or_path={args.model}", f"training.seed={args.seed}",
+                                    *(lora if args.lora else [])])
     # The recipe's tokenized samples, in finetune's indices, and its model: loaded from the checkpoint (and wrapped
     # in its new LoRA adapters, drawn after the same set_seed) as a finetune run with this seed builds it.
-    set_seed(args.seed)
-    job = build_task(cfg)  # the task's build, told this launch's run, without reseeding
+    job = build_job(cfg)  # seeded with the recipe's seed (args.seed), then the task's build, told this launch's run
     targs = TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=8, gradient_accumulation_steps=2, num_train_epochs=2,
         learning_rate=2e-3, lr_scheduler_type="linear", warmup_steps=0.1, optim="adamw_torch", weight_decay=0.01,
