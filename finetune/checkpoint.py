@@ -38,10 +38,11 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 import yaml
+from safetensors.torch import load_file, load_model, save_file
 
 from finetune import distributed
 from finetune.cache import file_digest
-from finetune.config import flatten
+from finetune.config import flatten, moved_keys, result_changes
 from finetune.durable import atomic_write_text, disk_full, fsync_dir
 from finetune.errors import ConfigError, WriteError
 from finetune.models import precision
@@ -139,8 +140,6 @@ def load_quantized_aside(models, input_dir) -> None:
     (only the quantized keys may be missing, nothing may be unexpected)."""
     if len(models) != 1 or not precision.quantized_state_keys(models[0]):
         return  # nothing quantized (the loop prepares one model): Accelerate loads it strictly
-    from safetensors.torch import load_model
-
     model = models.pop()  # Accelerate loads the models left in its list
     missing, unexpected = load_model(model, os.path.join(input_dir, "model.safetensors"), strict=False)
     stray = sorted(set(missing) - precision.quantized_state_keys(model)) + sorted(unexpected)
@@ -186,15 +185,11 @@ def task_held(objects) -> Held:
 
     def save(folder: Path, live: Live) -> None:
         if objects:
-            from safetensors.torch import save_file
-
             save_file({f"{i}.{k}": v.detach().cpu().contiguous() for i, o in enumerate(objects)
                        for k, v in o.state_dict().items()}, str(folder / TASK_STATE))
 
     def load(saved: Saved, live: Live) -> None:
         if objects:
-            from safetensors.torch import load_file
-
             tensors = load_file(str(saved.path / TASK_STATE))
             for i, o in enumerate(objects):
                 o.load_state_dict({k.split(".", 1)[1]: v for k, v in tensors.items() if k.split(".", 1)[0] == str(i)})
@@ -458,8 +453,6 @@ def check_resume(saved: Saved, settings: dict, shape) -> list[str]:
     Another effective batch is refused — unless ``training.scale_lr`` says the run is meant to change batch, and
     then only at an epoch boundary (mid-epoch the remaining windows would not cover the epoch's samples).
     Returns lines to print: settings that change the result, and a changed process layout."""
-    from finetune.config import moved_keys, result_changes
-
     new = flatten(settings)
     scale_lr, effective, processes = new.get("training.scale_lr", "none"), shape.effective, shape.processes
     notes = []

@@ -24,6 +24,7 @@ user's argument alone (a checkpoint's path or "latest"); the checkpoint it names
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import time
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from typing import Callable, Optional
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, set_seed
 
 from finetune import checkpoint, distributed, durable, loop, outputs, runlock
 from finetune.config import RecipeConfig, TrainingConfig, flatten, installed
@@ -257,8 +258,6 @@ def build_job(cfg: RecipeConfig, shape: Optional[Shape] = None) -> Job:
     """Seed (model init of new heads is part of the reproduction), then call the recipe's task's ``build`` with the
     context of this launch (``TaskContext``; ``shape``: the run's split, by default this launch's split of the
     recipe's batch)."""
-    from accelerate.utils import set_seed
-
     set_seed(cfg.training.seed)
     group = distributed.process_group()
     shape = shape or split_batch(cfg.training, group.num_processes)
@@ -271,8 +270,6 @@ def build_job(cfg: RecipeConfig, shape: Optional[Shape] = None) -> Job:
 def takes_context(make) -> bool:
     """Whether a task's ``build`` takes the context as well as the recipe (``build(cfg, ctx)``); one written for
     ``build(cfg)`` keeps working."""
-    import inspect
-
     try:
         params = list(inspect.signature(make).parameters.values())
     except (TypeError, ValueError):
@@ -518,7 +515,7 @@ def recorded(reporting: loop.Reporting, t: TrainingConfig) -> loop.Reporting:
 
 def quiet_libraries() -> None:
     """One process speaks: the others keep quiet about loading and mapping."""
-    import datasets
+    import datasets  # the workers of a multi-process run only: a command that never launches one skips its import
     import transformers
 
     transformers.logging.set_verbosity_error()
