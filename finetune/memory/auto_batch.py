@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
+from tqdm.auto import tqdm
 
 from finetune import distributed
 from finetune.config import TrainingConfig
 from finetune.errors import ConfigError
 from finetune.job import Job
 from finetune.memory.measure import free_memory, smaller_micro_batch
+from finetune.memory.step import auto_profile, device_budget, longest_batches, tensor_bytes
 from finetune.shape import Shape
 
 
@@ -35,10 +38,6 @@ class AutoBatch:
         """``shape`` in the largest micro-batch dividing its window whose step is predicted to fit the
         device (``finetune.memory.step.auto_profile``, measured on this model in this run's settings); one sample when
         none is."""
-        from accelerate.utils import send_to_device
-
-        from finetune.memory.step import auto_profile, device_budget, longest_batches, tensor_bytes
-
         device = self.accelerator.device
         batches = [send_to_device(b, device) for b in longest_batches(job, sizes=(1, 2))[0]]
         window = shape.per_process
@@ -67,8 +66,6 @@ class AutoBatch:
         if smaller == 0:
             raise ConfigError("training.batch_size: auto found no micro-batch that fits (1 sample does not)")
         if distributed.is_main_process():
-            from tqdm.auto import tqdm
-
             tqdm.write(f"out of memory at micro-batch {shape.micro_batch}: window {window.index} again with "
                        f"{smaller} × {shape.per_process // smaller}")
         return shape.with_micro_batch(smaller)
