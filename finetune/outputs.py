@@ -89,14 +89,21 @@ def _json_default(x):
     return str(x)
 
 
-def write_plots(history: list, out_dir, val_history, ema_beta: float) -> list:
-    """loss (with its moving average at ``ema_beta``, training.ema_beta, and validation points), lr and grad-norm
-    curves over optimizer steps, one PNG each."""
-    import matplotlib  # lazy: 0.3 s on every command (this module is on each one's path); only plots need it
+def pyplot():
+    """``matplotlib.pyplot`` drawing to files (the Agg backend), imported at first use: 0.3 s that every command
+    would pay at the top (this module is on each one's path)."""
+    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def write_plots(history: list, out_dir, val_history, ema_beta: float) -> list:
+    """loss (with its moving average at ``ema_beta``, training.ema_beta, and validation points), lr and grad-norm
+    curves over optimizer steps, one PNG each."""
+    plt = pyplot()
     paths = []
     steps = [h["step"] for h in history]
     mem_key = next((k for k in ("mem_reserved_mib", "mem_allocated_mib", "mem_rss_mib") if k in history[-1]), None)
