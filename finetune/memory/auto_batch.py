@@ -18,8 +18,8 @@ from finetune import distributed
 from finetune.config import TrainingConfig
 from finetune.errors import ConfigError
 from finetune.job import Job
+from finetune.memory import step as step_memory  # looked up when called (a test replaces the device budget)
 from finetune.memory.measure import free_memory, smaller_micro_batch
-from finetune.memory.step import auto_profile, device_budget, longest_batches, tensor_bytes
 from finetune.shape import Shape
 
 
@@ -39,10 +39,10 @@ class AutoBatch:
         device (``finetune.memory.step.auto_profile``, measured on this model in this run's settings); one sample when
         none is."""
         device = self.accelerator.device
-        batches = [send_to_device(b, device) for b in longest_batches(job, sizes=(1, 2))[0]]
+        batches = [send_to_device(b, device) for b in step_memory.longest_batches(job, sizes=(1, 2))[0]]
         window = shape.per_process
-        profile = auto_profile(self.model, batches, t, job.loss_fn, up_to=window)
-        budget = device_budget(device, held=tensor_bytes(self.model.parameters()))
+        profile = step_memory.auto_profile(self.model, batches, t, job.loss_fn, up_to=window)
+        budget = step_memory.device_budget(device, held=step_memory.tensor_bytes(self.model.parameters()))
         b = profile.largest_micro_batch(window, budget)
         peak = profile.step_peak(max(b, 1), window // max(b, 1))
         if distributed.is_main_process():
