@@ -11,11 +11,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import sys
 import textwrap
 import typing
 from collections.abc import Mapping
 from typing import Callable, Optional
 
+import torch
+from accelerate.utils import set_seed
+
+from finetune import distributed, loop, outputs, startup
 from finetune.config import (
     OutputConfig,
     RecipeConfig,
@@ -72,10 +77,6 @@ def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, coll
         ConfigError: a bad argument, naming it and what is allowed; an unknown keyword, naming the closest one; a
             checkpoint the command line would refuse, with its line.
     """
-    from accelerate.utils import set_seed
-
-    from finetune import distributed, loop, outputs, startup
-
     if train_data is None:
         raise ConfigError("train_data: required (a torch Dataset, a datasets.Dataset or a list of dicts)")
     check_arguments(model, train_data, val_data, loss_fn, collate_fn)
@@ -136,8 +137,6 @@ if test_fine_tuning.__doc__:  # None under python -OO
 
 def check_arguments(model, train_data, val_data, loss_fn=None, collate_fn=None) -> None:
     """Refuse, naming the argument, what the loop cannot use — rather than a TypeError from collate or backward."""
-    import torch
-
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model: got {type(model).__name__}; expected a torch.nn.Module")
     for name, data in (("train_data", train_data), ("val_data", val_data)):
@@ -201,9 +200,7 @@ def _training_config(config, given: dict, use_amp: bool = False) -> TrainingConf
         del raw["mixed_precision"]
     if use_amp or (base.get("use_amp") and "mixed_precision" not in given):
         if raw.get("mixed_precision") in (None, "no"):
-            from finetune.distributed import amp_precision
-
-            raw["mixed_precision"] = amp_precision()
+            raw["mixed_precision"] = distributed.amp_precision()
     problems = []
     t = build_section(TrainingConfig, raw, "training", problems)
     if problems:
@@ -231,10 +228,9 @@ def _as_dataset(data):
     """🤗 datasets come back as python lists; ask for tensors so the default collate works."""
     if data is None:
         return None
-    try:
-        import datasets
-    except ImportError:
-        return data
-    if isinstance(data, datasets.Dataset) and data.format["type"] is None:
+    # a datasets.Dataset was made by an imported `datasets`: looked up, not imported (0.6 s on every
+    # `import finetune`, which imports this module)
+    datasets = sys.modules.get("datasets")
+    if datasets is not None and isinstance(data, datasets.Dataset) and data.format["type"] is None:
         return data.with_format("torch")
     return data

@@ -28,7 +28,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
+import torch.distributed as dist
+
 from finetune.errors import ConfigError
+from finetune.runlock import try_lock
 
 
 def file_digest(path):
@@ -154,8 +157,6 @@ def _publish(target: Path, build: Callable[[Path], None]) -> None:
 @contextmanager
 def _locked(target: Path, what: str, timeout: float):
     """Hold the exclusive lock ``.<name>.lock`` beside ``target``; wait up to ``timeout`` s for another holder."""
-    from finetune.runlock import try_lock
-
     target.parent.mkdir(parents=True, exist_ok=True)
     path = target.with_name(f".{target.name}.lock")
     deadline = time.monotonic() + timeout
@@ -187,8 +188,6 @@ def _wait(target: Path, what: str, timeout: float, token: str) -> Path:
 def _group_token():
     """A name shared by this call on every process of the process group (rank 0's, broadcast), or None outside a
     group of several processes. It names rank 0's failure note, so a note left by an earlier run is never read."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
@@ -197,8 +196,6 @@ def _group_token():
 
 
 def _is_rank_zero() -> bool:
-    import torch.distributed as dist
-
     return dist.get_rank() == 0
 
 

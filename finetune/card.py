@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import re
 from pathlib import Path
 
@@ -43,8 +44,6 @@ def base_model_id(name) -> str | None:
         return name
     config = Path(str(name)).expanduser() / "config.json"
     if config.is_file():
-        import json
-
         try:
             return hub_id(json.loads(config.read_text()).get("_name_or_path"))
         except (ValueError, AttributeError):
@@ -107,6 +106,7 @@ def _table(rows: list[dict]) -> str:
 def card_text(settings: dict, metrics: dict, history: list, merged: bool = False) -> str:
     """The model card of a run whose resolved recipe is ``settings`` (its config.yaml), whose ``metrics.json`` and
     history are given; ``merged``: the card of ``model-merged/`` (the adapters merged into the base)."""
+    # lazy: huggingface_hub's model card module costs 0.13 s, and this module is imported by every command
     from huggingface_hub import ModelCard, ModelCardData
 
     model, data, t = (settings.get(k) or {} for k in ("model", "data", "training"))

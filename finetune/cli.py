@@ -23,9 +23,23 @@ import argparse
 import sys
 from pathlib import Path
 
-from finetune.config import documented_fields, load_recipe
-from finetune.errors import ConfigError
+from finetune import distributed, outputs, plan_command, runlock, search
+from finetune.card import record_verdict
+from finetune.config import TrainingConfig, documented_fields, load_recipe
+from finetune.durable import disk_full
+from finetune.errors import ConfigError, WriteError
+from finetune.launch import check_processes, launch, launched_processes
 from finetune.registry import list_recipes
+from finetune.reproduce import command, importer
+from finetune.reproduce.compare import (
+    compare_runs,
+    compare_with_baseline,
+    is_finetune_run,
+    plot_against_baseline,
+    plot_comparison,
+)
+from finetune.startup import check, run_recipe
+from finetune.steps import NonFiniteError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,17 +90,11 @@ def overrides_from_args(args) -> list[str]:
     if args.effective_batch_size is not None:  # and an explicit effective batch the recipe's N
         out.append("training.gradient_accumulation_steps=null")
     if args.use_amp and args.mixed_precision is None:
-        from finetune.distributed import amp_precision
-
-        out.append(f"training.mixed_precision={amp_precision()}")
+        out.append(f"training.mixed_precision={distributed.amp_precision()}")
     return out + list(args.set)
 
 
 def cmd_run(args) -> int:
-    from finetune import distributed, runlock
-    from finetune.launch import check_processes, launch, launched_processes
-    from finetune.startup import check, run_recipe
-
     if args.list_recipes:
         return cmd_ls(args)
     if not args.recipe:
@@ -129,22 +137,12 @@ def cmd_validate(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from finetune.reproduce.compare import (
-        compare_runs,
-        compare_with_baseline,
-        is_finetune_run,
-        plot_against_baseline,
-        plot_comparison,
-    )
-
     # RUN_A may be a baseline another tool trained (a Trainer/TRL folder, a model card): checked against its logs
     runs = is_finetune_run(args.run_a)
     compare, plot = (compare_runs, plot_comparison) if runs else (compare_with_baseline, plot_against_baseline)
     result = compare(args.run_a, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol,
                      **({"floor": args.floor} if args.floor else {}))
     print(result.report())
-    from finetune.card import record_verdict
-
     for card in record_verdict(args.run_b, result.report().splitlines()[-1], args.run_a):
         print(f"verdict recorded in {card}", file=sys.stderr)  # the verdict stays the report's last line
     if args.plot:
@@ -153,26 +151,18 @@ def cmd_compare(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from finetune.reproduce import importer
-
     return importer.main(args)
 
 
 def cmd_reproduce(args) -> int:
-    from finetune.reproduce import command
-
     return command.main(args, main)
 
 
 def cmd_plot(args) -> int:
-    from finetune import outputs
-
     run = Path(args.run)
     history = outputs.read_history(run, "plot")
     if not history:
         raise ConfigError(f"plot: {run / 'history.jsonl'} holds no optimizer steps yet")
-    from finetune.config import TrainingConfig
-
     # the run's own smoothing; a run without config.yaml gets the field's default
     beta = ((outputs.read_config(run) or {}).get("training") or {}).get("ema_beta", TrainingConfig.ema_beta)
     for path in outputs.write_plots(history, run, outputs.read_metrics(run).get("val_history", []), beta):
@@ -181,20 +171,14 @@ def cmd_plot(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from finetune import plan_command
-
     return plan_command.main(args)
 
 
 def cmd_search(args) -> int:
-    from finetune import search
-
     return search.main(args)
 
 
 def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
-    from finetune import plan_command, search
-
     p = _Parser(prog=prog, description="Reproduce a big-batch fine-tuning baseline with exact accumulation.")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     r = sub.add_parser("run", help="train a recipe")
@@ -219,13 +203,9 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     c.add_argument("--plot", metavar="PNG", help="write both runs' loss and lr curves here")
     c.epilog = "exit code 0 equivalent, 1 differs, 3 not certified (outside an assumed floor: measure it with --floor)"
     c.set_defaults(func=cmd_compare)
-    from finetune.reproduce import importer
-
     i = sub.add_parser("import", help="a recipe from a Trainer/TRL folder, a model card, an axolotl YAML or args JSON")
     importer.add_arguments(i)
     i.set_defaults(func=cmd_import)
-    from finetune.reproduce import command
-
     command.add_arguments(sub.add_parser("reproduce", help="import, train, compare and report in one command"))
     sub.choices["reproduce"].set_defaults(func=cmd_reproduce)
     pl = sub.add_parser("plot", help="redraw a run's loss / lr / grad-norm PNGs")
@@ -241,10 +221,6 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
 def main(argv=None, prog: str = "finetune") -> int:
     """Parse and run one command; a ConfigError is printed as one line per problem and exits 2. With several
     processes only the main one prints, and a refusal they agreed on (``distributed.agree``) ends them together."""
-    from finetune.durable import disk_full
-    from finetune.errors import WriteError
-    from finetune.steps import NonFiniteError
-
     parser = build_parser(prog)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -270,9 +246,6 @@ def main(argv=None, prog: str = "finetune") -> int:
 def _stop(problems: list, code: int, together: bool = False) -> int:
     """Print ``problems`` (main process only); with ``together``, wait for the run's other processes, which stop
     for the same reason, so that none is killed by its launcher before the main process has said why."""
-    from finetune import distributed
-    from finetune.launch import launched_processes
-
     if distributed.is_main_process():
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ dataclasses), so unknown keys are errors everywhere.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -545,8 +546,6 @@ def validate_training(t: TrainingConfig, problems: list):
 def installed(module: str) -> bool:
     """Whether ``module`` is installed (looked up, not imported: importing bitsandbytes takes seconds). Every refusal
     of a missing package asks here (``check_needs``)."""
-    import importlib.util
-
     try:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):

@@ -63,7 +63,7 @@ def parse_rows(rows: list, parse, source: str) -> list:
 def load_local_table(path, builders: dict, kwargs=None):
     """A local data file through ``datasets.load_dataset`` (``builders``: file extension → builder name). A bad file
     is one ``data.source`` line: datasets' own error log and progress bar are silenced while it reads."""
-    import datasets
+    import datasets  # lazy: 0.6 s on every command (this module is on each one's path)
 
     path = Path(path)
     ext = path.suffix.lower().lstrip(".")

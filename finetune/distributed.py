@@ -17,7 +17,8 @@ from typing import Callable, Optional
 
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DistributedType
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs, gather_object
 
 from finetune.errors import ConfigError, WriteError
 from finetune.models.forward import shards_weights  # noqa: F401  (the engines' question, asked of a model)
@@ -112,8 +113,6 @@ def agree(check: Callable, main_only: bool = False):
 
     A collective: every process calls it at the same point. With one process it is ``check()``.
     """
-    from accelerate.utils import gather_object
-
     group = process_group()
     if group.num_processes == 1:
         return check()
@@ -162,8 +161,6 @@ def make_accelerator(mixed_precision: str = "no", log_with=None, project_dir=Non
     """An Accelerator for this run: ``mixed_precision`` (training.mixed_precision), N = 1 (finetune places the
     window's sync itself). What this machine cannot run is refused before, once, by ``check_environment`` (at
     set-up)."""
-    from accelerate.utils import InitProcessGroupKwargs
-
     state = _state_kwargs()
     handlers = [InitProcessGroupKwargs(backend=state["backend"])] if "backend" in state else None
     kwargs = dict(mixed_precision=mixed_precision, log_with=log_with, project_dir=project_dir, cpu=state["cpu"],
@@ -186,8 +183,6 @@ def restart_accelerate_state() -> None:
     or a test suite trains several times in one process, so this one place starts them afresh through Accelerate's
     own reset — called only when Accelerate refuses, pinned by the accelerate bounds in pyproject, and covered by
     ``tests/test_loop.py::test_two_precisions_in_one_process``. The process group is kept."""
-    from accelerate.state import AcceleratorState, GradientState
-
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
 
@@ -195,7 +190,7 @@ def restart_accelerate_state() -> None:
 def is_fsdp2(model) -> bool:
     """Whether ``model`` is sharded with torch's ``fully_shard`` (FSDP2): by Accelerate's FSDP2 plugin, or by the
     task itself (``Job.model`` already sharded on a device mesh, which is how FSDP2 runs on the CPU)."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # lazy: 0.8 s on every command (torch does not load it)
 
     return isinstance(model, FSDPModule)
 
@@ -253,8 +248,6 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int, optims: list
 
 def launch_deepspeed_config() -> dict:
     """The DeepSpeed config this launch gives Accelerate (its config file, or the accelerate config's fields)."""
-    from accelerate.utils import DeepSpeedPlugin
-
     return DeepSpeedPlugin().deepspeed_config
 
 
@@ -270,7 +263,7 @@ def release_sharding(accelerator: Accelerator, model) -> None:
     if accelerator.distributed_type != DistributedType.DEEPSPEED or \
             accelerator.deepspeed_plugin.deepspeed_config["zero_optimization"]["stage"] != 3:
         return
-    import deepspeed
+    import deepspeed  # optional (finetune[deepspeed]), and only a ZeRO-3 run gets here
 
     params = [p for p in accelerator.unwrap_model(model).parameters() if hasattr(p, "ds_tensor")]
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):

@@ -68,6 +68,6 @@ def report(record: dict, accelerator: Accelerator, log_with=None) -> None:
 
 def load_metric(name: str):
     """A metric from ``finetune/metrics/<name>/<name>.py`` through ``evaluate`` (no hub access)."""
-    import evaluate
+    import evaluate  # lazy: 3.4 s on every command (this module is on each one's path)
 
     return evaluate.load(str(METRICS_DIR / name))

@@ -17,6 +17,7 @@ import uuid
 
 from finetune.config import RecipeConfig
 from finetune.errors import ConfigError
+from finetune.startup import check_before_launch
 
 
 def launched_processes() -> int:
@@ -37,8 +38,6 @@ def check_processes(processes) -> None:
 def launch(cfg: RecipeConfig, resume, argv: list, processes: int) -> int:
     """Check the run for ``processes`` processes, then start them, each running ``finetune <argv>`` with the output
     directory checked here. Returns the exit code: 0, or the failing workers' (2 for a refusal)."""
-    from finetune.startup import check_before_launch
-
     out_dir = check_before_launch(cfg, resume, processes)
     return start_workers([*argv, "--set", f"output.dir={json.dumps(str(out_dir))}"], processes)
 
@@ -46,6 +45,7 @@ def launch(cfg: RecipeConfig, resume, argv: list, processes: int) -> int:
 def start_workers(argv: list, processes: int) -> int:
     """Start ``processes`` copies of ``python -m finetune <argv>`` on this machine and wait for them. Their output
     is theirs (rank 0 speaks); the launcher adds none. Returns 0, or the lowest failing rank's exit code."""
+    # lazy: torch's launcher costs 30 ms, on every command; only --processes N starts workers
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -57,7 +57,7 @@ def make_optims(model: torch.nn.Module, param_groups, t: TrainingConfig, total_s
     """One Optim per ``param_groups`` entry (name → {"params": …, TrainingConfig overrides}), else one over the
     whole model, at ``scale`` × their learning rates. Schedulers come from ``transformers.get_scheduler``, sized
     in optimizer steps."""
-    from transformers import get_scheduler
+    from transformers import get_scheduler  # lazy: 3 s on every command (this module is on each one's path)
 
     groups = param_groups or {"model": {"params": model.parameters()}}
     optims = []

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 from pathlib import Path
 
 import torch
+import yaml
+from safetensors.torch import save_model as save_safetensors
 
 from finetune.card import write_cards
+from finetune.errors import ConfigError
 from finetune.state import ema
 
 PLOTTED = (("loss", "window loss (mean over the window's items)"), ("lr", "learning rate"),
@@ -18,8 +22,6 @@ PLOTTED = (("loss", "window loss (mean over the window's items)"), ("lr", "learn
 def read_history(run_dir, command: str = "run") -> list[dict]:
     """The records of a run's ``history.jsonl`` (one per optimizer step); ConfigError naming ``command`` when there
     is none or a line is not a record."""
-    from finetune.errors import ConfigError
-
     path = Path(run_dir) / "history.jsonl"
     if not path.is_file():
         raise ConfigError(f"{command}: {run_dir} is not a run directory (no history.jsonl)")
@@ -39,8 +41,6 @@ def read_history(run_dir, command: str = "run") -> list[dict]:
 
 def read_metrics(run_dir) -> dict:
     """A run's ``metrics.json`` ({} when there is none); ConfigError when it is not a JSON object."""
-    from finetune.errors import ConfigError
-
     path = Path(run_dir) / "metrics.json"
     if not path.is_file():
         return {}
@@ -55,8 +55,6 @@ def read_metrics(run_dir) -> dict:
 
 def read_config(run_dir) -> dict | None:
     """The run's resolved ``config.yaml`` (every ``finetune run`` writes one); None if it has none."""
-    import yaml
-
     try:
         config = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
@@ -91,14 +89,21 @@ def _json_default(x):
     return str(x)
 
 
-def write_plots(history: list, out_dir, val_history, ema_beta: float) -> list:
-    """loss (with its moving average at ``ema_beta``, training.ema_beta, and validation points), lr and grad-norm
-    curves over optimizer steps, one PNG each."""
+def pyplot():
+    """``matplotlib.pyplot`` drawing to files (the Agg backend), imported at first use: 0.3 s that every command
+    would pay at the top (this module is on each one's path)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def write_plots(history: list, out_dir, val_history, ema_beta: float) -> list:
+    """loss (with its moving average at ``ema_beta``, training.ema_beta, and validation points), lr and grad-norm
+    curves over optimizer steps, one PNG each."""
+    plt = pyplot()
     paths = []
     steps = [h["step"] for h in history]
     mem_key = next((k for k in ("mem_reserved_mib", "mem_allocated_mib", "mem_rss_mib") if k in history[-1]), None)
@@ -139,8 +144,6 @@ def save_model(model: torch.nn.Module, out_dir, tokenizer=None, save_hook=None) 
     elif hasattr(model, "save_pretrained"):
         model.save_pretrained(target, safe_serialization=True, is_main_process=True)
     else:
-        from safetensors.torch import save_model as save_safetensors
-
         save_safetensors(model, str(target / "model.safetensors"))
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(target)
@@ -170,10 +173,6 @@ def arithmetic(device) -> dict:
     """What a run's rounding depends on beyond its settings, kept in its metrics.json for the floor: the kind and
     name of the device, and whether its fp32 matrix products ran in TF32 (torch's float32 matmul precision, or
     ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``, both of which torch's flag reports)."""
-    import platform
-
-    import torch
-
     if device.type != "cuda":
         return {"device": device.type, "name": platform.processor() or platform.machine(), "tf32": False}
     return {"device": "cuda", "name": torch.cuda.get_device_name(device),

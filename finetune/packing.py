@@ -23,6 +23,8 @@ import torch
 
 from finetune.data import right_pad
 from finetune.errors import ConfigError
+from finetune.items import count_items, is_causal_lm
+from finetune.models.forward import compute_loss
 
 
 def pack_rows(members, length_of, capacity: int, rows_per_batch: Optional[int] = None) -> list[tuple]:
@@ -155,9 +157,6 @@ def packing_problem(model, data, length_of, loss_fn=None, rtol: float = 1e-4):
     """On the actual model and the job's own loss path: do two short training samples packed in one row give the
     logits, and the item-weighted loss, each gives alone? Returns None when they do, else what differs. Catches a
     model whose attention ignores packed positions and a ``loss_fn`` that drops ``position_ids``."""
-    from finetune.items import count_items
-    from finetune.models.forward import compute_loss
-
     picks = sorted(range(min(len(data), 64)), key=length_of)[:2]
     rows = PackedRows([{"input_ids": _tokens(data[i]["input_ids"])[:16]} for i in picks])
     device = next(model.parameters()).device
@@ -191,8 +190,6 @@ def decide_packing(requested, model, data, length_of, loss_fn):
     samples (the Python API's causal LMs pack too)."""
     if requested is False:
         return None, "off (training.packing=false)"
-    from finetune.items import is_causal_lm
-
     name = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
     if not is_causal_lm(model):
         reason = "the model is not a causal LM"

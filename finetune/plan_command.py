@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import torch
 
-from finetune import startup
+from finetune import loop, startup
 from finetune.config import load_recipe
 from finetune.errors import ConfigError
 from finetune.memory import depth, sharded
@@ -74,8 +74,6 @@ def training_peak(job, t) -> tuple[int, object]:
     included; its TrainResult). With ``t.max_steps`` ≥ 2 that is the peak of a steady optimizer step (the
     optimizer's state exists from the first on), which is what ``finetune plan`` predicts. A model on the CPU that
     trains on a GPU comes to it inside the run."""
-    from finetune import loop
-
     device = next(job.model.parameters()).device
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())

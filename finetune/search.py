@@ -14,18 +14,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from pathlib import Path
 
-from finetune.config import TrainingConfig, fields_with
+import torch
+import yaml
+
+from finetune import runlock
+from finetune.config import TrainingConfig, fields_with, load_recipe
 from finetune.errors import ConfigError
+from finetune.models.forward import compute_loss
+from finetune.startup import build_job, check, run_recipe
 
 ALIASES = {alias: name for name, alias in fields_with("alias").items()}  # lr → training.learning_rate, …
 
 
 def parse_param(spec: str) -> tuple[str, str, list]:
     """``"lr=loguniform:1e-5:1e-3"`` → ("training.learning_rate", "loguniform", [1e-5, 1e-3])."""
-    import yaml
-
     if "=" not in spec or ":" not in spec.split("=", 1)[1]:
         raise ConfigError(f"--param {spec}: expected NAME=DIST:ARGS, e.g. lr=loguniform:1e-5:1e-3")
     name, dist = spec.split("=", 1)
@@ -61,13 +66,6 @@ def suggest(trial, field: str, kind: str, values: list):
 def reported_metrics(cfg) -> list:
     """The validation metrics ``cfg`` reports: its job built once and the untrained model evaluated on a few
     validation samples (seconds, where a trial takes minutes). Empty without a validation set."""
-    import warnings
-
-    import torch
-
-    from finetune.models.forward import compute_loss
-    from finetune.startup import build_job
-
     job = build_job(cfg)
     if job.val_data is None or len(job.val_data) == 0:
         return []
@@ -99,14 +97,10 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    try:
+    try:  # optional (finetune[search]): only this command needs it
         import optuna
     except ImportError:
         raise ConfigError("search: needs optuna (pip install 'finetune[search]')") from None
-    from finetune import runlock
-    from finetune.config import load_recipe
-    from finetune.startup import check, run_recipe
-
     if args.trials < 1:
         raise ConfigError(f"--trials: got {args.trials}; must be >= 1")
     params = [parse_param(p) for p in args.param]

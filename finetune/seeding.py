@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 
 def step_seed(*keys: int) -> int:
@@ -35,8 +36,6 @@ def permutation(n: int, seed: int, epoch: int) -> list[int]:
 def capture_rng(rank: int, directory: Path) -> None:
     """Write this process's random states (python, numpy, torch, CUDA) into ``directory``: ``rng_<rank>.json`` and
     ``rng_<rank>.safetensors``, without pickle."""
-    from safetensors.torch import save_file
-
     np_state = np.random.get_state()
     py_state = random.getstate()
     (directory / f"rng_{rank}.json").write_text(json.dumps({
@@ -52,8 +51,6 @@ def capture_rng(rank: int, directory: Path) -> None:
 
 def restore_rng(rank: int, directory: Path) -> None:
     """Set this process's random states to those ``capture_rng`` wrote (CUDA's when the device count is the same)."""
-    from safetensors.torch import load_file
-
     d = json.loads((directory / f"rng_{rank}.json").read_text())
     random.setstate((d["python"][0], tuple(d["python"][1]), d["python"][2]))
     kind, keys, pos, has_gauss, cached = d["numpy"]

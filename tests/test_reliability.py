@@ -145,11 +145,11 @@ def test_a_refusal_on_one_process_is_agreed_by_all(monkeypatch):
 
     refusal = (ConfigError, ["resume: checkpoint c has no random state for process 1"])
     monkeypatch.setattr(distributed, "process_group", lambda: TwoProcesses())
-    monkeypatch.setattr("accelerate.utils.gather_object", lambda mine: [mine[0], (None, refusal)])
+    monkeypatch.setattr(distributed, "gather_object", lambda mine: [mine[0], (None, refusal)])
     with pytest.raises(ConfigError, match="no random state for process 1") as refused:
         distributed.agree(lambda: "fine here")
     assert refused.value.agreed
-    monkeypatch.setattr("accelerate.utils.gather_object", lambda mine: [mine[0], (None, None)])
+    monkeypatch.setattr(distributed, "gather_object", lambda mine: [mine[0], (None, None)])
     assert distributed.agree(lambda: Path("runs/x"), main_only=True) == Path("runs/x")  # the main's value for all
 
 

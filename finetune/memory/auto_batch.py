@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import send_to_device
+from tqdm.auto import tqdm
 
 from finetune import distributed
 from finetune.config import TrainingConfig
 from finetune.errors import ConfigError
 from finetune.job import Job
+from finetune.memory import step as step_memory  # looked up when called (a test replaces the device budget)
 from finetune.memory.measure import free_memory, smaller_micro_batch
 from finetune.shape import Shape
 
@@ -35,15 +38,11 @@ class AutoBatch:
         """``shape`` in the largest micro-batch dividing its window whose step is predicted to fit the
         device (``finetune.memory.step.auto_profile``, measured on this model in this run's settings); one sample when
         none is."""
-        from accelerate.utils import send_to_device
-
-        from finetune.memory.step import auto_profile, device_budget, longest_batches, tensor_bytes
-
         device = self.accelerator.device
-        batches = [send_to_device(b, device) for b in longest_batches(job, sizes=(1, 2))[0]]
+        batches = [send_to_device(b, device) for b in step_memory.longest_batches(job, sizes=(1, 2))[0]]
         window = shape.per_process
-        profile = auto_profile(self.model, batches, t, job.loss_fn, up_to=window)
-        budget = device_budget(device, held=tensor_bytes(self.model.parameters()))
+        profile = step_memory.auto_profile(self.model, batches, t, job.loss_fn, up_to=window)
+        budget = step_memory.device_budget(device, held=step_memory.tensor_bytes(self.model.parameters()))
         b = profile.largest_micro_batch(window, budget)
         peak = profile.step_peak(max(b, 1), window // max(b, 1))
         if distributed.is_main_process():
@@ -67,8 +66,6 @@ class AutoBatch:
         if smaller == 0:
             raise ConfigError("training.batch_size: auto found no micro-batch that fits (1 sample does not)")
         if distributed.is_main_process():
-            from tqdm.auto import tqdm
-
             tqdm.write(f"out of memory at micro-batch {shape.micro_batch}: window {window.index} again with "
                        f"{smaller} × {shape.per_process // smaller}")
         return shape.with_micro_batch(smaller)

@@ -21,19 +21,29 @@ from typing import Optional
 
 import torch
 
+from finetune.config import PretrainedModelConfig
 from finetune.errors import ConfigError
 from finetune.memory import sharded
+from finetune.memory.fixed import fixed_part
+from finetune.memory.plan import (
+    Subject,
+    checkpointing_of,
+    parse_gpu,
+    plan_subjects,
+    planned_window,
+    recipe_levers,
+    with_lever,
+)
 from finetune.memory.sharded import Layout
 from finetune.memory.step import Profile, Setting, at_size, longest_batches
+from finetune.models.hf import from_pretrained, stand_in, unquantized_modules
 
 DEPTHS = (1, 2)  # blocks measured: 2 of Llama-3.1-8B's width with its vocabulary hold 3 GB in bf16
 
 
 def load_architecture(source: str):
     """The transformers config of ``source`` (a folder with config.json, or a hub id), with its depth."""
-    from transformers import AutoConfig
-
-    from finetune.models.hf import from_pretrained
+    from transformers import AutoConfig  # lazy: 0.7 s on every command; only --model-config reads one
 
     config = from_pretrained(AutoConfig, source, "--model-config")
     if not isinstance(getattr(config, "num_hidden_layers", None), int):
@@ -49,8 +59,6 @@ class Extrapolated:
     def __init__(self, cfg, config, batches: list, layout: Layout, per_process: int, build, meta=None):
         """``build(cfg)``: the recipe's job (start-up's, given by the command); ``meta``: ``cfg``'s model already
         built on the meta device (else built here)."""
-        from finetune.models.hf import stand_in
-
         self.cfg, self.config, self.batches, self.build = cfg, config, batches, build
         self.layout, self.per_process = layout, per_process
         self.depth = config.num_hidden_layers
@@ -63,8 +71,6 @@ class Extrapolated:
         self.trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
         one = self.unmeasured(Setting())
         self.fixed = one.weights + one.gradients + one.optimizer_state  # what one process holds
-        from finetune.memory.plan import Subject
-
         self.can_chunk = Subject(meta, batches, cfg.training).can_chunk
         self.can_checkpoint = True
         self._measured: Optional[object] = None
@@ -72,9 +78,6 @@ class Extrapolated:
     def copy(self):
         """The depth-reduced copy, built on first use: the recipe's model with ``DEPTHS[-1]`` random blocks."""
         if self._measured is None:
-            from finetune.memory.plan import Subject, checkpointing_of
-            from finetune.models.hf import stand_in
-
             with stand_in(self.config, layers=min(DEPTHS[-1], self.depth)):
                 job = self.build(self.cfg)
             # measured as one process holding everything: ``with_fixed`` spreads the full model over the layout
@@ -111,10 +114,6 @@ class Extrapolated:
 
 def planned_fixed_part(meta_model, cfg) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) of training the meta-built ``meta_model`` as ``cfg`` says."""
-    from finetune.config import PretrainedModelConfig
-    from finetune.memory.fixed import fixed_part
-    from finetune.models.hf import unquantized_modules
-
     m, t = cfg.model, cfg.training
     quantization = m.quantization if isinstance(m, PretrainedModelConfig) else "none"
     return fixed_part(meta_model, quantization, unquantized_modules(cfg), t.optimizer, t.momentum)
@@ -163,9 +162,6 @@ def plan_from_config(cfg, source: str, gpu: str, layout: Layout, build, effectiv
     """``finetune plan`` for ``cfg`` with its model replaced by ``source``'s architecture (never built whole), per
     process of ``layout``. ``build(cfg)``: the recipe's job (start-up's, given by the command); ``effective``: the
     batch planned for."""
-    from finetune.memory.plan import parse_gpu, plan_subjects, planned_window, recipe_levers, with_lever
-    from finetune.models.hf import stand_in
-
     parse_gpu(gpu)
     config = load_architecture(source)
     with stand_in(config, meta=True):  # the recipe's data, tokenizer and collation; its model on the meta device

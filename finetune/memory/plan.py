@@ -15,11 +15,21 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from finetune import config  # config.installed, looked up when called (a test replaces it for a missing package)
+from finetune.config import PretrainedModelConfig, TrainingConfig
 from finetune.errors import ConfigError
+from finetune.items import is_causal_lm
 from finetune.memory import sharded
 from finetune.memory.measure import GiB
 from finetune.memory.sharded import PERSISTENCE_THRESHOLD, REDUCE_BUCKET, Layout
 from finetune.memory.step import HEADROOM, Profile, Setting, longest_batches, measure, without_saved
+from finetune.models import forward
+from finetune.models.loss_head import (
+    chunked_loss_enabled,
+    disable_chunked_loss,
+    enable_chunked_loss,
+    unsupported_reason,
+)
 
 # memory of common cards (bytes); "8GiB" / "12GB" / "24" also work
 GPUS = {
@@ -189,8 +199,6 @@ def measuring_order(can_chunk: bool, can_checkpoint: bool) -> list[Setting]:
 
 def switch(model, setting: Setting, enable_checkpointing: Optional[Callable]) -> None:
     """Put ``model`` in ``setting`` (checkpointing is only ever switched on: see ``measuring_order``)."""
-    from finetune.models.loss_head import chunked_loss_enabled, disable_chunked_loss, enable_chunked_loss
-
     if setting.chunked_loss and not chunked_loss_enabled(model):
         enable_chunked_loss(model)
     elif not setting.chunked_loss and chunked_loss_enabled(model):
@@ -210,9 +218,6 @@ class Subject:
 
     def __init__(self, model, batches: list, t, loss_fn=None, enable_checkpointing: Optional[Callable] = None,
                  layout: Layout = Layout(), per_process: int = 1):
-        from finetune.items import is_causal_lm
-        from finetune.models.loss_head import unsupported_reason
-
         self.model, self.batches, self.t, self.loss_fn = model, batches, t, loss_fn
         self.enable_checkpointing, self.layout, self.per_process = enable_checkpointing, layout, per_process
         self.can_chunk = bool(is_causal_lm(model) and unsupported_reason(model) is None
@@ -243,8 +248,6 @@ def make_plan(model, batches: list, gpu: str, effective: int, training=None, los
     ``every_setting``: measure them all (``Plan.predict`` then answers for any), not only until the pick is known.
     ``layout``: the processes sharing ``effective`` and their ZeRO stage; every number is one process's.
     """
-    from finetune.config import TrainingConfig
-
     t = training or TrainingConfig()
     per_process = effective // layout.processes
     subject = Subject(model, batches, t, loss_fn, enable_checkpointing, layout, per_process)
@@ -385,9 +388,7 @@ def planned_window(effective: int, job) -> None:
 
 
 def checkpointing_of(job) -> Callable:
-    from finetune.models.forward import enable_checkpointing
-
-    return lambda m: enable_checkpointing(m, job.enable_checkpointing)
+    return lambda m: forward.enable_checkpointing(m, job.enable_checkpointing)
 
 
 def recipe_levers(cfg) -> list[Setting]:
@@ -395,14 +396,12 @@ def recipe_levers(cfg) -> list[Setting]:
     8-bit AdamW (full fine-tuning with AdamW), LoRA (a recipe that trains every weight), then for a pretrained
     Hugging Face model a bf16 base, a 4-bit nf4 base, and computing in bf16. bitsandbytes' levers only where it is
     installed, LoRA's only where peft is (the levers' recipes are not validated: what they need is asked here)."""
-    from finetune.config import PretrainedModelConfig, installed
-
     m, t, lora = cfg.model, cfg.training, cfg.peft.enabled
-    quant = installed("bitsandbytes")
+    quant = config.installed("bitsandbytes")
     out = []
     if quant and t.optimizer == "adamw" and not lora:
         out.append(Setting(optimizer="adamw8bit"))
-    if not lora and not installed("peft"):  # every lever below trains LoRA adapters
+    if not lora and not config.installed("peft"):  # every lever below trains LoRA adapters
         return out
     if not lora:
         out.append(Setting(lora=True))

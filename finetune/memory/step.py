@@ -22,8 +22,12 @@ from typing import Optional
 
 import torch
 
+from finetune.items import batch_len
 from finetune.memory.fixed import held_bytes, optimizer_state_bytes, state_bytes
-from finetune.memory.measure import PeakMeter, SavedTensors, offload_to_host
+from finetune.memory.measure import PeakMeter, SavedTensors, fake_oom_check, free_memory, is_oom, offload_to_host
+from finetune.models.forward import compute_loss
+from finetune.models.loss_head import chunk_size
+from finetune.optim import make_optimizer
 
 HEADROOM = 0.9        # plan to use at most 90 % of what is free (fragmentation)
 
@@ -154,10 +158,6 @@ def without_saved(profile: Profile) -> dict:
 def micro_step(model, batch, loss_fn, autocast_dtype, offload: bool, device) -> tuple[int, int]:
     """(peak bytes above the start, bytes saved for backward) of one forward and backward of ``batch``; gradients
     accumulate into whatever ``.grad`` holds."""
-    from finetune.items import batch_len
-    from finetune.memory.measure import fake_oom_check
-    from finetune.models.forward import compute_loss
-
     fake_oom_check(batch_len(batch))  # a probe meets the injected limit as the loop's micro-steps do
     autocast = torch.autocast(torch.device(device).type, dtype=autocast_dtype) if autocast_dtype is not None \
         else contextlib.nullcontext()
@@ -179,10 +179,6 @@ def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None,
     the peak at small micro-batches, and activations take over later), and until a micro-batch holds more than one
     chunk of the chunked loss head (its buffer grows with the tokens up to one chunk, then stays). The random state
     is restored afterwards (dropout draws here must not shift the run's); gradients are cleared."""
-    from finetune.items import batch_len
-    from finetune.memory.measure import free_memory, is_oom
-    from finetune.models.loss_head import chunk_size
-
     device = next(model.parameters()).device
     model.train()
     first, later, saved = [], [], []
@@ -244,8 +240,6 @@ def tokens_in(batch) -> int:
 def doubled(batch):
     """``batch`` twice over (its tensors concatenated along the samples), or None when it is not a dict of tensors
     that share a leading sample dimension."""
-    from finetune.items import batch_len
-
     n = batch_len(batch)
     if not isinstance(batch, dict) or not n:
         return None
@@ -263,8 +257,6 @@ def doubled(batch):
 def optimizer_step_bytes(model, t) -> tuple[int, int]:
     """(state bytes, peak bytes above weights + gradients) of the recipe's optimizer's first step (its state is
     created there; later steps hold it and make the same temporaries). Changes the weights: a planning model only."""
-    from finetune.optim import make_optimizer
-
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -327,7 +319,7 @@ def device_budget(device: torch.device, held: int) -> float:
         # a process capped with set_per_process_memory_fraction gets no more than its share of the card
         cap = torch.cuda.get_per_process_memory_fraction(index) * total
         return min(free + torch.cuda.memory_reserved(index), cap) * HEADROOM
-    import psutil
+    import psutil  # lazy: 13 ms on every command (this module is on each one's path); only CPU runs ask
 
     return (psutil.virtual_memory().available + held) * HEADROOM
 

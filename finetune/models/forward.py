@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from finetune.errors import ConfigError
+from finetune.items import is_causal_lm
+from finetune.models.loss_head import chunked_loss_enabled, enable_chunked_loss, unsupported_reason
 
 
 def compute_loss(model, batch, loss_fn=None):
@@ -72,9 +76,6 @@ def enable_chunked_head(model: torch.nn.Module, requested) -> str:
     """``training.chunked_loss``: the exact chunked loss head (``finetune.models.loss_head``) on a supported causal LM.
     Returns the banner's word on it. Must run before ``accelerator.prepare`` (Accelerate wraps forward in autocast;
     the head sits beneath)."""
-    from finetune.items import is_causal_lm
-    from finetune.models.loss_head import chunked_loss_enabled, enable_chunked_loss, unsupported_reason
-
     if chunked_loss_enabled(model):
         return "chunked (enabled on the model given)"
     if requested is False:
@@ -91,8 +92,6 @@ def enable_chunked_head(model: torch.nn.Module, requested) -> str:
 def offload_activations(enabled: bool):
     """``training.activation_offloading``: the tensors autograd saves for backward go to pinned host memory and come
     back when backward needs them (torch's ``save_on_cpu``)."""
-    import contextlib
-
     return torch.autograd.graph.save_on_cpu(pin_memory=True) if enabled else contextlib.nullcontext()
 
 

@@ -13,11 +13,16 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from accelerate import init_empty_weights
+from safetensors.torch import load_file
 
 from finetune import cache, distributed
 from finetune.config import names_gguf
 from finetune.errors import ConfigError
 from finetune.models import precision
+
+# transformers (0.5-1.3 s to import) and peft (optional, 4 s) are imported in the functions that use them:
+# `finetune validate` and `finetune plan` import this module without loading a model.
 
 # Heads that train in full beside LoRA adapters (a classifier, peft's modules_to_save) or that transformers keeps
 # unquantized by default (the LM head): never quantized.
@@ -167,8 +172,6 @@ class StandIn:
         return model
 
     def _build(self, cls, kwargs: dict):
-        from accelerate import init_empty_weights
-
         config = self.architecture()
         for key in set(kwargs) - LOADING_KEYWORDS:  # the rest of from_pretrained's keywords override the config
             setattr(config, key, kwargs.pop(key))
@@ -286,8 +289,6 @@ def load_initial_adapter(model, path: Path) -> None:
     """Set the adapters of peft ``model`` to those saved in ``path`` (``PeftConfig.init_file``, checked to exist at
     load); ConfigError when its adapters are not this model's (other names, ranks or targets)."""
     from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
     try:
         result = set_peft_model_state_dict(model, load_file(str(path)))
     except RuntimeError as e:  # a shape mismatch: another rank

@@ -43,6 +43,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from finetune.models.precision import sums_weight_grads_in_fp32
+
+# transformers' modules are imported where a transformers model is at hand (so already loaded): at the top they
+# would cost every command 1.3 s.
+
 # Default chunk: as many tokens as make 64 MiB of fp32 logits (SmolLM2's 49 152 words: 341 tokens). Smaller chunks
 # cost time in per-chunk overhead (and on CUDA, in smaller matmuls), larger ones memory; on CPU 128 to 1024 tokens
 # took the same time within the noise of the measurement.
@@ -196,8 +201,6 @@ def _cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, grad: bool):
 def sums_in_fp32(head: torch.nn.Module) -> bool:
     """Whether ``head`` was switched to sum its weight's gradient in fp32 (``training.fp32_grad_sums``): the chunked
     head then does the same for it."""
-    from finetune.models.precision import sums_weight_grads_in_fp32
-
     return sums_weight_grads_in_fp32(head)
 
 

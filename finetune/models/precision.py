@@ -18,6 +18,9 @@ import torch
 
 from finetune.errors import ConfigError
 
+# bitsandbytes and peft (optional; 3-4 s, and bitsandbytes warns on import on some CPUs: finetune/__init__.py)
+# and transformers (0.7 s) are imported in the functions that use them: every command imports this module.
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMPUTE = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # training.mixed_precision → dtype
 QUANTIZED_WEIGHTS = ("Params4bit", "Int8Params")  # bitsandbytes' 4-bit and 8-bit weight classes

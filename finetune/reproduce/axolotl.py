@@ -34,6 +34,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import yaml
+
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints
 from finetune.reproduce.record import Baseline, load_yaml
@@ -168,8 +170,6 @@ def is_axolotl(raw) -> bool:
 def card_config(text: str, path: Path, b: Baseline) -> bool:
     """Read the axolotl YAML block of a model card (axolotl writes its config into every card it makes, under
     "See axolotl config") into ``b``; False when the card has none."""
-    import yaml
-
     block = re.search(r"See axolotl config</summary>.*?```ya?ml\n(.*?)\n```", text, re.S)
     if not block:
         return False

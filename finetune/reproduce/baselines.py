@@ -17,6 +17,7 @@ where each setting came from. Bad input raises ConfigError with one line naming 
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import re
@@ -24,7 +25,10 @@ import zipfile
 from pathlib import Path
 
 from finetune.errors import ConfigError
+from finetune.reproduce import llamafactory
+from finetune.reproduce.axolotl import card_config
 from finetune.reproduce.record import TRL_ARGS, Baseline  # noqa: F401  (the record every reader fills)
+from finetune.reproduce.sources import read_other_folder, read_yaml_source
 
 CARD = "README.md (model card)"
 
@@ -32,8 +36,6 @@ CARD = "README.md (model card)"
 def read_baseline(path, what: str = "baseline") -> Baseline:
     """The baseline at ``path`` (a folder, a model card, an axolotl YAML or an arguments JSON); ConfigError when
     it is none of them or is unreadable."""
-    from finetune.reproduce import llamafactory
-
     path = Path(path)
     if llamafactory.is_llamafactory(path):
         return llamafactory.read(path, what, Baseline, read_folder)
@@ -46,8 +48,6 @@ def read_baseline(path, what: str = "baseline") -> Baseline:
         read_card(path, b, what, required=True)
         return b
     if path.suffix.lower() in (".yaml", ".yml"):
-        from finetune.reproduce.sources import read_yaml_source
-
         return read_yaml_source(path, what)
     if path.suffix.lower() == ".json":
         b = Baseline("args JSON", path)
@@ -76,8 +76,6 @@ def read_folder(folder: Path, what: str) -> Baseline:
     if state_file is None:
         if (folder / "history.jsonl").is_file():
             raise ConfigError(f"{what}: {folder} is a finetune run, not a Trainer/TRL folder")
-        from finetune.reproduce.sources import read_other_folder
-
         b, state_file = read_other_folder(folder, what), folder / "trainer_state.json"
         if b.kind != "Hub folder":  # another tool's output folder, read whole by its module
             return b
@@ -202,8 +200,6 @@ def read_training_args_bin(path: Path, what: str = "baseline") -> dict:
     except zipfile.BadZipFile:
         raise ConfigError(f"{what}: {path} is not a torch.save zip file (training arguments are saved as one since "
                           "torch 1.6); give training_args.json or the model card") from None
-    import io
-
     try:
         obj = _ArgsUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as e:
@@ -240,8 +236,6 @@ def read_card(path: Path, b: Baseline, what: str, required: bool) -> None:
         b.base_model = base.group(1).strip("'\"") if base else None
     section = re.search(r"^#+\s*Training hyperparameters\s*$(.*?)(?=^#+\s)", text + "\n# end", re.M | re.S)
     pairs = re.findall(r"^- ([a-z_]+): (.+)$", section.group(1), re.M) if section else []
-    from finetune.reproduce.axolotl import card_config
-
     if card_config(text, path, b) and not pairs:
         return  # axolotl's card: its YAML block says the run (and no Trainer results table follows)
     if required and not pairs:

@@ -18,16 +18,18 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from finetune.card import record_verdict
 from finetune.errors import ConfigError
+from finetune.outputs import read_config, read_metrics
 from finetune.registry import built_in_hints, task_hints
+from finetune.reproduce import compare as comparing
+from finetune.reproduce.baselines import read_baseline
 
 
 def base_recipe(source) -> str | None:
     """The recipe to import over (its model, data and loss builders; the numbers are imported): the base recipe of
     the task the source says (LLaMA-Factory's stage), else of the task whose TRL arguments a TRL folder holds
     (``CompareHints.trl_marks``), else none (a clm recipe)."""
-    from finetune.reproduce.baselines import read_baseline
-
     b = read_baseline(source, "reproduce")
     task = b.task or trl_task(b)
     return task_hints(task).base_recipe if task else None
@@ -45,8 +47,6 @@ def trl_task(b) -> str | None:
 
 def main(args, finetune) -> int:
     """Run ``finetune reproduce``; ``finetune``: the command line's ``main`` (a list of arguments → exit code)."""
-    from finetune.reproduce import compare as comparing
-
     out = Path(args.output or f"reproduce-{Path(args.source).stem}")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"reproduce: -o {out} exists and is not empty; give another folder or --force")
@@ -86,23 +86,17 @@ def main(args, finetune) -> int:
     report = result.report()
     print(report)
     write_report(out / "report.md", args.source, report, curves, commands)
-    from finetune.card import record_verdict
-
     record_verdict(run_dir, report.splitlines()[-1], args.source)
     print(f"report: {out / 'report.md'}")
     return result.exit_code
 
 
 def _mixed_precision(run_dir: Path) -> bool:
-    from finetune.outputs import read_config
-
     return ((read_config(run_dir) or {}).get("training") or {}).get("mixed_precision") not in (None, "no")
 
 
 def twin_batch_size(run_dir: Path) -> int | None:
     """Another micro-batch for the twin: the largest divisor of the effective batch below the run's."""
-    from finetune.outputs import read_metrics
-
     m = read_metrics(run_dir)
     total, n = m.get("effective_batch_size"), m.get("gradient_accumulation_steps")
     if not total or not n:

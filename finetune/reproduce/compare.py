@@ -29,12 +29,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
+from finetune.config import flatten, result_changes
+from finetune.errors import ConfigError
 from finetune.job import CompareHints
-from finetune.outputs import read_config
+from finetune.optim import EIGHT_BIT
+from finetune.optimizers import ADAPTIVE
+from finetune.outputs import pyplot, read_config, read_history, read_metrics
 from finetune.registry import task_hints
 from finetune.reproduce import floor as floors
+from finetune.reproduce.baselines import read_baseline
 from finetune.reproduce.floor import FP32
+from finetune.reproduce.hub import no_step_log
+from finetune.reproduce.settings import carry, model_difference
+from finetune.windows import WindowSpec, membership_hash
 
 # The certificate's tolerances, each far above the rounding floor measured between layouts of the same run and far
 # below the smallest real difference its tests must catch (docs/exact-steps.md#the-certificate).
@@ -45,12 +54,12 @@ FP32_LOSS_RTOL = FP32["loss"]                 # a step's window loss (floor: 7e-
 GRAD_NORM_RTOL = FP32["grad norm"]
 FP32_WEIGHT_RTOL = FP32["weights largest"]    # the largest element's difference, stateless optimizers
 ADAPTIVE_WEIGHT_RTOL = FP32["weights L2"]     # ‖a − b‖₂ / ‖b‖₂ over every weight, adaptive optimizers
-# optimizers whose per-element normalisation turns rounding-level gradients into full-size steps
-from finetune.optimizers import ADAPTIVE  # noqa: E402, I001  (the optimizer table: read at each use)
-# For them the relative L2 leaves out this share of the elements, the largest differences: an element whose gradient
-# is near zero takes a full step of either sign on rounding. A TRL DPOTrainer baseline on SmolLM2 (LoRA, AdamW at
-# 5e-4, fp32, 10 steps) ended with 10 of 460,800 adapter elements about one step (5e-4) apart, 1.25e-4 of the L2
-# with them and 4.8e-5 without, every step's loss and grad norm within the fp32 tolerances (benchmarks/README.md).
+# For the adaptive optimizers (ADAPTIVE: their per-element normalisation turns rounding-level gradients into
+# full-size steps) the relative L2 leaves out this share of the elements, the largest differences: an element whose
+# gradient is near zero takes a full step of either sign on rounding. A TRL DPOTrainer baseline on SmolLM2 (LoRA,
+# AdamW at 5e-4, fp32, 10 steps) ended with 10 of 460,800 adapter elements about one step (5e-4) apart, 1.25e-4 of
+# the L2 with them and 4.8e-5 without, every step's loss and grad norm within the fp32 tolerances
+# (benchmarks/README.md).
 FLIP_SHARE = 1e-4
 # the settings of every task that shape each update beyond what the per-step layers see; the rest either does not
 # change the steps or shows in them (lr, clipping, batch). A task adds its own (CompareHints.step_settings).
@@ -140,16 +149,12 @@ class Comparison:
 
 
 def read_run(run: Path) -> dict:
-    from finetune.outputs import read_history, read_metrics
-
     return {"history": read_history(run, "compare"), "metrics": read_metrics(run), "weights": _weights(run),
             "config": read_config(run), "rollouts": _rollouts(run)}
 
 
 def _rollouts(run: Path) -> list | None:
     """A GRPO run's rollouts.jsonl (one record per generation batch); None without one."""
-    import json
-
     path = run / "rollouts.jsonl"
     if not path.is_file():
         return None
@@ -191,8 +196,6 @@ def setting(config: dict | None, dotted: str):
 
 
 def _weights(run: Path) -> dict | None:
-    from safetensors.torch import load_file
-
     for name in ("model/model.safetensors", "model/adapter_model.safetensors", "model-merged/model.safetensors"):
         if (run / name).is_file():
             return load_file(str(run / name))
@@ -235,8 +238,6 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     ``run_a``, the same computation in another layout, whose distance from it is measured; else the floor assumed for
     the runs' precision, finetune.reproduce.floor) unless given. Raises ConfigError when the twin is not the same
     computation as ``run_a``."""
-    from finetune.optim import EIGHT_BIT
-
     a, b = read_run(Path(run_a)), read_run(Path(run_b))
     ha, hb = a["history"], b["history"]
     c = Comparison()
@@ -321,9 +322,6 @@ def same_content(c: Comparison, ha: list, hb: list, n: int) -> None:
 
 def twin_floor(a: dict, twin: Path, optimizer: str | None) -> floors.Floor:
     """The floor measured on ``twin``, which must be ``a``'s computation in another layout (one line otherwise)."""
-    from finetune.config import flatten, result_changes
-    from finetune.errors import ConfigError
-
     t = read_run(twin)
     probe = Comparison()
     if a["config"] and t["config"]:  # every setting that changes the steps, as a resumed run is checked
@@ -518,11 +516,7 @@ def weight_differences(wa: dict, wb: dict) -> tuple[float, float, float, int]:
 
 
 def plot_comparison(run_a, run_b, path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     a, b = read_run(Path(run_a))["history"], read_run(Path(run_b))["history"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.5))
     for hist, name, style in ((a, Path(run_a).name, "-"), (b, Path(run_b).name, "--")):
@@ -581,10 +575,6 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     (a model card has no lr, no weights) is reported as not checkable. Raises ConfigError when the two models differ
     or the baseline is unreadable. ``floor``: a twin of ``run`` (the same reproduction at another --batch-size): the
     bands are then ``floor.TWIN_FACTOR`` × the rounding floor measured between them, not the assumed ones."""
-    from finetune.errors import ConfigError
-    from finetune.reproduce.baselines import read_baseline
-    from finetune.reproduce.settings import model_difference
-
     base, mine = read_baseline(baseline, "compare"), _mine(Path(run))
     diff = model_difference(base.model_config, mine["model_config"])
     if diff:
@@ -637,16 +627,12 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         unchecked.append("weights")
         c.add("weights", None, f"not checkable: the {base.kind} holds no weights")
     else:
-        from safetensors.torch import load_file
-
         weights(c, mine["weights"], load_file(str(base.weights)), setting(mine["config"], "training.optimizer"),
                 weight_rtol, against=f" against {base.weights.name}", tolerances=fl.overall if fl else FP32,
                 assumed=assumed and weight_rtol is None)
     # a differing run's likeliest cause: a setting of the baseline that import could not carry, else the adapters'
     # start (only where no such setting is left to blame)
     cause = [] if c.equivalent else uncarried(base, mine) + short_micro_batch(base, mine)
-    from finetune.reproduce.hub import no_step_log
-
     notes = [line for line in (no_step_log(base),) if line] + \
         ([f"loss held to {band:g}, not {FP32_LOSS_RTOL:g}: {why}"] if why else []) + \
         ([f"not checkable from the {base.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
@@ -684,8 +670,6 @@ def carried(base, mine: dict):
     """The baseline's settings as ``finetune import`` carries them onto this run's recipe: its model and data
     fields, so that a task's own settings (DPO's beta, GRPO's loss type, TRL's packing) are the baseline's too, and
     the adapters it started from (``peft.init_from``: the baseline's start, given to import as --initial-adapter)."""
-    from finetune.reproduce.settings import carry
-
     return carry(base, {name: None for name in (mine["config"].get("model") or {})},
                  set(mine["config"].get("data") or {}), initial_adapter=setting(mine["config"], "peft.init_from"))
 
@@ -735,8 +719,6 @@ def start_notes(base, mine: dict, equivalent: bool) -> list:
 def _check_windows(c: Comparison, base, history: list, mine: dict, unchecked: list) -> None:
     """Each window's samples against the Trainer's batch: its order recomputed from the baseline's seed (data_seed
     when set) and effective batch over this run's training set."""
-    from finetune.windows import WindowSpec, membership_hash
-
     seed = base.get("data_seed") if base.get("data_seed") is not None else base.get("seed")
     size, epochs = base.effective_batch(), sorted({h["epoch"] for h in history})
     # the training set is this run's (the baseline's data are the user's); older runs do not record its size
@@ -804,13 +786,7 @@ def _check_eval(c: Comparison, base, mine: dict, rtol: float, rounding: float, a
 
 def plot_against_baseline(baseline, run, path) -> Path:
     """The baseline's logged loss and lr over this run's (its loss as the same means over the logged steps)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from finetune.reproduce.baselines import read_baseline
-
+    plt = pyplot()
     b, hist = read_baseline(baseline, "compare"), read_run(Path(run))["history"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     logs = b.logs or [{"step": s, "loss": v} for s, v in b.card_losses]
@@ -826,8 +802,6 @@ def plot_against_baseline(baseline, run, path) -> Path:
 
 def save_curves(fig, axes, titles, path) -> Path:
     """Title, label and save the side-by-side curves of ``compare --plot``."""
-    import matplotlib.pyplot as plt
-
     for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
@@ -835,5 +809,5 @@ def save_curves(fig, axes, titles, path) -> Path:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pyplot().close(fig)
     return Path(path)

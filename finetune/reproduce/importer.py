@@ -22,7 +22,17 @@ from pathlib import Path
 import yaml
 
 from finetune import card as card_io
+from finetune.config import (
+    apply_overrides,
+    config_from_dict,
+    read_yaml,
+    recipe_path,
+    resolve_task,
+    section_class,
+    task_module,
+)
 from finetune.errors import ConfigError
+from finetune.outputs import read_config, read_metrics
 from finetune.reproduce import llamafactory
 from finetune.reproduce.baselines import Baseline, read_baseline
 from finetune.reproduce.settings import Imported, carry, model_config_of, model_difference, training_file
@@ -43,16 +53,6 @@ def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None
     input, a recipe that would not validate, or a model that differs from the baseline's. A baseline that names no
     base model, imported without ``base``, gives a recipe whose ``model.name_or_path`` is missing
     (``Imported.missing`` says so)."""
-    from finetune.config import (
-        apply_overrides,
-        config_from_dict,
-        read_yaml,
-        recipe_path,
-        resolve_task,
-        section_class,
-        task_module,
-    )
-
     baseline = read_baseline(source, "import")
     raw = read_yaml(recipe_path(base)) if base else _skeleton(baseline)
     if not isinstance(raw, dict):
@@ -99,8 +99,6 @@ def finetune_recipe(source, data=None, model=None) -> tuple[dict, list[str]] | N
     ``model``: where the training file and the base model are on this machine. With it, what the import says: each
     line names what was read and how the data stand against the run's (sha256). None when ``source`` is not
     finetune's."""
-    from finetune.outputs import read_config, read_metrics
-
     p = Path(source)
     run = p if (p / "history.jsonl").is_file() and (p / "config.yaml").is_file() else None
     card = next((c for c in ((p / "model") if run else p, p) if card_io.is_card(c)), None)

@@ -20,6 +20,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import yaml
+
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints, section_class, task_module
 
@@ -278,8 +280,6 @@ def carry_own(b, out, model_fields, data_fields: set) -> None:
 
 
 def _yaml(path: Path, what: str, quiet: bool = False):
-    import yaml
-
     try:
         return yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
     except (yaml.YAMLError, OSError) as e:

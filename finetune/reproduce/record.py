@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import yaml
+
 from finetune.errors import ConfigError
 
 # arguments that TRL's configs (SFTConfig, DPOConfig, GRPOConfig, …) add to the TrainingArguments
@@ -60,8 +62,6 @@ class Baseline:
 
 def load_yaml(path: Path, what: str):
     """A YAML file's content; ConfigError naming the file (and the line) when it is not YAML."""
-    import yaml
-
     try:
         return yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
     except yaml.YAMLError as e:

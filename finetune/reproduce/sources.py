@@ -7,13 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.errors import ConfigError
+from finetune.reproduce import axolotl, hub, tensorboard, torchtune, trl_config
 from finetune.reproduce.record import Baseline, load_yaml
 
 
 def read_yaml_source(path: Path, what: str) -> Baseline:
     """The baseline a YAML config file describes; ConfigError (one line) when it is not YAML or no known tool's."""
-    from finetune.reproduce import axolotl, torchtune, trl_config
-
     raw = load_yaml(path, what)
     if torchtune.is_torchtune(raw):
         return torchtune.read_torchtune(path, raw, what)
@@ -29,8 +28,6 @@ def read_yaml_source(path: Path, what: str) -> Baseline:
 def read_other_folder(folder: Path, what: str) -> Baseline:
     """A folder without ``trainer_state.json``: a torchtune output folder (read whole), or a Hub-style folder, whose
     per-step log, if any, is the TensorBoard event files the Trainer wrote (axolotl's logs)."""
-    from finetune.reproduce import hub, tensorboard, torchtune
-
     if torchtune.is_run(folder):
         return torchtune.read_run(folder, what)
     events = tensorboard.event_files(folder)

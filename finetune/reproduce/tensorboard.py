@@ -21,7 +21,7 @@ def event_files(folder: Path) -> list[Path]:
 def read_events(files: list[Path], b: Baseline) -> None:
     """The Trainer's log in ``files`` into ``b``: ``logs`` (one entry per logged step), ``evals``, and the arguments
     (source: the event file) where no arguments file says them."""
-    try:
+    try:  # lazy: 0.1 s on every command (this module is on each one's path); only a TensorBoard log needs it
         from tensorboard.backend.event_processing import event_accumulator
     except ImportError:
         raise ConfigError(f"{b.path}: reading its TensorBoard event files needs the tensorboard package "

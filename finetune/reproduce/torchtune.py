@@ -17,8 +17,11 @@ end token): ``data.train_on: assistant_turns``. Checked against runs torchtune t
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+
+import yaml
 
 from finetune.errors import ConfigError
 from finetune.reproduce.record import Baseline
@@ -193,10 +196,6 @@ def is_run(folder: Path) -> bool:
 def read_run(folder: Path, what: str) -> Baseline:
     """A torchtune output folder: its ``torchtune_config.yaml``, the newest ``log_*.txt`` of its metric logger, and
     the last epoch's checkpoint (its ``config.json``, weights or adapters)."""
-    import json
-
-    import yaml
-
     config = folder / "torchtune_config.yaml"
     try:
         raw = yaml.safe_load(config.read_text(encoding="utf-8", errors="replace"))

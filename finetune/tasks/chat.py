@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 
 from finetune import streaming, tables
 from finetune.config import GGUF, ConfigError, PretrainedModelConfig, doc
@@ -24,6 +25,9 @@ from finetune.data import load_local_table, split_samples
 from finetune.models import precision
 from finetune.models.forward import set_dropout, shards_weights
 from finetune.models.hf import apply_peft, gguf_file, precision_kwargs, pretrained, resolve_model_path
+
+# datasets and transformers (0.6 s each) are imported in the functions that use them: `finetune validate`
+# imports this module to check a recipe and loads no data nor model.
 
 ROLES = ("system", "user", "assistant")
 
@@ -342,8 +346,6 @@ def generation_config(model, tokenizer, max_new_tokens: int):
 @torch.no_grad()
 def answer(model, tokenizer, prompts: list, max_new_tokens: int) -> list[str]:
     """Greedy answers to prompts (lists of token ids), decoded without special tokens."""
-    from accelerate.utils import extract_model_from_parallel
-
     model = extract_model_from_parallel(model)  # DDP / compile wrappers have no generate()
     was_training = model.training
     model.eval()

@@ -13,8 +13,10 @@ import hashlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from pydoc_data import topics
 from typing import Optional
 
+import tokenizers
 import torch
 
 from finetune import cache, tables
@@ -31,6 +33,9 @@ from finetune.job import Job
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
 from finetune.models.hf import from_config as new_model
+
+# datasets and transformers (0.6 s each) are imported in the functions that use them: `finetune validate`
+# imports this module to check a recipe and loads no data nor model.
 
 
 @dataclass
@@ -72,8 +77,6 @@ def validate(cfg, problems: list) -> None:
 
 def pydoc_paragraphs(min_chars: int = 40) -> list[str]:
     """Paragraphs of the Python documentation bundled with the interpreter (pydoc_data.topics)."""
-    from pydoc_data import topics
-
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
     return [p.strip() for p in text.split("\n\n") if len(p.strip()) >= min_chars]
 
@@ -101,13 +104,12 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     digest = hashlib.sha256(("\x00".join(texts) + f"|{vocab_size}").encode()).hexdigest()[:16]
 
     def build(out: Path) -> None:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        byte_level = tokenizers.pre_tokenizers.ByteLevel
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+        tok.pre_tokenizer = byte_level(add_prefix_space=False)
+        tok.decoder = tokenizers.decoders.ByteLevel()
+        trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<pad>"],
+                                                 initial_alphabet=byte_level.alphabet(), show_progress=False)
         tok.train_from_iterator(texts, trainer)
         tok.save(str(out / "tokenizer.json"))
 

@@ -32,12 +32,14 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 
 from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, doc
@@ -158,8 +160,6 @@ def completion_text(completion) -> str:
 
 def sum_reward(prompts, completions, answer, **_) -> list:
     """1 when the completion's first number is the answer, 0.2 when it holds a number at all, else 0."""
-    import re
-
     scores = []
     for completion, right in zip(completions, answer):
         numbers = re.findall(r"-?\d+", completion_text(completion))
@@ -170,8 +170,6 @@ def sum_reward(prompts, completions, answer, **_) -> list:
 def stated_sum(text: str):
     """The number a completion gives as its answer: the one after its first "=" ("7 + 4 = 11"), else its first
     number ("11", "The answer is 11."); None when it holds no number."""
-    import re
-
     after = re.search(r"=\s*(-?\d+)", text)
     numbers = re.findall(r"-?\d+", text)
     return after.group(1) if after else numbers[0] if numbers else None
@@ -459,8 +457,6 @@ class Generator:
 
         made = self.agree(make)
         if world > 1:
-            from accelerate.utils import gather_object
-
             made = gather_object(made)
         return [x for _, part in sorted(made, key=lambda m: m[0]) for x in part]
 
@@ -600,7 +596,7 @@ def prompt_ids(tokenizer, prompt, system_prompt: Optional[str]) -> list:
 def tokenized(tokenizer, rows, d: DataConfig):
     """Every prompt of ``rows`` as token ids, in order: built once per data, tokenizer, template and system prompt,
     and read memory-mapped from the cache afterwards."""
-    import datasets
+    import datasets  # lazy: 0.6 s on `finetune validate`, which imports this module
 
     def encode(row: dict, i: int) -> dict:
         ids = prompt_ids(tokenizer, row["prompt"], d.system_prompt)

@@ -33,6 +33,9 @@ from finetune.job import Job
 from finetune.models.forward import set_dropout
 from finetune.seeding import step_seed
 
+# scikit-learn (optional: finetune[examples]; 1.6 s) and torchdiffeq (optional: finetune[ode]) are imported in
+# the functions that use them: `finetune validate` imports this module to check a recipe.
+
 CHANNELS = 4
 
 

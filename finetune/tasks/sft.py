@@ -50,6 +50,9 @@ from finetune.tasks.chat import (
     validate_streaming,
 )
 
+# datasets (0.6 s) and trl (optional: finetune[peers]; 2.6 s) are imported in the functions that use them:
+# `finetune validate` imports this module to check a recipe.
+
 # What compare and reproduce know of this task: packing, the turn end and long rows change which tokens each step
 # trains on; LLaMA-Factory's sft stage (its default) and any TRL SFTTrainer folder train it.
 COMPARE_HINTS = CompareHints(step_settings=("data.pack", "data.turn_end", "data.too_long"),

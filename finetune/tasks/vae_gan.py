@@ -45,6 +45,9 @@ from finetune.job import Job
 from finetune.models.forward import set_dropout
 from finetune.seeding import step_seed
 
+# scikit-learn (optional: finetune[examples]; 2 s) is imported in the functions that use it: `finetune validate`
+# imports this module to check a recipe.
+
 SIDE = 16
 
 
