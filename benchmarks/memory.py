@@ -56,7 +56,7 @@ from finetune.job import Job  # noqa: E402
 from finetune.memory.measure import PeakMeter  # noqa: E402
 from finetune.memory.plan import make_plan  # noqa: E402
 from finetune.memory.step import Setting  # noqa: E402
-from finetune.models.forward import enable_checkpointing  # noqa: E402
+from finetune.models.forward import enable_gradient_checkpointing  # noqa: E402
 from finetune.plan_command import training_peak  # noqa: E402
 
 MB = 2 ** 20
@@ -169,14 +169,14 @@ def plan_for(model, data, collate, effective: int) -> object:
     batches = [{k: v.to(C.DEVICE) for k, v in collate(data[:k]).items()} for k in (1, 2)]
     with C.quiet():
         return make_plan(C.copy_model(model).to(C.DEVICE), batches, "80GiB", effective, training(1, 1, 1),
-                         enable_checkpointing=enable_checkpointing, every_setting=True)
+                         enable_gradient_checkpointing=enable_gradient_checkpointing, every_setting=True)
 
 
 def activation_bytes(model, data, collate, b: int, checkpointing: bool = False) -> int:
     """Bytes a training-mode forward of one micro-batch leaves allocated for its backward."""
     model = C.copy_model(model).to(C.DEVICE).train()
     if checkpointing:
-        enable_checkpointing(model)
+        enable_gradient_checkpointing(model)
     batch = {k: v.to(C.DEVICE) for k, v in collate(data[:b]).items()}
     with PeakMeter(C.DEVICE) as m:
         out = model(**batch)

@@ -35,7 +35,7 @@ from finetune.job import Job
 
 # Job hooks accepted as keywords; every other keyword is a TrainingConfig field or its alias (n_epochs, lr).
 _HOOKS = ("count_items", "eval_step", "compute_metrics", "param_groups", "before_window", "after_step",
-          "enable_checkpointing", "length_of")
+          "enable_gradient_checkpointing", "length_of", "enable_checkpointing")  # the last: its old name (Job says)
 
 
 def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, collate_fn: Optional[Callable] = None,
@@ -64,7 +64,7 @@ def test_fine_tuning(model, config=None, train_data=None, val_data=None, *, coll
         **training: the training keywords listed below (``TrainingConfig``'s fields, with its defaults: a keyword
             not given takes ``config``'s value, else that default), and the ``Job`` hooks ``count_items``,
             ``eval_step``, ``compute_metrics``, ``param_groups``, ``before_window``, ``after_step``,
-            ``enable_checkpointing``, ``length_of`` (see ``finetune.job.Job``).
+            ``enable_gradient_checkpointing``, ``length_of`` (see ``finetune.job.Job``).
 
     Returns:
         ``finetune.loop.TrainResult``, read as a dict or by attribute: ``grad_norm_history``, ``loss_history``,

@@ -6,7 +6,8 @@ the loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,7 +24,7 @@ class Job:
         count_items: batch → how many items its mean loss averages over (default: ``training.items``).
         eval_step: ``eval_step(model, batch, outputs)`` → (predictions, references) lists for ``compute_metrics``.
         compute_metrics: (predictions, references) → dict of metric values.
-        enable_checkpointing: hook that turns on activation checkpointing for a custom model.
+        enable_gradient_checkpointing: hook that turns on activation checkpointing for a custom model.
         save: hook ``save(model, directory)`` for the final model (default: save_pretrained or safetensors).
         length_of: sample index → length (tokens), for length-sorted micro-batches inside a window.
         param_groups: name → {"params": iterable, and TrainingConfig fields to override (learning_rate, betas,
@@ -56,7 +57,7 @@ class Job:
     count_items: Optional[Callable] = None
     eval_step: Optional[Callable] = None
     compute_metrics: Optional[Callable] = None
-    enable_checkpointing: Optional[Callable] = None
+    enable_gradient_checkpointing: Optional[Callable] = None
     save: Optional[Callable] = None
     length_of: Optional[Callable] = None
     tokenizer: Any = None
@@ -68,6 +69,17 @@ class Job:
     checkpointed: list = field(default_factory=list)
     stream_block: Optional[int] = None
     windows_in_order: bool = False
+    # the hook's old name, carried for a release: "checkpointing" alone now means a checkpoint to resume from
+    enable_checkpointing: InitVar[Optional[Callable]] = None
+
+    def __post_init__(self, enable_checkpointing):
+        if enable_checkpointing is not None:
+            warnings.warn(RENAMED_HOOK, FutureWarning, stacklevel=3)
+            self.enable_gradient_checkpointing = self.enable_gradient_checkpointing or enable_checkpointing
+
+
+RENAMED_HOOK = ("Job(enable_checkpointing=...) is now enable_gradient_checkpointing; the old name goes in a later "
+                "release")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from finetune.job import Job, TaskContext
 from finetune.memory.auto_batch import AutoBatch
 from finetune.memory.measure import MemoryMonitor
 from finetune.models import precision
-from finetune.models.forward import enable_checkpointing, enable_chunked_head
+from finetune.models.forward import enable_chunked_head, enable_gradient_checkpointing
 from finetune.optim import group_settings, lr_scale, make_optims
 from finetune.packing import decide_packing
 from finetune.registry import task_module
@@ -381,7 +381,7 @@ def ready_model(job: Job, t: TrainingConfig) -> tuple:
     if t.mixed_precision != "no" and t.fp32_grad_sums:  # N micro-batches add the fp32 sum the big batch takes
         precision.sum_weight_grads_in_fp32(model)
     if t.gradient_checkpointing:
-        enable_checkpointing(model, job.enable_checkpointing)
+        enable_gradient_checkpointing(model, job.enable_gradient_checkpointing)
     head_note = enable_chunked_head(model, t.chunked_loss) if job.loss_fn is None or t.chunked_loss else \
         "plain (the job computes its own loss)"
     return model, head_note

@@ -376,3 +376,21 @@ def test_eval_at_start_and_after_step_hook():
     assert result["val_history"][0]["loss"] != result["val_history"][-1]["loss"]
     assert seen == [1, 2, 3, 4]
     assert [v["step"] for v in test_fine_tuning(MLP(), **kw)["val_history"]] == [2, 4]  # off by default
+
+
+def test_the_gradient_checkpointing_hooks_old_name_still_works_and_says_its_new_one():
+    """``enable_checkpointing`` (the hook's name before "checkpointing" meant a checkpoint to resume from) is carried
+    for a release: it warns and lands on ``enable_gradient_checkpointing``; the new name does not warn (control)."""
+    import warnings
+
+    from finetune.job import Job
+
+    called = []
+    hook = lambda model: called.append(model)  # noqa: E731
+    with pytest.warns(FutureWarning, match="enable_gradient_checkpointing"):
+        job = Job(model=torch.nn.Linear(1, 1), train_data=[], enable_checkpointing=hook)
+    assert job.enable_gradient_checkpointing is hook
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Job(model=torch.nn.Linear(1, 1), train_data=[], enable_gradient_checkpointing=hook) \
+            .enable_gradient_checkpointing is hook

@@ -86,11 +86,11 @@ SETTINGS = {"plain": {}, "checkpointing": {"gradient_checkpointing": True}, "chu
 
 def every_setting_plan(model, data, effective, gpu="80GiB", **kw):
     from finetune.config import TrainingConfig
-    from finetune.models.forward import enable_checkpointing
+    from finetune.models.forward import enable_gradient_checkpointing
 
     t = TrainingConfig(packing=False, **kw)
     return make_plan(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])], gpu, effective, t,
-                     enable_checkpointing=enable_checkpointing, every_setting=True)
+                     enable_gradient_checkpointing=enable_gradient_checkpointing, every_setting=True)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2-tied"])
@@ -181,12 +181,12 @@ def test_plan_turns_on_what_it_must_and_says_why():
     chunked, both = (reference.profile(Setting(chunked_loss=True)),
                      reference.profile(Setting(checkpointing=True, chunked_loss=True)))
     assert both.step_peak(1, 16) < chunked.step_peak(1, 16)
-    from finetune.models.forward import enable_checkpointing
+    from finetune.models.forward import enable_gradient_checkpointing
 
     batches = [pad_collate(data[:1]), pad_collate(data[:2])]
     between = (both.step_peak(1, 16) + chunked.step_peak(1, 16)) / 2  # fits the first at 1 sample, not the second
     plan = make_plan(copy_model(model), batches, card_for(between), effective=16,
-                     enable_checkpointing=enable_checkpointing)
+                     enable_gradient_checkpointing=enable_gradient_checkpointing)
     assert plan.fits and plan.gradient_checkpointing and plan.chunked_loss and not plan.activation_offloading
     table = plan.table()
     assert "--set training.gradient_checkpointing=true" in table
@@ -199,7 +199,7 @@ def test_plan_turns_on_what_it_must_and_says_why():
     lora = lambda: apply_peft(copy_model(model), Lora, "CAUSAL_LM")  # noqa: E731
     full = min(p.weights + p.gradients + p.optimizer_state for p in reference.profiles)
     plan = make_plan(copy_model(model), batches, card_for(full * 0.6), effective=16,
-                     enable_checkpointing=enable_checkpointing, lora_model=lora)
+                     enable_gradient_checkpointing=enable_gradient_checkpointing, lora_model=lora)
     assert plan.fits and plan.lora, plan.table()
     assert plan.trainable_parameters < plan.parameters / 10
     assert "--set peft.enabled=true" in plan.table() and "a different run from a full fine-tune" in plan.table()

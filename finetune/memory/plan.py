@@ -197,14 +197,14 @@ def measuring_order(can_chunk: bool, can_checkpoint: bool) -> list[Setting]:
     return out
 
 
-def switch(model, setting: Setting, enable_checkpointing: Optional[Callable]) -> None:
+def switch(model, setting: Setting, enable_gradient_checkpointing: Optional[Callable]) -> None:
     """Put ``model`` in ``setting`` (checkpointing is only ever switched on: see ``measuring_order``)."""
     if setting.chunked_loss and not chunked_loss_enabled(model):
         enable_chunked_loss(model)
     elif not setting.chunked_loss and chunked_loss_enabled(model):
         disable_chunked_loss(model)
     if setting.checkpointing and not getattr(model, "_planned_checkpointing", False):
-        enable_checkpointing(model)
+        enable_gradient_checkpointing(model)
         model._planned_checkpointing = True
 
 
@@ -216,18 +216,19 @@ class Subject:
 
     fixed: Optional[int] = None
 
-    def __init__(self, model, batches: list, t, loss_fn=None, enable_checkpointing: Optional[Callable] = None,
+    def __init__(self, model, batches: list, t, loss_fn=None, enable_gradient_checkpointing: Optional[Callable] = None,
                  layout: Layout = Layout(), per_process: int = 1):
         self.model, self.batches, self.t, self.loss_fn = model, batches, t, loss_fn
-        self.enable_checkpointing, self.layout, self.per_process = enable_checkpointing, layout, per_process
+        self.enable_gradient_checkpointing = enable_gradient_checkpointing
+        self.layout, self.per_process = layout, per_process
         self.can_chunk = bool(is_causal_lm(model) and unsupported_reason(model) is None
                               and (loss_fn is None or t.chunked_loss))
-        self.can_checkpoint = enable_checkpointing is not None
+        self.can_checkpoint = enable_gradient_checkpointing is not None
 
     def measure(self, setting: Setting) -> Optional[Profile]:
         """The Profile of ``setting``, or None when the model cannot checkpoint after all."""
         try:
-            switch(self.model, setting, self.enable_checkpointing)
+            switch(self.model, setting, self.enable_gradient_checkpointing)
         except ConfigError:
             return None
         whole = measure(self.model, self.batches, setting, self.t, self.loss_fn, self.per_process)
@@ -235,14 +236,14 @@ class Subject:
 
 
 def make_plan(model, batches: list, gpu: str, effective: int, training=None, loss_fn=None,
-              enable_checkpointing: Optional[Callable] = None, sequence_length: Optional[int] = None,
+              enable_gradient_checkpointing: Optional[Callable] = None, sequence_length: Optional[int] = None,
               layout: Layout = Layout(), lora_model: Optional[Callable] = None, every_setting: bool = False,
               levers: Optional[list] = None) -> Plan:
     """Measure the settings until the cheapest that fits ``gpu`` is known; recommend it with its micro-batch.
 
     ``batches``: two micro-batches of different sizes (samples), same sequence length, on the model's device.
     ``training``: the recipe's TrainingConfig (optimizer, precision, whether the chunked head may be used).
-    ``enable_checkpointing(model)``: switches checkpointing on (None: not available). ``lora_model()``: a fresh
+    ``enable_gradient_checkpointing(model)``: switches checkpointing on (None: not available). ``lora_model()``: a fresh
     LoRA model of the recipe, tried only when nothing that trains every weight fits (None: not offered).
     ``levers``: (Setting, a function returning its Subject) in ``LEVERS`` order, tried after LoRA the same way.
     ``every_setting``: measure them all (``Plan.predict`` then answers for any), not only until the pick is known.
@@ -250,11 +251,11 @@ def make_plan(model, batches: list, gpu: str, effective: int, training=None, los
     """
     t = training or TrainingConfig()
     per_process = effective // layout.processes
-    subject = Subject(model, batches, t, loss_fn, enable_checkpointing, layout, per_process)
+    subject = Subject(model, batches, t, loss_fn, enable_gradient_checkpointing, layout, per_process)
     if lora_model is not None and not any("lora_" in name for name, _ in model.named_parameters()):
         levers = [(Setting(lora=True),
                    lambda: Subject(lora_model().to(next(model.parameters()).device), batches, t, loss_fn,
-                                   enable_checkpointing, layout, per_process)), *(levers or [])]
+                                   enable_gradient_checkpointing, layout, per_process)), *(levers or [])]
     return plan_subjects(subject, levers or [], gpu, effective, layout, t, sequence_length, every_setting)
 
 
@@ -388,7 +389,7 @@ def planned_window(effective: int, job) -> None:
 
 
 def checkpointing_of(job) -> Callable:
-    return lambda m: forward.enable_checkpointing(m, job.enable_checkpointing)
+    return lambda m: forward.enable_gradient_checkpointing(m, job.enable_gradient_checkpointing)
 
 
 def recipe_levers(cfg) -> list[Setting]:

@@ -56,7 +56,7 @@ def set_dropout(model: torch.nn.Module, p) -> None:
                     setattr(cfg, key, p)
 
 
-def enable_checkpointing(model: torch.nn.Module, hook=None) -> None:
+def enable_gradient_checkpointing(model: torch.nn.Module, hook=None) -> None:
     """Activation checkpointing: the task's hook, else the HF API (new name first), else a ConfigError."""
     if hook is not None:
         hook(model)
@@ -66,7 +66,7 @@ def enable_checkpointing(model: torch.nn.Module, hook=None) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         raise ConfigError("training.gradient_checkpointing: this model has no checkpointing support "
-                          "(give the task an enable_checkpointing hook)")
+                          "(give the task an enable_gradient_checkpointing hook)")
     # LoRA / frozen embeddings: checkpointed blocks need an input that requires grad to rebuild the graph.
     if hasattr(model, "enable_input_require_grads") and any(not p.requires_grad for p in model.parameters()):
         model.enable_input_require_grads()

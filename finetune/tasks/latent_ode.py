@@ -219,4 +219,4 @@ def build(cfg) -> Job:
         model.cfg.ode_memory = "checkpoint"
 
     return Job(model=model, train_data=train, val_data=val, before_window=before_window, eval_step=eval_step,
-               compute_metrics=compute_metrics, enable_checkpointing=checkpoint_steps)
+               compute_metrics=compute_metrics, enable_gradient_checkpointing=checkpoint_steps)

@@ -272,4 +272,5 @@ def build(cfg) -> Job:
         model.cfg.checkpoint_perceptual = True
 
     return Job(model=model, train_data=train, val_data=val, param_groups=groups, before_window=before_window,
-               eval_step=eval_step, compute_metrics=compute_metrics, enable_checkpointing=checkpoint_perceptual)
+               eval_step=eval_step, compute_metrics=compute_metrics,
+               enable_gradient_checkpointing=checkpoint_perceptual)

@@ -175,4 +175,4 @@ def build(cfg) -> Job:
         model.checkpoint_frames = True
 
     return Job(model=model, train_data=train, val_data=val, eval_step=eval_step, compute_metrics=compute_metrics,
-               enable_checkpointing=checkpoint_frames)
+               enable_gradient_checkpointing=checkpoint_frames)
