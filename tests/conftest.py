@@ -34,3 +34,18 @@ def pytest_unconfigure(config):
 def _deterministic():
     torch.use_deterministic_algorithms(False)
     yield
+
+
+@pytest.fixture(scope="module")
+def frozen_heap():
+    """For modules whose code collects garbage often in this process: ``memory.PeakMeter`` runs a full
+    ``gc.collect()`` before each measurement (50+ per plan), as do Accelerate's and the Trainer's clean-ups, and with
+    transformers, peft and the suite's modules loaded a full pass walks ~10⁶ objects (0.2–0.4 s each). Freezing what
+    exists when the module starts (collected first: no garbage is frozen) leaves the pass only the module's own
+    objects; what a measurement must free is made after the freeze and still goes."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()

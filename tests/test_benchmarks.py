@@ -8,6 +8,8 @@ import torch
 
 from tests.helpers import ROOT, tiny_chat_assets
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # the benchmarks' gc passes walk only this module's objects
+
 
 def _benchmark(name: str):
     """The script ``benchmarks/<name>.py`` as a module."""

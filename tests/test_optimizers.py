@@ -12,6 +12,8 @@ from finetune.config import ConfigError, load_recipe
 from finetune.optimizers import OPTIMIZERS, Optimizer
 from tests.helpers import MLP, TINY, assert_one_error_line, regression_data
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # the planner's gc passes walk only this module's objects
+
 
 def needs_installed(name: str) -> None:
     """Skip where the entry's package is missing (the 8-bit ones without bitsandbytes)."""

@@ -23,6 +23,8 @@ from finetune.optim import make_optimizer
 from finetune.optimizers import OPTIMIZERS
 from tests.helpers import ENV, ROOT, tiny_chat_assets
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # the planner's gc passes walk only this module's objects
+
 LLAMA_8B = ROOT / "tests" / "assets" / "llama-3.1-8b"
 HEADS = ["lm_head"]
 

@@ -17,6 +17,8 @@ from finetune.memory.step import Setting
 from tests import zero_worker
 from tests.helpers import ACCELERATE, ENV, ROOT, TINY, assert_one_error_line
 
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # the planner's gc passes walk only this module's objects
+
 PROCESSES = 2
 # The planner prices what DeepSpeed allocates to within its alignment padding (a few bytes here)...
 EXACT = 0.01
