@@ -448,3 +448,25 @@ def tail_weighted_as_mean(monkeypatch, full: int = 4) -> None:
             monkeypatch.setattr(steps, "loss_weight", weight)
 
     monkeypatch.setattr("finetune.loop.accumulate_window", tail_as_mean)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of tiny in-process runs (a second waits for a core on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def cli_in_process(capsys, *args) -> tuple[int, str]:
+    """(exit code, what it printed) of ``finetune ARGS`` run in this process."""
+    from finetune.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    said = capsys.readouterr()
+    return code, said.out + said.err

@@ -20,29 +20,17 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
-from finetune.cli import main
+from tests.helpers import cli_in_process as cli
+from tests.helpers import one_torch_thread  # noqa: F401  (the module's fixture, by name)
 
 ASSETS = Path(__file__).parent / "assets"
 INPUTS = ASSETS / "axolotl-inputs"
 YAMLS = Path(__file__).parent.parent / "examples" / "axolotl"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def cli(capsys, *args) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    said = capsys.readouterr()
-    return code, said.out + said.err
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def reproduce(capsys, tmp: Path, kind: str, data: Path = INPUTS / "chat.jsonl") -> tuple[int, str, str, Path]:

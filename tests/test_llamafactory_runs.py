@@ -16,28 +16,18 @@ import json
 import shutil
 
 import pytest
-import torch
 
-from finetune.cli import main
-from tests.helpers import ROOT
+from tests.helpers import (
+    ROOT,
+    one_torch_thread,  # noqa: F401  (the module's fixture, by name)
+)
+from tests.helpers import cli_in_process as cli
 
 LF = ROOT / "tests" / "assets" / "llamafactory"
 MODEL = LF / "model"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def cli(capsys, *args) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def reproduce(capsys, tmp, baseline, recipe_name, *sets, data=None) -> tuple[int, str, str]:
