@@ -16,6 +16,7 @@ window's shifted label count is exactly the unpacked one.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from typing import Optional
 
@@ -143,9 +144,12 @@ def collate_rows(rows: list) -> dict:
     -100), so it neither sees nor is seen by a sample."""
     longest = max(len(r["input_ids"]) for r in rows)
     positions = [list(r["position_ids"]) + list(range(longest - len(r["position_ids"]))) for r in rows]
-    return {"input_ids": right_pad([r["input_ids"] for r in rows], 0),
-            "labels": right_pad([r["labels"] for r in rows], -100),
-            "position_ids": right_pad(positions, 0), "use_cache": False}
+    batch = {"input_ids": right_pad([r["input_ids"] for r in rows], 0),
+             "labels": right_pad([r["labels"] for r in rows], -100),
+             "position_ids": right_pad(positions, 0), "use_cache": False}
+    if "attention_mask" in rows[0]:  # rows whose samples attend to each other (knapsack_row) say so with a mask
+        batch["attention_mask"] = right_pad([r["attention_mask"] for r in rows], 0)
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -205,3 +209,57 @@ def decide_packing(requested, model, data, length_of, loss_fn):
     if requested:
         raise ConfigError(f"training.packing: cannot pack for {name}: {reason}; set training.packing=false")
     return None, f"off ({name}: {reason}); sorted windows instead"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the whole set packed before sampling, as LLaMA-Factory 0.9.5 packs it (data.pack=knapsack)
+
+
+def greedy_knapsack(lengths: list, capacity: int) -> list:
+    """Sample indices in knapsacks of at most ``capacity`` tokens, as LLaMA-Factory's ``greedy_knapsack`` fills them:
+    lengths sorted, each knapsack taking the longest that still fits until none does; of equal lengths the sample
+    seen last goes first (its ``length2indexes[length].pop()``). Every length must be at most ``capacity``.
+
+        >>> greedy_knapsack([3, 5, 2, 3], capacity=8)
+        [[1, 3], [0, 2]]
+    """
+    by_length: dict = {}
+    for i, n in enumerate(lengths):
+        by_length.setdefault(n, []).append(i)
+    numbers, sacks = sorted(lengths), []
+    while numbers:
+        sack, room = [], capacity
+        while (k := bisect.bisect(numbers, room)) > 0:
+            n = numbers.pop(k - 1)
+            room -= n
+            sack.append(by_length[n].pop())
+        sacks.append(sack)
+    return sacks
+
+
+def contiguous_groups(n: int, shards: int, group: int) -> list:
+    """Row ranges packed together: ``datasets``' contiguous shards of ``n`` rows (``Dataset.map(num_proc=shards)``,
+    at most one per row), each cut into batches of ``group`` rows (``map(batched=True, batch_size=group)``)."""
+    shards = max(1, min(shards, n))
+    div, mod = divmod(n, shards)
+    out = []
+    for k in range(shards):
+        start = div * k + min(k, mod)
+        end = start + div + (1 if k < mod else 0)
+        out += [range(s, min(s + group, end)) for s in range(start, end, group)]
+    return out
+
+
+def knapsack_row(samples: list, width: int, pad_id: int) -> dict:
+    """Samples laid end to end as LLaMA-Factory lays a knapsack: their tokens and labels as they are, positions
+    restarting at each, then padding to ``width`` (pad tokens at position 0, labels -100). The attention mask is all
+    ones, padding too: the samples attend to each other (without neat_packing it builds no block mask)."""
+    ids, labels, positions = [], [], []
+    for sample in samples:
+        x = _tokens(sample["input_ids"])
+        ids += x
+        labels += _tokens(sample["labels"]) if sample.get("labels") is not None else x
+        positions += range(len(x))
+    pad = width - len(ids)
+    return {"input_ids": ids + [pad_id] * pad, "labels": labels + [-100] * pad, "position_ids": positions + [0] * pad,
+            "attention_mask": [1] * width}

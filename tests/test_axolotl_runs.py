@@ -55,7 +55,7 @@ def test_an_axolotl_lora_run_is_reproduced_and_a_one_word_twin_differs(tmp_path,
     assert raw["task"] == "sft" and raw["data"]["system_prompt"] is None, raw
     # the rows written in axolotl's order are the ones axolotl trained (its own shuffle, kept beside the fixtures)
     assert Path(raw["data"]["source"]).read_text() == (INPUTS / "chat-axolotl-order.jsonl").read_text()
-    assert "shuffle_merged_datasets (axolotl's default true): the rows of --data" in table, table
+    assert "shuffle_merged_datasets (axolotl's default true): the rows of " in table and "(--data)" in table, table
     rows = [json.loads(line) for line in (INPUTS / "chat.jsonl").read_text().splitlines()]
     answer = next(m for m in rows[5]["messages"] if m["role"] == "assistant")
     answer["content"] = answer["content"].replace(" is ", " was ", 1)
@@ -63,6 +63,22 @@ def test_an_axolotl_lora_run_is_reproduced_and_a_one_word_twin_differs(tmp_path,
     twin.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, verdict, _, _ = reproduce(capsys, tmp_path, "lora", twin)
     assert code == 1 and verdict.startswith("verdict: differs"), verdict
+
+
+def test_without_data_the_file_its_config_names_is_read(tmp_path, capsys, monkeypatch):
+    """No --data: the one local file the card's config names (datasets[0].path, relative to where axolotl ran) is the
+    training file, its rows written in axolotl's order; from another folder, where that path is not a file, the data
+    set stays unknown (said)."""
+    root = Path(__file__).parent.parent
+    monkeypatch.chdir(root)
+    recipe = tmp_path / "named.yaml"
+    code, table = cli(capsys, "import", ASSETS / "axolotl-full", "--model", INPUTS / "model", "-o", recipe)
+    assert code == 0 and "datasets[0].path tests/assets/axolotl-inputs/chat.jsonl" in table, table
+    source = yaml.safe_load(recipe.read_text())["data"]["source"]
+    assert Path(source).read_text() == (INPUTS / "chat-axolotl-order.jsonl").read_text()
+    monkeypatch.chdir(tmp_path)
+    code, table = cli(capsys, "import", ASSETS / "axolotl-full", "--model", INPUTS / "model", "-o", tmp_path / "x.yaml")
+    assert code == 0 and "datasets[0].path" not in table and "give --data FILE" in table, table
 
 
 def test_an_axolotl_full_finetune_is_reproduced(tmp_path, capsys):

@@ -6,7 +6,10 @@ compare, and ``finetune reproduce`` in one command.
 * SFT with LoRA (4 × 2): "equivalent"; a one-word-changed answer differs; the template's newline left untrained
   (``data.turn_end: stripped``) differs on the settings layer;
 * DPO with LoRA (sigmoid, beta 0.25, 2 × 2): "equivalent"; another beta differs on the settings layer;
-* SFT packed (``packing: true``): finetune keeps its exact big-batch step and the verdict names the packing;
+* SFT packed (``packing: true``): by default finetune keeps its exact big-batch step, the verdict names the packing
+  and the windows are not checkable; with ``import --baseline-step`` it packs as LLaMA-Factory (``data.pack:
+  knapsack``, conversations cut turn by turn at ``cutoff_len − 1``): "equivalent"; a one-word change differs, and so
+  does dropping the longer conversations instead of cutting them;
 * bad input: one line naming the file, exit 2.
 """
 
@@ -30,13 +33,13 @@ MODEL = LF / "model"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def reproduce(capsys, tmp, baseline, recipe_name, *sets, data=None) -> tuple[int, str, str]:
-    """(compare's exit code, its last line, import's table): import over ``recipe_name``, run at micro-batch 1
-    with ``sets``, compare."""
-    name = f"{baseline.name}-{abs(hash((sets, str(data))))}"
+def reproduce(capsys, tmp, baseline, recipe_name, *sets, data=None, flags=()) -> tuple[int, str, str]:
+    """(compare's exit code, its last line, import's table): import over ``recipe_name`` (with ``flags``), run at
+    micro-batch 1 with ``sets``, compare."""
+    name = f"{baseline.name}-{abs(hash((sets, str(data), flags)))}"
     recipe = tmp / f"{name}.yaml"
     code, table = cli(capsys, "import", baseline, "--recipe", recipe_name, "--model", MODEL, "-o", recipe, "--force",
-                      *(["--data", data] if data else []))
+                      *(["--data", data] if data else []), *flags)
     assert code == 0, table
     mine = tmp / f"{name}-mine"
     code, out = cli(capsys, "run", "--recipe", recipe, "--batch-size", 1, "--output-dir", mine, "--set",
@@ -75,8 +78,51 @@ def test_dpo_lora_is_reproduced_and_another_beta_differs(tmp_path, capsys):
 
 def test_a_packed_run_keeps_the_big_batch_step_and_the_verdict_names_the_packing(tmp_path, capsys):
     code, verdict, table = reproduce(capsys, tmp_path, LF / "sft-packed", "sft-smollm2", "model.generate_prompts=0")
-    assert "not carried: packing=True" in table, table
+    assert "not carried: packing=True" in table and "--baseline-step takes" in table, table
     assert code == 1 and "the baseline's packing=True is not carried by finetune import" in verdict, verdict
+    assert "window samples" in verdict, verdict  # its batches were of packed rows: not checkable against ours
+
+
+def knapsack_rows(recipe, *sets) -> list:
+    from finetune.config import load_recipe
+    from finetune.tasks import sft
+    from finetune.tasks.chat import load_tokenizer
+
+    cfg = load_recipe(str(recipe), list(sets))
+    rows = sft.tokenized_data(load_tokenizer(cfg.model), cfg.data, cfg.model).train
+    return [{k: list(rows[i][k]) for k in ("input_ids", "labels", "position_ids", "attention_mask")}
+            for i in range(len(rows))]
+
+
+def test_data_pack_knapsack_lays_out_the_rows_llamafactory_packed(tmp_path, capsys):
+    recipe = tmp_path / "packed.yaml"
+    code, table = cli(capsys, "import", LF / "sft-packed", "--recipe", "sft-smollm2", "--model", MODEL,
+                      "--baseline-step", "-o", recipe)
+    assert code == 0, table
+    theirs = [json.loads(line) for line in open(LF / "sft-packed" / "packed_rows.jsonl")]  # its own loader's
+    assert knapsack_rows(recipe) == theirs
+    assert knapsack_rows(recipe, "data.pack_group=8") != theirs  # other groups: other rows (control)
+
+
+def test_a_packed_run_is_reproduced_with_its_own_step_and_its_twins_differ(tmp_path, capsys):
+    own = ("--baseline-step",)
+    code, verdict, table = reproduce(capsys, tmp_path, LF / "sft-packed", "sft-smollm2", "model.generate_prompts=0",
+                                     flags=own)
+    assert "data.pack" in table and "knapsack" in table and "not carried: packing" not in table, table
+    assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+    assert "the Trainer's samples in all 9 windows" in verdict, verdict
+    # the longer conversations dropped instead of cut turn by turn as LLaMA-Factory cuts them: other rows
+    code, verdict, _ = reproduce(capsys, tmp_path, LF / "sft-packed", "sft-smollm2", "model.generate_prompts=0",
+                                 "data.too_long=drop", flags=own)
+    assert code == 1 and "data.too_long turns in the baseline vs drop" in verdict, verdict
+    rows = [json.loads(line) for line in open(LF / "data" / "chat.jsonl")]
+    answer = next(m for m in rows[3]["messages"] if m["role"] == "assistant")
+    answer["content"] = answer["content"].replace(" is ", " was ", 1)
+    changed = tmp_path / "chat.jsonl"
+    changed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, verdict, _ = reproduce(capsys, tmp_path, LF / "sft-packed", "sft-smollm2", "model.generate_prompts=0",
+                                 data=changed, flags=own)
+    assert code == 1 and verdict.startswith("verdict: differs"), verdict
 
 
 def test_reproduce_in_one_command(tmp_path, capsys):

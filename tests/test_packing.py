@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from finetune import ConfigError, test_fine_tuning
-from finetune.packing import PackedRows, collate_rows, pack_rows
+from finetune.packing import (
+    PackedRows,
+    collate_rows,
+    contiguous_groups,
+    greedy_knapsack,
+    knapsack_row,
+    pack_rows,
+)
 from finetune.reproduce.compare import compare_runs
 from finetune.windows import count_items, windows_of_epoch
 from tests.helpers import (
@@ -298,3 +305,43 @@ def test_compare_calls_a_packed_and_an_unpacked_run_equivalent(packed_run, tmp_p
     assert [h["items"] for h in packed] == [h["items"] for h in plain]
     assert sum(h["micro_batches"] for h in packed) < sum(h["micro_batches"] for h in plain)
     assert padding_share(packed_run) < 0.6 * padding_share(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the whole set packed as LLaMA-Factory packs it (data.pack: knapsack); the rows against its own run:
+# tests/test_llamafactory_runs.py
+
+
+def test_knapsacks_hold_every_sample_once_within_capacity_longest_fitting_first():
+    lengths = [int(x) for x in torch.randint(1, 60, (200,), generator=torch.Generator().manual_seed(0))]
+    sacks = greedy_knapsack(lengths, 100)
+    assert sorted(i for s in sacks for i in s) == list(range(200))
+    assert all(sum(lengths[i] for i in s) <= 100 for s in sacks)
+    for sack in sacks:  # each pick was the longest that still fitted: none of the later knapsacks' would have
+        room, later = 100, [lengths[i] for s in sacks[sacks.index(sack) + 1:] for i in s]
+        for i in sack:
+            assert not [n for n in later if lengths[i] < n <= room], (sack, room)
+            room -= lengths[i]
+    assert greedy_knapsack([4, 4, 4], 8) == [[2, 1], [0]]  # of equal lengths, the one seen last first
+
+
+@pytest.mark.parametrize("n,shards,group", [(10, 1, 1000), (10, 3, 2), (7, 4, 3), (3, 8, 2), (1000, 16, 100)])
+def test_groups_are_datasets_contiguous_shards_cut_in_batches(n, shards, group):
+    import datasets
+
+    table = datasets.Dataset.from_dict({"i": list(range(n))})
+    expected = []
+    for k in range(min(shards, n)):
+        rows = table.shard(num_shards=min(shards, n), index=k, contiguous=True)["i"]
+        expected += [rows[s:s + group] for s in range(0, len(rows), group)]
+    assert [list(g) for g in contiguous_groups(n, shards, group)] == expected
+
+
+def test_a_knapsack_row_lets_its_samples_attend_to_each_other():
+    row = knapsack_row([{"input_ids": [5, 6], "labels": [-100, 6]}, {"input_ids": [7, 8, 9], "labels": [7, 8, 9]}],
+                       width=7, pad_id=0)
+    assert row == {"input_ids": [5, 6, 7, 8, 9, 0, 0], "labels": [-100, 6, 7, 8, 9, -100, -100],
+                   "position_ids": [0, 1, 0, 1, 2, 0, 0], "attention_mask": [1] * 7}
+    batch = collate_rows([row])
+    assert batch["attention_mask"].tolist() == [[1] * 7]  # kept: without it transformers would keep them apart
+    assert "attention_mask" not in collate_rows([PackedRows([{"input_ids": [1, 2]}, {"input_ids": [3]}])[(0, 1)]])

@@ -290,10 +290,40 @@ def test_long_conversations_are_dropped_and_counted(capsys):
     assert max(len(s["input_ids"]) for s in [*job.train_data, *job.val_data]) <= 40
 
 
+def test_long_conversations_cut_turn_by_turn_keep_every_row(capsys):
+    cfg = load_recipe(RECIPE, [*SMALL[RECIPE], "data.max_length=40", "data.too_long=turns"])
+    job = build_job(cfg)
+    assert "0 longer than data.max_length=40 tokens dropped" in capsys.readouterr().out
+    assert len(job.train_data) + len(job.val_data) == 40
+    assert max(len(s["input_ids"]) for s in [*job.train_data, *job.val_data]) == 40
+
+
+def test_turns_are_cut_as_llamafactory_shares_cutoff_len():
+    # LLaMA-Factory's infer_seqlen: a short answer keeps whole, else a short prompt, else each keeps its share
+    assert sft.infer_seqlen(30, 10, 32) == (22, 10)
+    assert sft.infer_seqlen(10, 30, 32) == (10, 22)
+    assert sft.infer_seqlen(30, 30, 32) == (16, 16)
+    assert sft.infer_seqlen(5, 6, 32) == (5, 6)
+    prompt, answer = list(range(100, 130)), list(range(200, 210))   # pair 1: 30 + 10 tokens
+    prompt2, answer2 = [1, 2, 3], [4, 5]                           # pair 2: dropped, the budget spent
+    sample = {"input_ids": prompt + answer + prompt2 + answer2,
+              "labels": [-100] * 30 + answer + [-100] * 3 + answer2, "length": 45}
+    assert sft.turn_pairs(sample["labels"]) == [(0, 30, 40), (40, 43, 45)]
+    cut = sft.cut_turns(sample, 32)
+    assert cut["input_ids"] == prompt[:22] + answer and cut["labels"] == [-100] * 22 + answer
+    whole = sft.cut_turns(sample, 45)  # fits: nothing cut (control)
+    assert whole["input_ids"] == sample["input_ids"] and whole["labels"] == sample["labels"]
+    assert sft.cut_turns(sample, 42)["input_ids"] == prompt + answer + prompt2[:2]
+
+
 def test_config_errors_are_listed_at_load():
     with pytest.raises(ConfigError) as e:
         load_recipe(RECIPE, ["model.max_new_tokens=0", "data.max_length=1", "data.train_on=prompt"])
     assert any(p.startswith("data.train_on: got 'prompt'") for p in e.value.problems)
+    with pytest.raises(ConfigError) as e:
+        load_recipe(RECIPE, ["data.too_long=turns", "data.train_on=all"])
+    assert any(p.startswith("data.too_long: turns finds the turns by their labels") for p in e.value.problems)
+    load_recipe(RECIPE, ["data.too_long=turns", "data.train_on=assistant_turns"])  # control: labels mark the turns
 
 
 # ---------------------------------------------------------------------------------------------------------------

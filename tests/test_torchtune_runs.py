@@ -87,3 +87,33 @@ def test_what_a_torchtune_run_does_that_finetune_does_not_is_named(tmp_path):
     named = {key: why for key, _, why in read_torchtune(tmp_path / "c.yaml", raw, "import").uncarried}
     assert "never trains a conversation's last token" in named["tokenizer.max_seq_len"], named
     assert "permuted" in named["lora_attn_modules"], named
+
+
+def test_a_log_of_every_third_step_is_read_as_those_steps_own_losses(tmp_path, capsys):
+    """``log_every_n_steps: 3``: torchtune logs each third step's own loss (not a mean, as the Trainer's
+    ``logging_steps`` does) and the next step's lr. The full run, its log thinned to steps 3, 6, 9: "equivalent",
+    its lr not checkable; the same lines holding each 3 steps' mean instead (the Trainer's reading) differ."""
+    import re
+    import shutil
+
+    import yaml
+
+    code, _, _ = reproduce(capsys, tmp_path, "full")
+    assert code == 0
+    mine = next(p for p in tmp_path.iterdir() if p.name.startswith("full-chat.jsonl"))
+    lines = next((ASSETS / "torchtune-full" / "logs").glob("log_*.txt")).read_text().splitlines()
+    losses = {int(m.group(1)): float(m.group(2)) for m in map(re.compile(r"Step (\d+) \| loss:([0-9.]+)").match,
+                                                                 lines) if m}
+    for kind, loss in (("own", lambda k: losses[k]), ("mean", lambda k: sum(losses[k - j] for j in range(3)) / 3)):
+        baseline = tmp_path / f"every-3-{kind}"
+        shutil.copytree(ASSETS / "torchtune-full", baseline)
+        config = yaml.safe_load((baseline / "torchtune_config.yaml").read_text())
+        (baseline / "torchtune_config.yaml").write_text(yaml.safe_dump({**config, "log_every_n_steps": 3}))
+        log = next((baseline / "logs").glob("log_*.txt"))
+        log.write_text("".join(f"Step {k} | loss:{loss(k)} lr:0.001\n" for k in sorted(losses) if k % 3 == 0))
+        code, out = cli(capsys, "compare", baseline, mine)
+        if kind == "own":
+            assert code == 0 and "each logged step's own loss, every 3 steps" in out and "lr schedule" in out, out
+            assert "not checkable" in out.split("lr schedule")[1].splitlines()[0], out
+        else:
+            assert code == 1 and "loss curve" in out.split("verdict:")[1], out

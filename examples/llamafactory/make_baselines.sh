@@ -24,3 +24,6 @@ for run in sft-lora sft-packed dpo-lora; do
   cp "examples/llamafactory/$run.yaml" "$OUT/$run/training_args.yaml"   # as LLaMA-Factory's web UI saves it
   rm -f "$OUT/$run"/{all_results.json,train_results.json,training_loss.png}
 done
+# the rows LLaMA-Factory packed, by its own loader: data.pack=knapsack must lay out the same
+HF_HUB_OFFLINE=1 DISABLE_VERSION_CHECK=1 "$LF_VENV/bin/python" examples/llamafactory/packed_rows.py \
+  examples/llamafactory/sft-packed.yaml "$OUT/sft-packed/packed_rows.jsonl"

@@ -310,6 +310,8 @@ def _datasets(raw: dict, b: Baseline, source: str, where) -> None:
                             "different templates; finetune renders every row with one"))
     if raw.get("default_system_message"):
         b.own["default_system_message"] = (raw["default_system_message"], where("default_system_message"))
+    if len(sets) == 1 and (found := local_file(sets[0].get("path"), b.path)) is not None:
+        b.data_file = (found, where("datasets") + f"[0].path {sets[0]['path']}")
     if raw.get("curriculum_sampling") or raw.get("shuffle_merged_datasets", True) is False or not sets:
         return  # the rows in the files' order
     if len(sets) > 1 and raw.get("shuffle_before_merging_datasets"):
@@ -321,6 +323,15 @@ def _datasets(raw: dict, b: Baseline, source: str, where) -> None:
                   where(said) + (f", its {len(sets)} data sets one after another" if len(sets) > 1 else ""))
 
 
+def local_file(path, config: Path) -> Path | None:
+    """A data set's ``path`` when it is a file here: as given (axolotl reads it from where it runs), else beside the
+    config (or inside the output folder whose card holds it). None for a hub id or a folder."""
+    if not path:
+        return None
+    folder = config if config.is_dir() else config.parent
+    return next((p for p in (Path(str(path)), folder / str(path)) if p.is_file()), None)
+
+
 def dataset_task(types: set) -> str | None:
     """The built-in task that trains axolotl data sets of these types (the one whose hints name the type), when
     they are all of one type; None otherwise."""
@@ -330,9 +341,10 @@ def dataset_task(types: set) -> str | None:
     return next((name for name, h in built_in_hints().items() if h.peer_names.get(TOOL) == kind), None)
 
 
-def carry_own(b: Baseline, out, model_fields, data_fields: set) -> None:
+def carry_own(b: Baseline, out, model_fields, data_fields: set, own_step: bool = False) -> None:
     """axolotl's own settings onto the recipe (called last by ``settings.carry``): the chat template it rendered
-    with, no system message, where its adapters started, and its ``bf16: auto`` when nothing says what it became."""
+    with, no system message, where its adapters started, and its ``bf16: auto`` when nothing says what it became.
+    ``own_step``: its multipack step is not one finetune takes (said)."""
     own = b.own
     if "chat_template" in own and "chat_template" in model_fields:
         (choice, jinja), where = own["chat_template"]
@@ -359,3 +371,8 @@ def carry_own(b: Baseline, out, model_fields, data_fields: set) -> None:
     if "bf16" in own and "bf16" not in b.args:
         out.skip("bf16", "auto", "axolotl trains in bf16 where the GPU has it, else in fp16 (auto, its default): "
                  "set training.mixed_precision to what it took")
+    if b.get("sample_packing"):
+        out.other_samples = "the baseline's batches were axolotl's multipack bins"
+    if own_step and b.get("sample_packing"):
+        out.not_carried.append("own step: not taken — axolotl's multipack batches depend on its sampler's bin "
+                               "estimates, which finetune does not replay; finetune keeps its exact big-batch step")

@@ -96,7 +96,7 @@ def read_folder(folder: Path, what: str) -> Baseline:
         b.base_model = card.base_model
         # what the card's tool config says beyond the arguments (axolotl's task, row order, warm-up rounding)
         b.task, b.own, b.carry_own = card.task, card.own, card.carry_own
-        b.warmup_of, b.shuffled = card.warmup_of, card.shuffled
+        b.warmup_of, b.shuffled, b.data_file = card.warmup_of, card.shuffled, card.data_file
         if not b.evals:
             b.evals = card.evals
     for name, attr in (("config.json", "model_config"), ("adapter_config.json", "adapter_config")):

@@ -55,7 +55,9 @@ def main(args, finetune) -> int:
     base = args.recipe or base_recipe(args.source)
     imported = ["import", str(args.source), "-o", str(recipe), "--force", *(["--recipe", base] if base else []),
                 *(["--data", str(args.data)] if args.data else []), *(["--model", str(args.model)] if args.model
-                                                                       else [])]
+                                                                       else []),
+                *(["--initial-adapter", str(args.initial_adapter)] if args.initial_adapter else []),
+                *(["--baseline-step"] if args.baseline_step else [])]
     commands = [imported]
     code = finetune(imported)
     if code:
@@ -117,10 +119,15 @@ def write_report(path: Path, source, report: str, curves: Path, commands: list) 
 def add_arguments(p) -> None:
     p.add_argument("source", help="what was published: a Trainer/TRL folder, a model card, a LLaMA-Factory YAML or "
                                   "output folder, an axolotl YAML")
-    p.add_argument("--data", metavar="FILE", help="the baseline's training file (a LLaMA-Factory YAML names its own)")
+    p.add_argument("--data", metavar="FILE", help="the baseline's training file (a LLaMA-Factory YAML or an axolotl "
+                                                  "config names its own)")
     p.add_argument("--model", metavar="MODEL", help="the model the baseline fine-tuned, when the source names it in "
                                                     "another form")
     p.add_argument("--recipe", metavar="BASE", help="the recipe to import over (default: the source's task's)")
+    p.add_argument("--initial-adapter", metavar="DIR", help="the baseline's LoRA adapters saved before its first "
+                                                            "step (peft.init_from)")
+    p.add_argument("--baseline-step", action="store_true", help="train the step the baseline's tool took where it "
+                   "is not the big batch's (see finetune import --help)")
     p.add_argument("--batch-size", metavar="B", help="the micro-batch (default auto: the largest that fits here)")
     p.add_argument("-o", "--output", metavar="DIR", help="where the recipe, the run, the curves and report.md go")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -130,4 +137,4 @@ def add_arguments(p) -> None:
 
 def namespace(**kw) -> SimpleNamespace:  # for callers outside the command line
     return SimpleNamespace(**{"data": None, "model": None, "recipe": None, "batch_size": None, "output": None,
-                              "set": [], "force": False, **kw})
+                              "initial_adapter": None, "baseline_step": False, "set": [], "force": False, **kw})

@@ -594,14 +594,16 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
 
     by_step = {h["step"]: h for h in history}
     logs = [e for e in base.logs if e["step"] in by_step]
-    if not base.logs:
+    rates = [e for e in logs if "learning_rate" in e]
+    if not base.logs or not any("learning_rate" in e for e in base.logs):
         unchecked.append("lr schedule")
-        c.add("lr schedule", None, f"not checkable: the {base.kind} logs no learning rate")
+        c.add("lr schedule", None, f"not checkable: the {base.kind} logs no learning rate" + (
+            " for the steps it logs (torchtune logs the next step's, read after the scheduler stepped)"
+            if base.logs else ""))
     else:
-        bad = next((e for e in logs if _rel(e.get("learning_rate", float("nan")), by_step[e["step"]]["lr"]) >
-                    base.lr_rounding), None)
+        bad = next((e for e in rates if _rel(e["learning_rate"], by_step[e["step"]]["lr"]) > base.lr_rounding), None)
         c.add("lr schedule", bad is None and len(logs) == len(base.logs),
-              f"identical at all {len(logs)} logged steps" if bad is None and len(logs) == len(base.logs) else
+              f"identical at all {len(rates)} logged steps" if bad is None and len(logs) == len(base.logs) else
               f"step {bad['step']}: {bad.get('learning_rate'):.6g} vs {by_step[bad['step']]['lr']:.6g}" if bad else
               f"{len(base.logs) - len(logs)} logged steps are past this run's last step",
               step=bad["step"] if bad else None)
@@ -615,7 +617,8 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     band = loss_rtol if loss_rtol is not None else band
     grad_band = max(band, fl.overall["grad norm"] if fl else GRAD_NORM_RTOL)
     if base.logs:
-        _check_logged_loss(c, base.logs, history, band, why, int(base.get("logging_steps") or 1), assumed)
+        _check_logged_loss(c, base.logs, history, band, why, int(base.get("logging_steps") or 1), assumed,
+                           base.logged_loss_is_mean)
         _check_logged_norms(c, base, logs, by_step, grad_band, why, mine, unchecked, assumed)
     elif base.card_losses:
         unchecked.append("training loss")
@@ -668,10 +671,18 @@ def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: fl
 
 def carried(base, mine: dict):
     """The baseline's settings as ``finetune import`` carries them onto this run's recipe: its model and data
-    fields, so that a task's own settings (DPO's beta, GRPO's loss type, TRL's packing) are the baseline's too, and
-    the adapters it started from (``peft.init_from``: the baseline's start, given to import as --initial-adapter)."""
-    return carry(base, {name: None for name in (mine["config"].get("model") or {})},
-                 set(mine["config"].get("data") or {}), initial_adapter=setting(mine["config"], "peft.init_from"))
+    fields, so that a task's own settings (DPO's beta, GRPO's loss type, TRL's packing) are the baseline's too, the
+    adapters it started from (``peft.init_from``: the baseline's start, given to import as --initial-adapter), and
+    its tool's own step where the run took it (import --baseline-step: every setting that flag adds is the run's)."""
+    def imported(own_step: bool):
+        return carry(base, {name: None for name in (mine["config"].get("model") or {})},
+                     set(mine["config"].get("data") or {}), initial_adapter=setting(mine["config"], "peft.init_from"),
+                     own_step=own_step)
+
+    plain, own = imported(False), imported(True)
+    added = {k: v for k, v in own.values.items() if k not in plain.values or plain.values[k] != v}
+    took = bool(added) and all(setting(mine["config"], k) == v for k, v in added.items())
+    return own if took else plain
 
 
 def uncarried(base, mine: dict) -> list:
@@ -719,6 +730,11 @@ def start_notes(base, mine: dict, equivalent: bool) -> list:
 def _check_windows(c: Comparison, base, history: list, mine: dict, unchecked: list) -> None:
     """Each window's samples against the Trainer's batch: its order recomputed from the baseline's seed (data_seed
     when set) and effective batch over this run's training set."""
+    other = carried(base, mine).other_samples
+    if other:
+        unchecked.append("window samples")
+        c.add("window samples", None, f"not checkable: {other}, not this run's samples")
+        return
     seed = base.get("data_seed") if base.get("data_seed") is not None else base.get("seed")
     size, epochs = base.effective_batch(), sorted({h["epoch"] for h in history})
     # the training set is this run's (the baseline's data are the user's); older runs do not record its size
@@ -744,12 +760,13 @@ def _check_windows(c: Comparison, base, history: list, mine: dict, unchecked: li
 
 
 def _check_logged_loss(c: Comparison, logs: list, history: list, rtol: float, why, every: int,
-                       assumed: bool = False) -> None:
+                       assumed: bool = False, means: bool = True) -> None:
     """Each logged training loss against our mean over the steps it covers (since the previous log entry: the
-    Trainer logs the mean over its ``logging_steps`` = ``every`` steps, and over fewer at the end)."""
+    Trainer logs the mean over its ``logging_steps`` = ``every`` steps, and over fewer at the end); without
+    ``means``, against our loss at its step (torchtune logs the step's own)."""
     worst, bad, previous = 0.0, None, 0
     for e in logs:
-        ours = [h["loss"] for h in history if previous < h["step"] <= e["step"]]
+        ours = [h["loss"] for h in history if (previous if means else e["step"] - 1) < h["step"] <= e["step"]]
         previous = e["step"]
         if not ours or not math.isfinite(e["loss"]):
             continue
@@ -758,7 +775,8 @@ def _check_logged_loss(c: Comparison, logs: list, history: list, rtol: float, wh
         worst = max(worst, d)
         if d > rtol and bad is None:
             bad = (e["step"], e["loss"], mean)
-    per = f" (each a mean over the {every} steps since the previous log)" if every > 1 else ""
+    per = "" if every == 1 else f" (each a mean over the {every} steps since the previous log)" if means else \
+        f" (each logged step's own loss, every {every} steps)"
     c.measured["loss curve"] = worst
     c.add("loss curve", bad is None, f"max relative difference {worst:.2e} at {len(logs)} logged steps{per}, "
           f"tolerance {rtol:g}" + (f" (band: {why})" if why else "") + (

@@ -46,10 +46,11 @@ def _skeleton(base: Baseline) -> dict:
 
 
 def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None,
-                  model=None, recipe=None) -> tuple[dict, Imported, Baseline]:
+                  model=None, recipe=None, own_step=False) -> tuple[dict, Imported, Baseline]:
     """The recipe mapping for baseline ``source`` (over recipe ``base`` when given; ``data``: the baseline's training
     file; ``model``: its base model; ``recipe``: where the recipe will be written, beside which the rows go when the
-    baseline's tool reordered them), what was carried and the baseline. Raises ConfigError (one line) for bad
+    baseline's tool reordered them; ``own_step``: take the tool's own step where it is not the big batch's), what
+    was carried and the baseline. Raises ConfigError (one line) for bad
     input, a recipe that would not validate, or a model that differs from the baseline's. A baseline that names no
     base model, imported without ``base``, gives a recipe whose ``model.name_or_path`` is missing
     (``Imported.missing`` says so)."""
@@ -61,9 +62,11 @@ def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None
     module = task_module(resolve_task(raw.get("task"), folder))
     model_fields = typing.get_type_hints(section_class(module, "ModelConfig"))  # name → type
     data_fields = set(getattr(section_class(module, "DataConfig"), "__dataclass_fields__", {}))
-    imported = carry(baseline, model_fields, data_fields, steps, initial_adapter)
-    training_file(imported, data, data_fields, baseline, recipe)
-    if not base and data is None:
+    imported = carry(baseline, model_fields, data_fields, steps, initial_adapter, own_step)
+    named = data is None and baseline.data_file is not None  # the file the source names, when no --data is given
+    training_file(imported, baseline.data_file[0] if named else data, data_fields, baseline, recipe,
+                  baseline.data_file[1] if named else "--data")
+    if not base and data is None and not named:
         imported.skip("the data set", "unknown", f"not in the {baseline.kind}; this recipe trains on the "
                       f"{raw['task']} task's default data until you set data.source (or give --recipe BASE, or "
                       "--data FILE)")
@@ -159,7 +162,7 @@ def main(args) -> int:
         return write_recipe(out, raw, args.source, "finetune run")
     args.data = llamafactory.training_rows(args.source, args.data, out, read_baseline)  # rows finetune reads
     raw, imported, baseline = import_recipe(args.source, args.recipe, args.steps, args.data, args.initial_adapter,
-                                            args.model, out)
+                                            args.model, out, args.baseline_step)
     print(table(imported, baseline))
     if baseline.unknown:  # listed, not fatal: axolotl grows keys faster than this list
         print(f"warning: {baseline.path.name}: keys finetune does not know, not read: {', '.join(baseline.unknown)}",
@@ -188,9 +191,14 @@ def add_arguments(p) -> None:
     p.add_argument("--model", metavar="MODEL", help="the model the baseline fine-tuned (hub id, folder, gguf:…), "
                                                     "when its folder does not name it or names it in another form")
     p.add_argument("--data", metavar="FILE", help="the baseline's training file (jsonl, json, parquet, csv): trained "
-                                                  "whole and in its order (data.val_fraction 0, data.limit null)")
+                                                  "whole and in its order (data.val_fraction 0, data.limit null); "
+                                                  "default: the one local file the source names (LLaMA-Factory, "
+                                                  "axolotl)")
     p.add_argument("--initial-adapter", metavar="DIR", help="the baseline's LoRA adapters saved before its first "
                                                             "step (peft.init_from): the reproduction starts there")
+    p.add_argument("--baseline-step", action="store_true", help="train the step the baseline's tool took where it "
+                   "is not the big batch's (LLaMA-Factory's packed rows): the reproduction is that run (default: "
+                   "finetune's exact big-batch step, the difference named)")
     p.add_argument("--steps", type=int, metavar="N", help="the baseline's optimizer steps, for a warm-up ratio when "
                                                           "the source does not say them (axolotl, args JSON)")
     p.add_argument("--force", action="store_true", help="overwrite the output file")

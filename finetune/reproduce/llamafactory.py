@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from pathlib import Path
 
 import yaml
@@ -180,7 +181,8 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
         elif key not in PLACES:
             b.unknown.append(key)
     for key in ("stage", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target", "template",
-                "packing", "pref_beta", "pref_loss", "train_on_prompt", "cutoff_len", "dataset", "dataset_dir"):
+                "packing", "pref_beta", "pref_loss", "train_on_prompt", "cutoff_len", "dataset", "dataset_dir",
+                "preprocessing_batch_size", "preprocessing_num_workers"):
         if key in raw:
             b.own[key] = (raw[key], src(key))
     if raw.get("pure_bf16"):
@@ -223,10 +225,18 @@ def stage_has(b, section: str, name: str) -> bool:
     return name in {f.name for f in dataclasses.fields(section_class(module, f"{section.title()}Config"))}
 
 
-def carry_own(b, out, model_fields, data_fields: set) -> None:
+def stage_allows(b, section: str, name: str, value) -> bool:
+    """Whether the stage's task takes ``value`` for the setting ``section.name`` (one of its choices)."""
+    if not stage_has(b, section, name):
+        return False
+    hint = typing.get_type_hints(section_class(task_module(b.task), f"{section.title()}Config"))[name]
+    return value in typing.get_args(hint)
+
+
+def carry_own(b, out, model_fields, data_fields: set, own_step: bool = False) -> None:
     """LLaMA-Factory's own settings onto the recipe (called last by ``settings.carry``): its stage, template,
-    preference loss and what it trains on; its packing and every other setting of :data:`NOT_CARRIED` that is not at
-    its default, as not carried."""
+    preference loss and what it trains on; its packing (:func:`packing`); every other setting of
+    :data:`NOT_CARRIED` that is not at its default, as not carried."""
     own = b.own
     out.not_carried = [line for line in out.not_carried if not line.startswith("not carried: the adapters' start")]
     if b.adapter_config or b.get("adapter"):
@@ -268,15 +278,42 @@ def carry_own(b, out, model_fields, data_fields: set) -> None:
         elif loss not in PREF_LOSSES:
             out.skip("pref_loss", loss, f"finetune's dpo has {', '.join(PREF_LOSSES)}")
     if value("packing"):
-        out.skip("packing", True, "LLaMA-Factory packs the whole data set into rows of cutoff_len + 1 tokens before "
-                 "sampling (greedy knapsack; the packed conversations attend to each other): its steps are of "
-                 "packed rows, not the big batch's; finetune keeps its exact big-batch step")
-    if "cutoff_len" in own and not value("packing"):
+        packing(b, out, data_fields, own_step)
+    if "cutoff_len" in own and "too_long" in data_fields and stage_allows(b, "data", "too_long", "turns"):
+        out.set("data.too_long", "turns", f"{own['cutoff_len'][1]}: LLaMA-Factory cuts a longer conversation turn by "
+                                          "turn (infer_seqlen)")
+    elif "cutoff_len" in own:
         out.not_carried.append(f"note: cutoff_len={value('cutoff_len')} — LLaMA-Factory cuts a longer conversation "
                                "turn by turn, finetune drops it (data.too_long=drop): the same while none is longer")
     for key, (default, why) in NOT_CARRIED.items():
         if key in own and own[key][0] not in (default, None) and why:
             out.skip(key, own[key][0], why)
+
+
+def packing(b, out, data_fields: set, own_step: bool) -> None:
+    """``packing: true``: LLaMA-Factory's step is of packed rows. Taken on request (``own_step``: ``data.pack:
+    knapsack`` with its grouping), else named as not carried."""
+    own = b.own
+    how = ("LLaMA-Factory packs the whole data set into rows of cutoff_len + 1 tokens before sampling (greedy "
+           "knapsack; the packed conversations attend to each other): its steps are of packed rows, not the big "
+           "batch's")
+    if not own_step or "pack" not in data_fields or b.own.get("neat_packing", (False,))[0]:
+        out.skip("packing", True, how + ("; finetune keeps its exact big-batch step (--baseline-step takes "
+                                         "LLaMA-Factory's)" if not own_step else
+                                         "; finetune packs as LLaMA-Factory without neat_packing, for sft"))
+        out.other_samples = "the baseline's batches were of LLaMA-Factory's packed rows"
+        return
+    where = own["packing"][1]
+    out.set("data.pack", "knapsack", f"{where}: packing=True — the baseline's own step (--baseline-step): {how}")
+    group = own.get("preprocessing_batch_size", (1000, "LLaMA-Factory's default preprocessing_batch_size"))
+    out.set("data.pack_group", int(group[0]), f"{group[1]}: preprocessing_batch_size, the rows packed together")
+    workers = own.get("preprocessing_num_workers", (None, ""))
+    out.set("data.pack_shards", int(workers[0] or 1), f"{workers[1]}: preprocessing_num_workers, contiguous shards "
+            "packed apart" if workers[0] else "LLaMA-Factory's default: one preprocessing process")
+    out.set("training.packing", False, "LLaMA-Factory packed the data set itself: its rows are the samples")
+    if "cutoff_len" in own:  # packing: its DataArguments take one token off (rows of cutoff_len, padding included)
+        out.set("data.max_length", int(own["cutoff_len"][0]) - 1, f"{own['cutoff_len'][1]} − 1: LLaMA-Factory "
+                "packs conversations of at most cutoff_len − 1 tokens into rows of cutoff_len")
 
 
 def _yaml(path: Path, what: str, quiet: bool = False):

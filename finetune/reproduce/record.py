@@ -35,9 +35,13 @@ class Baseline:
     lr_rounding: float = 1e-9                      # relative rounding of its logged lr (TensorBoard keeps fp32)
     task: Optional[str] = None                    # the finetune task the source trains (LLaMA-Factory's stage)
     own: dict = field(default_factory=dict)       # the tool's own settings, name → (value, source), for carry_own
-    carry_own: Optional[object] = None            # (baseline, Imported, model fields, data fields): its own settings
+    carry_own: Optional[object] = None            # (baseline, Imported, model fields, data fields, own step): its own
     warmup_of: Optional[object] = None            # (ratio, steps or None) → (warm-up steps or None, how): the tool's
     #                                               own rounding of a warm-up ratio (axolotl's); None: the Trainer's
+    data_file: Optional[tuple] = None             # (path, source): the one local training file the source names,
+    #                                               taken as --data when none is given (axolotl's datasets[0].path)
+    logged_loss_is_mean: bool = True              # a logged loss is the mean since the previous log (the Trainer's);
+    #                                               False: the logged step's own (torchtune's log_every_n_steps)
     shuffled: Optional[tuple] = None              # (seed, source): the tool shuffled its training rows once before
     #                                               training, as datasets' Dataset.shuffle(seed=seed) does (axolotl)
 

@@ -64,6 +64,9 @@ class Imported:
 
     def __init__(self):
         self.rows, self.not_carried, self.values, self.missing = [], [], {}, []
+        # why the baseline's batches held other samples than the recipe's (a packing not taken): compare cannot
+        # check its windows against them
+        self.other_samples: str | None = None
 
     def set(self, name: str, value, source: str) -> None:
         """``name`` = ``value`` from ``source``; a later source of the same field (the data's rows over the
@@ -76,10 +79,11 @@ class Imported:
 
 
 def carry(base: Baseline, model_fields: dict, data_fields: set, steps: int | None = None,
-          initial_adapter=None) -> Imported:
+          initial_adapter=None, own_step: bool = False) -> Imported:
     """Map the baseline's settings onto recipe fields (``section.name``); ``model_fields``: the recipe's model
     section, field name → type; ``steps``: the optimizer steps the run took, when the source does not say them (for
-    a warm-up ratio)."""
+    a warm-up ratio); ``own_step``: take the baseline tool's own step where it is not the big batch's (its
+    ``carry_own`` says which it can)."""
     out = Imported()
     src = lambda name: base.args[name][1]  # noqa: E731
     get = base.get
@@ -132,7 +136,7 @@ def carry(base: Baseline, model_fields: dict, data_fields: set, steps: int | Non
     for setting, value, why in base.uncarried:  # what the source's own reader knows finetune lacks
         out.skip(setting, value, why)
     if base.carry_own is not None:  # a tool's own settings (LLaMA-Factory's template, stage), last
-        base.carry_own(base, out, model_fields, data_fields)
+        base.carry_own(base, out, model_fields, data_fields, own_step)
     return out
 
 
@@ -407,6 +411,7 @@ def _packing(base: Baseline, out: Imported, data_fields: set) -> None:
         out.skip("packing", True, "it packs the whole data set before sampling, so its batches are of packed rows; "
                  + ("this recipe's task cannot pack as TRL does" if "pack" not in data_fields else
                     f"finetune packs as TRL's bfd and wrapped, not {strategy}"))
+        out.other_samples = "the baseline's batches were of TRL's packed rows"
         return
     out.set("data.pack", strategy, f"{where}: packing=True, packing_strategy={strategy}")
     out.set("training.packing", False, "TRL packed the data set itself: its rows are the samples")
@@ -481,11 +486,12 @@ def _grpo(base: Baseline, out: Imported, model_fields: dict) -> None:
 
 
 def training_file(out: Imported, data: str | None, data_fields: set, base: Baseline | None = None,
-                  recipe: Path | None = None) -> None:
+                  recipe: Path | None = None, said: str = "--data") -> None:
     """``--data FILE``: the baseline's training file, whole and in its order (the Trainer's order draws from it); for
     a TRL SFT baseline, the tokens it trained on, from the rows' format (``trl_train_on``). A baseline whose tool
     shuffled its rows once before training (``Baseline.shuffled``: axolotl) trains on them in that order, written
-    beside ``recipe`` (:func:`shuffled_rows`); without ``--data`` or ``recipe`` the order is said as not carried."""
+    beside ``recipe`` (:func:`shuffled_rows`); without ``--data`` or ``recipe`` the order is said as not carried.
+    ``said``: where the file comes from (``--data``, or the source's own naming of it)."""
     order = base.shuffled if base is not None else None
     if data is None:
         if order is not None:
@@ -493,7 +499,7 @@ def training_file(out: Imported, data: str | None, data_fields: set, base: Basel
                      "before training (datasets' Dataset.shuffle); give --data FILE, the rows it loaded, and import "
                      "writes them in that order")
         return
-    out.set("data.source", str(data), "--data")
+    out.set("data.source", str(data), said)
     if order is not None:
         written = shuffled_rows(data, order[0], recipe) if recipe is not None else None
         if written is None:
@@ -501,7 +507,7 @@ def training_file(out: Imported, data: str | None, data_fields: set, base: Basel
                      "before training (datasets' Dataset.shuffle); import writes them in that order from a local "
                      "jsonl, json, parquet or csv --data only")
         else:
-            out.set("data.source", str(written), f"{order[1]}: the rows of --data {data} shuffled once before "
+            out.set("data.source", str(written), f"{order[1]}: the rows of {data} ({said}) shuffled once before "
                                                  f"training, as datasets' Dataset.shuffle(seed={order[0]}) does")
     kind = row_format(data) if base is not None and base.trl else None
     if kind is not None and "train_on" in data_fields and not kind.startswith("preference"):

@@ -52,6 +52,7 @@ def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
         if raw.get(key) is not None:
             b.args[name or key] = (_int(raw[key], key, path, what), src(key))
     b.args.setdefault("gradient_accumulation_steps", (1, f"{path.name}: torchtune's default accumulation"))
+    b.logged_loss_is_mean = False  # every log_every_n_steps-th step logs its own loss
     b.args["seed"] = (0, f"{path.name}: torchtune's sampler is seeded with 0 whatever seed says")
     if raw.get("seed") not in (None, 0):
         b.uncarried.append(("seed", raw["seed"], "it seeds torchtune's model and adapters; its sampler draws the "

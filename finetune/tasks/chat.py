@@ -194,11 +194,16 @@ def builtin_table(rows):
 def parts(samples, d) -> tuple:
     """(train, held out, dropped train, dropped held out): the seeded split of the table's rows (``data.limit``
     of each part), less the rows dropped as too long; views of the table, nothing copied."""
+    train_kept, val_kept, dropped_train, dropped_val = part_ids(samples, d)
+    return samples.select(train_kept), samples.select(val_kept), dropped_train, dropped_val
+
+
+def part_ids(samples, d) -> tuple:
+    """:func:`parts` as the table's row numbers: (train, held out, dropped train, dropped held out)."""
     train_ids, val_ids = split_samples(list(range(len(samples))), d.val_fraction, d.split_seed, d.limit)
     dropped = tables.column(samples, "dropped")
     train_kept, val_kept = tables.kept(train_ids, dropped), tables.kept(val_ids or [], dropped)
-    return (samples.select(train_kept), samples.select(val_kept), len(train_ids) - len(train_kept),
-            len(val_ids or []) - len(val_kept))
+    return train_kept, val_kept, len(train_ids) - len(train_kept), len(val_ids or []) - len(val_kept)
 
 
 SKIPPED_DIRS = {"test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "distutils", "site-packages",

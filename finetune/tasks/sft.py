@@ -27,7 +27,7 @@ from finetune.data import attention_mask, parse_rows, right_pad
 from finetune.evaluation import load_metric
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models.hf import peft_save_hook
-from finetune.packing import collate_rows
+from finetune.packing import collate_rows, contiguous_groups, greedy_knapsack, knapsack_row
 from finetune.tasks.chat import (
     ROLES,
     ChatModelConfig,
@@ -38,7 +38,7 @@ from finetune.tasks.chat import (
     load_table,
     load_tokenizer,
     num_proc_field,
-    parts,
+    part_ids,
     split_field,
     stdlib_qa,
     stream_block_field,
@@ -55,7 +55,10 @@ from finetune.tasks.chat import (
 
 # What compare and reproduce know of this task: packing, the turn end and long rows change which tokens each step
 # trains on; LLaMA-Factory's sft stage (its default) and any TRL SFTTrainer folder train it.
-COMPARE_HINTS = CompareHints(step_settings=("data.pack", "data.turn_end", "data.too_long"),
+TRL_PACKING = ("bfd", "wrapped")  # data.pack's values trl.pack_dataset packs by
+
+COMPARE_HINTS = CompareHints(step_settings=("data.pack", "data.pack_group", "data.pack_shards", "data.turn_end",
+                                            "data.too_long"),
                              base_recipe="sft-smollm2", trl_marks=(),
                              peer_names={"llamafactory": "sft", "axolotl": "chat_template"},
                              peer_default=("llamafactory",))
@@ -83,20 +86,28 @@ class DataConfig(BaseDataConfig):
         "the answer included, as TRL's completion_only_loss on prompt/completion rows; or every token", "assistant")
     max_length: int = doc("longest conversation, in tokens: longer ones are dropped or cut (data.too_long)", 256,
                           at_least=2)
-    too_long: Literal["drop", "keep_start", "keep_end"] = doc(
+    too_long: Literal["drop", "keep_start", "keep_end", "turns"] = doc(
         "a conversation longer than data.max_length: dropped (counted at set-up), or cut to its first / last "
-        "max_length tokens as TRL's SFTTrainer does (truncation_mode), one left with no trained token dropped", "drop")
+        "max_length tokens as TRL's SFTTrainer does (truncation_mode), one left with no trained token dropped; turns: "
+        "cut turn by turn as LLaMA-Factory cuts at cutoff_len (each prompt and its answer shortened to share what is "
+        "left, later turns dropped; data.train_on assistant or assistant_turns, whose labels mark the turns)", "drop")
     turn_end: Literal["stripped", "trained"] = doc(
         "the template's text after an assistant turn's end token (ChatML's newline): stripped — not trained, and "
         "dropped after the last turn (TRL's assistant_only_loss); trained — part of the turn, as LLaMA-Factory's "
         "templates train it (data.train_on: assistant only)", "stripped")
     system_prompt: Optional[str] = doc("system message put first in every conversation that has none (null: "
                                        "none; the template may add its own default)", None)
-    pack: Optional[Literal["bfd", "wrapped"]] = doc(
-        "TRL's packing (SFTTrainer(packing=True), its packing_strategy): the whole training set packed into rows of "
-        "data.max_length tokens before sampling, each row then one sample, its conversations kept apart by position "
-        "ids (bfd; wrapped cuts them to fill rows); null: none (training.packing packs inside windows instead)",
-        None, needs=Needs(package=("trl", "'finetune[peers]'")))
+    pack: Optional[Literal["bfd", "wrapped", "knapsack"]] = doc(
+        "the whole training set packed into rows before sampling, each row then one sample. bfd, wrapped: TRL's "
+        "packing (SFTTrainer(packing=True), its packing_strategy), rows of data.max_length tokens, the conversations "
+        "kept apart by position ids (wrapped cuts them to fill rows); knapsack: LLaMA-Factory's (packing: true), its "
+        "greedy knapsack into rows of data.max_length + 1 tokens, padding included, the conversations attending to "
+        "each other; null: none (training.packing packs inside windows instead)",
+        None, needs=Needs(package=("trl", "'finetune[peers]'"), when=lambda v: v in TRL_PACKING))
+    pack_group: int = doc("data.pack=knapsack: rows packed together, groups of this many consecutive rows of the data "
+                          "(LLaMA-Factory's preprocessing_batch_size)", 1000, at_least=1)
+    pack_shards: int = doc("data.pack=knapsack: the rows first cut into this many contiguous shards, each grouped on "
+                           "its own (LLaMA-Factory's preprocessing_num_workers)", 1, at_least=1)
     num_proc: Optional[int] = num_proc_field()
     streaming: bool = streaming_field()
     stream_block: int = stream_block_field()
@@ -106,10 +117,13 @@ def validate(cfg, problems: list) -> None:
     m, d = cfg.model, cfg.data
     validate_chat_model(m, problems)
     validate_source(d.source, "stdlib-qa", problems)
+    if d.too_long == "turns" and d.train_on not in ("assistant", "assistant_turns"):
+        problems.append(f"data.too_long: turns finds the turns by their labels: it needs data.train_on assistant or "
+                        f"assistant_turns, not {d.train_on}")
     if d.streaming:
         validate_streaming(d, problems)
         if d.pack:
-            problems.append("data.pack: TRL's packing packs the whole set ahead; with data.streaming use "
+            problems.append(f"data.pack: {d.pack} packs the whole set ahead; with data.streaming use "
                             "training.packing (inside windows) instead")
 
 
@@ -263,7 +277,7 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
         sample = encode(tokenizer, messages, d.train_on, d.turn_end)
     except ValueError as e:
         return {**empty, "error": f"model.chat_template: {e} (data.train_on=all needs no turn boundaries)"}
-    if len(sample["input_ids"]) > d.max_length and not d.pack:  # TRL's packing truncates instead
+    if len(sample["input_ids"]) > d.max_length and d.pack not in TRL_PACKING:  # TRL's packing truncates instead
         sample = cut(sample, d.max_length, d.too_long)
     if sample is None:
         return empty
@@ -274,7 +288,8 @@ def tokenized(tokenizer, table, d: DataConfig):
     """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
     the settings that shape a sample, and read memory-mapped from the cache afterwards."""
     return tables.encoded("sft", table, d.source, tokenizer,
-                          (d.train_on, d.max_length, d.too_long, d.system_prompt, bool(d.pack), d.turn_end),
+                          (d.train_on, d.max_length, d.too_long, d.system_prompt, d.pack in TRL_PACKING,
+                           d.turn_end),
                           lambda row, i: encode_row(tokenizer, row, i, d), sample_features(), d.num_proc)
 
 
@@ -284,11 +299,57 @@ def cut(sample: dict, length: int, how: str) -> Optional[dict]:
     left, as TRL drops such rows)."""
     if how == "drop":
         return None
+    if how == "turns":
+        return cut_turns(sample, length)
     keep = slice(None, length) if how == "keep_start" else slice(-length, None)
     labels = sample["labels"][keep]
     if all(t == -100 for t in labels):
         return None
     return {**sample, "input_ids": sample["input_ids"][keep], "labels": labels}
+
+
+def cut_turns(sample: dict, length: int) -> dict:
+    """``sample`` cut to ``length`` tokens as LLaMA-Factory 0.9.5 cuts a conversation at ``cutoff_len``
+    (``SupervisedDatasetProcessor``): pair by pair — a prompt (a run of -100 labels) and the answer after it — each
+    shortened by :func:`infer_seqlen` to share what the pairs before it left, the pairs after the budget dropped."""
+    ids, labels = list(sample["input_ids"]), list(sample["labels"])
+    kept_ids, kept_labels, total = [], [], 0
+    for start, middle, end in turn_pairs(labels):
+        if total >= length:
+            break
+        prompt, answer = infer_seqlen(middle - start, end - middle, length - total)
+        for a, b in ((start, start + prompt), (middle, middle + answer)):
+            kept_ids += ids[a:b]
+            kept_labels += labels[a:b]
+        total += prompt + answer
+    return {**sample, "input_ids": kept_ids, "labels": kept_labels}
+
+
+def turn_pairs(labels: list) -> list:
+    """(start, answer start, end) of each prompt + answer pair: a run of -100 labels, then a run of trained ones."""
+    pairs, start, k = [], 0, 0
+    while k < len(labels):
+        while k < len(labels) and labels[k] == -100:
+            k += 1
+        middle = k
+        while k < len(labels) and labels[k] != -100:
+            k += 1
+        pairs.append((start, middle, k))
+        start = k
+    return pairs
+
+
+def infer_seqlen(prompt: int, answer: int, room: int) -> tuple:
+    """LLaMA-Factory's ``infer_seqlen``: the prompt's and the answer's lengths cut to share ``room`` tokens — a short
+    answer is kept whole, else a short prompt, else each keeps its share."""
+    if answer * 2 < room:
+        most = room
+    elif prompt * 2 < room:
+        most = room - prompt
+    else:
+        most = int(room * (answer / (prompt + answer)))
+    answer = min(most, answer)
+    return min(max(room - answer, 0), prompt), answer
 
 
 def collate(pad_id: int):
@@ -317,6 +378,23 @@ def trl_packed(samples, d: DataConfig):
     packed = pack_dataset(samples.select_columns(["input_ids", "labels"]), d.max_length, d.pack,
                           map_kwargs={"keep_in_memory": True})
     return packed.map(packed_row, remove_columns=packed.column_names, keep_in_memory=True)
+
+
+def knapsack_packed(samples, rows: list, n_rows: int, d: DataConfig, pad_id: int):
+    """The training samples packed as LLaMA-Factory 0.9.5 packs them (``packing: true``): the samples of each group
+    of consecutive data rows (``packing.contiguous_groups`` of the data's ``n_rows``; ``rows``: each sample's row)
+    into greedy knapsacks of ``data.max_length`` tokens, each laid out as a row of ``data.max_length + 1`` tokens
+    (``packing.knapsack_row``), groups and knapsacks in their order."""
+    from datasets import Dataset
+
+    lengths = tables.column(samples, "length")
+    at = {row: k for k, row in enumerate(rows)}
+    packed = []
+    for group in contiguous_groups(n_rows, d.pack_shards, d.pack_group):
+        members = [at[r] for r in group if r in at]
+        for sack in greedy_knapsack([int(lengths[k]) for k in members], d.max_length):
+            packed.append(knapsack_row([samples[members[j]] for j in sack], d.max_length + 1, pad_id))
+    return Dataset.from_list(packed)
 
 
 def packed_row(row: dict) -> dict:
@@ -355,21 +433,29 @@ def loss_fn(model, batch):
 
 
 def tokenized_data(tokenizer, d: DataConfig, m: ModelConfig) -> TrainingData:
-    """The data source's rows tokenized into the cache, split, the longer ones dropped or cut, and packed as TRL packs
-    them when ``data.pack`` says; the held-out samples flag the first ``model.generate_prompts`` to answer."""
+    """The data source's rows tokenized into the cache, split, the longer ones dropped or cut, and packed as TRL or
+    LLaMA-Factory packs them when ``data.pack`` says; the held-out samples flag the first ``model.generate_prompts``
+    to answer."""
     samples = tokenized(tokenizer, load_rows(d), d)
-    train, val, dropped_train, dropped_val = parts(samples, d)
+    train_rows, val_rows, dropped_train, dropped_val = part_ids(samples, d)
+    train, val = samples.select(train_rows), samples.select(val_rows)
     if not len(train):
         raise ConfigError(f"data.max_length: every training conversation is longer than {d.max_length} tokens")
     conversations_trained = len(train)
     lengths = tables.column(train, "length")
-    if d.pack:
+    if d.pack in TRL_PACKING:
         train = trl_packed(train, d)
+    elif d.pack == "knapsack":
+        train = knapsack_packed(train, train_rows, len(samples), d, tokenizer.pad_token_id)
     dropped = dropped_train + dropped_val
     note = (f"{len(samples)} conversations from {d.source}: {conversations_trained} train, {len(val)} held out; "
             f"{dropped} longer than data.max_length={d.max_length} tokens dropped"
             f"{f' ({dropped_train} train, {dropped_val} held out)' if dropped else ''}; loss on {d.train_on} tokens"
-            + (f"; packed as TRL ({d.pack}) into {len(train)} rows of at most {d.max_length} tokens" if d.pack
+            + (f"; packed as TRL ({d.pack}) into {len(train)} rows of at most {d.max_length} tokens"
+               if d.pack in TRL_PACKING else "")
+            + (f"; packed as LLaMA-Factory (greedy knapsack, groups of {d.pack_group} rows) into {len(train)} rows "
+               f"of {d.max_length + 1} tokens, whose conversations attend to each other: each step is LLaMA-Factory's, "
+               "a batch of these rows, not the big batch of conversations" if d.pack == "knapsack"
                else ""))
     return TrainingData(train, tables.Tagged(val, lambda i: {"generate": i < m.generate_prompts}) if len(val) else None,
                         # TRL's packed rows are samples already: no length, so the loop neither sorts nor packs them
