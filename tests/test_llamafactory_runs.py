@@ -106,11 +106,12 @@ def test_data_pack_knapsack_lays_out_the_rows_llamafactory_packed(tmp_path, caps
 
 def test_a_packed_run_is_reproduced_with_its_own_step_and_its_twins_differ(tmp_path, capsys):
     own = ("--baseline-step",)
-    code, verdict, table = reproduce(capsys, tmp_path, LF / "sft-packed", "sft-smollm2", "model.generate_prompts=0",
-                                     flags=own)
-    assert "data.pack" in table and "knapsack" in table and "not carried: packing" not in table, table
-    assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
-    assert "the Trainer's samples in all 9 windows" in verdict, verdict
+    out = tmp_path / "reproduced"  # in one command, at the micro-batch that fits here
+    code, said = cli(capsys, "reproduce", LF / "sft-packed", "--model", MODEL, "--baseline-step", "-o", out, "--set",
+                     "model.generate_prompts=0")
+    assert code == 0 and "knapsack" in said and "not carried: packing" not in said, said
+    verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
+    assert verdict.startswith("verdict: equivalent") and "the Trainer's samples in all 9 windows" in verdict, verdict
     # the longer conversations dropped instead of cut turn by turn as LLaMA-Factory cuts them: other rows
     code, verdict, _ = reproduce(capsys, tmp_path, LF / "sft-packed", "sft-smollm2", "model.generate_prompts=0",
                                  "data.too_long=drop", flags=own)

@@ -65,13 +65,18 @@ def test_a_torchtune_full_finetune_is_reproduced(tmp_path, capsys, data):
 def test_a_torchtune_lora_run_is_reproduced_from_its_adapters_start(tmp_path, capsys, start):
     """LoRA (torchtune.models.qwen2.lora_qwen2): from torchtune's own initial adapters "equivalent"; from peft's
     draw it differs, and the verdict names the adapters' start as what import could not carry."""
-    extra = ["--initial-adapter", ASSETS / "torchtune-lora-initial"] if start == "replayed" else []
-    code, verdict, table = reproduce(capsys, tmp_path, "lora", "chat.jsonl", *extra)
-    assert "peft.target_modules" in table and "v_proj" in table.split("peft.target_modules")[1].splitlines()[0]
-    if start == "replayed":
+    if start == "replayed":  # in one command, reproduce passing --initial-adapter on to import
+        code, said = cli(capsys, "reproduce", ASSETS / "torchtune-lora", "--recipe", "sft-smollm2", "--data",
+                         TINY / "chat.jsonl", "--model", TINY / "model", "--initial-adapter",
+                         ASSETS / "torchtune-lora-initial", "--batch-size", 1, "-o", tmp_path / "out", "--set",
+                         "model.generate_prompts=0")
+        assert "peft.init_from" in said and "v_proj" in said.split("peft.target_modules")[1].splitlines()[0], said
+        verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
         assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
-    else:
-        assert code == 1 and "the baseline's the adapters' start=unknown is not carried" in verdict, verdict
+        return
+    code, verdict, table = reproduce(capsys, tmp_path, "lora", "chat.jsonl")
+    assert "peft.target_modules" in table and "v_proj" in table.split("peft.target_modules")[1].splitlines()[0]
+    assert code == 1 and "the baseline's the adapters' start=unknown is not carried" in verdict, verdict
 
 
 def test_what_a_torchtune_run_does_that_finetune_does_not_is_named(tmp_path):
