@@ -322,7 +322,12 @@ class PretrainedModelConfig(BaseModelConfig):
 
     dtype: Literal["fp32", "bf16", "fp16"] = doc(
         "dtype the frozen weights are loaded and kept in (with peft.enabled: the base under the adapters); what trains "
-        "stays fp32, and computing follows training.mixed_precision (fp32 without it); fp16 needs CUDA", "fp32")
+        "stays fp32 (model.master_weights), and computing follows training.mixed_precision (fp32 without it); fp16 "
+        "needs CUDA", "fp32")
+    master_weights: bool = doc(
+        "keep what trains as fp32 master weights; false: every weight trains in model.dtype itself, its gradients and "
+        "the optimizer's state too, and the model computes in it (pure bf16, as torchtune's dtype: bf16 and "
+        "LLaMA-Factory's pure_bf16 train: no step is the fp32 step any more)", True)
     quantization: Literal["none", "nf4", "fp4", "int8"] = doc(
         "quantize the frozen linear layers with bitsandbytes (QLoRA: nf4): 4-bit nf4 / fp4 with double quantization, "
         "or 8-bit int8; needs peft.enabled and pip install 'finetune[quant]'", "none",
@@ -562,6 +567,9 @@ def validate_precision(cfg: RecipeConfig, problems: list) -> None:
     """``model.quantization`` against the training section; appends one line per problem. (What it needs,
     peft.enabled and bitsandbytes, its field declares: ``check_needs``.)"""
     m, t = cfg.model, cfg.training
+    if not m.master_weights and m.dtype == "fp32":
+        problems.append("model.master_weights: false trains the weights in model.dtype, which is fp32 here; set "
+                        "model.dtype to bf16 (or fp16 on CUDA), or master_weights to true")
     # bitsandbytes' 8-bit matmul (0.50) keeps each layer's input on itself, outside autograd's saved tensors, whether
     # or not backward needs it: checkpointing cannot free those inputs and offloading cannot move them.
     for flag in ("gradient_checkpointing", "activation_offloading"):
@@ -574,7 +582,7 @@ def validate_precision(cfg: RecipeConfig, problems: list) -> None:
 def refuse_precision_for_new_model(m: PretrainedModelConfig, problems: list) -> None:
     """For a task building a new model from ``model.config`` (random weights, all trained in fp32): one line per
     ``model.dtype`` / ``model.quantization`` that would not apply."""
-    for name, default in (("dtype", "fp32"), ("quantization", "none")):
+    for name, default in (("dtype", "fp32"), ("quantization", "none"), ("master_weights", True)):
         if getattr(m, name) != default:
             problems.append(f"model.{name}: {getattr(m, name)} applies to pretrained weights (model.name_or_path); a "
                             f"model built from model.config trains every weight in fp32")

@@ -155,3 +155,24 @@ def test_a_bad_yaml_is_one_line(tmp_path, capsys):
     code, said = cli(capsys, "import", folder, "-o", tmp_path / "r.yaml")
     assert code == 2 and said.strip().splitlines()[-1].startswith("error: import: ") and "not valid YAML" in said, \
         said
+
+
+def test_pure_bf16_is_named_and_taken_with_the_baseline_step(tmp_path, capsys, monkeypatch):
+    """``pure_bf16: true`` (every weight trained in bf16, no fp32 master weights): by default bf16 autocast and the
+    setting named as not carried; with --baseline-step the recipe trains as it did."""
+    import yaml
+
+    monkeypatch.chdir(ROOT)  # the YAML names its model and data from the repository's root
+    raw = {**yaml.safe_load((ROOT / "examples" / "llamafactory" / "sft-lora.yaml").read_text()), "pure_bf16": True}
+    source = tmp_path / "pure.yaml"
+    source.write_text(yaml.safe_dump(raw))
+    for flags, recipe in (((), tmp_path / "default.yaml"), (("--baseline-step",), tmp_path / "own.yaml")):
+        code, table = cli(capsys, "import", source, "-o", recipe, *flags)
+        assert code == 0, table
+        written = yaml.safe_load(recipe.read_text())
+        if flags:
+            assert written["model"]["master_weights"] is False and written["model"]["dtype"] == "bf16", written
+            assert written["training"]["mixed_precision"] == "no" and "not carried: pure_bf16" not in table, table
+        else:
+            assert "master_weights" not in written["model"] and written["training"]["mixed_precision"] == "bf16"
+            assert "not carried: pure_bf16=True — LLaMA-Factory loads and trains every weight in bf16" in table, table

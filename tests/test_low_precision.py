@@ -212,6 +212,23 @@ def test_full_fine_tuning_keeps_fp32_master_weights_whatever_model_dtype(capsys)
     assert precision_kwargs(cfg) == {"dtype": torch.bfloat16} and capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_without_master_weights_what_trains_stays_bf16(lora):
+    """``model.master_weights: false`` (torchtune's dtype: bf16): the trained weights are bf16 — full fine-tuning's
+    every weight, LoRA's adapters too — and the steps move them. The control: the default keeps them fp32."""
+    for masters in (False, True):
+        result, start = sft_recipe_run(2, 2, f"peft.enabled={str(lora).lower()}", "model.dtype=bf16",
+                                       f"model.master_weights={str(masters).lower()}", "training.learning_rate=0.01")
+        trained = dict((k, p) for k, p in result["model"].named_parameters() if p.requires_grad)
+        want = torch.float32 if masters else torch.bfloat16
+        assert trained and {p.dtype for p in trained.values()} == {want}, {p.dtype for p in trained.values()}
+        assert any(not torch.equal(p.detach(), start[k]) for k, p in trained.items())  # the steps moved them
+        if not masters:
+            assert precision.describe(result["model"]).endswith("(no fp32 master weights: each step rounds to them)")
+            frozen = {p.dtype for p in result["model"].parameters() if not p.requires_grad}
+            assert frozen == ({torch.bfloat16} if lora else set())
+
+
 def test_8bit_optimizer_is_close_to_itself_but_not_the_fp32_step():
     """(b, N) and (b·N, 1) give the same gradients to fp32 rounding; AdamW8bit's block-quantized state can round
     them to neighbouring codes, so the runs drift apart by more than fp32 rounding, yet stay far closer to each
@@ -402,6 +419,8 @@ BAD = [
      "model.quantization: int8 layers keep their inputs outside autograd, which training.gradient_checkpointing "
      "cannot free"),
     (["training.optimizer=adamw16"], "training.optimizer: got 'adamw16'"),
+    (["model.master_weights=false"], "model.master_weights: false trains the weights in model.dtype, which is fp32 "
+                                     "here"),
 ]
 WITHOUT_BITSANDBYTES = [
     (["model.quantization=nf4"], "model.quantization: nf4 needs bitsandbytes, which is not installed (pip install "

@@ -122,3 +122,24 @@ def test_a_log_of_every_third_step_is_read_as_those_steps_own_losses(tmp_path, c
             assert "not checkable" in out.split("lr schedule")[1].splitlines()[0], out
         else:
             assert code == 1 and "loss curve" in out.split("verdict:")[1], out
+
+
+@pytest.mark.parametrize("case", ["own-step", "one-word-changed", "fp32-master-weights"])
+def test_a_pure_bf16_run_is_reproduced_with_its_own_step(tmp_path, capsys, case):
+    """``dtype: bf16``: torchtune trains every weight in bf16, with no fp32 master weights. ``reproduce
+    --baseline-step`` trains the same way (``model.master_weights: false``), measures the floor with its twin and
+    reads "equivalent"; the same on rows with one word changed differs; without the flag (fp32 master weights) the
+    run differs and the verdict names the dtype."""
+    data = "chat-one-word.jsonl" if case == "one-word-changed" else "chat.jsonl"
+    code, said = cli(capsys, "reproduce", ASSETS / "torchtune-full-bf16", "--recipe", "sft-smollm2", "--data",
+                     TINY / data, "--model", TINY / "model", "--batch-size", 1, "-o", tmp_path / "out",
+                     *(["--baseline-step"] if case != "fp32-master-weights" else []), "--set",
+                     "model.generate_prompts=0")
+    verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
+    if case == "own-step":
+        assert "model.master_weights" in said and "no fp32 master weights: each step rounds" in said, said
+        assert code == 0 and verdict.startswith("verdict: equivalent") and "floor measured on twin" in verdict, said
+    elif case == "one-word-changed":
+        assert code == 1 and verdict.startswith("verdict: differs"), verdict
+    else:
+        assert code == 1 and "the baseline's dtype=bf16 is not carried" in verdict, verdict

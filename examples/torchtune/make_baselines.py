@@ -14,8 +14,9 @@ This script runs with finetune's environment (transformers, tokenizers) and
    of one answer changed);
 2. runs ``tune run full_finetune_single_device`` and ``tune run lora_finetune_single_device`` with the configs
    beside this file (batch_size 2 × gradient_accumulation_steps 2, one epoch, AdamW, cosine with warm-up, clipping)
-   from ``tests/assets/`` (the configs' paths are relative to it);
-3. keeps what a reader needs in ``tests/assets/torchtune-full/`` and ``tests/assets/torchtune-lora/``: the
+   from ``tests/assets/`` (the configs' paths are relative to it), and the full one again in pure bf16
+   (``dtype=bf16``);
+3. keeps what a reader needs in ``tests/assets/torchtune-full/``, ``torchtune-full-bf16/`` and ``torchtune-lora/``: the
    ``torchtune_config.yaml``, the DiskLogger log and the last epoch's weights (LoRA: the adapters), a few hundred KB;
 4. writes ``tests/assets/torchtune-lora-initial/``: the adapters torchtune started from (it saves none), drawn by
    replaying its recipe's start — seed, then the model build — with torchtune's own python.
@@ -78,13 +79,20 @@ def write_model(out: Path) -> None:
     (out / "chat-one-word.jsonl").write_text("".join(json.dumps(r) + "\n" for r in changed))
 
 
+# each baseline: its recipe, config and overrides (full-bf16: the full run in torchtune's pure bf16, every weight and
+# the optimizer's state in bf16)
+RUNS = {"full": ("full_finetune_single_device", "full", []),
+        "lora": ("lora_finetune_single_device", "lora", []),
+        "full-bf16": ("full_finetune_single_device", "full", ["dtype=bf16"])}
+
+
 def train(tune: str, kind: str) -> None:
-    """``tune run <recipe> --config <kind>.yaml`` from tests/assets/, then keep the run's small files."""
-    recipe = {"full": "full_finetune_single_device", "lora": "lora_finetune_single_device"}[kind]
+    """``tune run <recipe> --config <config>.yaml [overrides]`` from tests/assets/, then keep the run's small files."""
+    recipe, config, overrides = RUNS[kind]
     scratch = ASSETS / f"torchtune-{kind}-scratch"
     shutil.rmtree(scratch, ignore_errors=True)
-    subprocess.run([tune, "run", recipe, "--config", str(HERE / f"{kind}.yaml"), f"output_dir={scratch.name}"],
-                   cwd=ASSETS, check=True)
+    subprocess.run([tune, "run", recipe, "--config", str(HERE / f"{config}.yaml"), f"output_dir={scratch.name}",
+                    *overrides], cwd=ASSETS, check=True)
     keep = ASSETS / f"torchtune-{kind}"
     shutil.rmtree(keep, ignore_errors=True)
     keep.mkdir()
@@ -142,11 +150,13 @@ def initial_adapters(tune: str, keep: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tune", required=True, help="torchtune's `tune` command, in its own environment")
-    parser.add_argument("--only", choices=["full", "lora"], help="train one baseline (the model is rewritten)")
+    parser.add_argument("--only", choices=list(RUNS), help="train one baseline (the tiny model and rows are kept "
+                                                           "when they exist)")
     args = parser.parse_args()
-    shutil.rmtree(TINY, ignore_errors=True)
-    write_model(TINY)
-    for kind in [args.only] if args.only else ["full", "lora"]:
+    if not args.only or not TINY.is_dir():
+        shutil.rmtree(TINY, ignore_errors=True)
+        write_model(TINY)
+    for kind in [args.only] if args.only else list(RUNS):
         train(args.tune, kind)
 
 

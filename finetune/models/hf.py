@@ -231,11 +231,11 @@ def precision_kwargs(cfg) -> dict:
     if m.dtype == "fp16" and not torch.cuda.is_available():
         raise ConfigError("model.dtype: fp16 weights need a CUDA device (CPUs lack fast fp16 kernels); use bf16 or "
                           "fp32 on this machine")
-    if m.dtype != "fp32" and not cfg.peft.enabled and distributed.is_main_process():
+    if m.dtype != "fp32" and not cfg.peft.enabled and m.master_weights and distributed.is_main_process():
         print(f"note: model.dtype={m.dtype} keeps frozen weights in {m.dtype}; in full fine-tuning every weight "
-              f"trains and stays an fp32 master weight (set training.mixed_precision to compute in {m.dtype})",
-              file=sys.stderr, flush=True)
-    kwargs = {"dtype": precision.DTYPES[m.dtype] if cfg.peft.enabled else torch.float32}
+              f"trains and stays an fp32 master weight (set training.mixed_precision to compute in {m.dtype}, or "
+              "model.master_weights=false to train in it)", file=sys.stderr, flush=True)
+    kwargs = {"dtype": precision.DTYPES[m.dtype] if cfg.peft.enabled or not m.master_weights else torch.float32}
     if m.quantization != "none":
         kwargs["quantization_config"] = bnb_config(m.quantization, precision.COMPUTE[t.mixed_precision],
                                                    unquantized_modules(cfg))
@@ -260,12 +260,14 @@ def bnb_config(quantization: str, compute_dtype: torch.dtype, skip: list):
                               bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=list(skip))
 
 
-def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision: str = "no") -> torch.nn.Module:
+def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision: str = "no",
+               trained_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Wrap ``model`` with LoRA adapters when ``peft_cfg.enabled`` (only the adapters — and ``modules_to_save`` —
     train). ``task_type``: peft's name, e.g. "CAUSAL_LM" or "SEQ_CLS" (which also trains the new head).
 
-    What trains is then made fp32 (master weights); frozen weights kept in bf16 / fp16 compute in fp32 when
-    ``mixed_precision`` is "no" (``finetune.models.precision``)."""
+    What trains is then made fp32 (master weights), or ``trained_dtype`` (``model.master_weights: false``: the
+    model then computes in it); frozen weights kept in bf16 / fp16 compute in fp32 when ``mixed_precision`` is "no"
+    and what trains is fp32 (``finetune.models.precision``)."""
     if peft_cfg is not None and peft_cfg.enabled:
         # missing: refused on load (peft.enabled's needs); the planner tries LoRA only where peft is installed
         from peft import LoraConfig, get_peft_model
@@ -278,8 +280,8 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
         model = get_peft_model(model, lora)
         if getattr(peft_cfg, "init_from", None):  # a stand-in section (the planner's) may not have it
             load_initial_adapter(model, peft_cfg.init_file)
-    precision.keep_trainable_fp32(model)
-    if mixed_precision == "no":
+    precision.keep_trainable_in(model, trained_dtype)
+    if mixed_precision == "no" and trained_dtype == torch.float32:
         precision.compute_in_fp32(model)
     precision.prepare_quantized(model)
     return model

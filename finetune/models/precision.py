@@ -82,17 +82,18 @@ def _unpack_cpu_weight(weight) -> None:
 
 
 def describe(model: torch.nn.Module) -> str:
-    """The banner's line on a model with frozen weights below fp32 ("frozen 103.2 M nf4 + 28.3 M fp32; trainable
-    4.9 M fp32"), '' for any other model."""
+    """The banner's line on a model with weights below fp32 ("frozen 103.2 M nf4 + 28.3 M fp32; trainable 4.9 M
+    fp32"), '' for an fp32 model."""
     frozen, trainable = {}, {}
     for p in model.parameters():
         kind, count = _kind(p)
         into = trainable if p.requires_grad else frozen
         into[kind] = into.get(kind, 0) + count
-    if set(frozen) <= {"fp32"}:
+    if set(frozen) <= {"fp32"} and set(trainable) <= {"fp32"}:
         return ""
     say = lambda counts: " + ".join(f"{_count(n)} {k}" for k, n in sorted(counts.items(), key=lambda x: -x[1]))
-    return f"frozen {say(frozen)}; trainable {say(trainable) or 'none'}"
+    pure = " (no fp32 master weights: each step rounds to them)" if set(trainable) - {"fp32"} else ""
+    return f"frozen {say(frozen) or 'none'}; trainable {say(trainable) or 'none'}{pure}"
 
 
 def _count(n: int) -> str:
@@ -135,11 +136,18 @@ def quantized_state_keys(model: torch.nn.Module) -> set:
 # trainable weights in fp32, frozen low-precision weights computed in fp32
 
 
-def keep_trainable_fp32(model: torch.nn.Module) -> None:
-    """Make every trainable parameter an fp32 master weight (e.g. ``modules_to_save`` copied from a bf16 base)."""
+def keep_trainable_in(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> None:
+    """Make every trainable parameter ``dtype``: an fp32 master weight (e.g. ``modules_to_save`` copied from a bf16
+    base, LoRA adapters peft made fp32 over one), or with no master weights the model's own dtype."""
     for p in model.parameters():
-        if p.requires_grad and p.is_floating_point() and p.dtype != torch.float32:
-            p.data = p.data.float()
+        if p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+def trained_dtype(m) -> torch.dtype:
+    """The dtype what trains is kept in, for a model section: fp32 (master weights) unless ``master_weights`` is
+    off, then ``model.dtype``."""
+    return torch.float32 if getattr(m, "master_weights", True) else DTYPES[m.dtype]
 
 
 def compute_in_fp32(model: torch.nn.Module) -> int:

@@ -70,7 +70,7 @@ def main(args, finetune) -> int:
     if code:
         return code
     twin = None
-    if _mixed_precision(run_dir):  # an assumed floor errs both ways: measure it on this machine
+    if _below_fp32(run_dir):  # an assumed floor errs both ways: measure it on this machine
         twin = out / "twin"
         other = twin_batch_size(run_dir)
         if other is None:
@@ -78,7 +78,7 @@ def main(args, finetune) -> int:
                   file=sys.stderr)
             twin = None
         else:
-            commands.append(train[:4] + [str(other), "--output-dir", str(twin)] + train[6:])
+            commands.append(train[:4] + [str(other), "--output-dir", str(twin)] + train[7:])
             code = finetune(commands[-1])
             if code:
                 return code
@@ -93,8 +93,11 @@ def main(args, finetune) -> int:
     return result.exit_code
 
 
-def _mixed_precision(run_dir: Path) -> bool:
-    return ((read_config(run_dir) or {}).get("training") or {}).get("mixed_precision") not in (None, "no")
+def _below_fp32(run_dir: Path) -> bool:
+    """Whether the run rounds below fp32: mixed precision, or weights trained in bf16 (no master weights)."""
+    config = read_config(run_dir) or {}
+    return (config.get("training") or {}).get("mixed_precision") not in (None, "no") or \
+        (config.get("model") or {}).get("master_weights") is False
 
 
 def twin_batch_size(run_dir: Path) -> int | None:

@@ -551,6 +551,10 @@ def loss_band(base, mine: dict) -> tuple[float, str | None]:
     t = mine["config"].get("training") or {}
     precision = "bf16" if base.get("bf16") else "fp16" if base.get("fp16") else None
     ours = t.get("mixed_precision")
+    if (mine["config"].get("model") or {}).get("master_weights") is False:
+        return MIXED_PRECISION_BAND, ("the weights train in their own low precision (no fp32 master weights) and "
+                                      "each side rounds differently; an assumed band: measure the floor on this "
+                                      "hardware with --floor TWIN (this reproduction at another --batch-size)")
     if precision or ours not in (None, "no"):
         return MIXED_PRECISION_BAND, (f"mixed precision ({precision or 'fp32'} baseline, {ours or 'no'} here) "
                                       "rounds each side differently; an assumed band: measure the floor on this "
@@ -615,7 +619,8 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     # a band assumed for mixed precision or dropout, not measured: outside it the run is "not certified"
     assumed = fl is None and why is not None and loss_rtol is None
     band = loss_rtol if loss_rtol is not None else band
-    grad_band = max(band, fl.overall["grad norm"] if fl else GRAD_NORM_RTOL)
+    grad_band = max(band, fl.overall["grad norm"] if fl else GRAD_NORM_RTOL,
+                    low_precision_grads(mine["config"]))
     if base.logs:
         _check_logged_loss(c, base.logs, history, band, why, int(base.get("logging_steps") or 1), assumed,
                            base.logged_loss_is_mean)
@@ -637,7 +642,8 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     # start (only where no such setting is left to blame)
     cause = [] if c.equivalent else uncarried(base, mine) + short_micro_batch(base, mine)
     notes = [line for line in (no_step_log(base),) if line] + \
-        ([f"loss held to {band:g}, not {FP32_LOSS_RTOL:g}: {why}"] if why else []) + \
+        ([f"loss held to {band:g}" + (f", not {FP32_LOSS_RTOL:g}" if band != FP32_LOSS_RTOL else "") + f": {why}"]
+         if why else []) + \
         ([f"not checkable from the {base.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
         (cause or start_notes(base, mine, c.equivalent))
     c.qualifier = "; ".join(notes) or None
@@ -649,6 +655,20 @@ def _check_baseline_settings(c: Comparison, base, mine: dict) -> None:
     run's ``config.yaml``: a run that trained LoRA against a full fine-tuning, or another optimizer, differs."""
     check_settings(c, run_settings(mine["config"]), step_settings(carried(base, mine).values, settings_of(
         mine["config"])), "the baseline")
+
+
+# the relative spacing of a low-precision number (its machine epsilon): a grad norm computed from such gradients is
+# one, and two runs may land one step apart however close their gradients are
+SPACING = {"bf16": 2.0 ** -7, "fp16": 2.0 ** -10}
+
+
+def low_precision_grads(config: dict | None) -> float:
+    """A run whose weights train without fp32 master weights has gradients, and grad norms, in ``model.dtype``: the
+    least band its grad norm can be held to is one step of that dtype (a twin that rounds to the same value measures
+    a floor of 0). 0 for any other run."""
+    if setting(config, "model.master_weights") is not False:
+        return 0.0
+    return SPACING.get(setting(config, "model.dtype"), 0.0)
 
 
 def _check_logged_norms(c: Comparison, base, logs: list, by_step: dict, rtol: float, why, mine: dict,

@@ -25,6 +25,7 @@ import yaml
 
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints, section_class, task_module
+from finetune.reproduce.record import pure_precision
 
 KIND = "LLaMA-Factory run"
 TOOL = "llamafactory"  # this tool's name in a task's CompareHints.peer_names
@@ -185,8 +186,9 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
                 "preprocessing_batch_size", "preprocessing_num_workers"):
         if key in raw:
             b.own[key] = (raw[key], src(key))
-    if raw.get("pure_bf16"):
+    if raw.get("pure_bf16"):  # bf16 compute: autocast by default, the pure step on request (carry_own)
         b.args["bf16"] = (True, src("pure_bf16"))
+        b.own["pure_bf16"] = (True, src("pure_bf16"))
     b.task = stage_task(raw.get("stage"))
     if raw.get("finetuning_type", "lora") == "lora" and b.adapter_config is None:
         b.args["adapter"] = ("lora", src("finetuning_type"))
@@ -279,6 +281,8 @@ def carry_own(b, out, model_fields, data_fields: set, own_step: bool = False) ->
             out.skip("pref_loss", loss, f"finetune's dpo has {', '.join(PREF_LOSSES)}")
     if value("packing"):
         packing(b, out, data_fields, own_step)
+    if value("pure_bf16"):
+        pure_precision(out, own["pure_bf16"], "bf16", "LLaMA-Factory", own_step, model_fields)
     if "cutoff_len" in own and "too_long" in data_fields and stage_allows(b, "data", "too_long", "turns"):
         out.set("data.too_long", "turns", f"{own['cutoff_len'][1]}: LLaMA-Factory cuts a longer conversation turn by "
                                           "turn (infer_seqlen)")

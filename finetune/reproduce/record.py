@@ -71,3 +71,20 @@ def load_yaml(path: Path, what: str):
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
+
+
+def pure_precision(out, setting: tuple, dtype: str, tool: str, own_step: bool, model_fields) -> None:
+    """A baseline that trained every weight in ``dtype`` with no fp32 master weights (torchtune's ``dtype: bf16``,
+    LLaMA-Factory's ``pure_bf16``): its step rounds each update to ``dtype``, not the fp32 step. Taken on request
+    (``own_step``: ``model.dtype`` and ``model.master_weights: false``, no autocast), else named as not carried.
+    ``setting``: (its value, where it is said: ``file: key``)."""
+    value, where = setting
+    if not own_step or "master_weights" not in model_fields:
+        out.skip(where.split(": ")[-1], value, f"{tool} loads and trains every weight in {dtype}, with no fp32 master "
+                 "weights; finetune's trainable weights stay fp32" + (" (--baseline-step trains as it did)" if
+                                                                       "master_weights" in model_fields else ""))
+        return
+    out.set("model.dtype", dtype, f"{where} — the baseline's own step (--baseline-step)")
+    out.set("model.master_weights", False, f"{where}: {tool} trains every weight in {dtype}, its gradients and "
+                                           "the optimizer's state too, with no fp32 master weights")
+    out.set("training.mixed_precision", "no", f"{where}: the model computes in {dtype} itself, no autocast")

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline
+from finetune.reproduce.record import Baseline, pure_precision
 
 KIND = "torchtune config"
 OPTIMIZERS = {"torch.optim.AdamW": "adamw_torch", "torch.optim.SGD": "sgd", "bitsandbytes.optim.PagedAdamW8bit":
@@ -78,11 +78,9 @@ def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
     if "clip_grad_norm" in raw:
         norm = raw.get("clip_grad_norm")
         b.args["max_grad_norm"] = (None if norm in (None, "inf") else float(norm), src("clip_grad_norm"))
-    dtype = str(raw.get("dtype") or "fp32")
-    b.args["bf16"] = (False, src("dtype"))
-    if dtype in ("bf16", "fp16"):
-        b.uncarried.append(("dtype", dtype, "torchtune loads and trains every weight in it, with no fp32 master "
-                            "weights; finetune's trainable weights stay fp32 (mixed precision is another step)"))
+    b.args["bf16"] = (False, src("dtype"))  # no autocast: its dtype is the weights' own (carry_own)
+    b.own["dtype"] = (str(raw.get("dtype") or "fp32"), src("dtype"))
+    b.carry_own = carry_own
     if raw.get("enable_activation_checkpointing"):
         b.args["gradient_checkpointing"] = (True, src("enable_activation_checkpointing"))
     _model(raw, b, path)
@@ -90,6 +88,14 @@ def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
     checkpointer = raw.get("checkpointer") or {}
     b.base_model = checkpointer.get("checkpoint_dir") if isinstance(checkpointer, dict) else None
     return b
+
+
+def carry_own(b: Baseline, out, model_fields, data_fields: set, own_step: bool = False) -> None:
+    """torchtune's own settings onto the recipe (called last by ``settings.carry``): its ``dtype: bf16`` (every
+    weight trained in it), taken with ``own_step``."""
+    dtype = b.own["dtype"][0]
+    if dtype in ("bf16", "fp16"):
+        pure_precision(out, b.own["dtype"], dtype, "torchtune", own_step, model_fields)
 
 
 def _int(value, key: str, path: Path, what: str) -> int:

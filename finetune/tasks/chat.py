@@ -328,7 +328,8 @@ def tuned_model(cfg, tokenizer, before_adapters=None) -> tuple:
     model, _ = load_model(cfg.model, tokenizer, **precision_kwargs(cfg))
     set_dropout(model, cfg.model.dropout)
     kept = before_adapters(model) if before_adapters is not None else None
-    return apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision), kept
+    return apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision,
+                      precision.trained_dtype(cfg.model)), kept
 
 
 def cannot_load(m: ChatModelConfig, error: Exception) -> ConfigError:

@@ -30,6 +30,7 @@ from finetune.config import (
 )
 from finetune.data import check_data_source, load_local_table, pad_collate, split
 from finetune.job import Job
+from finetune.models import precision
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
 from finetune.models.hf import from_config as new_model
@@ -155,7 +156,8 @@ def build(cfg) -> Job:
         tokenizer.pad_token = tokenizer.eos_token
     model = build_model(m, tokenizer, precision_kwargs(cfg) if m.name_or_path is not None else {})
     set_dropout(model, m.dropout)
-    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision)
+    model = apply_peft(model, cfg.peft, "CAUSAL_LM", cfg.training.mixed_precision,
+                      precision.trained_dtype(cfg.model))
 
     def tokenize(batch):
         eos = tokenizer.eos_token or ""

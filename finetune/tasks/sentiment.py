@@ -26,6 +26,7 @@ from finetune.config import (
 from finetune.data import check_data_source, load_local_table, split
 from finetune.evaluation import load_metric
 from finetune.job import Job
+from finetune.models import precision
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
 
@@ -171,7 +172,8 @@ def build(cfg) -> Job:
                                 **precision_kwargs(cfg))
     model.config.problem_type = "regression" if d.target == "valence" else "single_label_classification"
     set_dropout(model, m.dropout)
-    model = apply_peft(model, cfg.peft, "SEQ_CLS", cfg.training.mixed_precision)
+    model = apply_peft(model, cfg.peft, "SEQ_CLS", cfg.training.mixed_precision,
+                      precision.trained_dtype(cfg.model))
 
     def tokenize(batch):
         enc = tokenizer(batch[d.text_field], truncation=True, max_length=d.max_length)
