@@ -81,6 +81,14 @@ def test_without_data_the_file_its_config_names_is_read(tmp_path, capsys, monkey
     assert code == 0 and "datasets[0].path" not in table and "give --data FILE" in table, table
 
 
+def test_its_multipack_step_is_not_taken_and_says_why(tmp_path, capsys):
+    code, table = cli(capsys, "import", ASSETS / "axolotl-packed", "--model", INPUTS / "model", "--data",
+                      INPUTS / "chat.jsonl", "-o", tmp_path / "p.yaml", "--baseline-step")
+    assert code == 0 and "own step: not taken — axolotl's multipack bins rows in the order of a RandomSampler" in \
+        table, table
+    assert "not carried: sample_packing=True" in table, table
+
+
 def test_an_axolotl_full_finetune_is_reproduced(tmp_path, capsys):
     code, verdict, table, recipe = reproduce(capsys, tmp_path, "full")
     assert "README.md (axolotl config): no adapter: every weight trained" in table.split("peft.enabled")[1], table
@@ -129,7 +137,9 @@ def test_an_axolotl_yaml_as_axolotl_trains_it(tmp_path, capsys):
     assert (raw["data"]["system_prompt"], raw["peft"]["enabled"], raw["training"]["warmup_steps"]) == \
         (None, False, 2), said
     assert Path(raw["data"]["source"]).read_text() == (INPUTS / "chat-axolotl-order.jsonl").read_text()
-    raw, said = imported(capsys, tmp_path, {}, "--steps", 5)  # no --data: the order is said, not carried
+    sets = yaml.safe_load((YAMLS / "sft-full.yaml").read_text())["datasets"]
+    hub = [{**sets[0], "path": "someone/chats"}]  # not a file here: no --data, the order is said, not carried
+    raw, said = imported(capsys, tmp_path, {"datasets": hub}, "--steps", 5)
     assert raw["task"] == "sft" and "not carried: the rows' order=shuffled with seed 42" in said, said
 
 

@@ -253,7 +253,8 @@ def test_a_torchtune_config(tmp_path, capsys, epochs, dtype):
     assert "torchtune drops each epoch's incomplete last window" in said
     assert "not carried: seed=1234 — it seeds torchtune's model and adapters; its sampler draws the order from 0" \
         in said
-    assert ("not carried: dtype=bf16 — torchtune loads and trains every weight in it" in said) == (dtype == "bf16")
+    assert ("not carried: dtype=bf16 — torchtune loads and trains every weight in bf16" in said) == \
+        (dtype == "bf16")
     assert ("torchtune adds their gradients to the next epoch's first step" in said) == (epochs > 1)
 
 

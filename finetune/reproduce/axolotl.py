@@ -374,5 +374,8 @@ def carry_own(b: Baseline, out, model_fields, data_fields: set, own_step: bool =
     if b.get("sample_packing"):
         out.other_samples = "the baseline's batches were axolotl's multipack bins"
     if own_step and b.get("sample_packing"):
-        out.not_carried.append("own step: not taken — axolotl's multipack batches depend on its sampler's bin "
-                               "estimates, which finetune does not replay; finetune keeps its exact big-batch step")
+        out.not_carried.append("own step: not taken — axolotl's multipack bins rows in the order of a "
+                               "RandomSampler that has no generator: each order is seeded from torch's global "
+                               "random state at that moment, drawn again for each of its batch-count estimates, "
+                               "which nothing outside its process can replay; finetune keeps its exact big-batch "
+                               "step")
