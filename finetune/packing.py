@@ -250,10 +250,12 @@ def contiguous_groups(n: int, shards: int, group: int) -> list:
     return out
 
 
-def knapsack_row(samples: list, width: int, pad_id: int) -> dict:
+def knapsack_row(samples: list, width: int, pad_id: int, apart: bool = False) -> dict:
     """Samples laid end to end as LLaMA-Factory lays a knapsack: their tokens and labels as they are, positions
     restarting at each, then padding to ``width`` (pad tokens at position 0, labels -100). The attention mask is all
-    ones, padding too: the samples attend to each other (without neat_packing it builds no block mask)."""
+    ones, padding too: the samples attend to each other (without neat_packing it builds no block mask). ``apart``
+    (its neat_packing, a block-diagonal mask): no mask, so that transformers keeps each sample to itself by its
+    restarting positions, as :func:`join_samples`' rows."""
     ids, labels, positions = [], [], []
     for sample in samples:
         x = _tokens(sample["input_ids"])
@@ -261,5 +263,5 @@ def knapsack_row(samples: list, width: int, pad_id: int) -> dict:
         labels += _tokens(sample["labels"]) if sample.get("labels") is not None else x
         positions += range(len(x))
     pad = width - len(ids)
-    return {"input_ids": ids + [pad_id] * pad, "labels": labels + [-100] * pad, "position_ids": positions + [0] * pad,
-            "attention_mask": [1] * width}
+    row = {"input_ids": ids + [pad_id] * pad, "labels": labels + [-100] * pad, "position_ids": positions + [0] * pad}
+    return row if apart else {**row, "attention_mask": [1] * width}

@@ -176,3 +176,18 @@ def test_pure_bf16_is_named_and_taken_with_the_baseline_step(tmp_path, capsys, m
         else:
             assert "master_weights" not in written["model"] and written["training"]["mixed_precision"] == "bf16"
             assert "not carried: pure_bf16=True — LLaMA-Factory loads and trains every weight in bf16" in table, table
+
+
+@pytest.mark.parametrize("attention", ["apart", "across"])
+def test_a_neat_packed_run_is_reproduced_with_its_own_step(tmp_path, capsys, attention):
+    """``neat_packing: true``: the same knapsacks, each conversation attending only to itself
+    (``data.pack: knapsack_neat``): "equivalent"; the rows trained with the conversations attending to each other
+    (``knapsack``) differ."""
+    sets = ["model.generate_prompts=0"] + (["data.pack=knapsack"] if attention == "across" else [])
+    code, verdict, table = reproduce(capsys, tmp_path, LF / "sft-neat", "sft-smollm2", *sets,
+                                     flags=("--baseline-step",))
+    assert "knapsack_neat" in table and "neat_packing" in table and "not carried: neat" not in table, table
+    if attention == "apart":
+        assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+    else:
+        assert code == 1 and "data.pack knapsack_neat in the baseline vs knapsack" in verdict, verdict

@@ -693,7 +693,8 @@ def carried(base, mine: dict):
     """The baseline's settings as ``finetune import`` carries them onto this run's recipe: its model and data
     fields, so that a task's own settings (DPO's beta, GRPO's loss type, TRL's packing) are the baseline's too, the
     adapters it started from (``peft.init_from``: the baseline's start, given to import as --initial-adapter), and
-    its tool's own step where the run took it (import --baseline-step: every setting that flag adds is the run's)."""
+    its tool's own step where the run took it (import --baseline-step: most of the settings that flag adds are the
+    run's, so that a run which then changed one of them is still read against that step)."""
     def imported(own_step: bool):
         return carry(base, {name: None for name in (mine["config"].get("model") or {})},
                      set(mine["config"].get("data") or {}), initial_adapter=setting(mine["config"], "peft.init_from"),
@@ -701,7 +702,7 @@ def carried(base, mine: dict):
 
     plain, own = imported(False), imported(True)
     added = {k: v for k, v in own.values.items() if k not in plain.values or plain.values[k] != v}
-    took = bool(added) and all(setting(mine["config"], k) == v for k, v in added.items())
+    took = 2 * sum(setting(mine["config"], k) == v for k, v in added.items()) > len(added)
     return own if took else plain
 
 

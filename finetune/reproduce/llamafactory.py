@@ -47,7 +47,7 @@ NOT_CARRIED = {
     "train_on_prompt": (False, "finetune's sft trains on the assistant's turns or on every token: set "
                                "data.train_on=all to train on the prompts too (the system turn included)"),
     "mask_history": (False, "finetune's sft trains on every assistant turn, not only the last"),
-    "neat_packing": (False, "finetune has no LLaMA-Factory neat packing"),
+    "neat_packing": (False, None),  # named with packing (its packing function)
     "pref_ftx": (0.0, "finetune's dpo adds no SFT loss to the preference loss"),
     "dpo_label_smoothing": (0.0, "finetune's dpo has no label smoothing"),
     "simpo_gamma": (0.5, None), "use_dora": (False, "finetune's LoRA is plain LoRA"),
@@ -201,6 +201,11 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
         target = raw.get("lora_target", "all")
         b.args["lora_target_modules"] = ([t.strip() for t in str(target).split(",")] if target != "all" else
                                          "all-linear", src("lora_target"))
+    elif raw.get("finetuning_type") == "full" and b.adapter_config is None:
+        b.args["adapter"] = (None, f"{src('finetuning_type')}: full, every weight trained")
+    elif raw.get("finetuning_type") not in (None, "lora", "full"):
+        b.uncarried.append(("finetuning_type", raw["finetuning_type"], "LLaMA-Factory trains only some layers "
+                            "(freeze tuning); finetune trains every weight or LoRA adapters"))
     b.carry_own = carry_own
 
 
@@ -279,7 +284,7 @@ def carry_own(b, out, model_fields, data_fields: set, own_step: bool = False) ->
                     "LLaMA-Factory's default pref_loss")
         elif loss not in PREF_LOSSES:
             out.skip("pref_loss", loss, f"finetune's dpo has {', '.join(PREF_LOSSES)}")
-    if value("packing"):
+    if value("packing") or value("neat_packing"):  # LLaMA-Factory's neat_packing turns packing on
         packing(b, out, data_fields, own_step)
     if value("pure_bf16"):
         pure_precision(out, own["pure_bf16"], "bf16", "LLaMA-Factory", own_step, model_fields)
@@ -298,17 +303,20 @@ def packing(b, out, data_fields: set, own_step: bool) -> None:
     """``packing: true``: LLaMA-Factory's step is of packed rows. Taken on request (``own_step``: ``data.pack:
     knapsack`` with its grouping), else named as not carried."""
     own = b.own
-    how = ("LLaMA-Factory packs the whole data set into rows of cutoff_len + 1 tokens before sampling (greedy "
-           "knapsack; the packed conversations attend to each other): its steps are of packed rows, not the big "
+    neat = own.get("neat_packing", (False, ""))
+    how = ("LLaMA-Factory packs the whole data set into rows of cutoff_len tokens before sampling (greedy knapsack; "
+           + ("each packed conversation attends only to itself, neat_packing" if neat[0] else
+              "the packed conversations attend to each other") + "): its steps are of packed rows, not the big "
            "batch's")
-    if not own_step or "pack" not in data_fields or b.own.get("neat_packing", (False,))[0]:
+    if not own_step or "pack" not in data_fields:
         out.skip("packing", True, how + ("; finetune keeps its exact big-batch step (--baseline-step takes "
                                          "LLaMA-Factory's)" if not own_step else
-                                         "; finetune packs as LLaMA-Factory without neat_packing, for sft"))
+                                         "; this recipe's task does not pack so (sft does)"))
         out.other_samples = "the baseline's batches were of LLaMA-Factory's packed rows"
         return
-    where = own["packing"][1]
-    out.set("data.pack", "knapsack", f"{where}: packing=True — the baseline's own step (--baseline-step): {how}")
+    where = own["packing"][1] if "packing" in own else neat[1]
+    out.set("data.pack", "knapsack_neat" if neat[0] else "knapsack",
+            f"{where}: packing=True — the baseline's own step (--baseline-step): {how}")
     group = own.get("preprocessing_batch_size", (1000, "LLaMA-Factory's default preprocessing_batch_size"))
     out.set("data.pack_group", int(group[0]), f"{group[1]}: preprocessing_batch_size, the rows packed together")
     workers = own.get("preprocessing_num_workers", (None, ""))

@@ -56,6 +56,7 @@ from finetune.tasks.chat import (
 # What compare and reproduce know of this task: packing, the turn end and long rows change which tokens each step
 # trains on; LLaMA-Factory's sft stage (its default) and any TRL SFTTrainer folder train it.
 TRL_PACKING = ("bfd", "wrapped")  # data.pack's values trl.pack_dataset packs by
+KNAPSACK = ("knapsack", "knapsack_neat")  # LLaMA-Factory's packing, without and with its neat_packing
 
 COMPARE_HINTS = CompareHints(step_settings=("data.pack", "data.pack_group", "data.pack_shards", "data.turn_end",
                                             "data.too_long"),
@@ -97,12 +98,13 @@ class DataConfig(BaseDataConfig):
         "templates train it (data.train_on: assistant only)", "stripped")
     system_prompt: Optional[str] = doc("system message put first in every conversation that has none (null: "
                                        "none; the template may add its own default)", None)
-    pack: Optional[Literal["bfd", "wrapped", "knapsack"]] = doc(
+    pack: Optional[Literal["bfd", "wrapped", "knapsack", "knapsack_neat"]] = doc(
         "the whole training set packed into rows before sampling, each row then one sample. bfd, wrapped: TRL's "
         "packing (SFTTrainer(packing=True), its packing_strategy), rows of data.max_length tokens, the conversations "
         "kept apart by position ids (wrapped cuts them to fill rows); knapsack: LLaMA-Factory's (packing: true), its "
         "greedy knapsack into rows of data.max_length + 1 tokens, padding included, the conversations attending to "
-        "each other; null: none (training.packing packs inside windows instead)",
+        "each other; knapsack_neat: the same rows, each conversation attending only to itself (its neat_packing); "
+        "null: none (training.packing packs inside windows instead)",
         None, needs=Needs(package=("trl", "'finetune[peers]'"), when=lambda v: v in TRL_PACKING))
     pack_group: int = doc("data.pack=knapsack: rows packed together, groups of this many consecutive rows of the data "
                           "(LLaMA-Factory's preprocessing_batch_size)", 1000, at_least=1)
@@ -384,7 +386,8 @@ def knapsack_packed(samples, rows: list, n_rows: int, d: DataConfig, pad_id: int
     """The training samples packed as LLaMA-Factory 0.9.5 packs them (``packing: true``): the samples of each group
     of consecutive data rows (``packing.contiguous_groups`` of the data's ``n_rows``; ``rows``: each sample's row)
     into greedy knapsacks of ``data.max_length`` tokens, each laid out as a row of ``data.max_length + 1`` tokens
-    (``packing.knapsack_row``), groups and knapsacks in their order."""
+    (``packing.knapsack_row``; with ``knapsack_neat`` each conversation attends only to itself), groups and
+    knapsacks in their order."""
     from datasets import Dataset
 
     lengths = tables.column(samples, "length")
@@ -393,7 +396,8 @@ def knapsack_packed(samples, rows: list, n_rows: int, d: DataConfig, pad_id: int
     for group in contiguous_groups(n_rows, d.pack_shards, d.pack_group):
         members = [at[r] for r in group if r in at]
         for sack in greedy_knapsack([int(lengths[k]) for k in members], d.max_length):
-            packed.append(knapsack_row([samples[members[j]] for j in sack], d.max_length + 1, pad_id))
+            packed.append(knapsack_row([samples[members[j]] for j in sack], d.max_length + 1, pad_id,
+                                       apart=d.pack == "knapsack_neat"))
     return Dataset.from_list(packed)
 
 
@@ -445,7 +449,7 @@ def tokenized_data(tokenizer, d: DataConfig, m: ModelConfig) -> TrainingData:
     lengths = tables.column(train, "length")
     if d.pack in TRL_PACKING:
         train = trl_packed(train, d)
-    elif d.pack == "knapsack":
+    elif d.pack in KNAPSACK:
         train = knapsack_packed(train, train_rows, len(samples), d, tokenizer.pad_token_id)
     dropped = dropped_train + dropped_val
     note = (f"{len(samples)} conversations from {d.source}: {conversations_trained} train, {len(val)} held out; "
@@ -454,8 +458,9 @@ def tokenized_data(tokenizer, d: DataConfig, m: ModelConfig) -> TrainingData:
             + (f"; packed as TRL ({d.pack}) into {len(train)} rows of at most {d.max_length} tokens"
                if d.pack in TRL_PACKING else "")
             + (f"; packed as LLaMA-Factory (greedy knapsack, groups of {d.pack_group} rows) into {len(train)} rows "
-               f"of {d.max_length + 1} tokens, whose conversations attend to each other: each step is LLaMA-Factory's, "
-               "a batch of these rows, not the big batch of conversations" if d.pack == "knapsack"
+               f"of {d.max_length + 1} tokens, whose conversations attend to "
+               f"{'each other' if d.pack == 'knapsack' else 'themselves only (neat_packing)'}: each step is "
+               "LLaMA-Factory's, a batch of these rows, not the big batch of conversations" if d.pack in KNAPSACK
                else ""))
     return TrainingData(train, tables.Tagged(val, lambda i: {"generate": i < m.generate_prompts}) if len(val) else None,
                         # TRL's packed rows are samples already: no length, so the loop neither sorts nor packs them
