@@ -256,6 +256,26 @@ def test_a_torchtune_config(tmp_path, capsys, epochs, dtype):
     assert ("not carried: dtype=bf16 — torchtune loads and trains every weight in bf16" in said) == \
         (dtype == "bf16")
     assert ("torchtune adds their gradients to the next epoch's first step" in said) == (epochs > 1)
+    assert "not carried: dataset=alpaca_cleaned_dataset — torchtune formats its rows with its own prompt" in said
+
+
+def test_a_torchtune_chat_dataset_file_is_the_training_file(tmp_path, capsys):
+    """chat_dataset on a local json file, messages in openai style: that file is the training data without --data
+    (a hub source is not: control)."""
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    text = TORCHTUNE.replace("${output_dir}", "${{output_dir}}").format(epochs=1, dtype="fp32").replace(
+        "  _component_: torchtune.datasets.alpaca_cleaned_dataset\n",
+        f"  _component_: torchtune.datasets.chat_dataset\n  source: json\n  data_files: {rows}\n"
+        "  conversation_style: openai\n")
+    source = tmp_path / "chat.yaml"
+    source.write_text(text)
+    raw, said = imported(capsys, tmp_path, source, "--recipe", "sft-smollm2")
+    assert raw["data"]["source"] == str(rows) and f"chat.yaml: dataset.data_files {rows}" in said, said
+    assert "not carried: dataset=" not in said, said
+    source.write_text(text.replace("source: json", "source: someone/chats"))
+    raw, said = imported(capsys, tmp_path, source, "--recipe", "sft-smollm2")
+    assert raw["data"]["source"] != str(rows), said
 
 
 def test_a_torchtune_log_is_read_with_its_lr_shifted_back(tmp_path):

@@ -38,7 +38,7 @@ import yaml
 
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints
-from finetune.reproduce.record import Baseline, load_yaml
+from finetune.reproduce.record import Baseline, load_yaml, local_file
 
 TOOL = "axolotl"  # this tool's name in a task's CompareHints.peer_names (the type of its data sets)
 
@@ -321,15 +321,6 @@ def _datasets(raw: dict, b: Baseline, source: str, where) -> None:
     said = "shuffle_merged_datasets" + ("" if "shuffle_merged_datasets" in raw else " (axolotl's default true)")
     b.shuffled = (int(raw["seed"]) if raw.get("seed") is not None else DEFAULTS["seed"][0],
                   where(said) + (f", its {len(sets)} data sets one after another" if len(sets) > 1 else ""))
-
-
-def local_file(path, config: Path) -> Path | None:
-    """A data set's ``path`` when it is a file here: as given (axolotl reads it from where it runs), else beside the
-    config (or inside the output folder whose card holds it). None for a hub id or a folder."""
-    if not path:
-        return None
-    folder = config if config.is_dir() else config.parent
-    return next((p for p in (Path(str(path)), folder / str(path)) if p.is_file()), None)
 
 
 def dataset_task(types: set) -> str | None:

@@ -88,3 +88,12 @@ def pure_precision(out, setting: tuple, dtype: str, tool: str, own_step: bool, m
     out.set("model.master_weights", False, f"{where}: {tool} trains every weight in {dtype}, its gradients and "
                                            "the optimizer's state too, with no fp32 master weights")
     out.set("training.mixed_precision", "no", f"{where}: the model computes in {dtype} itself, no autocast")
+
+
+def local_file(path, config: Path) -> Path | None:
+    """A data set's ``path`` when it is a file here: as given (axolotl reads it from where it runs), else beside the
+    config (or inside the output folder whose card holds it). None for a hub id or a folder."""
+    if not path:
+        return None
+    folder = config if config.is_dir() else config.parent
+    return next((p for p in (Path(str(path)), folder / str(path)) if p.is_file()), None)

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline, pure_precision
+from finetune.reproduce.record import Baseline, local_file, pure_precision
 
 KIND = "torchtune config"
 OPTIMIZERS = {"torch.optim.AdamW": "adamw_torch", "torch.optim.SGD": "sgd", "bitsandbytes.optim.PagedAdamW8bit":
@@ -35,6 +35,7 @@ SCHEDULERS = {"torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup"
 # torchtune's names of the adapted projections → Hugging Face's (the checkpointer converts between them)
 LORA_MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
 MLP = ["gate_proj", "up_proj", "down_proj"]
+CHAT_DATASET = "torchtune.datasets.chat_dataset"  # the builder whose rows are finetune's: messages
 
 
 def is_torchtune(raw) -> bool:
@@ -177,6 +178,17 @@ def _data(raw: dict, b: Baseline, path: Path) -> None:
     for ds in dataset if isinstance(dataset, list) else [dataset]:
         if not isinstance(ds, dict):
             continue
+        builder = str(ds.get("_component_") or "")
+        if builder != CHAT_DATASET:
+            b.uncarried.append(("dataset", builder.rsplit(".", 1)[-1], "torchtune formats its rows with its own prompt "
+                                "template; finetune's sft renders rows of messages with the chat template (give "
+                                "--data rows as messages, torchtune's chat_dataset reads them as finetune does)"))
+        elif ds.get("conversation_style", "openai") != "openai":
+            b.uncarried.append(("dataset.conversation_style", ds["conversation_style"], "finetune reads rows of "
+                                "messages ({role, content}, torchtune's openai style)"))
+        elif not isinstance(dataset, list) and ds.get("source") in ("json", "csv", "parquet") and \
+                (found := local_file(ds.get("data_files"), path)) is not None:
+            b.data_file = (found, f"{path.name}: dataset.data_files {ds['data_files']}")
         if ds.get("packed"):
             b.uncarried.append(("dataset.packed", True, "torchtune packs the rows in order into rows of max_seq_len "
                                 "tokens before sampling; finetune packs as TRL's bfd or wrapped"))
