@@ -190,3 +190,19 @@ def test_what_an_axolotl_config_does_that_finetune_does_not_is_named(tmp_path, c
                                             "chat_template": "chatml", "bf16": True})
     assert raw["task"] == "clm" and "not carried: datasets.type=alpaca — " in said, said
     assert "not carried: bf16=True — axolotl loads the model in bf16 and trains every weight in it" in said, said
+
+
+def test_an_8bit_lora_config_with_checkpointing_imports_without_the_checkpointing(tmp_path, capsys):
+    """axolotl's own examples pair load_in_8bit with gradient_checkpointing; finetune's int8 layers keep their inputs
+    where checkpointing cannot free them. Checkpointing changes memory, not the step: the recipe is written without
+    it, said as a note (not a refusal of the whole import)."""
+    pytest.importorskip("bitsandbytes")
+    raw, said = imported(capsys, tmp_path, {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "load_in_8bit": True,
+                                            "lora_target_linear": True, "gradient_checkpointing": True},
+                         "--data", INPUTS / "chat.jsonl")
+    assert raw["model"]["quantization"] == "int8" and "gradient_checkpointing" not in raw["training"], raw
+    assert "note: gradient_checkpointing=True left off — int8 layers keep their inputs" in said, said
+    raw, said = imported(capsys, tmp_path, {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "load_in_4bit": True,
+                                            "lora_target_linear": True, "gradient_checkpointing": True},
+                         "--data", INPUTS / "chat.jsonl")
+    assert raw["training"]["gradient_checkpointing"] is True and "left off" not in said, said  # nf4: kept

@@ -222,6 +222,7 @@ def read_config(raw: dict, b: Baseline, source: str, what: str) -> None:
     _warmup(raw, b, source, where)
     _datasets(raw, b, source, where)
     if raw.get("sample_packing"):
+        b.own["sample_packing"] = (True, where("sample_packing"))
         said = ", ".join(f"{k}={raw[k]}" for k in MULTIPACK if raw.get(k) is not None)
         b.uncarried.append(("sample_packing", True, "axolotl packs with its own multipack sampler: each batch is "
                             "micro_batch_size bins of sequence_len tokens, filled per epoch from the shuffled rows' "
@@ -362,9 +363,9 @@ def carry_own(b: Baseline, out, model_fields, data_fields: set, own_step: bool =
     if "bf16" in own and "bf16" not in b.args:
         out.skip("bf16", "auto", "axolotl trains in bf16 where the GPU has it, else in fp16 (auto, its default): "
                  "set training.mixed_precision to what it took")
-    if b.get("sample_packing"):
+    if "sample_packing" in own:
         out.other_samples = "the baseline's batches were axolotl's multipack bins"
-    if own_step and b.get("sample_packing"):
+    if own_step and "sample_packing" in own:
         out.not_carried.append("own step: not taken — axolotl's multipack bins rows in the order of a "
                                "RandomSampler that has no generator: each order is seeded from torch's global "
                                "random state at that moment, drawn again for each of its batch-count estimates, "

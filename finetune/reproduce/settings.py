@@ -330,6 +330,13 @@ def _quantization(base: Baseline, out: Imported, model_fields: set) -> None:
         if get("load_in_4bit") or get("load_in_8bit") else "config.json: quantization_config"
     if "quantization" in model_fields and kind in ("nf4", "fp4", "int8"):
         out.set("model.quantization", kind, where)
+        if kind == "int8" and out.values.get("training.gradient_checkpointing"):
+            # it saves memory and changes no step; finetune's int8 layers keep their inputs where it cannot free them
+            del out.values["training.gradient_checkpointing"]
+            out.rows = [r for r in out.rows if r[0] != "training.gradient_checkpointing"]
+            out.not_carried.append("note: gradient_checkpointing=True left off — int8 layers keep their inputs "
+                                   "outside autograd, where checkpointing cannot free them; it changes memory, not "
+                                   "the step")
     else:
         out.skip("quantization", kind, "this recipe's task has no model.quantization")
 
