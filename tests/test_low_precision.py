@@ -212,13 +212,16 @@ def test_full_fine_tuning_keeps_fp32_master_weights_whatever_model_dtype(capsys)
     assert precision_kwargs(cfg) == {"dtype": torch.bfloat16} and capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_without_master_weights_what_trains_stays_bf16(lora):
-    """``model.master_weights: false`` (torchtune's dtype: bf16): the trained weights are bf16 — full fine-tuning's
-    every weight, LoRA's adapters too — and the steps move them. The control: the default keeps them fp32."""
+@pytest.mark.parametrize("lora,autocast", [(False, "no"), (True, "no"), (False, "bf16")],
+                         ids=["full", "lora", "full-autocast"])
+def test_without_master_weights_what_trains_stays_bf16(lora, autocast):
+    """``model.master_weights: false`` (torchtune's dtype: bf16; TRL's bf16 full fine-tuning under autocast): the
+    trained weights are bf16 — full fine-tuning's every weight, LoRA's adapters too — and the steps move them. The
+    control: the default keeps them fp32."""
     for masters in (False, True):
         result, start = sft_recipe_run(2, 2, f"peft.enabled={str(lora).lower()}", "model.dtype=bf16",
-                                       f"model.master_weights={str(masters).lower()}", "training.learning_rate=0.01")
+                                       f"model.master_weights={str(masters).lower()}", "training.learning_rate=0.01",
+                                       f"training.mixed_precision={autocast}")
         trained = dict((k, p) for k, p in result["model"].named_parameters() if p.requires_grad)
         want = torch.float32 if masters else torch.bfloat16
         assert trained and {p.dtype for p in trained.values()} == {want}, {p.dtype for p in trained.values()}

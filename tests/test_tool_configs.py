@@ -64,7 +64,15 @@ def test_a_trl_command_line_config(tmp_path, capsys):
     full = tmp_path / "full.yaml"
     full.write_text(TRL_SFT.replace("use_peft: true\n", ""))
     _, said = imported(capsys, tmp_path, full)
-    assert "not carried: dtype=bfloat16 — TRL loads the model in bfloat16 and trains every weight in it" in said
+    assert "not carried: dtype=bfloat16 — TRL loads and trains every weight in bf16" in said, said
+    raw, said = imported(capsys, tmp_path, full, "--baseline-step")  # TRL's pure bf16 step, taken
+    assert (raw["model"]["dtype"], raw["model"]["master_weights"], raw["training"]["mixed_precision"]) == \
+        ("bf16", False, "bf16") and "not carried: dtype" not in said, said  # its bf16: true autocast kept
+    assert raw["task"] == "sft", raw  # an SFT config: the sft task (a DPO one, with beta: dpo)
+    dpo = tmp_path / "dpo.yaml"
+    dpo.write_text(TRL_SFT.replace("use_peft: true\n", "beta: 0.2\nloss_type: sigmoid\n"))
+    raw, said = imported(capsys, tmp_path, dpo)
+    assert raw["task"] == "dpo" and raw["model"]["beta"] == 0.2 and raw["peft"]["enabled"] is False, said
 
 
 AXOLOTL_CARD = """\

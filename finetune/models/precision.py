@@ -250,8 +250,9 @@ def sum_weight_grads_in_fp32(model: torch.nn.Module) -> int:
     switched = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
+        # an fp32 master weight only: a weight trained in bf16 (model.master_weights: false) keeps bf16 gradients
         if type(module) in (torch.nn.Linear, Conv1D) and isinstance(weight, torch.nn.Parameter) and \
-                weight.requires_grad and "forward" not in vars(module):
+                weight.requires_grad and weight.dtype == torch.float32 and "forward" not in vars(module):
             module.forward = MethodType(_fp32_grad_forward, module)
             switched += 1
     return switched

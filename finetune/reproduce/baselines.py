@@ -25,6 +25,7 @@ import zipfile
 from pathlib import Path
 
 from finetune.errors import ConfigError
+from finetune.registry import built_in_hints
 from finetune.reproduce import llamafactory
 from finetune.reproduce.axolotl import card_config
 from finetune.reproduce.record import TRL_ARGS, Baseline  # noqa: F401  (the record every reader fills)
@@ -304,3 +305,13 @@ def _number(raw: str):
         except ValueError:
             pass
     return raw
+
+
+def trl_task(b) -> str | None:
+    """The built-in task a TRL folder trained: the one whose marks (its trainer's own arguments) the folder holds
+    all of, the one with the most marks first — a GRPOConfig holds DPOConfig's beta and loss_type too."""
+    if not b.trl:
+        return None
+    held = [(len(h.trl_marks), name) for name, h in built_in_hints().items()
+            if h.base_recipe and h.trl_marks is not None and all(b.get(m) is not None for m in h.trl_marks)]
+    return max(held)[1] if held else None

@@ -21,9 +21,9 @@ from types import SimpleNamespace
 from finetune.card import record_verdict
 from finetune.errors import ConfigError
 from finetune.outputs import read_config, read_metrics
-from finetune.registry import built_in_hints, task_hints
+from finetune.registry import task_hints
 from finetune.reproduce import compare as comparing
-from finetune.reproduce.baselines import read_baseline
+from finetune.reproduce.baselines import read_baseline, trl_task
 
 
 def base_recipe(source) -> str | None:
@@ -33,16 +33,6 @@ def base_recipe(source) -> str | None:
     b = read_baseline(source, "reproduce")
     task = b.task or trl_task(b)
     return task_hints(task).base_recipe if task else None
-
-
-def trl_task(b) -> str | None:
-    """The built-in task a TRL folder trained: the one whose marks (its trainer's own arguments) the folder holds
-    all of, the one with the most marks first — a GRPOConfig holds DPOConfig's beta and loss_type too."""
-    if not b.trl:
-        return None
-    held = [(len(h.trl_marks), name) for name, h in built_in_hints().items()
-            if h.base_recipe and h.trl_marks is not None and all(b.get(m) is not None for m in h.trl_marks)]
-    return max(held)[1] if held else None
 
 
 def main(args, finetune) -> int:

@@ -34,14 +34,14 @@ from finetune.config import (
 from finetune.errors import ConfigError
 from finetune.outputs import read_config, read_metrics
 from finetune.reproduce import llamafactory
-from finetune.reproduce.baselines import Baseline, read_baseline
+from finetune.reproduce.baselines import Baseline, read_baseline, trl_task
 from finetune.reproduce.settings import Imported, carry, model_config_of, model_difference, training_file
 
 
 def _skeleton(base: Baseline) -> dict:
     """A recipe of the task the baseline trained (its ``Baseline.task``; clm when the source does not say) on its base
     model (none when the source does not name it: said as missing)."""
-    return {"task": base.task or "clm", "description": f"imported from {base.path}",
+    return {"task": base.task or trl_task(base) or "clm", "description": f"imported from {base.path}",
             "model": {"name_or_path": base.base_model} if base.base_model else {}}
 
 

@@ -187,8 +187,9 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
         if key in raw:
             b.own[key] = (raw[key], src(key))
     if raw.get("pure_bf16"):  # bf16 compute: autocast by default, the pure step on request (carry_own)
-        b.args["bf16"] = (True, src("pure_bf16"))
         b.own["pure_bf16"] = (True, src("pure_bf16"))
+        b.own["autocast"] = ("bf16" if raw.get("bf16") else "no", src("bf16"))
+        b.args["bf16"] = (True, src("pure_bf16"))
     b.task = stage_task(raw.get("stage"))
     if raw.get("finetuning_type", "lora") == "lora" and b.adapter_config is None:
         b.args["adapter"] = ("lora", src("finetuning_type"))
@@ -287,7 +288,8 @@ def carry_own(b, out, model_fields, data_fields: set, own_step: bool = False) ->
     if value("packing") or value("neat_packing"):  # LLaMA-Factory's neat_packing turns packing on
         packing(b, out, data_fields, own_step)
     if value("pure_bf16"):
-        pure_precision(out, own["pure_bf16"], "bf16", "LLaMA-Factory", own_step, model_fields)
+        pure_precision(out, own["pure_bf16"], "bf16", "LLaMA-Factory", own_step, model_fields,
+                       autocast=own["autocast"][0])
     if "cutoff_len" in own and "too_long" in data_fields and stage_allows(b, "data", "too_long", "turns"):
         out.set("data.too_long", "turns", f"{own['cutoff_len'][1]}: LLaMA-Factory cuts a longer conversation turn by "
                                           "turn (infer_seqlen)")

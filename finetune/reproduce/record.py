@@ -13,6 +13,7 @@ import yaml
 from finetune.errors import ConfigError
 
 # arguments that TRL's configs (SFTConfig, DPOConfig, GRPOConfig, …) add to the TrainingArguments
+TRL_CONFIG = "TRL config YAML"  # the kind of a TRL command-line config: TRL trained it, whatever keys it holds
 TRL_ARGS = ("completion_only_loss", "assistant_only_loss", "dataset_text_field", "padding_free",
             "max_prompt_length", "num_generations")
 
@@ -51,7 +52,7 @@ class Baseline:
     @property
     def trl(self) -> bool:
         """Whether TRL trained it (its configs add these to the TrainingArguments)."""
-        return any(k in self.args for k in TRL_ARGS)
+        return self.kind == TRL_CONFIG or any(k in self.args for k in TRL_ARGS)
 
     def effective_batch(self) -> Optional[int]:
         """Samples per optimizer step: ``total_train_batch_size`` when the source says it, else per-device ×
@@ -73,11 +74,13 @@ def load_yaml(path: Path, what: str):
         raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
 
 
-def pure_precision(out, setting: tuple, dtype: str, tool: str, own_step: bool, model_fields) -> None:
+def pure_precision(out, setting: tuple, dtype: str, tool: str, own_step: bool, model_fields,
+                   autocast: Optional[str] = None) -> None:
     """A baseline that trained every weight in ``dtype`` with no fp32 master weights (torchtune's ``dtype: bf16``,
     LLaMA-Factory's ``pure_bf16``): its step rounds each update to ``dtype``, not the fp32 step. Taken on request
-    (``own_step``: ``model.dtype`` and ``model.master_weights: false``, no autocast), else named as not carried.
-    ``setting``: (its value, where it is said: ``file: key``)."""
+    (``own_step``: ``model.dtype`` and ``model.master_weights: false``), else named as not carried. ``setting``:
+    (its value, where it is said: ``file: key``); ``autocast``: the mixed precision it trained with on top, when the
+    carried one is not it (None: leave it)."""
     value, where = setting
     if not own_step or "master_weights" not in model_fields:
         out.skip(where.split(": ")[-1], value, f"{tool} loads and trains every weight in {dtype}, with no fp32 master "
@@ -87,7 +90,9 @@ def pure_precision(out, setting: tuple, dtype: str, tool: str, own_step: bool, m
     out.set("model.dtype", dtype, f"{where} — the baseline's own step (--baseline-step)")
     out.set("model.master_weights", False, f"{where}: {tool} trains every weight in {dtype}, its gradients and "
                                            "the optimizer's state too, with no fp32 master weights")
-    out.set("training.mixed_precision", "no", f"{where}: the model computes in {dtype} itself, no autocast")
+    if autocast is not None:
+        out.set("training.mixed_precision", autocast, f"{where}: the model computes in {dtype} itself"
+                + (", no autocast" if autocast == "no" else f", under {autocast} autocast"))
 
 
 def local_file(path, config: Path) -> Path | None:

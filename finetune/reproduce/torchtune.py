@@ -96,7 +96,7 @@ def carry_own(b: Baseline, out, model_fields, data_fields: set, own_step: bool =
     weight trained in it), taken with ``own_step``."""
     dtype = b.own["dtype"][0]
     if dtype in ("bf16", "fp16"):
-        pure_precision(out, b.own["dtype"], dtype, "torchtune", own_step, model_fields)
+        pure_precision(out, b.own["dtype"], dtype, "torchtune", own_step, model_fields, autocast="no")
 
 
 def _int(value, key: str, path: Path, what: str) -> int:

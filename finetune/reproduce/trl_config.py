@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.reproduce.record import Baseline
+from finetune.reproduce.record import TRL_CONFIG, Baseline, pure_precision
 
 # TRL ModelConfig's LoRA fields → (the adapter setting finetune's importer reads, TRL 1.16's default)
 LORA = {"lora_r": ("lora_r", 16), "lora_alpha": ("lora_alpha", 32), "lora_dropout": ("lora_dropout", 0.05),
@@ -35,7 +35,7 @@ def is_trl_config(raw) -> bool:
 
 def read_trl_config(path: Path, raw: dict, what: str) -> Baseline:
     """The baseline of a TRL command-line YAML config (every value with ``path.name: key`` as its source)."""
-    b = Baseline("TRL config YAML", path, base_model=raw.get("model_name_or_path"))
+    b = Baseline(TRL_CONFIG, path, base_model=raw.get("model_name_or_path"))
     where = lambda key: f"{path.name}: {key}"  # noqa: E731
     for key, value in raw.items():
         if key in NOT_CARRIED:
@@ -47,7 +47,10 @@ def read_trl_config(path: Path, raw: dict, what: str) -> Baseline:
     # TRL's configs say TRL trained it (the importer's TRL rules follow: truncation, TRL's LoRA start)
     if "beta" not in raw:  # an SFT config: SFTConfig's default
         b.args.setdefault("completion_only_loss", (None, f"{path.name}: TRL's default (SFTConfig)"))
-    if raw.get("use_peft"):
+    if not raw.get("use_peft"):  # TRL's ModelConfig: use_peft false by default, every weight trained
+        b.args["adapter"] = (None, f"{where('use_peft')}: false" if "use_peft" in raw else
+                             f"{path.name}: no use_peft (TRL's default false): every weight trained")
+    else:
         b.args["adapter"] = ("lora", where("use_peft"))
         for key, (name, default) in LORA.items():
             if raw.get(key) is not None:
@@ -67,6 +70,14 @@ def _dtype(raw: dict, b: Baseline, path: Path) -> None:
         return
     if raw.get("use_peft"):
         b.args["model_dtype"] = (half, f"{path.name}: {key} (the frozen base; peft keeps the adapters in fp32)")
-    else:
-        b.uncarried.append((key, dtype, f"TRL loads the model in {dtype} and trains every weight in it (no fp32 "
-                            "master weights); finetune's trainable weights stay fp32"))
+    else:  # every weight trained in it: the pure step, taken on request (carry_own)
+        b.own[key] = (dtype, f"{path.name}: {key}")
+        b.carry_own = carry_own
+
+
+def carry_own(b: Baseline, out, model_fields, data_fields: set, own_step: bool = False) -> None:
+    """A full fine-tuning config that loads the model in bf16 / fp16 trains every weight in it (no fp32 master
+    weights): the pure step, taken with ``own_step`` (``record.pure_precision``)."""
+    for key, setting in b.own.items():
+        half = {"bfloat16": "bf16", "float16": "fp16"}[setting[0]]
+        pure_precision(out, setting, half, "TRL", own_step, model_fields)
