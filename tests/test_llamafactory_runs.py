@@ -191,3 +191,19 @@ def test_a_neat_packed_run_is_reproduced_with_its_own_step(tmp_path, capsys, att
         assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
     else:
         assert code == 1 and "data.pack knapsack_neat in the baseline vs knapsack" in verdict, verdict
+
+
+@pytest.mark.parametrize("run,task", [("sft-lora", "sft"), ("dpo-lora", "dpo")])
+def test_an_output_folder_without_its_yaml_gets_its_stage_from_the_log(tmp_path, capsys, run, task):
+    """Trained from the command line, the folder holds no training_args.yaml: the stage is dpo where its log holds
+    preference rewards, else LLaMA-Factory's default sft; a preference stage's beta, in the YAML only, is said
+    unknown (not LLaMA-Factory's default, which it may not have been)."""
+    import yaml
+
+    folder = tmp_path / run
+    shutil.copytree(LF / run, folder)
+    (folder / "training_args.yaml").unlink()
+    code, table = cli(capsys, "import", folder, "--model", MODEL, "-o", tmp_path / "r.yaml")
+    assert code == 0 and yaml.safe_load((tmp_path / "r.yaml").read_text())["task"] == task, table
+    assert ("not carried: pref_beta=unknown" in table) == (task == "dpo"), table
+    assert "give the YAML you trained with" in table, table

@@ -128,12 +128,33 @@ def read(path, what: str, baseline, read_folder):
     b.kind, b.path = KIND, path
     if folder is not None and (folder / LOG).is_file():
         read_log(folder / LOG, b, what)
-    if raw is None:
-        b.unknown.append(f"{SAVED_YAML} (not in {path}: LLaMA-Factory's own settings — stage, template, cutoff_len, "
+    if raw is None:  # trained from the command line: the web UI's saved YAML is not there
+        b.unknown.append(f"{SAVED_YAML} (not in {path}: LLaMA-Factory's own settings — template, cutoff_len, "
                          "packing — are unknown; give the YAML you trained with)")
+        if folder is not None:
+            stage, said = logged_stage(folder)
+            b.task, b.carry_own = stage_task(stage), carry_own
+            b.own["stage"] = (stage, said)
         return b
     read_yaml_keys(raw, yaml_file.name, b)
     return b
+
+
+def has_yaml(b) -> bool:
+    """Whether the run's YAML was read (given, or saved in its output folder)."""
+    return b.path.is_file() or (b.path / SAVED_YAML).is_file()
+
+
+def logged_stage(folder: Path) -> tuple:
+    """(the stage an output folder's log shows, how it is known): dpo where trainer_state logs the preference rewards
+    (``rewards/chosen``), else LLaMA-Factory's default stage, sft."""
+    try:
+        history = json.loads((folder / "trainer_state.json").read_text()).get("log_history") or []
+    except (OSError, ValueError):
+        history = []
+    if any("rewards/chosen" in e for e in history if isinstance(e, dict)):
+        return "dpo", "trainer_state.json: its log holds rewards/chosen, a preference stage"
+    return "sft", "no YAML: LLaMA-Factory's default stage, sft (its log holds no preference rewards)"
 
 
 def read_log(path: Path, b, what: str) -> None:
@@ -275,7 +296,10 @@ def carry_own(b, out, model_fields, data_fields: set, own_step: bool = False) ->
     if stage_has(b, "data", "train_on") and "train_on" in data_fields and not value("train_on_prompt"):
         out.set("data.train_on", "assistant", "LLaMA-Factory's default: the loss on the assistant's turns "
                                               "(train_on_prompt false)")
-    if stage_has(b, "model", "beta"):  # a preference stage
+    if stage_has(b, "model", "beta") and not has_yaml(b):  # its beta and loss are in the YAML only
+        out.skip("pref_beta", "unknown", f"not in {b.path.name} without its YAML: the recipe's model.beta and "
+                 "model.loss_type are kept; give the YAML you trained with")
+    elif stage_has(b, "model", "beta"):  # a preference stage
         if "beta" in model_fields:
             out.set("model.beta", float(value("pref_beta", 0.1)), own["pref_beta"][1] if "pref_beta" in own else
                     "LLaMA-Factory's default pref_beta")
