@@ -207,3 +207,16 @@ def test_an_output_folder_without_its_yaml_gets_its_stage_from_the_log(tmp_path,
     assert code == 0 and yaml.safe_load((tmp_path / "r.yaml").read_text())["task"] == task, table
     assert ("not carried: pref_beta=unknown" in table) == (task == "dpo"), table
     assert "give the YAML you trained with" in table, table
+
+
+def test_packing_is_read_for_the_sft_stage_only(tmp_path, capsys, monkeypatch):
+    """LLaMA-Factory packs for its sft stage; its dpo stage ignores packing: nothing to carry or name there."""
+    import yaml
+
+    monkeypatch.chdir(ROOT)
+    raw = {**yaml.safe_load((ROOT / "examples" / "llamafactory" / "dpo-lora.yaml").read_text()), "packing": True}
+    source = tmp_path / "dpo.yaml"
+    source.write_text(yaml.safe_dump(raw))
+    code, table = cli(capsys, "import", source, "-o", tmp_path / "r.yaml", "--baseline-step")
+    assert code == 0 and "packing" not in table.split("wrote")[0].lower(), table
+    assert "pack" not in (yaml.safe_load((tmp_path / "r.yaml").read_text()).get("data") or {}), table

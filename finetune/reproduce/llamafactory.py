@@ -309,7 +309,8 @@ def carry_own(b, out, model_fields, data_fields: set, own_step: bool = False) ->
                     "LLaMA-Factory's default pref_loss")
         elif loss not in PREF_LOSSES:
             out.skip("pref_loss", loss, f"finetune's dpo has {', '.join(PREF_LOSSES)}")
-    if value("packing") or value("neat_packing"):  # LLaMA-Factory's neat_packing turns packing on
+    # neat_packing turns packing on; LLaMA-Factory packs for its sft stage only (its preference stages ignore it)
+    if (value("packing") or value("neat_packing")) and stage_has(b, "data", "pack"):
         packing(b, out, data_fields, own_step)
     if value("pure_bf16"):
         pure_precision(out, own["pure_bf16"], "bf16", "LLaMA-Factory", own_step, model_fields,
