@@ -220,3 +220,21 @@ def test_packing_is_read_for_the_sft_stage_only(tmp_path, capsys, monkeypatch):
     code, table = cli(capsys, "import", source, "-o", tmp_path / "r.yaml", "--baseline-step")
     assert code == 0 and "not carried: packing" not in table and "data.pack " not in table, table
     assert "pack" not in (yaml.safe_load((tmp_path / "r.yaml").read_text()).get("data") or {}), table
+
+
+@pytest.mark.parametrize("keys,quantization", [({"quantization_bit": 4}, "nf4"),
+                                               ({"quantization_bit": 4, "quantization_type": "fp4"}, "fp4"),
+                                               ({"quantization_bit": 8}, "int8"), ({}, None)])
+def test_its_quantization_bit_is_the_quantized_base(tmp_path, capsys, monkeypatch, keys, quantization):
+    """QLoRA in LLaMA-Factory: quantization_bit with bitsandbytes (its default method), nf4 unless
+    quantization_type says; none set: no quantization (control)."""
+    import yaml
+
+    pytest.importorskip("bitsandbytes")
+    monkeypatch.chdir(ROOT)
+    raw = {**yaml.safe_load((ROOT / "examples" / "llamafactory" / "sft-lora.yaml").read_text()), **keys}
+    source = tmp_path / "q.yaml"
+    source.write_text(yaml.safe_dump(raw))
+    code, table = cli(capsys, "import", source, "-o", tmp_path / "r.yaml")
+    assert code == 0 and "not read: quantization" not in table, table
+    assert yaml.safe_load((tmp_path / "r.yaml").read_text())["model"].get("quantization") == quantization, table

@@ -265,6 +265,11 @@ def test_a_torchtune_config(tmp_path, capsys, epochs, dtype):
         (dtype == "bf16")
     assert ("torchtune adds their gradients to the next epoch's first step" in said) == (epochs > 1)
     assert "not carried: dataset=alpaca_cleaned_dataset — torchtune formats its rows with its own prompt" in said
+    assert "quantization" not in raw["model"], raw  # lora_llama3_2_1b: an unquantized base
+    qlora = tmp_path / "qlora.yaml"  # its qlora_ builder is the lora_ one with quantize_base=True
+    qlora.write_text(source.read_text().replace(".lora_llama3_2_1b", ".qlora_llama3_2_1b"))
+    raw, said = imported(capsys, tmp_path, qlora)
+    assert raw["model"]["quantization"] == "nf4" and "not carried: quantize_base=True" in said, said
 
 
 def test_a_torchtune_chat_dataset_file_is_the_training_file(tmp_path, capsys):

@@ -63,12 +63,15 @@ NOT_CARRIED = {
     "max_samples": (None, "finetune trains on the whole --data file: cut it to the first rows yourself"),
     "mix_strategy": ("concat", "finetune reads one file"), "val_size": (0.0, "finetune trains on the whole --data "
                                                                             "file; its rows held out are not"),
-    "quantization_bit": (None, "finetune's sft loads the model unquantized unless model.quantization says"),
+    "quantization_method": ("bnb", "finetune quantizes with bitsandbytes"),
+    "double_quantization": (True, "finetune's 4-bit base is double-quantized, as bitsandbytes' QLoRA"),
     "rope_scaling": (None, "finetune loads the model's own rope"), "enable_liger_kernel": (False, None),
     "upcast_layernorm": (False, "finetune keeps layer norms in the model's dtype"),
     "resize_vocab": (False, "finetune keeps the tokenizer's vocabulary"),
     "streaming": (False, "finetune's reproduction reads the file whole"),
 }
+# keys read by their own functions below (quantization), not one by one
+READ_HERE = {"quantization_bit", "quantization_type"}
 # keys that say where things go, or change no step: read, never carried
 PLACES = {
     "model_name_or_path", "adapter_name_or_path", "cache_dir", "trust_remote_code", "do_train", "do_eval",
@@ -200,13 +203,14 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
             b.args[TRAINER_KEYS[key] or key] = (value, src(key))
         elif key in NOT_CARRIED:
             b.own[key] = (value, src(key))
-        elif key not in PLACES:
+        elif key not in PLACES and key not in READ_HERE:
             b.unknown.append(key)
     for key in ("stage", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target", "template",
                 "packing", "pref_beta", "pref_loss", "train_on_prompt", "cutoff_len", "dataset", "dataset_dir",
                 "preprocessing_batch_size", "preprocessing_num_workers"):
         if key in raw:
             b.own[key] = (raw[key], src(key))
+    _quantization(raw, b, src)
     if raw.get("pure_bf16"):  # bf16 compute: autocast by default, the pure step on request (carry_own)
         b.own["pure_bf16"] = (True, src("pure_bf16"))
         b.own["autocast"] = ("bf16" if raw.get("bf16") else "no", src("bf16"))
@@ -229,6 +233,22 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
         b.uncarried.append(("finetuning_type", raw["finetuning_type"], "LLaMA-Factory trains only some layers "
                             "(freeze tuning); finetune trains every weight or LoRA adapters"))
     b.carry_own = carry_own
+
+
+def _quantization(raw: dict, b, src) -> None:
+    """``quantization_bit`` (bitsandbytes, LLaMA-Factory's default method): 4 → its ``quantization_type`` (nf4 by
+    default, double-quantized), 8 → int8, as the Trainer-argument names ``settings`` reads."""
+    bits = raw.get("quantization_bit")
+    if bits is None or str(raw.get("quantization_method", "bnb")).lower() not in ("bnb", "bitsandbytes"):
+        return
+    if int(bits) == 4:
+        b.args["load_in_4bit"] = (True, src("quantization_bit"))
+        b.args["bnb_4bit_quant_type"] = (str(raw.get("quantization_type", "nf4")), src("quantization_type") if
+                                         "quantization_type" in raw else "LLaMA-Factory's default quantization_type")
+    elif int(bits) == 8:
+        b.args["load_in_8bit"] = (True, src("quantization_bit"))
+    else:
+        b.uncarried.append(("quantization_bit", bits, "finetune quantizes to 4 or 8 bits"))
 
 
 def stage_task(stage) -> str | None:

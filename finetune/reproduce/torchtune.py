@@ -162,8 +162,11 @@ def _model(raw: dict, b: Baseline, path: Path) -> None:
                             "is not what it trained: the weights layer differs"))
     if model.get("use_dora"):
         b.uncarried.append(("use_dora", True, "DoRA adapters: finetune trains LoRA"))
-    if model.get("quantize_base"):
-        b.args["load_in_4bit"] = (True, f"{where}.quantize_base")
+    # a qlora_* builder is its lora_* builder with quantize_base=True
+    qlora = ".qlora_" in str(model.get("_component_"))
+    if model.get("quantize_base") or qlora:
+        b.args["load_in_4bit"] = (True, f"{where}._component_ (qlora_)" if qlora and not model.get("quantize_base")
+                                  else f"{where}.quantize_base")
         b.uncarried.append(("quantize_base", True, "torchtune quantizes the base to NF4 with torchao, finetune with "
                             "bitsandbytes: other rounding"))
 
