@@ -55,7 +55,8 @@ def test_an_axolotl_lora_run_is_reproduced_and_a_one_word_twin_differs(tmp_path,
     assert raw["task"] == "sft" and raw["data"]["system_prompt"] is None, raw
     # the rows written in axolotl's order are the ones axolotl trained (its own shuffle, kept beside the fixtures)
     assert Path(raw["data"]["source"]).read_text() == (INPUTS / "chat-axolotl-order.jsonl").read_text()
-    assert "shuffle_merged_datasets (axolotl's default true): the rows of " in table and "(--data)" in table, table
+    assert "shuffle_merged_datasets (axolotl's default true): the rows are shuffled once" in table, table
+    assert "(--data) as it trained on them" in table, table
     rows = [json.loads(line) for line in (INPUTS / "chat.jsonl").read_text().splitlines()]
     answer = next(m for m in rows[5]["messages"] if m["role"] == "assistant")
     answer["content"] = answer["content"].replace(" is ", " was ", 1)

@@ -238,3 +238,18 @@ def test_its_quantization_bit_is_the_quantized_base(tmp_path, capsys, monkeypatc
     code, table = cli(capsys, "import", source, "-o", tmp_path / "r.yaml")
     assert code == 0 and "not read: quantization" not in table, table
     assert yaml.safe_load((tmp_path / "r.yaml").read_text())["model"].get("quantization") == quantization, table
+
+
+@pytest.mark.parametrize("rows", ["its-train-part", "the-whole-file"])
+def test_a_run_that_held_rows_out_is_reproduced_on_the_rows_it_kept(tmp_path, capsys, rows):
+    """``val_size: 0.2``: LLaMA-Factory splits the rows before training (datasets' train_test_split with its seed)
+    and trains the train part in that order; import writes those rows beside the recipe: "equivalent". Trained on
+    the whole file instead, the run differs (the control)."""
+    sets = ["model.generate_prompts=0"] + ([f"data.source={LF / 'data' / 'chat.jsonl'}"]
+                                           if rows == "the-whole-file" else [])
+    code, verdict, table = reproduce(capsys, tmp_path, LF / "sft-val", "sft-smollm2", *sets)
+    assert "train_test_split(test_size=0.2, seed=42)" in table, table
+    if rows == "its-train-part":
+        assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+    else:
+        assert code == 1 and verdict.startswith("verdict: differs"), verdict

@@ -61,8 +61,7 @@ NOT_CARRIED = {
     "disable_shuffling": (False, "finetune draws the Trainer's random order; set training.shuffle=false for "
                                  "LLaMA-Factory's sequential one"),
     "max_samples": (None, "finetune trains on the whole --data file: cut it to the first rows yourself"),
-    "mix_strategy": ("concat", "finetune reads one file"), "val_size": (0.0, "finetune trains on the whole --data "
-                                                                            "file; its rows held out are not"),
+    "mix_strategy": ("concat", "finetune reads one file"),
     "quantization_method": ("bnb", "finetune quantizes with bitsandbytes"),
     "double_quantization": (True, "finetune's 4-bit base is double-quantized, as bitsandbytes' QLoRA"),
     "rope_scaling": (None, "finetune loads the model's own rope"), "enable_liger_kernel": (False, None),
@@ -71,7 +70,7 @@ NOT_CARRIED = {
     "streaming": (False, "finetune's reproduction reads the file whole"),
 }
 # keys read by their own functions below (quantization), not one by one
-READ_HERE = {"quantization_bit", "quantization_type"}
+READ_HERE = {"quantization_bit", "quantization_type", "val_size"}
 # keys that say where things go, or change no step: read, never carried
 PLACES = {
     "model_name_or_path", "adapter_name_or_path", "cache_dir", "trust_remote_code", "do_train", "do_eval",
@@ -211,6 +210,10 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
         if key in raw:
             b.own[key] = (raw[key], src(key))
     _quantization(raw, b, src)
+    size = float(raw.get("val_size") or 0)
+    if size > 1e-6 and not raw.get("streaming"):  # split before preprocessing: the train part trains, in its order
+        b.held_out = (int(size) if size > 1 else size, int(raw.get("seed", 42)),
+                      src("val_size") + ("" if "seed" in raw else ", seed 42 (the Trainer's default)"))
     if raw.get("pure_bf16"):  # bf16 compute: autocast by default, the pure step on request (carry_own)
         b.own["pure_bf16"] = (True, src("pure_bf16"))
         b.own["autocast"] = ("bf16" if raw.get("bf16") else "no", src("bf16"))

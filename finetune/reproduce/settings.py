@@ -496,26 +496,24 @@ def training_file(out: Imported, data: str | None, data_fields: set, base: Basel
                   recipe: Path | None = None, said: str = "--data") -> None:
     """``--data FILE``: the baseline's training file, whole and in its order (the Trainer's order draws from it); for
     a TRL SFT baseline, the tokens it trained on, from the rows' format (``trl_train_on``). A baseline whose tool
-    shuffled its rows once before training (``Baseline.shuffled``: axolotl) trains on them in that order, written
-    beside ``recipe`` (:func:`shuffled_rows`); without ``--data`` or ``recipe`` the order is said as not carried.
-    ``said``: where the file comes from (``--data``, or the source's own naming of it)."""
-    order = base.shuffled if base is not None else None
+    shuffled its rows once before training (``Baseline.shuffled``: axolotl) or held some out
+    (``Baseline.held_out``: LLaMA-Factory's ``val_size``) trains on the rows it kept, in their order, written beside
+    ``recipe`` (:func:`rows_in_order`); without ``--data`` or ``recipe`` that is said as not carried. ``said``: where
+    the file comes from (``--data``, or the source's own naming of it)."""
+    change = row_change(base)
     if data is None:
-        if order is not None:
-            out.skip("the rows' order", f"shuffled with seed {order[0]}", f"{order[1]}: the rows are shuffled once "
-                     "before training (datasets' Dataset.shuffle); give --data FILE, the rows it loaded, and import "
-                     "writes them in that order")
+        if change is not None:
+            out.skip(*change[:2], f"{change[2]}; give --data FILE, the rows it loaded, and import writes the rows "
+                     "it trained on, in that order")
         return
     out.set("data.source", str(data), said)
-    if order is not None:
-        written = shuffled_rows(data, order[0], recipe) if recipe is not None else None
+    if change is not None:
+        written = rows_in_order(data, change[3], recipe) if recipe is not None else None
         if written is None:
-            out.skip("the rows' order", f"shuffled with seed {order[0]}", f"{order[1]}: the rows are shuffled once "
-                     "before training (datasets' Dataset.shuffle); import writes them in that order from a local "
-                     "jsonl, json, parquet or csv --data only")
+            out.skip(*change[:2], f"{change[2]}; import writes the rows it trained on from a local jsonl, json, "
+                     "parquet or csv --data only")
         else:
-            out.set("data.source", str(written), f"{order[1]}: the rows of {data} ({said}) shuffled once before "
-                                                 f"training, as datasets' Dataset.shuffle(seed={order[0]}) does")
+            out.set("data.source", str(written), f"the rows of {data} ({said}) as it trained on them: {change[2]}")
     kind = row_format(data) if base is not None and base.trl else None
     if kind is not None and "train_on" in data_fields and not kind.startswith("preference"):
         train_on, why = trl_train_on(base, kind)
@@ -529,9 +527,28 @@ def training_file(out: Imported, data: str | None, data_fields: set, base: Basel
             out.set(f"data.{name}", value, "--data: the baseline trained on the whole file, in its order")
 
 
-def shuffled_rows(data, seed: int, recipe: Path) -> Path | None:
-    """The rows of the local file ``data`` in the order ``datasets.Dataset.shuffle(seed=seed)`` puts them (the
-    permutation is the datasets library's own, which depends only on the row count and the seed), written beside
+def row_change(base: Baseline | None) -> tuple | None:
+    """How the baseline's tool changed its rows before the Trainer saw them: (the setting, its value, what it did,
+    the rows it kept in their order as a function of the row count), or None. The orders are the ``datasets``
+    library's own (they depend only on the row count and the seed)."""
+    import datasets  # lazy: 0.6 s on every command (this module is on each one's path)
+
+    rows = lambda n: datasets.Dataset.from_dict({"row": range(n)})  # noqa: E731
+    if base is not None and base.shuffled is not None:
+        seed, where = base.shuffled
+        return ("the rows' order", f"shuffled with seed {seed}", f"{where}: the rows are shuffled once before "
+                f"training, as datasets' Dataset.shuffle(seed={seed}) does",
+                lambda n: rows(n).shuffle(seed=seed)["row"])
+    if base is not None and base.held_out is not None:
+        size, seed, where = base.held_out
+        return ("the rows held out", f"{size} (seed {seed})", f"{where}: the rows are split before training, as "
+                f"datasets' train_test_split(test_size={size}, seed={seed}) does, and the train part trained, in its "
+                "order", lambda n: rows(n).train_test_split(test_size=size, seed=seed)["train"]["row"])
+    return None
+
+
+def rows_in_order(data, order_of, recipe: Path) -> Path | None:
+    """The rows of the local file ``data`` that ``order_of(row count)`` lists, in that order, written beside
     ``recipe`` (``RECIPE-rows.jsonl``; a jsonl's lines kept as they are, a parquet or csv file's format kept). None
     when ``data`` is not a local jsonl, json, parquet or csv file."""
     import datasets  # lazy: 0.6 s on every command (this module is on each one's path)
@@ -542,11 +559,11 @@ def shuffled_rows(data, seed: int, recipe: Path) -> Path | None:
         return None
     if kind == "jsonl":
         lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        order = datasets.Dataset.from_dict({"row": range(len(lines))}).shuffle(seed=seed)["row"]
         out = recipe.with_name(f"{recipe.stem}-rows.jsonl")
-        out.write_text("".join(lines[i] + "\n" for i in order), encoding="utf-8")
+        out.write_text("".join(lines[i] + "\n" for i in order_of(len(lines))), encoding="utf-8")
         return out
-    table = datasets.load_dataset(kind, data_files=str(path), split="train").shuffle(seed=seed)
+    table = datasets.load_dataset(kind, data_files=str(path), split="train")
+    table = table.select(order_of(len(table)))
     out = recipe.with_name(f"{recipe.stem}-rows.{'jsonl' if kind == 'json' else kind}")
     {"json": table.to_json, "parquet": table.to_parquet, "csv": table.to_csv}[kind](str(out))
     return out
