@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -253,3 +254,29 @@ def test_a_run_that_held_rows_out_is_reproduced_on_the_rows_it_kept(tmp_path, ca
         assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
     else:
         assert code == 1 and verdict.startswith("verdict: differs"), verdict
+
+
+@pytest.mark.parametrize("keys", [{"max_samples": 10}, {"max_samples": 30, "val_size": 0.2, "seed": 7},
+                                  {"disable_shuffling": True}])
+def test_the_rows_kept_and_their_order_are_carried(tmp_path, capsys, monkeypatch, keys):
+    """max_samples keeps the first rows, then val_size splits them (datasets' train_test_split with the seed): the
+    rows written beside the recipe are those; disable_shuffling is the sequential order (training.shuffle false)."""
+    import datasets
+    import yaml
+
+    monkeypatch.chdir(ROOT)
+    raw = {**yaml.safe_load((ROOT / "examples" / "llamafactory" / "sft-lora.yaml").read_text()), **keys}
+    source, recipe = tmp_path / "k.yaml", tmp_path / "r.yaml"
+    source.write_text(yaml.safe_dump(raw))
+    code, table = cli(capsys, "import", source, "-o", recipe)
+    assert code == 0 and "not carried: max_samples" not in table and "not carried: disable" not in table, table
+    written = yaml.safe_load(recipe.read_text())
+    lines = (LF / "data" / "chat.jsonl").read_text().splitlines()
+    if "disable_shuffling" in keys:
+        assert written["training"]["shuffle"] is False, written
+        return
+    first = lines[:keys["max_samples"]]
+    if "val_size" in keys:
+        split = datasets.Dataset.from_dict({"row": range(len(first))}).train_test_split(test_size=0.2, seed=7)
+        first = [first[i] for i in split["train"]["row"]]
+    assert Path(written["data"]["source"]).read_text().splitlines() == first

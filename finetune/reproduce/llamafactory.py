@@ -58,9 +58,6 @@ NOT_CARRIED = {
     "use_badam": (False, "finetune has no BAdam"), "use_muon": (False, "finetune has no Muon"),
     "use_adam_mini": (False, "finetune has no Adam-mini"), "use_dft_loss": (False, "finetune has no DFT loss"),
     "use_eaft_loss": (False, "finetune has no EAFT loss"), "use_asft_loss": (False, "finetune has no ASFT loss"),
-    "disable_shuffling": (False, "finetune draws the Trainer's random order; set training.shuffle=false for "
-                                 "LLaMA-Factory's sequential one"),
-    "max_samples": (None, "finetune trains on the whole --data file: cut it to the first rows yourself"),
     "mix_strategy": ("concat", "finetune reads one file"),
     "quantization_method": ("bnb", "finetune quantizes with bitsandbytes"),
     "double_quantization": (True, "finetune's 4-bit base is double-quantized, as bitsandbytes' QLoRA"),
@@ -70,7 +67,7 @@ NOT_CARRIED = {
     "streaming": (False, "finetune's reproduction reads the file whole"),
 }
 # keys read by their own functions below (quantization), not one by one
-READ_HERE = {"quantization_bit", "quantization_type", "val_size"}
+READ_HERE = {"quantization_bit", "quantization_type", "val_size", "max_samples", "disable_shuffling"}
 # keys that say where things go, or change no step: read, never carried
 PLACES = {
     "model_name_or_path", "adapter_name_or_path", "cache_dir", "trust_remote_code", "do_train", "do_eval",
@@ -210,10 +207,9 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
         if key in raw:
             b.own[key] = (raw[key], src(key))
     _quantization(raw, b, src)
-    size = float(raw.get("val_size") or 0)
-    if size > 1e-6 and not raw.get("streaming"):  # split before preprocessing: the train part trains, in its order
-        b.held_out = (int(size) if size > 1 else size, int(raw.get("seed", 42)),
-                      src("val_size") + ("" if "seed" in raw else ", seed 42 (the Trainer's default)"))
+    _rows_kept(raw, b, src)
+    if raw.get("disable_shuffling"):  # its trainer's sequential sampler
+        b.args["train_sampling_strategy"] = ("sequential", src("disable_shuffling"))
     if raw.get("pure_bf16"):  # bf16 compute: autocast by default, the pure step on request (carry_own)
         b.own["pure_bf16"] = (True, src("pure_bf16"))
         b.own["autocast"] = ("bf16" if raw.get("bf16") else "no", src("bf16"))
@@ -236,6 +232,18 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
         b.uncarried.append(("finetuning_type", raw["finetuning_type"], "LLaMA-Factory trains only some layers "
                             "(freeze tuning); finetune trains every weight or LoRA adapters"))
     b.carry_own = carry_own
+
+
+def _rows_kept(raw: dict, b, src) -> None:
+    """``max_samples`` (the first rows kept) and ``val_size`` (then split before preprocessing, the train part
+    trained in its order): ``Baseline.held_out``, which import applies to ``--data``."""
+    size, first = float(raw.get("val_size") or 0), raw.get("max_samples")
+    if raw.get("streaming") or (size <= 1e-6 and not first):
+        return
+    said = [src(k) for k in ("max_samples", "val_size") if raw.get(k)]
+    b.held_out = (int(first) if first else None, (int(size) if size > 1 else size) if size > 1e-6 else None,
+                  int(raw.get("seed", 42)), ", ".join(said) + ("" if "seed" in raw or size <= 1e-6 else
+                                                               ", seed 42 (the Trainer's default)"))
 
 
 def _quantization(raw: dict, b, src) -> None:

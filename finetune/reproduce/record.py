@@ -43,9 +43,10 @@ class Baseline:
     #                                               taken as --data when none is given (axolotl's datasets[0].path)
     logged_loss_is_mean: bool = True              # a logged loss is the mean since the previous log (the Trainer's);
     #                                               False: the logged step's own (torchtune's log_every_n_steps)
-    held_out: Optional[tuple] = None              # (test size, seed, source): the tool split its rows before
-    #                                               training (datasets' train_test_split) and trained the train part
-    #                                               in that order (LLaMA-Factory's val_size)
+    held_out: Optional[tuple] = None              # (first rows, test size, seed, source): the tool kept the first
+    #                                               rows (or all: None), split them before training (datasets'
+    #                                               train_test_split; no split: None) and trained the train part in
+    #                                               that order (LLaMA-Factory's max_samples, val_size)
     shuffled: Optional[tuple] = None              # (seed, source): the tool shuffled its training rows once before
     #                                               training, as datasets' Dataset.shuffle(seed=seed) does (axolotl)
 

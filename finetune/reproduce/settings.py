@@ -540,10 +540,14 @@ def row_change(base: Baseline | None) -> tuple | None:
                 f"training, as datasets' Dataset.shuffle(seed={seed}) does",
                 lambda n: rows(n).shuffle(seed=seed)["row"])
     if base is not None and base.held_out is not None:
-        size, seed, where = base.held_out
-        return ("the rows held out", f"{size} (seed {seed})", f"{where}: the rows are split before training, as "
-                f"datasets' train_test_split(test_size={size}, seed={seed}) does, and the train part trained, in its "
-                "order", lambda n: rows(n).train_test_split(test_size=size, seed=seed)["train"]["row"])
+        first, size, seed, where = base.held_out
+        kept = lambda n: min(first, n) if first else n  # noqa: E731
+        return ("the rows it trained on", f"first {first}" if not size else f"{size} held out (seed {seed})",
+                f"{where}: " + (f"the first {first} rows kept" if first else "") + (", then " if first and size else "")
+                + (f"the rows split before training, as datasets' train_test_split(test_size={size}, seed={seed}) "
+                   "does, and the train part trained, in its order" if size else ""),
+                lambda n: rows(kept(n)).train_test_split(test_size=size, seed=seed)["train"]["row"] if size else
+                list(range(kept(n))))
     return None
 
 
