@@ -110,8 +110,8 @@ def write_report(path: Path, source, report: str, curves: Path, commands: list) 
 
 
 def add_arguments(p) -> None:
-    p.add_argument("source", help="what was published: a Trainer/TRL folder, a model card, a LLaMA-Factory YAML or "
-                                  "output folder, an axolotl YAML")
+    p.add_argument("source", help="what was published: an output folder (Trainer, TRL, LLaMA-Factory, torchtune, "
+                                  "axolotl), a model card, a config YAML (axolotl, LLaMA-Factory, torchtune, TRL)")
     p.add_argument("--data", metavar="FILE", help="the baseline's training file (a LLaMA-Factory YAML or an axolotl "
                                                   "config names its own)")
     p.add_argument("--model", metavar="MODEL", help="the model the baseline fine-tuned, when the source names it in "

@@ -182,8 +182,9 @@ def write_recipe(out: Path, raw: dict, source, kind: str) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("source", help="a Trainer/TRL output or checkpoint folder, a model card README.md, an axolotl "
-                                  "YAML or a Trainer/TRL arguments JSON")
+    p.add_argument("source", help="an output or checkpoint folder (Trainer, TRL, LLaMA-Factory, torchtune, axolotl), "
+                                  "a model card README.md, a config YAML (axolotl, LLaMA-Factory, torchtune, TRL) or "
+                                  "a Trainer/TRL arguments JSON")
     p.add_argument("-o", "--output", metavar="RECIPE.yaml", help="where to write the recipe "
                                                                   "(default: <source>-imported.yaml)")
     p.add_argument("--recipe", metavar="BASE", help="keep this recipe's task, model and data (default: a recipe of "
