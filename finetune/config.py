@@ -260,6 +260,10 @@ class TrainingConfig:
     items: Literal["auto", "samples", "tokens", "shifted_tokens"] = doc(
         "what the loss averages over, used to weight micro-batches: auto detects label tokens (-100 ignored, "
         "shifted for causal LMs), else samples", "auto")
+    loss_divisor: Literal["items", "labels"] = doc(
+        "what a window's summed loss is divided by: its items (the big batch's mean), or labels — every label that "
+        "is not -100 before a causal LM's shift, one more per row whose first label trains, as HF Trainer divides "
+        "from transformers 4.46 through 5.9 (5.10 counts after the shift)", "items")
     eval_every: Optional[int] = doc("evaluate every K optimizer steps (null: at the end of each epoch)", None,
                                     affects_result=False, at_least=1)
     eval_at_start: bool = doc("also evaluate before the first optimizer step (the untuned model's metrics)", False,
@@ -546,6 +550,9 @@ def validate_training(t: TrainingConfig, problems: list):
     appends one line per problem."""
     check_ranges(t, "training", problems)
     check_needs(t, "training", problems)
+    if t.loss_divisor == "labels" and t.packing:
+        problems.append("training.packing: true hides each sample's first label in its row, which "
+                        "training.loss_divisor=labels counts; set training.packing to null or false")
 
 
 def installed(module: str) -> bool:

@@ -84,6 +84,7 @@ class Run:
     packing_note: str                 # what the banner says about packing
     head_note: str                    # what the banner says about the loss head
     pad_to_window: bool = False       # pad each micro-batch to its window's longest sample (bf16 / fp16)
+    divisor: Optional[Callable] = None  # micro-batch → its part of what the window's loss is divided by (None: items)
 
     @property
     def schedulers(self) -> dict:
@@ -160,7 +161,8 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                     micro_batches = pad_to_window(run.accelerator, micro_batches)
                 try:
                     result = accumulate_window(run.accelerator, run.model, run.forward_model, job.loss_fn, window,
-                                               micro_batches, run.counter, offload=t.activation_offloading)
+                                               micro_batches, run.counter, offload=t.activation_offloading,
+                                               divisor=run.divisor)
                 except Exception as error:  # batch_size: auto out of memory → the same window, smaller micro-batches
                     if run.auto is None or not is_oom(error):
                         raise

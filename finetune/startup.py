@@ -357,7 +357,10 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
                    checkpointer=checkpointer_for(job, shape, reporting),
                    packing_note=packing_note, head_note=head_note,
                    pad_to_window=t.mixed_precision != "no" and t.pad_to_window and not pack_length_of
-                   and not t.max_tokens_per_micro_batch)
+                   and not t.max_tokens_per_micro_batch,
+                   # a job counting its own items (a preference pair, a rollout) is divided by them
+                   divisor=(lambda b: count_items(b, "tokens")) if t.loss_divisor == "labels" and job.count_items is
+                   None else None)
     if reporting.banner and distributed.is_main_process():
         print(banner(run), flush=True)
     start_trackers(run)
@@ -389,6 +392,8 @@ def ready_model(job: Job, t: TrainingConfig) -> tuple:
 
 def packing_for(job: Job, t: TrainingConfig, model) -> tuple:
     """(each sample's length for packing, or None when the run does not pack; what the banner says of packing)."""
+    if t.loss_divisor == "labels":  # a packed row hides each sample's first label, which the divisor counts
+        return None, "off (training.loss_divisor=labels counts each sample's first label); sorted windows instead"
     pack_length_of, packing_note = decide_packing(t.packing, model, job.train_data, job.length_of, job.loss_fn)
     if job.stream_block is not None and pack_length_of and not t.pack_length:  # rows as long as the longest sample:
         return None, STREAM_UNPACKED  # a stream's is not known ahead

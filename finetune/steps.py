@@ -81,13 +81,16 @@ def _right_pad(value, length: int, longest: int, fill: int):
     return torch.cat([value, pad], dim=1)
 
 
-def count_window(accelerator, window, micro_batches, counter) -> tuple[list, int, int, int]:
-    """Items per micro-batch of this process, and the window's items / real / padded tokens over every process
-    (one all-reduce, before the first backward)."""
+def count_window(accelerator, window, micro_batches, counter, divisor=None) -> tuple[list, int, int, int]:
+    """Items per micro-batch of this process, and the window's items (what its loss is divided by: ``divisor``'s
+    counts when given, ``training.loss_divisor``) / real / padded tokens over every process (one all-reduce,
+    before the first backward)."""
     counts = [counter(b) if active else 0 for b, active in zip(micro_batches, window.active)]
     tokens = window.token_counts or [token_counts(b) if active else (0, 0)  # packed: known from the plan
                                      for b, active in zip(micro_batches, window.active)]
-    totals = [sum(counts), sum(r for r, _ in tokens), sum(p for _, p in tokens)]
+    divided = sum(divisor(b) for b, active in zip(micro_batches, window.active) if active) if divisor else \
+        sum(counts)
+    totals = [divided, sum(r for r, _ in tokens), sum(p for _, p in tokens)]
     if accelerator.num_processes > 1:
         totals = accelerator.reduce(torch.tensor(totals, device=accelerator.device), "sum").tolist()
     window_items, real, padded = (int(x) for x in totals)
@@ -95,11 +98,11 @@ def count_window(accelerator, window, micro_batches, counter) -> tuple[list, int
 
 
 def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_batches, counter,
-                      offload: bool = False) -> WindowResult:
-    """Forward and backward every micro-batch of one window, each weighted by its share of the window's items;
-    gradients are all-reduced once, on the last micro-batch. ``offload``: activations saved for backward wait in
-    host memory."""
-    counts, window_items, real, padded = count_window(accelerator, window, micro_batches, counter)
+                      offload: bool = False, divisor=None) -> WindowResult:
+    """Forward and backward every micro-batch of one window, each weighted by its share of the window's items (of
+    the window's ``divisor`` count, when given); gradients are all-reduced once, on the last micro-batch.
+    ``offload``: activations saved for backward wait in host memory."""
+    counts, window_items, real, padded = count_window(accelerator, window, micro_batches, counter, divisor)
     device, last = accelerator.device, len(micro_batches) - 1
     window_loss, window_extras = torch.zeros((), device=device), {}
     for i, (batch, items) in enumerate(zip(micro_batches, counts)):

@@ -280,3 +280,20 @@ def test_the_rows_kept_and_their_order_are_carried(tmp_path, capsys, monkeypatch
         split = datasets.Dataset.from_dict({"row": range(len(first))}).train_test_split(test_size=0.2, seed=7)
         first = [first[i] for i in split["train"]["row"]]
     assert Path(written["data"]["source"]).read_text().splitlines() == first
+
+
+@pytest.mark.parametrize("divisor", ["the-card-s-trainer", "items"])
+def test_a_run_training_every_token_is_divided_as_its_trainer_divided(tmp_path, capsys, divisor):
+    """``train_on_prompt: true`` (``data.train_on: all``: every sample's first label trains). Its card says
+    Transformers 5.6.0, whose Trainer divides each window's summed loss by the labels counted before the causal
+    shift — one more per row than the tokens the loss sums over — so import sets ``training.loss_divisor: labels``:
+    "equivalent". Divided by the items instead (5.10's count, finetune's default), every loss and gradient is
+    scaled by items ÷ labels: the run differs (the control)."""
+    sets = ["model.generate_prompts=0"] + (["training.loss_divisor=items"] if divisor == "items" else [])
+    code, verdict, table = reproduce(capsys, tmp_path, LF / "sft-prompt", "sft-smollm2", *sets)
+    assert "Transformers 5.6.0, whose Trainer divides" in table and "data.train_on" in table, table
+    assert "every token trained" in table and "not read: train_on_prompt" not in table, table
+    if divisor == "items":
+        assert code == 1 and "training.loss_divisor labels in the baseline vs items" in verdict, verdict
+    else:
+        assert code == 0 and verdict.startswith("verdict: equivalent"), verdict

@@ -113,3 +113,16 @@ def test_search_runs_three_trials(tmp_path):
     assert best["value"] == min(t["value"] for t in finished)
     assert "best trial" in proc.stdout
     assert len(list(out.glob("trial-*/history.jsonl"))) == 3
+
+
+def test_a_run_written_before_a_setting_existed_reads_as_its_default():
+    """``training.loss_divisor`` and ``model.master_weights`` came after runs were written: a config.yaml without
+    them had their defaults, and compares equal to one that says them; another value differs (control)."""
+    from finetune.reproduce.compare import run_settings
+
+    old = {"training": {"optimizer": "adamw"}, "model": {"dtype": "fp32"}}
+    new = {"training": {"optimizer": "adamw", "loss_divisor": "items"}, "model": {"dtype": "fp32",
+                                                                                  "master_weights": True}}
+    assert run_settings(old) == run_settings(new)
+    new["training"]["loss_divisor"] = "labels"
+    assert run_settings(old) != run_settings(new)

@@ -19,7 +19,7 @@ if [ ! -x "$LF_VENV/bin/llamafactory-cli" ]; then
 fi
 rm -rf "$OUT"
 "$PY" examples/llamafactory/tiny_inputs.py "$OUT"
-for run in sft-lora sft-val sft-packed sft-neat dpo-lora; do
+for run in sft-lora sft-val sft-prompt sft-packed sft-neat dpo-lora; do
   HF_HUB_OFFLINE=1 DISABLE_VERSION_CHECK=1 "$LF_VENV/bin/llamafactory-cli" train "examples/llamafactory/$run.yaml"
   cp "examples/llamafactory/$run.yaml" "$OUT/$run/training_args.yaml"   # as LLaMA-Factory's web UI saves it
   rm -f "$OUT/$run"/{all_results.json,train_results.json,training_loss.png}

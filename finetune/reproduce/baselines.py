@@ -235,6 +235,9 @@ def read_card(path: Path, b: Baseline, what: str, required: bool) -> None:
     if front:
         base = re.search(r"^base_model:\s*(?:\n\s*-\s*)?(\S+)", front.group(1), re.M)
         b.base_model = base.group(1).strip("'\"") if base else None
+    version = re.search(r"^- Transformers:? v?(\d+\.\d+(?:\.\d+)?)", text, re.M)  # its Framework versions
+    if version:
+        b.args["transformers_version"] = (version.group(1), f"{path.name}: Framework versions")
     section = re.search(r"^#+\s*Training hyperparameters\s*$(.*?)(?=^#+\s)", text + "\n# end", re.M | re.S)
     pairs = re.findall(r"^- ([a-z_]+): (.+)$", section.group(1), re.M) if section else []
     if card_config(text, path, b) and not pairs:

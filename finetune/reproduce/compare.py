@@ -66,7 +66,9 @@ FLIP_SHARE = 1e-4
 STEP_SETTINGS = ("training.optimizer", "training.weight_decay", "training.momentum", "training.betas",
                  "training.mixed_precision", "model.dtype", "model.quantization", "model.dropout", "peft.enabled",
                  "peft.r", "peft.alpha", "peft.dropout", "peft.target_modules", "peft.modules_to_save",
-                 "training.drop_last")
+                 "training.drop_last", "training.loss_divisor", "model.master_weights")
+# settings added after runs were written with their step: a run's config.yaml without one had its default then
+ADDED_LATER = {"training.loss_divisor": "items", "model.master_weights": True}
 # The loss curves of two runs of the same steps with an 8-bit optimizer (their weights drift apart, see above).
 EIGHT_BIT_LOSS_RTOL = 1e-2
 
@@ -379,7 +381,9 @@ def run_settings(config: dict | None, names: tuple | None = None) -> dict | None
     """A run's update settings (``names``, else its own ``settings_of``) from its resolved config (None without
     one)."""
     names = names or settings_of(config)
-    return step_settings({k: setting(config, k) for k in names}, names) if config else None
+    present = lambda k: k.split(".")[1] in ((config or {}).get(k.split(".")[0]) or {})  # noqa: E731
+    return step_settings({k: setting(config, k) if present(k) or k not in ADDED_LATER else ADDED_LATER[k]
+                          for k in names}, names) if config else None
 
 
 def check_settings(c: Comparison, ours: dict | None, theirs: dict | None, whose: str = "") -> None:

@@ -44,8 +44,6 @@ TRAINER_KEYS = {
 }
 # LLaMA-Factory's own keys that change the steps and that finetune cannot take: key → (its default, why)
 NOT_CARRIED = {
-    "train_on_prompt": (False, "finetune's sft trains on the assistant's turns or on every token: set "
-                               "data.train_on=all to train on the prompts too (the system turn included)"),
     "mask_history": (False, "finetune's sft trains on every assistant turn, not only the last"),
     "neat_packing": (False, None),  # named with packing (its packing function)
     "pref_ftx": (0.0, "finetune's dpo adds no SFT loss to the preference loss"),
@@ -67,7 +65,8 @@ NOT_CARRIED = {
     "streaming": (False, "finetune's reproduction reads the file whole"),
 }
 # keys read by their own functions below (quantization), not one by one
-READ_HERE = {"quantization_bit", "quantization_type", "val_size", "max_samples", "disable_shuffling"}
+READ_HERE = {"quantization_bit", "quantization_type", "val_size", "max_samples", "disable_shuffling",
+             "train_on_prompt"}
 # keys that say where things go, or change no step: read, never carried
 PLACES = {
     "model_name_or_path", "adapter_name_or_path", "cache_dir", "trust_remote_code", "do_train", "do_eval",
@@ -324,7 +323,10 @@ def carry_own(b, out, model_fields, data_fields: set, own_step: bool = False) ->
     if "turn_end" in data_fields and stage_has(b, "data", "turn_end"):
         out.set("data.turn_end", "trained", f"{own['template'][1] if 'template' in own else 'LLaMA-Factory'}: its "
                 "templates train the whole assistant turn, the newline after its end token included")
-    if stage_has(b, "data", "train_on") and "train_on" in data_fields and not value("train_on_prompt"):
+    if stage_has(b, "data", "train_on") and "train_on" in data_fields and value("train_on_prompt"):
+        out.set("data.train_on", "all", f"{own['train_on_prompt'][1]}: every token trained, the prompts and the "
+                                        "system turn too")
+    elif stage_has(b, "data", "train_on") and "train_on" in data_fields:
         out.set("data.train_on", "assistant", "LLaMA-Factory's default: the loss on the assistant's turns "
                                               "(train_on_prompt false)")
     if stage_has(b, "model", "beta") and not has_yaml(b):  # its beta and loss are in the YAML only
@@ -346,7 +348,9 @@ def carry_own(b, out, model_fields, data_fields: set, own_step: bool = False) ->
     if value("pure_bf16"):
         pure_precision(out, own["pure_bf16"], "bf16", "LLaMA-Factory", own_step, model_fields,
                        autocast=own["autocast"][0])
-    if "cutoff_len" in own and "too_long" in data_fields and stage_allows(b, "data", "too_long", "turns"):
+    # its turn-by-turn cut, found by the labels: not when every token trains
+    if "cutoff_len" in own and "too_long" in data_fields and stage_allows(b, "data", "too_long", "turns") and \
+            not value("train_on_prompt"):
         out.set("data.too_long", "turns", f"{own['cutoff_len'][1]}: LLaMA-Factory cuts a longer conversation turn by "
                                           "turn (infer_seqlen)")
     elif "cutoff_len" in own:

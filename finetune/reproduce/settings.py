@@ -133,11 +133,30 @@ def carry(base: Baseline, model_fields: dict, data_fields: set, steps: int | Non
         if get(name, DEFAULTS[name]) not in (DEFAULTS[name], {}, 0, 0.0, False):
             out.skip(name, get(name), why)
     _drop_last(base, out)
+    if "beta" not in model_fields:  # a preference or policy task sums its own loss: no Trainer count divides it
+        _loss_divisor(base, out)
     for setting, value, why in base.uncarried:  # what the source's own reader knows finetune lacks
         out.skip(setting, value, why)
     if base.carry_own is not None:  # a tool's own settings (LLaMA-Factory's template, stage), last
         base.carry_own(base, out, model_fields, data_fields, own_step)
     return out
+
+
+# HF Trainer divided a window's summed loss by its labels counted before a causal LM's shift (num_items_in_batch)
+# from transformers 4.46, which introduced that count, until 5.10 counted after it
+UNSHIFTED_COUNT = ((4, 46), (5, 10))
+
+
+def _loss_divisor(base: Baseline, out: Imported) -> None:
+    """The divisor of the Trainer version that trained the baseline (its card's Framework versions): before 5.10,
+    one label more per row whose first label trains (``training.loss_divisor: labels``)."""
+    version = base.get("transformers_version")
+    if version is None:
+        return
+    parts = tuple(int(x) for x in str(version).split(".")[:2])
+    if UNSHIFTED_COUNT[0] <= parts < UNSHIFTED_COUNT[1]:
+        out.set("training.loss_divisor", "labels", f"{base.args['transformers_version'][1]}: Transformers "
+                f"{version}, whose Trainer divides each window's loss by its labels before the shift")
 
 
 def _drop_last(base: Baseline, out: Imported) -> None:
