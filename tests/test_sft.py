@@ -258,6 +258,9 @@ BAD = [
     (["model.name_or_path={tmp}/plain"], "model.chat_template: the tokenizer of {tmp}/plain has no chat template"),
     (["data.max_length=8"], "data.max_length: every training conversation is longer than 8 tokens"),
     (["model.generate_prompts=-1"], "model.generate_prompts: got -1"),
+    (["training.loss_divisor=labels", "training.packing=true"],
+     "training.packing: true hides each sample's first label in its row, which training.loss_divisor=labels counts"),
+    (["data.too_long=turns", "data.train_on=all"], "data.too_long: turns finds the turns by their labels"),
 ]
 IN_A_PROCESS = {9}  # as a user runs it; the rest through main() in this process
 
