@@ -51,11 +51,12 @@ from torch.utils.data import DataLoader  # noqa: E402
 from finetune import loop, startup  # noqa: E402
 from finetune.config import TrainingConfig  # noqa: E402
 from finetune.distributed import restart_accelerate_state  # noqa: E402
+from finetune.items import batch_len  # noqa: E402
 from finetune.job import Job  # noqa: E402
 from finetune.optim import make_optimizer  # noqa: E402
 from finetune.reproduce import compare  # noqa: E402
 from finetune.steps import token_counts  # noqa: E402
-from finetune.windows import batch_len, membership_hash  # noqa: E402
+from finetune.windows import membership_hash  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()

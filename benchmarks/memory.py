@@ -221,9 +221,9 @@ def smollm2(n: int, seq: int):
     of the Python docs in its tokenizer: (model, samples, collate)."""
     from finetune.config import load_recipe
     from finetune.models.forward import set_dropout
-    from finetune.tasks import sft
+    from finetune.tasks import chat
 
-    model, tokenizer = sft.load_model(load_recipe("sft-smollm2").model)
+    model, tokenizer = chat.load_model(load_recipe("sft-smollm2").model)
     set_dropout(model, 0.0)
     return model, text_blocks(tokenizer, n, seq), clm_collate
 
@@ -299,11 +299,11 @@ def sft_model(overrides: list, lora: bool = True):
     from finetune.config import load_recipe
     from finetune.models.forward import set_dropout
     from finetune.models.hf import apply_peft, precision_kwargs
-    from finetune.tasks import sft
+    from finetune.tasks import chat
 
     cfg = load_recipe("sft-smollm2", overrides)
     with C.quiet():
-        model, tokenizer = sft.load_model(cfg.model, **precision_kwargs(cfg))
+        model, tokenizer = chat.load_model(cfg.model, **precision_kwargs(cfg))
     set_dropout(model, 0.0)
     return (apply_peft(model, cfg.peft, "CAUSAL_LM", "no") if lora else model).train(), tokenizer, cfg
 

@@ -25,13 +25,7 @@ import yaml
 
 from finetune import optimizers
 from finetune.errors import ConfigError
-from finetune.registry import (  # noqa: F401  (list_recipes, recipe_path: re-exported)
-    list_recipes,
-    recipe_path,
-    resolve_task,
-    section_class,
-    task_module,
-)
+from finetune.registry import recipe_path, resolve_task, section_class, task_module
 
 
 def _show(bound) -> str:
@@ -330,8 +324,8 @@ class PretrainedModelConfig(BaseModelConfig):
         "needs CUDA", "fp32")
     master_weights: bool = doc(
         "keep what trains as fp32 master weights; false: every weight trains in model.dtype itself, its gradients and "
-        "the optimizer's state too, and the model computes in it (pure bf16, as torchtune's dtype: bf16 and "
-        "LLaMA-Factory's pure_bf16 train: no step is the fp32 step any more)", True)
+        "the optimizer's state too, and the model computes in it (pure bf16, as torchtune's dtype: bf16 trains: no "
+        "step is the fp32 step any more)", True)
     quantization: Literal["none", "nf4", "fp4", "int8"] = doc(
         "quantize the frozen linear layers with bitsandbytes (QLoRA: nf4): 4-bit nf4 / fp4 with double quantization, "
         "or 8-bit int8; needs peft.enabled and pip install 'finetune[quant]'", "none",
@@ -732,18 +726,26 @@ class _RecipeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def read_yaml(path) -> Any:
-    """The YAML document in ``path`` (duplicate keys refused); ConfigError naming the file and the line."""
+def read_yaml(path, what: str = "recipe") -> Any:
+    """The YAML document in ``path`` (duplicate keys refused); ConfigError naming ``what``, the file and the line."""
     try:
-        return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_RecipeLoader)
+        text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"recipe: {path} is not a text file (not UTF-8); give a YAML recipe") from None
+        raise ConfigError(f"{what}: {path} is not a text file (not UTF-8); give a YAML file") from None
+    return parse_yaml(text, f"{what}: {path}")
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """The YAML document ``text`` (duplicate keys refused): the one YAML reader of recipes, runs and configs.
+    ConfigError ``"{where} is not valid YAML line N"`` (one line) when it is not YAML."""
+    try:
+        return yaml.load(text, Loader=_RecipeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
+        line = f" line {mark.line + 1}" if mark else ""
         problem = getattr(e, "problem", None)
         why = f": {problem}" if problem and "given twice" in problem else ""
-        raise ConfigError(f"recipe: {path} is not valid YAML{where}{why}") from None
+        raise ConfigError(f"{where} is not valid YAML{line}{why}") from None
 
 
 def load_recipe(name_or_path: str, overrides=None) -> RecipeConfig:

@@ -21,7 +21,6 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs, gather_object
 
 from finetune.errors import ConfigError, WriteError
-from finetune.models.forward import shards_weights  # noqa: F401  (the engines' question, asked of a model)
 
 
 def has_device() -> bool:

@@ -124,6 +124,8 @@ class CompareHints:
         peer_names: what another tool calls this task (``{"llamafactory": "dpo"}``: its ``stage``; axolotl: the
             ``type`` of its data sets).
         peer_default: the tools that train this task when their config names none.
+        log_marks: what the Trainer's log of this task's trainer holds and no other task's does (TRL's DPOTrainer
+            logs ``rewards/chosen``): how a run whose config is missing is known by its log.
     """
 
     step_settings: tuple = ()
@@ -133,3 +135,4 @@ class CompareHints:
     trl_marks: Optional[tuple] = None
     peer_names: dict = field(default_factory=dict)
     peer_default: tuple = ()
+    log_marks: tuple = ()

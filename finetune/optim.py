@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from finetune.config import TrainingConfig
-from finetune.optimizers import EIGHT_BIT, OPTIMIZERS  # noqa: F401  (EIGHT_BIT: read by finetune compare)
+from finetune.optimizers import OPTIMIZERS
 
 
 def make_optimizer(params, t: TrainingConfig) -> torch.optim.Optimizer:

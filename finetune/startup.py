@@ -9,7 +9,7 @@ line naming the setting (ConfigError); ``loop.train`` only trains.
     built = build(cfg, checked)      # 2. the task's Job (seeded, told the run: ``TaskContext``), checked against
                                      #    its data; the run's optimizer steps counted; the checkpoint checked
                                      #    against the job (what it restores from it)
-    run = assemble(built.job, cfg.training, built.shape, outputs)
+    run = assemble(built.job, cfg.training, built.shape, reporting)
                                      # 3. the Accelerator, the prepared model and optimizers, the windows, the
                                      #    checkpointer, the trackers; every refusal that needs the model
     result = loop.train(run, checked.saved)

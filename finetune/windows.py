@@ -28,9 +28,7 @@ from torch.utils.data import default_collate
 
 from finetune import seeding
 from finetune.content import Digested, digested_collate, window_content
-from finetune.items import batch_len, count_items, is_causal_lm  # noqa: F401  (re-exported: the loop counts here)
 from finetune.packing import collate_rows, join_samples, pack_rows
-from finetune.seeding import step_seed  # noqa: F401  (the old place of step_seed, kept for user tasks)
 
 
 @dataclass(frozen=True)

@@ -49,3 +49,32 @@ def frozen_heap():
     gc.freeze()
     yield
     gc.unfreeze()
+
+
+# Runs of other tools that several test modules read (the sources' conformance test and each tool's own tests):
+# trained once per session.
+
+
+@pytest.fixture(scope="session")
+def trl_hub_run(tmp_path_factory):
+    """(root, folder, rows) of a TRL SFT run saved as push_to_hub leaves it (tests/test_hub_folders.py)."""
+    from tests.test_hub_folders import trl_run
+
+    return trl_run(tmp_path_factory.mktemp("hub"), [])
+
+
+@pytest.fixture(scope="session")
+def trl_events_run(tmp_path_factory):
+    """The same run logged to TensorBoard, as axolotl's runs are (the Trainer's TensorBoardCallback)."""
+    from tests.test_hub_folders import trl_run
+
+    return trl_run(tmp_path_factory.mktemp("events"), ["tensorboard"])
+
+
+@pytest.fixture(scope="session")
+def trainer_example_run(tmp_path_factory):
+    """The example's Trainer baseline (examples/trainer-baseline/train_with_trainer.py) in ROOT/baseline and its base
+    recipe, ROOT/recipe.yaml, pointing at the tiny model the script wrote."""
+    from tests.test_trainer_baselines import train_example
+
+    return train_example(tmp_path_factory.mktemp("trainer"))

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import default_collate
 
 from finetune import distributed, steps, test_fine_tuning
+from finetune.models.forward import shards_weights
 from tests.helpers import MLP, pad_collate, regression_data, tiny_gpt2, token_data
 
 # 41 samples, B = 12 = 3 × 2 × 2: the last window of 5 splits 3 / 2 over the ranks (a short last window)
@@ -90,7 +91,7 @@ def sharded(model) -> bool:
     """Whether this process keeps only a part of the weights: ZeRO-3's partitions (a tensor as small as these
     models' stays gathered between steps too, below DeepSpeed's persistence threshold, but its partition is still
     what the process owns and updates) or FSDP2's shards."""
-    return distributed.shards_weights(model) or any(
+    return shards_weights(model) or any(
         hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel for p in model.parameters())
 
 

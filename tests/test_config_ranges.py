@@ -18,11 +18,9 @@ from finetune.config import (
     check_ranges,
     config_from_dict,
     doc,
-    list_recipes,
     read_yaml,
-    recipe_path,
 )
-from finetune.registry import task_module
+from finetune.registry import list_recipes, recipe_path, task_module
 
 SHARED_RECIPE = "minilm-sentiment-lora"  # peft enabled: the peft section's ranges apply only then
 

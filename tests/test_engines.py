@@ -14,6 +14,7 @@ import torch
 
 from finetune import distributed, engine_config
 from finetune.errors import ConfigError
+from finetune.models.forward import shards_weights
 from tests import engine_worker
 from tests.helpers import ACCELERATE, ENV, ROOT, SMALL, assert_same_history, tiny_chat_assets
 
@@ -220,7 +221,7 @@ def test_release_is_a_no_op_off_zero3():
     accelerator = SimpleNamespace(distributed_type="MULTI_CPU")
     before = model.weight.detach().clone()
     distributed.release_sharding(accelerator, model)
-    assert torch.equal(model.weight, before) and not distributed.shards_weights(model)
+    assert torch.equal(model.weight, before) and not shards_weights(model)
 
 
 def test_config_files_carry_no_clipping_of_their_own():

@@ -16,14 +16,13 @@ from tests.test_trl_runs import cli
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    return trl_run(tmp_path_factory.mktemp("hub"), [])
+def hub(trl_hub_run):
+    return trl_hub_run
 
 
 @pytest.fixture(scope="module")
-def events(tmp_path_factory):
-    """The same run logged to TensorBoard, as axolotl's runs are (the Trainer's TensorBoardCallback)."""
-    return trl_run(tmp_path_factory.mktemp("events"), ["tensorboard"])
+def events(trl_events_run):
+    return trl_events_run
 
 
 def trl_run(root, report_to):
@@ -116,7 +115,7 @@ def test_a_folder_with_neither_state_nor_arguments_is_refused(tmp_path, capsys):
 def test_tensorboard_events_are_the_per_step_log(events, capsys):
     """A folder whose only log is the Trainer's TensorBoard event files: compare holds every step's loss, lr and
     grad norm from them (TensorBoard's own reader), "equivalent"; the events' args are read too."""
-    from finetune.reproduce.baselines import read_baseline
+    from finetune.reproduce.sources import read_baseline
 
     root, folder, data = events
     assert list(folder.rglob("events.out.tfevents.*"))

@@ -17,7 +17,7 @@ from finetune import test_fine_tuning
 from finetune.config import ConfigError, load_recipe
 from finetune.models import precision
 from finetune.models.hf import merge_adapters, precision_kwargs
-from finetune.tasks import sft
+from finetune.tasks import chat
 from tests.helpers import (
     ENV,
     ROOT,
@@ -265,7 +265,7 @@ def test_every_model_source_quantizes(tmp_path):
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
     for source in (tiny_chat_assets()["model"], str(gguf)):
         cfg = load_recipe(RECIPE, [*SMALL[RECIPE], f"model.name_or_path={source}", "model.quantization=nf4"])
-        model, _ = sft.load_model(cfg.model, **precision_kwargs(cfg))
+        model, _ = chat.load_model(cfg.model, **precision_kwargs(cfg))
         kinds = {type(m).__name__ for m in model.modules()}
         assert "Linear4bit" in kinds and type(model.lm_head) is torch.nn.Linear, source
     cfg = load_recipe(str(ROOT / "tests" / "assets" / "tiny-sentiment.yaml"),

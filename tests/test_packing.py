@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from finetune import ConfigError, test_fine_tuning
+from finetune.items import count_items
 from finetune.packing import (
     PackedRows,
     collate_rows,
@@ -20,7 +21,7 @@ from finetune.packing import (
     pack_rows,
 )
 from finetune.reproduce.compare import compare_runs
-from finetune.windows import count_items, windows_of_epoch
+from finetune.windows import windows_of_epoch
 from tests.helpers import (
     ENV,
     ROOT,

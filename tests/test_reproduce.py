@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from finetune.cli import main
-from finetune.config import list_recipes
+from finetune.registry import list_recipes
 from tests.helpers import ENV, ROOT, TINY, cli
 
 

@@ -23,7 +23,7 @@ from finetune.cli import run_main
 from finetune.config import ConfigError, load_recipe
 from finetune.models.hf import gguf_file, resolve_model_path
 from finetune.startup import build_job
-from finetune.tasks import sft
+from finetune.tasks import chat, sft
 from tests.helpers import (
     CHATML,
     ENV,
@@ -137,7 +137,7 @@ def test_labels_cover_every_assistant_turn_and_nothing_else():
 
 
 def test_loss_counts_the_shifted_assistant_tokens():
-    from finetune.windows import count_items
+    from finetune.items import count_items
 
     tok = tiny_tokenizer()
     samples = [sft.encode(tok, r["messages"]) for r in chat_rows(5)]
@@ -200,7 +200,7 @@ def test_model_path_forms(tmp_path, monkeypatch):
     plain = without_chat_template(tmp_path / "plain")
     (tmp_path / "chatml.jinja").write_text(CHATML)
     for template in (str(tmp_path / "chatml.jinja"), CHATML):
-        _, tok = sft.load_model(sft.ModelConfig(name_or_path=str(plain), chat_template=template))
+        _, tok = chat.load_model(sft.ModelConfig(name_or_path=str(plain), chat_template=template))
         assert tok.chat_template == CHATML
 
 

@@ -58,7 +58,7 @@ def test_a_trl_command_line_config(tmp_path, capsys):
             t["mixed_precision"], t["gradient_checkpointing"]) == (32, 2e-4, "cosine", 30, 7, "bf16", True)
     assert (peft["enabled"], peft["r"], peft["alpha"], peft["dropout"]) == (True, 32, 32, 0.05)
     assert peft["target_modules"] == ["all-linear"] and "sft.yaml: learning_rate" in said
-    from finetune.reproduce.baselines import read_baseline
+    from finetune.reproduce.sources import read_baseline
 
     assert read_baseline(source).args["lora_alpha"] == (32, "sft.yaml: TRL ModelConfig's default lora_alpha")
     full = tmp_path / "full.yaml"
@@ -165,7 +165,7 @@ def test_an_axolotl_card_carries_its_config_block(tmp_path, capsys, packing):
     t, peft = raw["training"], raw["peft"]
     assert (t["effective_batch_size"], t["drop_last"], t["epochs"], t["seed"]) == (8, 2, 2, 3)
     assert (peft["enabled"], peft["r"], peft["target_modules"]) == (True, 16, ["all-linear"])
-    from finetune.reproduce.baselines import read_baseline
+    from finetune.reproduce.sources import read_baseline
 
     args = read_baseline(card).args
     assert args["lora_target_modules"][1].startswith("README.md (axolotl config): lora_target_linear: every linear "
@@ -190,7 +190,7 @@ def test_axolotl_batch_size_sets_the_accumulation(tmp_path, capsys):
     source.write_text(yaml.safe_dump({**raw, "batch_size": 32}))
     recipe, said = imported(capsys, tmp_path, source)
     assert recipe["training"]["effective_batch_size"] == 32
-    from finetune.reproduce.baselines import read_baseline
+    from finetune.reproduce.sources import read_baseline
 
     assert read_baseline(source).args["gradient_accumulation_steps"] == (4, "axolotl.yaml: batch_size 32 ÷ "
                                                                             "micro_batch_size 8")
@@ -293,7 +293,7 @@ def test_a_torchtune_chat_dataset_file_is_the_training_file(tmp_path, capsys):
 
 def test_a_torchtune_log_is_read_with_its_lr_shifted_back(tmp_path):
     """DiskLogger's lines (torchtune 0.6.1: loss and grad norm as tensors, the lr read after the scheduler stepped)."""
-    from finetune.reproduce.baselines import read_baseline
+    from finetune.reproduce.sources import read_baseline
 
     folder = tmp_path / "tt"
     (folder / "logs").mkdir(parents=True)
@@ -315,7 +315,7 @@ def test_bad_tool_configs_are_refused_with_one_line(tmp_path, capsys):
     source.write_text("foo: 1\nbar: [2]\n")
     capsys.readouterr()
     assert main(["import", str(source), "-o", str(tmp_path / "r.yaml")]) == 2
-    assert_one_error_line(capsys.readouterr().err, "is not a config finetune reads (torchtune: _component_ paths")
+    assert_one_error_line(capsys.readouterr().err, "is not a run finetune reads (a run of ")
     source.write_text(TORCHTUNE.replace("batch_size: 4", "batch_size: four").replace("${output_dir}", "${{output_dir}}")
                       .format(epochs=1, dtype="fp32"))
     assert main(["import", str(source), "-o", str(tmp_path / "r.yaml")]) == 2

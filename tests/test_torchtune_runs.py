@@ -84,7 +84,7 @@ def test_what_a_torchtune_run_does_that_finetune_does_not_is_named(tmp_path):
     (saved permuted) are named as not carried."""
     import yaml
 
-    from finetune.reproduce.torchtune import read_torchtune
+    from finetune.reproduce.sources.torchtune import read_torchtune
 
     raw = yaml.safe_load((ASSETS / "torchtune-lora" / "torchtune_config.yaml").read_text())
     raw["tokenizer"]["max_seq_len"] = 256

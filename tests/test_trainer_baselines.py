@@ -119,15 +119,18 @@ def finetune_cli(capsys, *args) -> tuple[int, str, str]:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """The example's Trainer baseline (examples/trainer-baseline/train_with_trainer.py) and its base recipe, pointing
-    at the tiny model the script wrote."""
+def baseline(trainer_example_run):
+    return trainer_example_run
+
+
+def train_example(root):
+    """The example's Trainer baseline (examples/trainer-baseline/train_with_trainer.py) in ``root/baseline`` and its
+    base recipe, pointing at the tiny model the script wrote."""
     import runpy
     import sys
 
     import yaml
 
-    root = tmp_path_factory.mktemp("trainer")
     argv = sys.argv
     sys.argv = ["train_with_trainer.py", "--out", str(root / "baseline"), "--model", str(root / "tiny-llama")]
     try:
@@ -254,7 +257,7 @@ def test_import_each_source_kind(baseline, tmp_path, capsys, kind):
 
 
 def test_training_args_bin_is_read_by_the_restricted_unpickler(baseline):
-    from finetune.reproduce.baselines import read_training_args_bin
+    from finetune.reproduce.sources.pickled_args import read_training_args_bin
 
     args = read_training_args_bin(baseline / "baseline" / "training_args.bin")
     assert (args["per_device_train_batch_size"], args["warmup_steps"], args["optim"], args["lr_scheduler_type"]) == \

@@ -1,13 +1,12 @@
 """``finetune reproduce SOURCE [--data FILE] [-o DIR]``: import, train, compare and report in one command.
 
-What a user types for whatever was published (a Trainer / TRL folder, a model card, a LLaMA-Factory YAML or output
-folder): the recipe is imported (``finetune import``; the base recipe from the task the source trained: sft, dpo,
-grpo), trained at a micro-batch that fits this machine (``--batch-size auto`` unless given: the planner's pick, shrunk
-on an out-of-memory error, the effective batch kept), compared with the source's own logs (``finetune compare``) and
-written up in ``DIR/report.md`` — the verdict, each layer, the curves side by side (``DIR/curves.png``) and the
-commands that did it. In mixed precision the rounding floor is measured, not assumed: a twin run (the same recipe at
-another micro-batch) is trained too and passed to compare as its floor. The three commands stay for those who want
-each step; this one runs them.
+What a user types for whatever was published (any run a source of ``sources.SOURCES`` reads): the recipe is imported
+(``finetune import``; the base recipe from the task the source trained), trained at a micro-batch that fits this
+machine (``--batch-size auto`` unless given: the planner's pick, shrunk on an out-of-memory error, the effective batch
+kept), compared with the source's own logs (``finetune compare``) and written up in ``DIR/report.md`` — the verdict,
+each layer, the curves side by side (``DIR/curves.png``) and the commands that did it. In mixed precision the
+rounding floor is measured, not assumed: a twin run (the same recipe at another micro-batch) is trained too and
+passed to compare as its floor. The three commands stay for those who want each step; this one runs them.
 
     finetune reproduce runs/llamafactory-sft --model path/to/base -o reproduced
 """
@@ -16,40 +15,37 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 from finetune.card import record_verdict
 from finetune.errors import ConfigError
 from finetune.outputs import read_config, read_metrics
 from finetune.registry import task_hints
 from finetune.reproduce import compare as comparing
-from finetune.reproduce.baselines import read_baseline, trl_task
+from finetune.reproduce import importer
+from finetune.reproduce.record import Baseline
+from finetune.reproduce.sources import names, read_baseline
 
 
-def base_recipe(source) -> str | None:
+def base_recipe(b: Baseline) -> str | None:
     """The recipe to import over (its model, data and loss builders; the numbers are imported): the base recipe of
-    the task the source says (LLaMA-Factory's stage), else of the task whose TRL arguments a TRL folder holds
-    (``CompareHints.trl_marks``), else none (a clm recipe)."""
-    b = read_baseline(source, "reproduce")
-    task = b.task or trl_task(b)
+    the task the source says it trained (its ``task``: LLaMA-Factory's stage, the TRL arguments a TRL folder holds:
+    ``CompareHints.trl_marks``), else none (a clm recipe)."""
+    task = b.source.task(b)
     return task_hints(task).base_recipe if task else None
 
 
 def main(args, finetune) -> int:
-    """Run ``finetune reproduce``; ``finetune``: the command line's ``main`` (a list of arguments → exit code)."""
+    """Run ``finetune reproduce``; ``finetune``: the command line's ``main`` (a list of arguments → exit code). The
+    source is read once, here, and handed to import and compare."""
     out = Path(args.output or f"reproduce-{Path(args.source).stem}")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"reproduce: -o {out} exists and is not empty; give another folder or --force")
+    baseline = read_baseline(args.source, "reproduce")
     out.mkdir(parents=True, exist_ok=True)
     recipe = out / "recipe.yaml"
-    base = args.recipe or base_recipe(args.source)
-    imported = ["import", str(args.source), "-o", str(recipe), "--force", *(["--recipe", base] if base else []),
-                *(["--data", str(args.data)] if args.data else []), *(["--model", str(args.model)] if args.model
-                                                                       else []),
-                *(["--initial-adapter", str(args.initial_adapter)] if args.initial_adapter else []),
-                *(["--baseline-step"] if args.baseline_step else [])]
-    commands = [imported]
-    code = finetune(imported)
+    args.recipe = args.recipe or base_recipe(baseline)
+    commands = [import_command(args, recipe)]
+    code = importer.write_import(baseline, importer.request_of(args, recipe), recipe)
     if code:
         return code
     run_dir, micro = out / "run", args.batch_size or "auto"
@@ -72,15 +68,29 @@ def main(args, finetune) -> int:
             code = finetune(commands[-1])
             if code:
                 return code
-    result = comparing.compare_with_baseline(args.source, run_dir, floor=twin)
-    commands.append(["compare", str(args.source), str(run_dir), *(["--floor", str(twin)] if twin else [])])
-    curves = comparing.plot_against_baseline(args.source, run_dir, out / "curves.png")
+    own = baseline.source.run_folder(baseline)
+    if own is not None:  # finetune's own run: run against run
+        result = comparing.compare_runs(own, run_dir, floor=twin)
+        curves = comparing.plot_comparison(own, run_dir, out / "curves.png")
+    else:
+        result = comparing.compare_with_baseline(baseline, run_dir, floor=twin)
+        curves = comparing.plot_against_baseline(baseline, run_dir, out / "curves.png")
+    commands.append(["compare", str(own or args.source), str(run_dir), *(["--floor", str(twin)] if twin else [])])
     report = result.report()
     print(report)
     write_report(out / "report.md", args.source, report, curves, commands)
     record_verdict(run_dir, report.splitlines()[-1], args.source)
     print(f"report: {out / 'report.md'}")
     return result.exit_code
+
+
+def import_command(args, recipe: Path) -> list:
+    """The ``finetune import`` command that writes the same recipe (for the report: each step can be run alone)."""
+    return ["import", str(args.source), "-o", str(recipe), "--force",
+            *(["--recipe", args.recipe] if args.recipe else []), *(["--data", str(args.data)] if args.data else []),
+            *(["--model", str(args.model)] if args.model else []),
+            *(["--initial-adapter", str(args.initial_adapter)] if args.initial_adapter else []),
+            *(["--baseline-step"] if args.baseline_step else [])]
 
 
 def _below_fp32(run_dir: Path) -> bool:
@@ -110,10 +120,9 @@ def write_report(path: Path, source, report: str, curves: Path, commands: list) 
 
 
 def add_arguments(p) -> None:
-    p.add_argument("source", help="what was published: an output folder (Trainer, TRL, LLaMA-Factory, torchtune, "
-                                  "axolotl), a model card, a config YAML (axolotl, LLaMA-Factory, torchtune, TRL)")
-    p.add_argument("--data", metavar="FILE", help="the baseline's training file (a LLaMA-Factory YAML or an axolotl "
-                                                  "config names its own)")
+    p.add_argument("source", help=f"what was published: a run of {names()} (see docs/reproduce/sources.md)")
+    p.add_argument("--data", metavar="FILE", help="the baseline's training file (default: the one local file the "
+                                                  "source names, where it names one)")
     p.add_argument("--model", metavar="MODEL", help="the model the baseline fine-tuned, when the source names it in "
                                                     "another form")
     p.add_argument("--recipe", metavar="BASE", help="the recipe to import over (default: the source's task's)")
@@ -127,7 +136,3 @@ def add_arguments(p) -> None:
                    help="override a field of the imported recipe for the run (repeatable)")
     p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
 
-
-def namespace(**kw) -> SimpleNamespace:  # for callers outside the command line
-    return SimpleNamespace(**{"data": None, "model": None, "recipe": None, "batch_size": None, "output": None,
-                              "initial_adapter": None, "baseline_step": False, "set": [], "force": False, **kw})

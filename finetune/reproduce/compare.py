@@ -34,15 +34,15 @@ from safetensors.torch import load_file
 from finetune.config import flatten, result_changes
 from finetune.errors import ConfigError
 from finetune.job import CompareHints
-from finetune.optim import EIGHT_BIT
-from finetune.optimizers import ADAPTIVE
+from finetune.optimizers import ADAPTIVE, EIGHT_BIT
 from finetune.outputs import pyplot, read_config, read_history, read_metrics
 from finetune.registry import task_hints
 from finetune.reproduce import floor as floors
-from finetune.reproduce.baselines import read_baseline
 from finetune.reproduce.floor import FP32
-from finetune.reproduce.hub import no_step_log
+from finetune.reproduce.record import Baseline
 from finetune.reproduce.settings import carry, model_difference
+from finetune.reproduce.sources import read_baseline
+from finetune.reproduce.sources.hub import no_step_log
 from finetune.windows import WindowSpec, membership_hash
 
 # The certificate's tolerances, each far above the rounding floor measured between layouts of the same run and far
@@ -576,14 +576,14 @@ def loss_band(base, mine: dict) -> tuple[float, str | None]:
 
 def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
                           loss_rtol: float | None = None, floor=None) -> Comparison:
-    """Check finetune run ``run`` against a baseline another tool trained (``finetune.reproduce.baselines``), in order:
+    """Check finetune run ``run`` against a baseline another tool trained (read by ``sources.read_baseline``), in order:
     effective batch, optimizer steps, the samples of every window (the Trainer's order recomputed from the
     baseline's seed), the lr and the training loss at every logged step (our mean over the steps each log entry
     covers: ``logging_steps`` > 1 logs a mean), the evaluation loss, the weights. What the baseline does not show
     (a model card has no lr, no weights) is reported as not checkable. Raises ConfigError when the two models differ
     or the baseline is unreadable. ``floor``: a twin of ``run`` (the same reproduction at another --batch-size): the
     bands are then ``floor.TWIN_FACTOR`` × the rounding floor measured between them, not the assumed ones."""
-    base, mine = read_baseline(baseline, "compare"), _mine(Path(run))
+    base, mine = baseline if isinstance(baseline, Baseline) else read_baseline(baseline, "compare"), _mine(Path(run))
     diff = model_difference(base.model_config, mine["model_config"])
     if diff:
         raise ConfigError(f"compare: the baseline's model differs from {run}'s: {diff}")
@@ -830,10 +830,11 @@ def _check_eval(c: Comparison, base, mine: dict, rtol: float, rounding: float, a
 def plot_against_baseline(baseline, run, path) -> Path:
     """The baseline's logged loss and lr over this run's (its loss as the same means over the logged steps)."""
     plt = pyplot()
-    b, hist = read_baseline(baseline, "compare"), read_run(Path(run))["history"]
+    b = baseline if isinstance(baseline, Baseline) else read_baseline(baseline, "compare")
+    hist = read_run(Path(run))["history"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     logs = b.logs or [{"step": s, "loss": v} for s, v in b.card_losses]
-    axes[0].plot([e["step"] for e in logs], [e["loss"] for e in logs], "-", label=f"{b.kind} {Path(baseline).name}")
+    axes[0].plot([e["step"] for e in logs], [e["loss"] for e in logs], "-", label=f"{b.kind} {b.path.name}")
     axes[0].plot([h["step"] for h in hist], [h["loss"] for h in hist], "--", label=Path(run).name)
     if b.evals:
         axes[0].plot([s for s, _ in b.evals], [v for _, v in b.evals], "o", label="baseline eval")

@@ -1,6 +1,6 @@
 """``finetune import SOURCE [-o recipe.yaml] [--recipe BASE]``: a finetune recipe from a baseline's settings.
 
-``SOURCE`` is anything :func:`baselines.read_baseline` reads. The recipe gets the baseline's effective
+``SOURCE`` is any run a source of ``sources.SOURCES`` reads. The recipe gets the baseline's effective
 batch, learning rate, schedule and warm-up (a warm-up ratio becomes steps as transformers computes them:
 ``ceil(steps × ratio)``, or as the source's tool rounds it), epochs or max steps, optimizer, betas, weight decay,
 ``max_grad_norm``, seed, mixed precision, LoRA, max length / completion-only loss where the task has them,
@@ -15,46 +15,59 @@ carried gets one ``not carried:`` line. The micro-batch is yours: run the recipe
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import typing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
-from finetune import card as card_io
-from finetune.config import (
-    apply_overrides,
-    config_from_dict,
-    read_yaml,
-    recipe_path,
-    resolve_task,
-    section_class,
-    task_module,
-)
+from finetune.config import apply_overrides, config_from_dict, read_yaml
 from finetune.errors import ConfigError
-from finetune.outputs import read_config, read_metrics
-from finetune.reproduce import llamafactory
-from finetune.reproduce.baselines import Baseline, read_baseline, trl_task
+from finetune.registry import recipe_path, resolve_task, section_class, task_module
+from finetune.reproduce.record import Baseline
 from finetune.reproduce.settings import Imported, carry, model_config_of, model_difference, training_file
+from finetune.reproduce.sources import accepted, names, read_baseline
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a user asks of ``finetune import`` besides the source: the recipe to import over (``--recipe``), the
+    baseline's optimizer steps (``--steps``), its training file (``--data``), its adapters' start
+    (``--initial-adapter``), its base model (``--model``), where the recipe goes (beside which the rows go when the
+    baseline's tool reordered them) and whether to take the tool's own step (``--baseline-step``)."""
+
+    base_recipe: Optional[str] = None
+    steps: Optional[int] = None
+    data: Optional[str] = None
+    initial_adapter: Optional[str] = None
+    model: Optional[str] = None
+    recipe: Optional[Path] = None
+    baseline_step: bool = False
+
+
+def request_of(args, out: Path) -> Request:
+    """The request of ``finetune import`` / ``reproduce``'s command line, the recipe written to ``out``."""
+    return Request(args.recipe, getattr(args, "steps", None), args.data, args.initial_adapter, args.model, out,
+                   args.baseline_step)
 
 
 def _skeleton(base: Baseline) -> dict:
-    """A recipe of the task the baseline trained (its ``Baseline.task``; clm when the source does not say) on its base
+    """A recipe of the task the baseline trained (its source's ``task``; clm when the source does not say) on its base
     model (none when the source does not name it: said as missing)."""
-    return {"task": base.task or trl_task(base) or "clm", "description": f"imported from {base.path}",
+    return {"task": base.source.task(base) or "clm", "description": f"imported from {base.path}",
             "model": {"name_or_path": base.base_model} if base.base_model else {}}
 
 
-def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None,
-                  model=None, recipe=None, own_step=False) -> tuple[dict, Imported, Baseline]:
-    """The recipe mapping for baseline ``source`` (over recipe ``base`` when given; ``data``: the baseline's training
-    file; ``model``: its base model; ``recipe``: where the recipe will be written, beside which the rows go when the
-    baseline's tool reordered them; ``own_step``: take the tool's own step where it is not the big batch's), what
-    was carried and the baseline. Raises ConfigError (one line) for bad
-    input, a recipe that would not validate, or a model that differs from the baseline's. A baseline that names no
-    base model, imported without ``base``, gives a recipe whose ``model.name_or_path`` is missing
-    (``Imported.missing`` says so)."""
-    baseline = read_baseline(source, "import")
+def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported, Baseline]:
+    """The recipe mapping for baseline ``source`` (a path, or the ``Baseline`` already read), what was carried and the
+    baseline. Raises ConfigError (one line) for bad input, a recipe that would not validate, or a model that differs
+    from the baseline's. A baseline that names no base model, imported without a base recipe, gives a recipe whose
+    ``model.name_or_path`` is missing (``Imported.missing`` says so)."""
+    baseline = source if isinstance(source, Baseline) else read_baseline(source, "import")
+    base, data, model = request.base_recipe, request.data, request.model
     raw = read_yaml(recipe_path(base)) if base else _skeleton(baseline)
     if not isinstance(raw, dict):
         raise ConfigError(f"--recipe: {base} is not a recipe (a YAML mapping)")
@@ -62,9 +75,10 @@ def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None
     module = task_module(resolve_task(raw.get("task"), folder))
     model_fields = typing.get_type_hints(section_class(module, "ModelConfig"))  # name → type
     data_fields = set(getattr(section_class(module, "DataConfig"), "__dataclass_fields__", {}))
-    imported = carry(baseline, model_fields, data_fields, steps, initial_adapter, own_step)
+    imported = carry(baseline, model_fields, data_fields, request.steps, request.initial_adapter,
+                     request.baseline_step)
     named = data is None and baseline.data_file is not None  # the file the source names, when no --data is given
-    training_file(imported, baseline.data_file[0] if named else data, data_fields, baseline, recipe,
+    training_file(imported, baseline.data_file[0] if named else data, data_fields, baseline, request.recipe,
                   baseline.data_file[1] if named else "--data")
     if not base and data is None and not named:
         imported.skip("the data set", "unknown", f"not in the {baseline.kind}; this recipe trains on the "
@@ -83,7 +97,7 @@ def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None
                      "replaced; its task and data kept)")
     raw = apply_overrides(raw, [(name.split("."), value) for name, value in imported.values.items()])
     if not base:
-        raw.setdefault("name", Path(source).stem)
+        raw.setdefault("name", baseline.path.stem)
     if not baseline.base_model and not base and model is None:
         imported.missing.append("model.name_or_path: the baseline does not name the model it fine-tuned; add it "
                                 "(--set model.name_or_path=MODEL when you run) or give --recipe BASE")
@@ -94,48 +108,6 @@ def import_recipe(source, base=None, steps=None, data=None, initial_adapter=None
         raise ConfigError(f"import: the baseline's model ({baseline.path / 'config.json'}) differs from the recipe's "
                           f"model.name_or_path: {diff}")
     return raw, imported, baseline
-
-
-def finetune_recipe(source, data=None, model=None) -> tuple[dict, list[str]] | None:
-    """The recipe that reproduces a finetune run, from its run folder or its model card (a ``model/`` folder or its
-    README.md): the run's resolved recipe whole, its effective batch kept (``card.reproducible``); ``data``,
-    ``model``: where the training file and the base model are on this machine. With it, what the import says: each
-    line names what was read and how the data stand against the run's (sha256). None when ``source`` is not
-    finetune's."""
-    p = Path(source)
-    run = p if (p / "history.jsonl").is_file() and (p / "config.yaml").is_file() else None
-    card = next((c for c in ((p / "model") if run else p, p) if card_io.is_card(c)), None)
-    if run is None and card is None:
-        return None
-    if run is not None:
-        recipe = card_io.reproducible(read_config(run), read_metrics(run).get("effective_batch_size"))
-    else:
-        recipe = card_io.read_recipe(card)
-    said = [f"finetune {'run' if run else 'model card'}: {p} (its resolved recipe, whole; effective batch "
-            f"{(recipe.get('training') or {}).get('effective_batch_size')} kept, the micro-batch yours)"]
-    sections = {k: dict(recipe.get(k) or {}) for k in ("model", "data")}
-    if model is not None:
-        sections["model"]["name_or_path"] = str(model)
-        said.append(f"model.name_or_path  {model}  --model")
-    if data is not None:
-        sections["data"]["source"] = str(data)
-    recipe.update({k: v for k, v in sections.items() if v})
-    said.append(data_line(sections["data"].get("source"), card_io.card_data_sha(card) if card else None,
-                          "--data" if data is not None else "the run's"))
-    return recipe, said
-
-
-def data_line(source, sha: str | None, whose: str) -> str:
-    """How ``source`` (the data the recipe will train on) stands against the sha256 the run's card recorded."""
-    if sha is None:
-        return f"data.source  {source}  {whose} (the card records no file sha256: not a local file)"
-    mine = card_io.file_sha256(source)
-    if mine is None:
-        return f"missing: data.source {source} is not on this machine; give --data FILE (sha256 {sha[:12]}…)"
-    if mine != sha:
-        return (f"not carried: data.source {source} differs from the run's data (sha256 {mine[:12]}… vs "
-                f"{sha[:12]}…): the reproduction trains on other data")
-    return f"data.source  {source}  {whose}; sha256 {sha[:12]}… matches the run's"
 
 
 def table(imported: Imported, base: Baseline) -> str:
@@ -154,20 +126,25 @@ def main(args) -> int:
                                "-imported.yaml")
     if out.exists() and not args.force:
         raise ConfigError(f"import: -o {out} exists; give another path or --force")
-    own = finetune_recipe(args.source, args.data, args.model)
-    if own is not None:  # a finetune run or its card: its own recipe, whole
-        raw, said = own
+    return write_import(read_baseline(args.source, "import"), request_of(args, out), out)
+
+
+def write_import(baseline: Baseline, request: Request, out: Path) -> int:
+    """``finetune import`` of the baseline read: the recipe written to ``out``, the table of what was carried and
+    every line on what was not, printed."""
+    whole = baseline.source.whole_recipe(baseline, request.data, request.model)
+    if whole is not None:  # a run that carries its recipe: that recipe, whole
+        raw, said = whole
         for line in said:
             print(line, file=sys.stderr if line.startswith(("missing:", "not carried:")) else sys.stdout)
-        return write_recipe(out, raw, args.source, "finetune run")
-    args.data = llamafactory.training_rows(args.source, args.data, out, read_baseline)  # rows finetune reads
-    raw, imported, baseline = import_recipe(args.source, args.recipe, args.steps, args.data, args.initial_adapter,
-                                            args.model, out, args.baseline_step)
+        return write_recipe(out, raw, baseline.path, baseline.kind)
+    rows = baseline.source.training_rows(baseline, request.data, out)  # the rows as the tool trained them
+    raw, imported, baseline = import_recipe(baseline, dataclasses.replace(request, data=rows))
     print(table(imported, baseline))
     if baseline.unknown:  # listed, not fatal: axolotl grows keys faster than this list
         print(f"warning: {baseline.path.name}: keys finetune does not know, not read: {', '.join(baseline.unknown)}",
               file=sys.stderr)
-    write_recipe(out, raw, args.source, baseline.kind)
+    write_recipe(out, raw, baseline.path, baseline.kind)
     for line in imported.missing:
         print(f"missing: {line}", file=sys.stderr)
     return 0
@@ -182,9 +159,8 @@ def write_recipe(out: Path, raw: dict, source, kind: str) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("source", help="an output or checkpoint folder (Trainer, TRL, LLaMA-Factory, torchtune, axolotl), "
-                                  "a model card README.md, a config YAML (axolotl, LLaMA-Factory, torchtune, TRL) or "
-                                  "a Trainer/TRL arguments JSON")
+    p.epilog = f"What is read of each tool — {accepted()}."
+    p.add_argument("source", help=f"a run of {names()} (see docs/reproduce/sources.md)")
     p.add_argument("-o", "--output", metavar="RECIPE.yaml", help="where to write the recipe "
                                                                   "(default: <source>-imported.yaml)")
     p.add_argument("--recipe", metavar="BASE", help="keep this recipe's task, model and data (default: a recipe of "
@@ -193,13 +169,12 @@ def add_arguments(p) -> None:
                                                     "when its folder does not name it or names it in another form")
     p.add_argument("--data", metavar="FILE", help="the baseline's training file (jsonl, json, parquet, csv): trained "
                                                   "whole and in its order (data.val_fraction 0, data.limit null); "
-                                                  "default: the one local file the source names (LLaMA-Factory, "
-                                                  "axolotl)")
+                                                  "default: the one local file the source names, where it names one")
     p.add_argument("--initial-adapter", metavar="DIR", help="the baseline's LoRA adapters saved before its first "
                                                             "step (peft.init_from): the reproduction starts there")
     p.add_argument("--baseline-step", action="store_true", help="train the step the baseline's tool took where it "
-                   "is not the big batch's (LLaMA-Factory's packed rows): the reproduction is that run (default: "
+                   "is not the big batch's (packed rows, a pure-bf16 step): the reproduction is that run (default: "
                    "finetune's exact big-batch step, the difference named)")
     p.add_argument("--steps", type=int, metavar="N", help="the baseline's optimizer steps, for a warm-up ratio when "
-                                                          "the source does not say them (axolotl, args JSON)")
+                                                          "the source does not say them")
     p.add_argument("--force", action="store_true", help="overwrite the output file")

@@ -1,27 +1,28 @@
 """What a reader of another tool's run hands ``finetune import`` and ``finetune compare``: the run's settings as
-TrainingArguments names, each with where it came from, its per-step log, and its files (``Baseline``). Each tool's
-reader (``baselines``, ``axolotl``, ``torchtune``, ``trl_config``, ``hub``, ``tensorboard``) fills one."""
+TrainingArguments names, each with where it came from, its per-step log, and its files (``Baseline``). Each entry of
+``sources.SOURCES`` fills one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import yaml
+from finetune.config import read_yaml
 
-from finetune.errors import ConfigError
+if TYPE_CHECKING:
+    from finetune.reproduce.sources.contract import Source
 
 # arguments that TRL's configs (SFTConfig, DPOConfig, GRPOConfig, …) add to the TrainingArguments
-TRL_CONFIG = "TRL config YAML"  # the kind of a TRL command-line config: TRL trained it, whatever keys it holds
 TRL_ARGS = ("completion_only_loss", "assistant_only_loss", "dataset_text_field", "padding_free",
             "max_prompt_length", "num_generations")
 
 
 @dataclass
 class Baseline:
-    kind: str                                     # "Trainer folder", "model card", "axolotl YAML", "args JSON"
+    kind: str                                     # what was read, in messages: "Trainer folder", "model card", …
     path: Path
+    source: Optional["Source"] = None             # the SOURCES entry that read it (sources.read_baseline sets it)
     args: dict = field(default_factory=dict)      # TrainingArguments name → (value, source)
     logs: list = field(default_factory=list)      # trainer_state's training log entries (with "loss"), in order
     evals: list = field(default_factory=list)     # (step, eval_loss), from the log or the card's results table
@@ -35,10 +36,9 @@ class Baseline:
     uncarried: list = field(default_factory=list)  # (setting, value, why) the source's reader knows finetune lacks
     lr_rounding: float = 1e-9                      # relative rounding of its logged lr (TensorBoard keeps fp32)
     task: Optional[str] = None                    # the finetune task the source trains (LLaMA-Factory's stage)
-    own: dict = field(default_factory=dict)       # the tool's own settings, name → (value, source), for carry_own
-    carry_own: Optional[object] = None            # (baseline, Imported, model fields, data fields, own step): its own
-    warmup_of: Optional[object] = None            # (ratio, steps or None) → (warm-up steps or None, how): the tool's
-    #                                               own rounding of a warm-up ratio (axolotl's); None: the Trainer's
+    own: dict = field(default_factory=dict)       # the tool's own settings, name → (value, source), for its
+    #                                               source's carry_own
+    card_only: bool = False                       # read from a model card alone: it lists only some arguments
     data_file: Optional[tuple] = None             # (path, source): the one local training file the source names,
     #                                               taken as --data when none is given (axolotl's datasets[0].path)
     logged_loss_is_mean: bool = True              # a logged loss is the mean since the previous log (the Trainer's);
@@ -56,7 +56,7 @@ class Baseline:
     @property
     def trl(self) -> bool:
         """Whether TRL trained it (its configs add these to the TrainingArguments)."""
-        return self.kind == TRL_CONFIG or any(k in self.args for k in TRL_ARGS)
+        return getattr(self.source, "trl", False) or any(k in self.args for k in TRL_ARGS)
 
     def effective_batch(self) -> Optional[int]:
         """Samples per optimizer step: ``total_train_batch_size`` when the source says it, else per-device ×
@@ -70,12 +70,9 @@ class Baseline:
 
 
 def load_yaml(path: Path, what: str):
-    """A YAML file's content; ConfigError naming the file (and the line) when it is not YAML."""
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
+    """A run's or a config's YAML file (``config.read_yaml``: the one reader); ConfigError naming the file and the
+    line when it is not YAML."""
+    return read_yaml(path, what)
 
 
 def pure_precision(out, setting: tuple, dtype: str, tool: str, own_step: bool, model_fields,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from finetune.models.hf import resolve_model_path
 from finetune.optimizers import OPTIMIZERS
-from finetune.reproduce.baselines import Baseline
+from finetune.reproduce.record import Baseline
 
 SCHEDULERS = {"linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
               "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"}
@@ -137,8 +137,8 @@ def carry(base: Baseline, model_fields: dict, data_fields: set, steps: int | Non
         _loss_divisor(base, out)
     for setting, value, why in base.uncarried:  # what the source's own reader knows finetune lacks
         out.skip(setting, value, why)
-    if base.carry_own is not None:  # a tool's own settings (LLaMA-Factory's template, stage), last
-        base.carry_own(base, out, model_fields, data_fields, own_step)
+    if base.source is not None:  # a tool's own settings (LLaMA-Factory's template, stage), last
+        base.source.carry_own(base, out, model_fields, data_fields, own_step)
     return out
 
 
@@ -181,7 +181,7 @@ def _scheduler(base: Baseline, out: Imported, steps_given: int | None) -> None:
     # transformers 5: warmup_steps below 1 is a ratio (TrainingArguments has no warmup_ratio); older arguments and
     # axolotl have warmup_ratio. The Trainer's warmup_steps are what it took, 0 too: a ratio from another file (the
     # axolotl config beside its arguments) never overrides them; a ratio in the same file is used when they are 0
-    # (transformers 4's rule). A ratio becomes steps as the source's tool rounds it (Baseline.warmup_of), else as
+    # (transformers 4's rule). A ratio becomes steps as the source's tool rounds it (its source's warmup), else as
     # TrainingArguments.get_warmup_steps does: ceil(steps × ratio).
     steps, ratio, ratio_src = get("warmup_steps"), get("warmup_ratio"), None
     if steps is not None and 0 < float(steps) < 1:
@@ -196,8 +196,8 @@ def _scheduler(base: Baseline, out: Imported, steps_given: int | None) -> None:
         return
     total = get("schedule_steps") or (get("max_steps") if (get("max_steps") or -1) > 0 else None)
     where = base.args["schedule_steps" if get("schedule_steps") else "max_steps"][1] if total else "--steps"
-    rule = base.warmup_of or trainer_warmup
-    warmup, how = rule(ratio, int(total or steps_given) if total or steps_given else None)
+    n = int(total or steps_given) if total or steps_given else None
+    warmup, how = (base.source and base.source.warmup(base, ratio, n)) or trainer_warmup(ratio, n)
     if warmup is not None:
         out.set("training.warmup_steps", warmup, f"{ratio_src}: ratio {ratio:g} × {total or steps_given} steps "
                                                  f"({where}), {how}")

@@ -51,7 +51,8 @@ PRECOMPUTE_PAIRS = 8  # pairs per forward when precomputing: fixed, so the numbe
 # micro-batch's mean loss over the window; its folders hold beta and loss_type.
 COMPARE_HINTS = CompareHints(step_settings=("model.beta", "model.loss_type", "model.label_smoothing", "data.too_long"),
                              mean_of_micro_batches="TRL's DPOTrainer", base_recipe="dpo-smollm2",
-                             trl_marks=("beta", "loss_type"), peer_names={"llamafactory": "dpo"})
+                             trl_marks=("beta", "loss_type"), peer_names={"llamafactory": "dpo"},
+                             log_marks=("rewards/chosen",))
 
 
 @dataclass

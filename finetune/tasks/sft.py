@@ -34,7 +34,6 @@ from finetune.tasks.chat import (
     TrainingData,
     answer,
     builtin_table,
-    load_model,  # noqa: F401  (sft.load_model loads the chat model, as it always has)
     load_table,
     load_tokenizer,
     num_proc_field,

@@ -10,28 +10,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.errors import ConfigError
 from finetune.reproduce.record import Baseline
+from finetune.reproduce.sources import files
+from finetune.reproduce.sources.contract import Reader
 
-KIND = "Hub folder"
-ARGS_FILES = ("training_args.json", "training_args.bin")
+
+class Hub(Reader):
+    name = "Hub folder"
+    reads = "a pushed model repo: training_args.bin (or .json), the card and the weights, no trainer_state.json"
+    general = True
+
+    def recognises(self, path: Path) -> bool:
+        return path.is_dir() and files.state_file(path) is None and not files.event_files(path) and \
+            files.has_args_file(path)
+
+    def read(self, path: Path, what: str) -> Baseline:
+        return files.read_folder(path, what)
 
 
-def hub_folder(folder: Path, what: str, events_too: bool = False) -> Baseline:
-    """The baseline of a folder without ``trainer_state.json``: a Hub folder when it holds the arguments file (or,
-    ``events_too``, the Trainer's TensorBoard event files, which hold them too); the caller reads the rest as for a
-    Trainer folder. ConfigError (one line) when it holds neither."""
-    if not events_too and not any((folder / name).is_file() for name in ARGS_FILES):
-        raise ConfigError(f"{what}: {folder} holds no trainer_state.json (nor a checkpoint-*/ with one) and no "
-                          "training_args.bin; give a Trainer/TRL output or checkpoint folder, a Hub folder with its "
-                          "training_args.bin, or its model card README.md")
-    return Baseline(KIND, folder)
+SOURCE = Hub()
 
 
 def no_step_log(base: Baseline) -> str | None:
     """The one line ``compare`` says of a baseline that logged no step (None when it did)."""
     if base.logs:
         return None
-    why = " (TRL and axolotl push no trainer_state.json)" if base.kind == KIND else ""
+    why = " (TRL and axolotl push no trainer_state.json)" if base.source is SOURCE else ""
     return (f"no per-step log in the {base.kind}{why}: no step's loss, lr or grad norm is certified against the "
             "baseline's, only what it holds")

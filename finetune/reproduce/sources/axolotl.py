@@ -26,7 +26,7 @@ What axolotl does beyond the Trainer's arguments, carried here:
   system message added (``default_system_message`` only replaces a text that 0.21.0's chatml template lacks).
 
 axolotl logs through the Trainer: ``trainer_state.json`` in its output and checkpoint folders (read as a Trainer
-folder), and TensorBoard event files under ``output_dir/runs`` (:mod:`finetune.reproduce.tensorboard`).
+folder), and TensorBoard event files under ``output_dir/runs`` (:mod:`finetune.reproduce.sources.tensorboard`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import yaml
-
+from finetune.config import parse_yaml
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints
 from finetune.reproduce.record import Baseline, load_yaml, local_file
+from finetune.reproduce.sources import files
+from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 TOOL = "axolotl"  # this tool's name in a task's CompareHints.peer_names (the type of its data sets)
 
@@ -153,6 +154,35 @@ CHATML = ("{% if not add_generation_prompt is defined %}{% set add_generation_pr
 TOKENIZER_TEMPLATE = "tokenizer_default"  # axolotl's default: the tokenizer's own template
 
 
+class Axolotl(Reader):
+    name = "axolotl"
+    reads = ("its config YAML, or an output / Hub folder or model card whose card holds its config block (\"See "
+             "axolotl config\"), with the Trainer's files beside it")
+
+    def recognises(self, path: Path) -> bool:
+        card = path / "README.md" if path.is_dir() else path
+        if card.suffix.lower() == ".md":
+            return card.is_file() and CARD_BLOCK.search(card.read_text(encoding="utf-8", errors="replace")) is not None
+        return is_axolotl(yaml_mapping(path))
+
+    def read(self, path: Path, what: str) -> Baseline:
+        if path.is_dir():
+            return read_folder(path, what)
+        if path.suffix.lower() == ".md":
+            return read_card(path, what)
+        return read_axolotl(path, what)
+
+    def warmup(self, b: Baseline, ratio: float, total: int | None) -> tuple:
+        return warmup(ratio, total, b.own["warmup_cap"][0] if "warmup_cap" in b.own else None)
+
+    def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
+        carry_own(b, out, model_fields, data_fields, baseline_step)
+
+
+SOURCE = Axolotl()
+CARD_BLOCK = re.compile(r"See axolotl config</summary>.*?```ya?ml\n(.*?)\n```", re.S)
+
+
 def read_axolotl(path: Path, what: str) -> Baseline:
     """An axolotl YAML config file."""
     raw = load_yaml(path, what)
@@ -163,6 +193,31 @@ def read_axolotl(path: Path, what: str) -> Baseline:
     return b
 
 
+def read_card(path: Path, what: str) -> Baseline:
+    """A model card axolotl wrote: its config block, and the Trainer's hyperparameters list when it has one."""
+    b = Baseline("model card", path, card_only=True)
+    text = path.read_text(encoding="utf-8", errors="replace")
+    files.read_front(text, path, b)
+    card_config(text, path, b)
+    if files.card_pairs(text):  # the Trainer's list, which says the run first hand
+        files.read_card(path, b, what, required=False)
+    return b
+
+
+def read_folder(folder: Path, what: str) -> Baseline:
+    """An axolotl output or Hub folder: the Trainer's files, with what the config block of its card says beyond the
+    Trainer's arguments (its task, row order, template, warm-up rounding)."""
+    b = files.read_folder(folder, what)
+    card = Baseline("model card", folder / "README.md")
+    text = card.path.read_text(encoding="utf-8", errors="replace")
+    files.read_front(text, card.path, card)
+    card_config(text, card.path, card)
+    b.args = {**card.args, **b.args}  # the Trainer's arguments and list, when present, say it first hand
+    b.unknown, b.uncarried, b.base_model = card.unknown, card.uncarried, card.base_model or b.base_model
+    b.task, b.own, b.shuffled, b.data_file = card.task, card.own, card.shuffled, card.data_file
+    return b
+
+
 def is_axolotl(raw) -> bool:
     return isinstance(raw, dict) and bool({"base_model", "micro_batch_size", "datasets"} & set(raw))
 
@@ -170,13 +225,10 @@ def is_axolotl(raw) -> bool:
 def card_config(text: str, path: Path, b: Baseline) -> bool:
     """Read the axolotl YAML block of a model card (axolotl writes its config into every card it makes, under
     "See axolotl config") into ``b``; False when the card has none."""
-    block = re.search(r"See axolotl config</summary>.*?```ya?ml\n(.*?)\n```", text, re.S)
+    block = CARD_BLOCK.search(text)
     if not block:
         return False
-    try:
-        raw = yaml.safe_load(block.group(1))
-    except yaml.YAMLError:
-        raise ConfigError(f"{path}: its 'See axolotl config' block is not valid YAML") from None
+    raw = parse_yaml(block.group(1), f"{path}: its 'See axolotl config' block")
     if not is_axolotl(raw):
         return False
     read_config(raw, b, f"{path.name} (axolotl config)", str(path))
@@ -229,7 +281,6 @@ def read_config(raw: dict, b: Baseline, source: str, what: str) -> None:
                             "lengths, and its step count is estimated from the most efficient rank "
                             "(sample_packing_eff_est)" + (f" ({said})" if said else "") + "; finetune packs as TRL's "
                             "bfd or wrapped, another algorithm (other rows, other steps): the recipe trains unpacked"))
-    b.carry_own = carry_own
 
 
 def _precision(raw: dict, b: Baseline, where) -> None:
@@ -267,8 +318,8 @@ def _warmup(raw: dict, b: Baseline, source: str, where) -> None:
     else:
         b.args["warmup_ratio"] = (0.03, f"{source}: no warmup_steps nor warmup_ratio (axolotl's default: 3% of the "
                                         "steps, at most 100)")
-    cap = 100 if raw.get("warmup_steps") is None and raw.get("warmup_ratio") is None else None
-    b.warmup_of = lambda ratio, total: warmup(ratio, total, cap)
+    if raw.get("warmup_steps") is None and raw.get("warmup_ratio") is None:
+        b.own["warmup_cap"] = (100, f"{source}: axolotl's default warm-up, at most 100 steps")
 
 
 def warmup(ratio: float, total: int | None, cap: int | None = None) -> tuple:
@@ -333,10 +384,10 @@ def dataset_task(types: set) -> str | None:
     return next((name for name, h in built_in_hints().items() if h.peer_names.get(TOOL) == kind), None)
 
 
-def carry_own(b: Baseline, out, model_fields, data_fields: set, own_step: bool = False) -> None:
-    """axolotl's own settings onto the recipe (called last by ``settings.carry``): the chat template it rendered
-    with, no system message, where its adapters started, and its ``bf16: auto`` when nothing says what it became.
-    ``own_step``: its multipack step is not one finetune takes (said)."""
+def carry_own(b: Baseline, out, model_fields, data_fields: set, baseline_step: bool) -> None:
+    """axolotl's own settings onto the recipe (its source's ``carry_own``, called last by ``carry.carry``): the chat
+    template it rendered with, no system message, where its adapters started, and its ``bf16: auto`` when nothing
+    says what it became. ``baseline_step``: its multipack step is not one finetune takes (said)."""
     own = b.own
     if "chat_template" in own and "chat_template" in model_fields:
         (choice, jinja), where = own["chat_template"]
@@ -365,7 +416,7 @@ def carry_own(b: Baseline, out, model_fields, data_fields: set, own_step: bool =
                  "set training.mixed_precision to what it took")
     if "sample_packing" in own:
         out.other_samples = "the baseline's batches were axolotl's multipack bins"
-    if own_step and "sample_packing" in own:
+    if baseline_step and "sample_packing" in own:
         out.not_carried.append("own step: not taken — axolotl's multipack bins rows in the order of a "
                                "RandomSampler that has no generator: each order is seeded from torch's global "
                                "random state at that moment, drawn again for each of its batch-count estimates, "

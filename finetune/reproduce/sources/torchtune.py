@@ -21,12 +21,11 @@ import json
 import re
 from pathlib import Path
 
-import yaml
-
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline, local_file, pure_precision
+from finetune.reproduce.record import Baseline, load_yaml, local_file, pure_precision
+from finetune.reproduce.sources import files
+from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
-KIND = "torchtune config"
 OPTIMIZERS = {"torch.optim.AdamW": "adamw_torch", "torch.optim.SGD": "sgd", "bitsandbytes.optim.PagedAdamW8bit":
               "paged_adamw_8bit", "bitsandbytes.optim.AdamW8bit": "adamw_8bit", "torchao.optim.AdamW8bit":
               "adamw_8bit", "torch.optim.Adam": "adam"}
@@ -38,6 +37,27 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 CHAT_DATASET = "torchtune.datasets.chat_dataset"  # the builder whose rows are finetune's: messages
 
 
+class Torchtune(Reader):
+    name = "torchtune"
+    reads = "a config YAML (_component_ paths) or an output folder (torchtune_config.yaml, its log_*.txt, epoch_*/)"
+
+    def recognises(self, path: Path) -> bool:
+        return is_run(path) if path.is_dir() else is_torchtune(yaml_mapping(path))
+
+    def read(self, path: Path, what: str) -> Baseline:
+        return read_run(path, what) if path.is_dir() else read_torchtune(path, load_yaml(path, what), what)
+
+    def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
+        """torchtune's own settings onto the recipe: its ``dtype: bf16`` (every weight trained in it), taken with
+        ``baseline_step``."""
+        dtype = b.own["dtype"][0]
+        if dtype in ("bf16", "fp16"):
+            pure_precision(out, b.own["dtype"], dtype, "torchtune", baseline_step, model_fields, autocast="no")
+
+
+SOURCE = Torchtune()
+
+
 def is_torchtune(raw) -> bool:
     """Whether a YAML mapping is a torchtune config: its sections name ``_component_`` paths."""
     return isinstance(raw, dict) and any(isinstance(v, dict) and "_component_" in v for v in raw.values())
@@ -46,7 +66,7 @@ def is_torchtune(raw) -> bool:
 def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
     """The settings of torchtune config ``raw`` (read from ``path``), as TrainingArguments names with their sources;
     ConfigError (one line) for a value of the wrong kind."""
-    b = Baseline(KIND, path)
+    b = Baseline("torchtune config", path)
     src = lambda key: f"{path.name}: {key}"  # noqa: E731
     for key, name in (("batch_size", "per_device_train_batch_size"), ("gradient_accumulation_steps", None),
                       ("epochs", "num_train_epochs"), ("log_every_n_steps", "logging_steps")):
@@ -81,7 +101,6 @@ def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
         b.args["max_grad_norm"] = (None if norm in (None, "inf") else float(norm), src("clip_grad_norm"))
     b.args["bf16"] = (False, src("dtype"))  # no autocast: its dtype is the weights' own (carry_own)
     b.own["dtype"] = (str(raw.get("dtype") or "fp32"), src("dtype"))
-    b.carry_own = carry_own
     if raw.get("enable_activation_checkpointing"):
         b.args["gradient_checkpointing"] = (True, src("enable_activation_checkpointing"))
     _model(raw, b, path)
@@ -89,14 +108,6 @@ def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
     checkpointer = raw.get("checkpointer") or {}
     b.base_model = checkpointer.get("checkpoint_dir") if isinstance(checkpointer, dict) else None
     return b
-
-
-def carry_own(b: Baseline, out, model_fields, data_fields: set, own_step: bool = False) -> None:
-    """torchtune's own settings onto the recipe (called last by ``settings.carry``): its ``dtype: bf16`` (every
-    weight trained in it), taken with ``own_step``."""
-    dtype = b.own["dtype"][0]
-    if dtype in ("bf16", "fp16"):
-        pure_precision(out, b.own["dtype"], dtype, "torchtune", own_step, model_fields, autocast="no")
 
 
 def _int(value, key: str, path: Path, what: str) -> int:
@@ -219,10 +230,7 @@ def read_run(folder: Path, what: str) -> Baseline:
     """A torchtune output folder: its ``torchtune_config.yaml``, the newest ``log_*.txt`` of its metric logger, and
     the last epoch's checkpoint (its ``config.json``, weights or adapters)."""
     config = folder / "torchtune_config.yaml"
-    try:
-        raw = yaml.safe_load(config.read_text(encoding="utf-8", errors="replace"))
-    except yaml.YAMLError:
-        raise ConfigError(f"{what}: {config} is not valid YAML") from None
+    raw = load_yaml(config, what)
     if not is_torchtune(raw):
         raise ConfigError(f"{what}: {config} is not a torchtune config (no _component_ sections)")
     b = read_torchtune(config, raw, what)
@@ -231,8 +239,7 @@ def read_run(folder: Path, what: str) -> Baseline:
     if logs:
         b.logs = read_log(logs[-1], b, what)
         b.max_steps = b.logs[-1]["step"] if b.logs and int(b.get("logging_steps") or 1) == 1 else None
-    epochs = sorted((p for p in folder.glob("epoch_*") if p.name.split("_")[-1].isdigit()),
-                    key=lambda p: int(p.name.split("_")[-1]))
+    epochs = files.numbered(folder, "epoch_")
     if epochs:
         last = epochs[-1]
         for name, attr in (("config.json", "model_config"), ("adapter_config.json", "adapter_config")):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.reproduce.record import TRL_CONFIG, Baseline, pure_precision
+from finetune.reproduce.record import Baseline, load_yaml, pure_precision
+from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 # TRL ModelConfig's LoRA fields → (the adapter setting finetune's importer reads, TRL 1.16's default)
 LORA = {"lora_r": ("lora_r", 16), "lora_alpha": ("lora_alpha", 32), "lora_dropout": ("lora_dropout", 0.05),
@@ -30,12 +31,35 @@ MARKS = {"model_name_or_path", "dataset_name", "per_device_train_batch_size", "u
 
 
 def is_trl_config(raw) -> bool:
-    return isinstance(raw, dict) and bool(MARKS & set(raw)) and "micro_batch_size" not in raw
+    """TRL's names beside its script's; no other tool's (axolotl's micro_batch_size, LLaMA-Factory's stage)."""
+    return isinstance(raw, dict) and bool(MARKS & set(raw)) and not {"micro_batch_size", "stage"} & set(raw)
+
+
+class TrlConfig(Reader):
+    name = "TRL config"
+    reads = "the YAML of TRL's command line (trl sft, dpo or grpo --config): its trainer's config, ModelConfig, script"
+    trl = True  # TRL trained it, whatever keys it holds
+
+    def recognises(self, path: Path) -> bool:
+        return is_trl_config(yaml_mapping(path))
+
+    def read(self, path: Path, what: str) -> Baseline:
+        return read_trl_config(path, load_yaml(path, what), what)
+
+    def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
+        """A full fine-tuning config that loads the model in bf16 / fp16 trains every weight in it (no fp32 master
+        weights): the pure step, taken with ``baseline_step`` (``record.pure_precision``)."""
+        for key, setting in b.own.items():
+            half = {"bfloat16": "bf16", "float16": "fp16"}[setting[0]]
+            pure_precision(out, setting, half, "TRL", baseline_step, model_fields)
+
+
+SOURCE = TrlConfig()
 
 
 def read_trl_config(path: Path, raw: dict, what: str) -> Baseline:
     """The baseline of a TRL command-line YAML config (every value with ``path.name: key`` as its source)."""
-    b = Baseline(TRL_CONFIG, path, base_model=raw.get("model_name_or_path"))
+    b = Baseline("TRL config YAML", path, base_model=raw.get("model_name_or_path"))
     where = lambda key: f"{path.name}: {key}"  # noqa: E731
     for key, value in raw.items():
         if key in NOT_CARRIED:
@@ -72,12 +96,4 @@ def _dtype(raw: dict, b: Baseline, path: Path) -> None:
         b.args["model_dtype"] = (half, f"{path.name}: {key} (the frozen base; peft keeps the adapters in fp32)")
     else:  # every weight trained in it: the pure step, taken on request (carry_own)
         b.own[key] = (dtype, f"{path.name}: {key}")
-        b.carry_own = carry_own
 
-
-def carry_own(b: Baseline, out, model_fields, data_fields: set, own_step: bool = False) -> None:
-    """A full fine-tuning config that loads the model in bf16 / fp16 trains every weight in it (no fp32 master
-    weights): the pure step, taken with ``own_step`` (``record.pure_precision``)."""
-    for key, setting in b.own.items():
-        half = {"bfloat16": "bf16", "float16": "fp16"}[setting[0]]
-        pure_precision(out, setting, half, "TRL", own_step, model_fields)

@@ -21,11 +21,11 @@ import json
 import typing
 from pathlib import Path
 
-import yaml
-
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints, section_class, task_module
-from finetune.reproduce.record import pure_precision
+from finetune.reproduce.record import Baseline, load_yaml, pure_precision
+from finetune.reproduce.sources import files
+from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 KIND = "LLaMA-Factory run"
 TOOL = "llamafactory"  # this tool's name in a task's CompareHints.peer_names
@@ -95,34 +95,45 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo"}
 
 
-def is_llamafactory(path) -> bool:
-    """Whether ``path`` is a LLaMA-Factory YAML or output folder (a ``trainer_log.jsonl`` or a saved
-    ``training_args.yaml`` with a ``stage``)."""
-    path = Path(path)
-    if path.is_dir():
-        return (path / LOG).is_file() or (path / SAVED_YAML).is_file()
-    if path.suffix.lower() in (".yaml", ".yml") and path.is_file():
-        raw = _yaml(path, "baseline", quiet=True)
-        return isinstance(raw, dict) and "stage" in raw and ("template" in raw or "finetuning_type" in raw)
-    return False
+class LlamaFactory(Reader):
+    name = "LLaMA-Factory"
+    reads = ("its YAML (llamafactory-cli train) or its output folder (trainer_log.jsonl, training_args.yaml, the "
+             "Trainer's files)")
+
+    def recognises(self, path: Path) -> bool:
+        """A YAML with a ``stage`` and its template or fine-tuning type, or an output folder with its own log or the
+        YAML its web UI saves."""
+        if path.is_dir():
+            return (path / LOG).is_file() or (path / SAVED_YAML).is_file()
+        raw = yaml_mapping(path)
+        return raw is not None and "stage" in raw and ("template" in raw or "finetuning_type" in raw)
+
+    def read(self, path: Path, what: str) -> Baseline:
+        return read(path, what)
+
+    def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
+        carry_own(b, out, model_fields, data_fields, baseline_step)
+
+    def training_rows(self, b: Baseline, data, recipe: Path):
+        return training_rows(b, data, recipe)
 
 
-def read(path, what: str, baseline, read_folder):
-    """The LLaMA-Factory run at ``path`` (its YAML or its output folder) as a ``baseline`` (the class
-    ``baselines.Baseline``; its ``read_folder`` reads the Trainer's files: both handed over by
-    ``baselines.read_baseline``, which dispatches here); ConfigError (one line naming the file) when it is
-    unreadable."""
-    path = Path(path)
+SOURCE = LlamaFactory()
+
+
+def read(path: Path, what: str) -> Baseline:
+    """The LLaMA-Factory run at ``path`` (its YAML or its output folder); ConfigError (one line naming the file)
+    when it is unreadable."""
     folder, yaml_file = (path, path / SAVED_YAML) if path.is_dir() else (None, path)
-    raw = _yaml(yaml_file, what) if yaml_file.is_file() else None
+    raw = load_yaml(yaml_file, what) if yaml_file.is_file() else None
     if folder is None:
         out = Path(str(raw.get("output_dir") or ""))
         folder = next((f for f in (out, path.parent / out) if str(out) and (f / "trainer_state.json").is_file()
                        or str(out) and (f / LOG).is_file()), None)
     if folder is not None and (folder / "trainer_state.json").is_file():
-        b = read_folder(folder, what)
+        b = files.read_folder(folder, what)
     else:
-        b = baseline(KIND, path)
+        b = Baseline(KIND, path)
     b.kind, b.path = KIND, path
     if folder is not None and (folder / LOG).is_file():
         read_log(folder / LOG, b, what)
@@ -131,7 +142,7 @@ def read(path, what: str, baseline, read_folder):
                          "packing — are unknown; give the YAML you trained with)")
         if folder is not None:
             stage, said = logged_stage(folder)
-            b.task, b.carry_own = stage_task(stage), carry_own
+            b.task = stage_task(stage)
             b.own["stage"] = (stage, said)
         return b
     read_yaml_keys(raw, yaml_file.name, b)
@@ -144,15 +155,21 @@ def has_yaml(b) -> bool:
 
 
 def logged_stage(folder: Path) -> tuple:
-    """(the stage an output folder's log shows, how it is known): dpo where trainer_state logs the preference rewards
-    (``rewards/chosen``), else LLaMA-Factory's default stage, sft."""
+    """(the stage an output folder's log shows, how it is known): the stage of the task whose log marks
+    (``CompareHints.log_marks``: DPO's ``rewards/chosen``) trainer_state's log holds, else LLaMA-Factory's default
+    stage."""
     try:
         history = json.loads((folder / "trainer_state.json").read_text()).get("log_history") or []
     except (OSError, ValueError):
         history = []
-    if any("rewards/chosen" in e for e in history if isinstance(e, dict)):
-        return "dpo", "trainer_state.json: its log holds rewards/chosen, a preference stage"
-    return "sft", "no YAML: LLaMA-Factory's default stage, sft (its log holds no preference rewards)"
+    logged = {key for e in history if isinstance(e, dict) for key in e}
+    for hints in built_in_hints().values():
+        if TOOL in hints.peer_names and hints.log_marks and set(hints.log_marks) <= logged:
+            return hints.peer_names[TOOL], (f"trainer_state.json: its log holds {', '.join(hints.log_marks)}, a "
+                                            f"{hints.peer_names[TOOL]} stage")
+    default = next(h.peer_names[TOOL] for h in built_in_hints().values() if TOOL in h.peer_default)
+    return default, (f"no YAML: LLaMA-Factory's default stage, {default} (its log holds none of another stage's "
+                     "marks)")
 
 
 def read_log(path: Path, b, what: str) -> None:
@@ -230,7 +247,6 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
     elif raw.get("finetuning_type") not in (None, "lora", "full"):
         b.uncarried.append(("finetuning_type", raw["finetuning_type"], "LLaMA-Factory trains only some layers "
                             "(freeze tuning); finetune trains every weight or LoRA adapters"))
-    b.carry_own = carry_own
 
 
 def _rows_kept(raw: dict, b, src) -> None:
@@ -292,8 +308,8 @@ def stage_allows(b, section: str, name: str, value) -> bool:
     return value in typing.get_args(hint)
 
 
-def carry_own(b, out, model_fields, data_fields: set, own_step: bool = False) -> None:
-    """LLaMA-Factory's own settings onto the recipe (called last by ``settings.carry``): its stage, template,
+def carry_own(b, out, model_fields, data_fields: set, baseline_step: bool) -> None:
+    """LLaMA-Factory's own settings onto the recipe (its source's ``carry_own``, last): its stage, template,
     preference loss and what it trains on; its packing (:func:`packing`); every other setting of
     :data:`NOT_CARRIED` that is not at its default, as not carried."""
     own = b.own
@@ -344,9 +360,9 @@ def carry_own(b, out, model_fields, data_fields: set, own_step: bool = False) ->
             out.skip("pref_loss", loss, f"finetune's dpo has {', '.join(PREF_LOSSES)}")
     # neat_packing turns packing on; LLaMA-Factory packs for its sft stage only (its preference stages ignore it)
     if (value("packing") or value("neat_packing")) and stage_has(b, "data", "pack"):
-        packing(b, out, data_fields, own_step)
+        packing(b, out, data_fields, baseline_step)
     if value("pure_bf16"):
-        pure_precision(out, own["pure_bf16"], "bf16", "LLaMA-Factory", own_step, model_fields,
+        pure_precision(out, own["pure_bf16"], "bf16", "LLaMA-Factory", baseline_step, model_fields,
                        autocast=own["autocast"][0])
     # its turn-by-turn cut, found by the labels: not when every token trains
     if "cutoff_len" in own and "too_long" in data_fields and stage_allows(b, "data", "too_long", "turns") and \
@@ -361,8 +377,8 @@ def carry_own(b, out, model_fields, data_fields: set, own_step: bool = False) ->
             out.skip(key, own[key][0], why)
 
 
-def packing(b, out, data_fields: set, own_step: bool) -> None:
-    """``packing: true``: LLaMA-Factory's step is of packed rows. Taken on request (``own_step``: ``data.pack:
+def packing(b, out, data_fields: set, baseline_step: bool) -> None:
+    """``packing: true``: LLaMA-Factory's step is of packed rows. Taken on request (``baseline_step``: ``data.pack:
     knapsack`` with its grouping), else named as not carried."""
     own = b.own
     neat = own.get("neat_packing", (False, ""))
@@ -370,9 +386,9 @@ def packing(b, out, data_fields: set, own_step: bool) -> None:
            + ("each packed conversation attends only to itself, neat_packing" if neat[0] else
               "the packed conversations attend to each other") + "): its steps are of packed rows, not the big "
            "batch's")
-    if not own_step or "pack" not in data_fields:
+    if not baseline_step or "pack" not in data_fields:
         out.skip("packing", True, how + ("; finetune keeps its exact big-batch step (--baseline-step takes "
-                                         "LLaMA-Factory's)" if not own_step else
+                                         "LLaMA-Factory's)" if not baseline_step else
                                          "; this recipe's task does not pack so (sft does)"))
         out.other_samples = "the baseline's batches were of LLaMA-Factory's packed rows"
         return
@@ -388,16 +404,6 @@ def packing(b, out, data_fields: set, own_step: bool) -> None:
     if "cutoff_len" in own:  # packing: its DataArguments take one token off (rows of cutoff_len, padding included)
         out.set("data.max_length", int(own["cutoff_len"][0]) - 1, f"{own['cutoff_len'][1]} − 1: LLaMA-Factory "
                 "packs conversations of at most cutoff_len − 1 tokens into rows of cutoff_len")
-
-
-def _yaml(path: Path, what: str, quiet: bool = False):
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
-    except (yaml.YAMLError, OSError) as e:
-        if quiet:
-            return None
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(f"{what}: {path} is not valid YAML{f' (line {mark.line + 1})' if mark else ''}") from None
 
 
 def dataset_file(b) -> Path | None:
@@ -419,19 +425,15 @@ def dataset_file(b) -> Path | None:
     return None
 
 
-def training_rows(source, data, recipe: Path, read_baseline):
-    """``finetune import``'s ``--data`` for a LLaMA-Factory source: the file given (else the one its YAML names in
+def training_rows(b: Baseline, data, recipe: Path):
+    """``finetune import``'s ``--data`` for a LLaMA-Factory run: the file given (else the one its YAML names in
     ``dataset_info.json``), as rows finetune reads. Its preference rows (sharegpt ``ranking``: the prompt's
     ``messages``, then one ``chosen`` and one ``rejected`` message) are written, in their order, as TRL's
-    conversational pairs beside the recipe (``RECIPE-rows.jsonl``); rows of messages are read as they are. Any other
-    source: ``data`` unchanged. ``read_baseline``: ``baselines.read_baseline`` (to find the YAML's file)."""
-    if not is_llamafactory(source):
-        return data
+    conversational pairs beside the recipe (``RECIPE-rows.jsonl``); rows of messages are read as they are."""
     if data is None:
-        found = dataset_file(read_baseline(source, "import"))
-        if found is None:
+        data = dataset_file(b)
+        if data is None:
             return None
-        data = found
     path = Path(data)
     if path.suffix.lower() != ".jsonl" or not path.is_file():
         return data
