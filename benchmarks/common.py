@@ -54,7 +54,7 @@ from finetune.distributed import restart_accelerate_state  # noqa: E402
 from finetune.items import batch_len  # noqa: E402
 from finetune.job import Job  # noqa: E402
 from finetune.optim import make_optimizer  # noqa: E402
-from finetune.reproduce import compare  # noqa: E402
+from finetune.reproduce import weight_diff  # noqa: E402
 from finetune.steps import token_counts  # noqa: E402
 from finetune.windows import membership_hash  # noqa: E402
 
@@ -512,12 +512,12 @@ def median(xs) -> float:
 
 def flat(model) -> torch.Tensor:
     """The trainable parameters (a LoRA model's adapters; every parameter of the others), flattened."""
-    return compare.flat(model, trainable_only=True)
+    return weight_diff.flat(model, trainable_only=True)
 
 
 def rel_diff(a, b) -> float:
     """The test suite's measure, max |a − b| / max |b|, over the trainable parameters."""
-    return compare.rel_diff(a, b, trainable_only=True)
+    return weight_diff.rel_diff(a, b, trainable_only=True)
 
 
 def table(header: list, rows: list) -> str:

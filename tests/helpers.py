@@ -7,7 +7,7 @@ import copy
 import torch
 
 from finetune.data import pad_collate as _pad_collate
-from finetune.reproduce.compare import flat, rel_diff  # noqa: F401  (the suite's measure: every parameter)
+from finetune.reproduce.weight_diff import flat, rel_diff  # noqa: F401  (the suite's measure: every parameter)
 
 
 class MLP(torch.nn.Module):

@@ -118,7 +118,7 @@ def test_search_runs_three_trials(tmp_path):
 def test_a_run_written_before_a_setting_existed_reads_as_its_default():
     """``training.loss_divisor`` and ``model.master_weights`` came after runs were written: a config.yaml without
     them had their defaults, and compares equal to one that says them; another value differs (control)."""
-    from finetune.reproduce.compare import run_settings
+    from finetune.reproduce.update_settings import run_settings
 
     old = {"training": {"optimizer": "adamw"}, "model": {"dtype": "fp32"}}
     new = {"training": {"optimizer": "adamw", "loss_divisor": "items"}, "model": {"dtype": "fp32",

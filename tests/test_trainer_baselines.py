@@ -165,7 +165,7 @@ def test_the_trainer_round_trip_is_equivalent(baseline, replayed, capsys):
                   "clipping", "eval loss", "weights"):
         assert lines[check].startswith("ok"), out
     assert "identical at all 26 logged steps" in lines["lr schedule"]
-    from finetune.reproduce.compare import compare_with_baseline
+    from finetune.reproduce.baseline_check import compare_with_baseline
 
     c = compare_with_baseline(baseline / "baseline", replayed)
     details = {name: detail for name, _, detail, _ in c.checks}

@@ -20,8 +20,9 @@ from finetune.card import record_verdict
 from finetune.errors import ConfigError
 from finetune.outputs import read_config, read_metrics
 from finetune.registry import task_hints
-from finetune.reproduce import compare as comparing
-from finetune.reproduce import importer
+from finetune.reproduce import importer, plots
+from finetune.reproduce.baseline_check import compare_with_baseline
+from finetune.reproduce.compare import compare_runs
 from finetune.reproduce.record import Baseline
 from finetune.reproduce.sources import names, read_baseline
 
@@ -70,11 +71,11 @@ def main(args, finetune) -> int:
                 return code
     own = baseline.source.run_folder(baseline)
     if own is not None:  # finetune's own run: run against run
-        result = comparing.compare_runs(own, run_dir, floor=twin)
-        curves = comparing.plot_comparison(own, run_dir, out / "curves.png")
+        result = compare_runs(own, run_dir, twin=twin)
+        curves = plots.plot_comparison(own, run_dir, out / "curves.png")
     else:
-        result = comparing.compare_with_baseline(baseline, run_dir, floor=twin)
-        curves = comparing.plot_against_baseline(baseline, run_dir, out / "curves.png")
+        result = compare_with_baseline(baseline, run_dir, twin=twin)
+        curves = plots.plot_against_baseline(baseline, run_dir, out / "curves.png")
     commands.append(["compare", str(own or args.source), str(run_dir), *(["--floor", str(twin)] if twin else [])])
     report = result.report()
     print(report)

@@ -104,7 +104,7 @@ def rel(x, y) -> float:
     return abs(x - y) / max(abs(x), abs(y), 1e-12)
 
 
-def one_sided(xs: list, ys: list, floor: Floor) -> str | None:
+def one_sided(xs: list, ys: list, fl: Floor) -> str | None:
     """A shift of ``ys`` from ``xs`` (losses, step by step) that has one sign at every step and a mean above
     ``TWIN_FACTOR`` × the floor's mean noise (measured, or the assumed tolerance / ``TWIN_FACTOR``); None when there is
     none. Noise of either sign takes one sign at ``n`` steps with probability 2^(1−n)."""
@@ -114,8 +114,8 @@ def one_sided(xs: list, ys: list, floor: Floor) -> str | None:
     signed = [(y - x) / max(abs(x), abs(y), 1e-12) for x, y in pairs]
     if not (all(s > 0 for s in signed) or all(s < 0 for s in signed)):
         return None
-    noise = floor.noise.get("loss")
-    typical = sum(noise) / len(noise) if noise else floor.overall["loss"] / TWIN_FACTOR
+    noise = fl.noise.get("loss")
+    typical = sum(noise) / len(noise) if noise else fl.overall["loss"] / TWIN_FACTOR
     mean = sum(signed) / len(signed)
     if abs(mean) <= TWIN_FACTOR * typical:
         return None

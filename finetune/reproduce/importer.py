@@ -27,8 +27,10 @@ import yaml
 from finetune.config import apply_overrides, config_from_dict, read_yaml
 from finetune.errors import ConfigError
 from finetune.registry import recipe_path, resolve_task, section_class, task_module
-from finetune.reproduce.record import Baseline
-from finetune.reproduce.settings import Imported, carry, model_config_of, model_difference, training_file
+from finetune.reproduce.architecture import model_config_of, model_difference
+from finetune.reproduce.carry import carry
+from finetune.reproduce.record import Baseline, Imported
+from finetune.reproduce.rows import training_file
 from finetune.reproduce.sources import accepted, names, read_baseline
 
 
@@ -54,11 +56,11 @@ def request_of(args, out: Path) -> Request:
                    args.baseline_step)
 
 
-def _skeleton(base: Baseline) -> dict:
+def _skeleton(b: Baseline) -> dict:
     """A recipe of the task the baseline trained (its source's ``task``; clm when the source does not say) on its base
     model (none when the source does not name it: said as missing)."""
-    return {"task": base.source.task(base) or "clm", "description": f"imported from {base.path}",
-            "model": {"name_or_path": base.base_model} if base.base_model else {}}
+    return {"task": b.source.task(b) or "clm", "description": f"imported from {b.path}",
+            "model": {"name_or_path": b.base_model} if b.base_model else {}}
 
 
 def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported, Baseline]:
@@ -110,11 +112,11 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     return raw, imported, baseline
 
 
-def table(imported: Imported, base: Baseline) -> str:
+def table(imported: Imported, b: Baseline) -> str:
     rows = [("field", "value", "from")] + [(n, _show(v), s) for n, v, s in imported.rows]
     width = [max(len(r[i]) for r in rows) for i in range(2)]
-    lines = [f"{base.kind}: {base.path}"] + [f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}" for r in rows]
-    return "\n".join(lines + imported.not_carried)
+    lines = [f"{b.kind}: {b.path}"] + [f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]}" for r in rows]
+    return "\n".join(lines + imported.lines())
 
 
 def _show(v) -> str:

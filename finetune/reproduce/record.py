@@ -6,16 +6,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import NamedTuple, Optional, Protocol
 
 from finetune.config import read_yaml
-
-if TYPE_CHECKING:
-    from finetune.reproduce.sources.contract import Source
 
 # arguments that TRL's configs (SFTConfig, DPOConfig, GRPOConfig, …) add to the TrainingArguments
 TRL_ARGS = ("completion_only_loss", "assistant_only_loss", "dataset_text_field", "padding_free",
             "max_prompt_length", "num_generations")
+
+
+class Where(str):
+    """Where a value was read: ``file: key`` as every message shows it (a ``str``), with the file and the key kept
+    apart (``file``, ``key``), so that nothing parses them back."""
+
+    def __new__(cls, file, key: Optional[str] = None):
+        where = super().__new__(cls, f"{file}: {key}" if key else str(file))
+        where.file, where.key = str(file), key
+        return where
+
+    def said(self, more: str) -> "Where":
+        """The same place with ``more`` said of it (``sft.yaml: lora_alpha`` + ``, its default``)."""
+        return Where(self.file, f"{self.key or ''}{more}")
+
+
+def file_of(source) -> str:
+    """The file a value was read from: a ``Where``'s, else the source as said (a file's name, a command-line flag)."""
+    return source.file if isinstance(source, Where) else str(source)
+
+
+def key_of(source) -> str:
+    """The key a value was read from: a ``Where``'s, else the source as said."""
+    return source.key if isinstance(source, Where) and source.key else str(source)
+
+
+class Skip(NamedTuple):
+    """A setting of the baseline that ``finetune import`` does not carry: its value and why."""
+
+    setting: str
+    value: object
+    why: str
+
+    def __str__(self) -> str:
+        return f"not carried: {self.setting}={self.value} — {self.why}"
 
 
 @dataclass
@@ -69,22 +101,113 @@ class Baseline:
             int(self.get("num_devices") or 1)
 
 
+class Source(Protocol):
+    """One tool whose runs finetune reads.
+
+    Attributes:
+        name: what the tool is called in messages and in ``--help`` (``LLaMA-Factory``).
+        reads: one line on what of it is read (``--help``, the refusals that list what is accepted, the docs' table).
+        general: whether it is a form every tool built on the HF Trainer leaves (its output folder, a Hub folder,
+            TensorBoard logs), which a more specific source before it in ``SOURCES`` may claim first.
+    """
+
+    name: str
+    reads: str
+    general: bool
+
+    def recognises(self, path: Path) -> bool:
+        """Whether ``path`` is a run of this tool (looked at, not read whole)."""
+
+    def read(self, path: Path, what: str) -> Baseline:
+        """The run at ``path`` as a ``Baseline``; ConfigError (one line naming the file) when unreadable."""
+
+    def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
+        """The tool's own settings onto the recipe being imported (``out``: ``carry.Imported``; the recipe's model
+        fields, name → type, and data fields), last, after the TrainingArguments'. ``baseline_step``: take the tool's
+        own step where it is not the big batch's."""
+
+    def warmup(self, b: Baseline, ratio: float, total: Optional[int]) -> Optional[tuple]:
+        """(warm-up steps or None, how) for a warm-up ``ratio`` of ``total`` steps, as the tool rounds it; None: as
+        the Trainer does."""
+
+    def task(self, b: Baseline) -> Optional[str]:
+        """The built-in task the run trained, by the tool's own names for tasks (the tasks' hints say them)."""
+
+    def processes(self, b: Baseline) -> Optional[tuple]:
+        """(the number of processes the run trained on, where that is said) where the tool's files say it."""
+
+    def training_rows(self, b: Baseline, data, recipe: Path):
+        """The file ``import`` trains on for ``--data`` ``data`` (None: not given): the rows as the tool trained them,
+        written beside ``recipe`` when they had to be rewritten."""
+
+    def whole_recipe(self, b: Baseline, data, model) -> Optional[tuple]:
+        """(a recipe that reproduces the run whole, the lines ``import`` says of it) for a tool whose runs carry
+        their own recipe (finetune's), ``data`` and ``model`` where they are on this machine; None: the run's
+        settings are carried onto a base recipe."""
+
+    def run_folder(self, b: Baseline) -> Optional[Path]:
+        """The run folder when the run is finetune's own, compared run against run; None for another tool's."""
+
+
+
+class Imported:
+    """The recipe being written: ``set`` records each value with its source, ``skip`` each setting not carried
+    (a ``Skip``; ``not_carried`` holds them and the other lines import says, in order)."""
+
+    def __init__(self):
+        self.rows, self.not_carried, self.values, self.missing = [], [], {}, []
+        # why the baseline's batches held other samples than the recipe's (a packing not taken): compare cannot
+        # check its windows against them
+        self.other_samples: str | None = None
+
+    def set(self, name: str, value, source: str) -> None:
+        """``name`` = ``value`` from ``source``; a later source of the same field (the data's rows over the
+        arguments) replaces the earlier row."""
+        self.values[name] = value
+        self.rows = [r for r in self.rows if r[0] != name] + [(name, value, source)]
+
+    def skip(self, setting: str, value, why: str) -> None:
+        """``setting`` = ``value`` is not carried, for ``why``; a later reason for the same setting (a tool's own
+        reader knows better) replaces the earlier one where it stood."""
+        new = Skip(setting, value, why)
+        at = next((i for i, s in enumerate(self.not_carried) if isinstance(s, Skip) and s.setting == setting), None)
+        if at is None:
+            self.not_carried.append(new)
+        else:
+            self.not_carried[at] = new
+
+    def skipped(self, setting: str) -> bool:
+        return any(isinstance(s, Skip) and s.setting == setting for s in self.not_carried)
+
+    def drop(self, setting: str) -> None:
+        """Take back the skip of ``setting`` (a tool whose own reader carries it)."""
+        self.not_carried = [s for s in self.not_carried if not (isinstance(s, Skip) and s.setting == setting)]
+
+    def skips(self) -> list:
+        return [s for s in self.not_carried if isinstance(s, Skip)]
+
+    def lines(self) -> list:
+        """What import says of what it did not carry, one line each."""
+        return [str(s) for s in self.not_carried]
+
+
+
 def load_yaml(path: Path, what: str):
     """A run's or a config's YAML file (``config.read_yaml``: the one reader); ConfigError naming the file and the
     line when it is not YAML."""
     return read_yaml(path, what)
 
 
-def pure_precision(out, setting: tuple, dtype: str, tool: str, own_step: bool, model_fields,
+def pure_precision(out, setting: tuple, dtype: str, tool: str, baseline_step: bool, model_fields,
                    autocast: Optional[str] = None) -> None:
     """A baseline that trained every weight in ``dtype`` with no fp32 master weights (torchtune's ``dtype: bf16``,
     LLaMA-Factory's ``pure_bf16``): its step rounds each update to ``dtype``, not the fp32 step. Taken on request
-    (``own_step``: ``model.dtype`` and ``model.master_weights: false``), else named as not carried. ``setting``:
+    (``baseline_step``: ``model.dtype`` and ``model.master_weights: false``), else named as not carried. ``setting``:
     (its value, where it is said: ``file: key``); ``autocast``: the mixed precision it trained with on top, when the
     carried one is not it (None: leave it)."""
     value, where = setting
-    if not own_step or "master_weights" not in model_fields:
-        out.skip(where.split(": ")[-1], value, f"{tool} loads and trains every weight in {dtype}, with no fp32 master "
+    if not baseline_step or "master_weights" not in model_fields:
+        out.skip(key_of(where), value, f"{tool} loads and trains every weight in {dtype}, with no fp32 master "
                  "weights; finetune's trainable weights stay fp32" + (" (--baseline-step trains as it did)" if
                                                                        "master_weights" in model_fields else ""))
         return

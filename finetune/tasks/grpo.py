@@ -62,7 +62,7 @@ COMPARE_HINTS = CompareHints(
         "beta", "loss_type", "num_generations", "num_iterations", "epsilon", "epsilon_high", "temperature", "top_p",
         "max_completion_length", "scale_rewards", "reward_weights", "use_bias_correction_kl",
         "generation_batch_size")),
-    loss_floor=1e-3, base_recipe="grpo-smollm2", trl_marks=("beta", "loss_type", "num_generations"))
+    loss_atol=1e-3, base_recipe="grpo-smollm2", trl_marks=("beta", "loss_type", "num_generations"))
 
 
 @dataclass

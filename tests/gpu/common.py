@@ -11,7 +11,7 @@ import torch
 
 from finetune.config import TrainingConfig
 from finetune.job import Job
-from finetune.reproduce.compare import flat, rel_diff  # noqa: F401  (the measure of the CPU suite: every parameter)
+from finetune.reproduce.weight_diff import flat, rel_diff  # noqa: F401  (the measure of the CPU suite: every parameter)
 from tests.helpers import train_quietly
 
 NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"

@@ -11,22 +11,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline, load_yaml
+from finetune.reproduce.record import Baseline, Source, load_yaml
 from finetune.reproduce.sources import (
     axolotl,
     finetune_run,
     hub,
     llamafactory,
+    msswift,
     tensorboard,
     torchtune,
     trainer,
     trl_config,
 )
-from finetune.reproduce.sources.contract import Source
 
 SOURCES: tuple[Source, ...] = (
     finetune_run.SOURCE,
     llamafactory.SOURCE,
+    msswift.SOURCE,
     torchtune.SOURCE,
     axolotl.SOURCE,
     trl_config.SOURCE,

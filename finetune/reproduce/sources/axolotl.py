@@ -19,7 +19,7 @@ What axolotl does beyond the Trainer's arguments, carried here:
   ``curriculum_sampling``): ``Baseline.shuffled``, and ``finetune import --data`` writes the rows in that order;
 * its warm-up (``core/builders/base.py``, ``_configure_warmup_and_logging``): ``warmup_steps`` as given, else
   ``int(warmup_ratio × steps)`` rounded down, else ``min(int(0.03 × steps), 100)``; a warm-up of 1 becomes 2
-  (:func:`warmup`, ``Baseline.warmup_of``);
+  (:func:`warmup`, the source's ``warmup``);
 * no ``adapter``: every weight trained (``peft.enabled: false``);
 * a ``chat_template`` data set is a conversation trained on the assistant's turns: the task whose hints name it
   (``CompareHints.peer_names["axolotl"]``), rendered with the template axolotl took (:func:`carry_own`) and no
@@ -34,11 +34,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import finetune.reproduce.sources.files as files
 from finetune.config import parse_yaml
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints
-from finetune.reproduce.record import Baseline, load_yaml, local_file
-from finetune.reproduce.sources import files
+from finetune.reproduce.record import Baseline, Where, load_yaml, local_file
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 TOOL = "axolotl"  # this tool's name in a task's CompareHints.peer_names (the type of its data sets)
@@ -239,7 +239,7 @@ def card_config(text: str, path: Path, b: Baseline) -> bool:
 def read_config(raw: dict, b: Baseline, source: str, what: str) -> None:
     """axolotl's keys into ``b``: mapped (:data:`KEYS`, :data:`DEFAULTS` for those it omits), read here, named as
     not carried, or listed as unknown; the task its data sets train, the order of its rows and its warm-up rule."""
-    where = lambda key: f"{source}: {key}"  # noqa: E731
+    where = lambda key: Where(source, key)  # noqa: E731
     for key, value in raw.items():
         if key in KEYS:
             b.args[KEYS[key] or key] = (value, where(key))
@@ -260,7 +260,7 @@ def read_config(raw: dict, b: Baseline, source: str, what: str) -> None:
         b.args["gradient_accumulation_steps"] = (1, f"{where('gradient_accumulation_steps')}: 1, axolotl's default")
     for key, (value, why) in DEFAULTS.items():
         if raw.get(key) is None:
-            b.args[KEYS[key] or key] = (value, f"{where(key)}: {value}, {why}")
+            b.args[KEYS[key] or key] = (value, where(key).said(f": {value}, {why}"))
     if not raw.get("adapter"):
         b.args["adapter"] = (None, f"{source}: no adapter: every weight trained")
     if raw.get("dataloader_drop_last"):
@@ -311,13 +311,13 @@ def _warmup(raw: dict, b: Baseline, source: str, where) -> None:
     """axolotl's warm-up keys as the Trainer's, and its rounding of a ratio (:func:`warmup`)."""
     if raw.get("warmup_steps") is not None:
         steps = int(raw["warmup_steps"])
-        b.args["warmup_steps"] = (2 if steps == 1 else steps, where("warmup_steps") + (
+        b.args["warmup_steps"] = (2 if steps == 1 else steps, where("warmup_steps").said(
             " (1 made 2, as axolotl does)" if steps == 1 else ""))
     elif raw.get("warmup_ratio") is not None:
         b.args["warmup_ratio"] = (float(raw["warmup_ratio"]), where("warmup_ratio"))
     else:
-        b.args["warmup_ratio"] = (0.03, f"{source}: no warmup_steps nor warmup_ratio (axolotl's default: 3% of the "
-                                        "steps, at most 100)")
+        b.args["warmup_ratio"] = (0.03, Where(source, "no warmup_steps nor warmup_ratio (axolotl's default: 3% of the "
+                                                      "steps, at most 100)"))
     if raw.get("warmup_steps") is None and raw.get("warmup_ratio") is None:
         b.own["warmup_cap"] = (100, f"{source}: axolotl's default warm-up, at most 100 steps")
 
@@ -406,11 +406,11 @@ def carry_own(b: Baseline, out, model_fields, data_fields: set, baseline_step: b
         out.set("data.system_prompt", None, f"{said[1]}: axolotl puts it only in place of 'You are a helpful "
                 "assistant.' in its chatml template, which 0.21.0's does not hold: no system message added" if said
                 else "axolotl adds no system message to a conversation (the template's own default stays)")
-    out.not_carried = [
-        "not carried: the adapters' start=unknown — axolotl draws them after set_seed(seed) while it loads the "
-        "model, which finetune's draw does not replay (checked with axolotl 0.21.0, peft 0.21): give "
-        "--initial-adapter DIR, the adapters of axolotl's start replayed (examples/axolotl/initial_adapters.py)"
-        if line.startswith("not carried: the adapters' start") else line for line in out.not_carried]
+    if out.skipped("the adapters' start"):
+        out.skip("the adapters' start", "unknown", "axolotl draws them after set_seed(seed) while it loads the "
+                 "model, which finetune's draw does not replay (checked with axolotl 0.21.0, peft 0.21): give "
+                 "--initial-adapter DIR, the adapters of axolotl's start replayed "
+                 "(examples/axolotl/initial_adapters.py)")
     if "bf16" in own and "bf16" not in b.args:
         out.skip("bf16", "auto", "axolotl trains in bf16 where the GPU has it, else in fp16 (auto, its default): "
                  "set training.mixed_precision to what it took")

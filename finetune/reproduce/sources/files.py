@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline
+from finetune.reproduce.record import Baseline, Where
 from finetune.reproduce.sources.pickled_args import read_training_args_bin
 
 CARD = "README.md (model card)"
@@ -142,7 +142,7 @@ def json_object(path: Path, what: str) -> dict:
 
 
 def sourced(values: dict, source: str) -> dict:
-    return {k: (v, source) for k, v in values.items()}
+    return {k: (v, Where(source)) for k, v in values.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def read_events(files: list[Path], b: Baseline) -> None:
                 args = json.loads(text)
             except ValueError:
                 args = {}
-            where = f"{path.parent.name}/{path.name[:24]}…: args"
+            where = Where(f"{path.parent.name}/{path.name[:24]}…", "args")
             b.args.update({k: (v, where) for k, v in args.items() if k not in b.args})
     b.logs = [steps[s] for s in sorted(steps) if "loss" in steps[s]]
     b.evals = sorted(evals.items())

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import finetune.reproduce.sources.files as files
 from finetune.reproduce.record import Baseline
-from finetune.reproduce.sources import files
 from finetune.reproduce.sources.contract import Reader
 
 
@@ -31,10 +31,10 @@ class Hub(Reader):
 SOURCE = Hub()
 
 
-def no_step_log(base: Baseline) -> str | None:
+def no_step_log(b: Baseline) -> str | None:
     """The one line ``compare`` says of a baseline that logged no step (None when it did)."""
-    if base.logs:
+    if b.logs:
         return None
-    why = " (TRL and axolotl push no trainer_state.json)" if base.source is SOURCE else ""
-    return (f"no per-step log in the {base.kind}{why}: no step's loss, lr or grad norm is certified against the "
+    why = " (TRL and axolotl push no trainer_state.json)" if b.source is SOURCE else ""
+    return (f"no per-step log in the {b.kind}{why}: no step's loss, lr or grad norm is certified against the "
             "baseline's, only what it holds")

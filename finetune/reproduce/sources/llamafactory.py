@@ -21,10 +21,10 @@ import json
 import typing
 from pathlib import Path
 
+import finetune.reproduce.sources.files as files
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints, section_class, task_module
-from finetune.reproduce.record import Baseline, load_yaml, pure_precision
-from finetune.reproduce.sources import files
+from finetune.reproduce.record import Baseline, Where, load_yaml, pure_precision
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 KIND = "LLaMA-Factory run"
@@ -208,7 +208,7 @@ def read_log(path: Path, b, what: str) -> None:
 
 def read_yaml_keys(raw: dict, name: str, b) -> None:
     """The YAML's keys onto ``b``: TrainingArguments names, LLaMA-Factory's own (``b.own``), not carried, unknown."""
-    src = lambda key: f"{name}: {key}"  # noqa: E731
+    src = lambda key: Where(name, key)  # noqa: E731
     b.base_model = b.base_model or raw.get("model_name_or_path")
     for key, value in raw.items():
         if key in TRAINER_KEYS:
@@ -313,7 +313,7 @@ def carry_own(b, out, model_fields, data_fields: set, baseline_step: bool) -> No
     preference loss and what it trains on; its packing (:func:`packing`); every other setting of
     :data:`NOT_CARRIED` that is not at its default, as not carried."""
     own = b.own
-    out.not_carried = [line for line in out.not_carried if not line.startswith("not carried: the adapters' start")]
+    out.drop("the adapters' start")
     if b.adapter_config or b.get("adapter"):
         out.not_carried.append("adapters' start: replayed — LLaMA-Factory draws them after set_seed(seed), as "
                                "finetune does before building the model (checked with LLaMA-Factory 0.9.5, peft 0.18)")

@@ -13,7 +13,7 @@ from finetune.errors import ConfigError
 # The classes a TrainingArguments pickle holds: the arguments class itself (TRL's configs derive from it), its enums
 # and the records it keeps (accelerate's state, its accelerator config, a torch.device). Each becomes an inert stand-in:
 # nothing from transformers, TRL or accelerate is imported or called while reading.
-ARGS_MODULES = ("transformers.", "trl.", "llamafactory.")
+ENUM_MODULES = ("transformers.", "trl.", "accelerate.")  # where the enums of the arguments live
 ARGS_CLASSES = {"TrainingArguments", "Seq2SeqTrainingArguments"}
 ENUMS = {"IntervalStrategy", "SaveStrategy", "HubStrategy", "SchedulerType", "OptimizerNames", "FSDPOption",
          "DebugOption", "ParallelMode", "DistributedType", "EvaluationStrategy", "ExplicitEnum"}
@@ -34,10 +34,10 @@ def _enum_value(value, *rest):
 
 class _ArgsUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if module.startswith(ARGS_MODULES) and (name in ARGS_CLASSES or module.startswith("trl.") and
-                                                name.endswith("Config")):
+        # the arguments class by its name, from any tool that subclasses it (it is a stand-in: nothing of it runs)
+        if name in ARGS_CLASSES or module.startswith("trl.") and name.endswith("Config"):
             return type(name, (_Record,), {})
-        if name in ENUMS and module.startswith(ARGS_MODULES + ("accelerate.",)):
+        if name in ENUMS and module.startswith(ENUM_MODULES):
             return _enum_value
         if (module, name) in RECORDS:
             return str if name == "device" else type(name, (_Record,), {})

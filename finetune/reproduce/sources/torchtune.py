@@ -21,9 +21,9 @@ import json
 import re
 from pathlib import Path
 
+import finetune.reproduce.sources.files as files
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline, load_yaml, local_file, pure_precision
-from finetune.reproduce.sources import files
+from finetune.reproduce.record import Baseline, Where, load_yaml, local_file, pure_precision
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 OPTIMIZERS = {"torch.optim.AdamW": "adamw_torch", "torch.optim.SGD": "sgd", "bitsandbytes.optim.PagedAdamW8bit":
@@ -48,8 +48,12 @@ class Torchtune(Reader):
         return read_run(path, what) if path.is_dir() else read_torchtune(path, load_yaml(path, what), what)
 
     def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
-        """torchtune's own settings onto the recipe: its ``dtype: bf16`` (every weight trained in it), taken with
-        ``baseline_step``."""
+        """torchtune's own settings onto the recipe: how it draws LoRA's start, and its ``dtype: bf16`` (every weight
+        trained in it), taken with ``baseline_step``."""
+        if out.skipped("the adapters' start"):
+            out.skip("the adapters' start", "unknown", "torchtune draws them from its seed while it builds its own "
+                     "model and saves none: give --initial-adapter DIR, the adapters drawn by replaying that build "
+                     "(seed, then the model: examples/torchtune/make_baselines.py, initial_adapters)")
         dtype = b.own["dtype"][0]
         if dtype in ("bf16", "fp16"):
             pure_precision(out, b.own["dtype"], dtype, "torchtune", baseline_step, model_fields, autocast="no")
@@ -67,7 +71,7 @@ def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
     """The settings of torchtune config ``raw`` (read from ``path``), as TrainingArguments names with their sources;
     ConfigError (one line) for a value of the wrong kind."""
     b = Baseline("torchtune config", path)
-    src = lambda key: f"{path.name}: {key}"  # noqa: E731
+    src = lambda key: Where(path.name, key)  # noqa: E731
     for key, name in (("batch_size", "per_device_train_batch_size"), ("gradient_accumulation_steps", None),
                       ("epochs", "num_train_epochs"), ("log_every_n_steps", "logging_steps")):
         if raw.get(key) is not None:

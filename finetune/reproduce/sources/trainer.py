@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import finetune.reproduce.sources.files as files
 from finetune.reproduce.record import Baseline
-from finetune.reproduce.sources import files
 from finetune.reproduce.sources.contract import Reader
 
 FILE_FORMS = (".md", ".json", ".bin")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.reproduce.record import Baseline, load_yaml, pure_precision
+from finetune.reproduce.record import Baseline, Where, load_yaml, pure_precision
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 # TRL ModelConfig's LoRA fields → (the adapter setting finetune's importer reads, TRL 1.16's default)
@@ -60,7 +60,7 @@ SOURCE = TrlConfig()
 def read_trl_config(path: Path, raw: dict, what: str) -> Baseline:
     """The baseline of a TRL command-line YAML config (every value with ``path.name: key`` as its source)."""
     b = Baseline("TRL config YAML", path, base_model=raw.get("model_name_or_path"))
-    where = lambda key: f"{path.name}: {key}"  # noqa: E731
+    where = lambda key: Where(path.name, key)  # noqa: E731
     for key, value in raw.items():
         if key in NOT_CARRIED:
             default, why = NOT_CARRIED[key]
@@ -95,5 +95,5 @@ def _dtype(raw: dict, b: Baseline, path: Path) -> None:
     if raw.get("use_peft"):
         b.args["model_dtype"] = (half, f"{path.name}: {key} (the frozen base; peft keeps the adapters in fp32)")
     else:  # every weight trained in it: the pure step, taken on request (carry_own)
-        b.own[key] = (dtype, f"{path.name}: {key}")
+        b.own[key] = (dtype, Where(path.name, key))
 

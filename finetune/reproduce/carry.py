@@ -1,0 +1,316 @@
+"""A baseline's settings as finetune's recipe values: what ``finetune import`` writes into a recipe and what
+``finetune compare`` checks a run against. ``carry`` turns a ``record.Baseline`` into recipe fields (``Imported``),
+each with where it came from, and says which settings have no counterpart (``record.Skip``); the task's own settings
+are :mod:`task_settings`', the rows :mod:`rows`'."""
+
+from __future__ import annotations
+
+import math
+import typing
+
+from finetune.config import TrainingConfig
+from finetune.optimizers import OPTIMIZERS
+from finetune.reproduce.record import Baseline, Imported, file_of
+from finetune.reproduce.task_settings import data_settings, grpo_settings, task_model_settings
+
+# the schedules finetune takes: the recipe schema's (training.lr_scheduler), by transformers.get_scheduler's names
+SCHEDULERS = frozenset(typing.get_args(typing.get_type_hints(TrainingConfig)["lr_scheduler"]))
+
+# settings that change the step and that finetune has no counterpart for: TrainingArguments name → why
+NO_COUNTERPART = {
+    "neftune_noise_alpha": "finetune has no NEFTune",
+    "label_smoothing_factor": "finetune's losses have no label smoothing",
+    "lr_scheduler_kwargs": "finetune passes no scheduler arguments",
+    "cosine_min_lr_ratio": "finetune passes no scheduler arguments",
+    "group_by_length": "finetune draws no length-grouped order; its windows sort by length inside (same samples)",
+    "tf32": "finetune leaves torch's matmul precision as it is",
+}
+
+
+# TrainingArguments defaults: a setting at its default needs no line
+DEFAULTS = {"neftune_noise_alpha": None, "label_smoothing_factor": 0.0, "lr_scheduler_kwargs": None,
+            "cosine_min_lr_ratio": None, "group_by_length": False, "tf32": None}
+
+
+# what a model card never lists, with the Trainer's defaults
+CARD_OMITS = {"weight_decay": 0.0, "max_grad_norm": 1.0, "data_seed": None, "bf16": False}
+
+
+def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None = None,
+          initial_adapter=None, baseline_step: bool = False) -> Imported:
+    """Map the baseline's settings onto recipe fields (``section.name``); ``model_fields``: the recipe's model
+    section, field name → type; ``steps``: the optimizer steps the run took, when the source does not say them (for
+    a warm-up ratio); ``baseline_step``: take the baseline tool's own step where it is not the big batch's (its
+    ``carry_own`` says which it can)."""
+    out = Imported()
+    src = lambda name: b.args[name][1]  # noqa: E731
+    get = b.get
+
+    total = b.effective_batch()
+    if total:
+        if get("total_train_batch_size"):
+            where = f"{src('total_train_batch_size')}: total_train_batch_size"
+        else:
+            devices = get("num_devices")
+            where = f"{src('per_device_train_batch_size')} × accumulation × " + (
+                f"{devices} devices" if devices else "1 process (the source names no process count)")
+        out.set("training.effective_batch_size", total, where)
+        out.set("training.gradient_accumulation_steps", None, "derived from the effective batch and your micro-batch")
+    for name, field in (("learning_rate", "training.learning_rate"), ("weight_decay", "training.weight_decay")):
+        if get(name) is not None:
+            out.set(field, float(get(name)), src(name))
+    _scheduler(b, out, steps)
+    _length(b, out)
+    _optimizer(b, out)
+    if "max_grad_norm" in b.args:
+        norm = get("max_grad_norm")
+        out.set("training.max_grad_norm", float(norm) if norm else None, src("max_grad_norm"))
+    if get("bf16") or get("fp16"):
+        which = "bf16" if get("bf16") else "fp16"
+        out.set("training.mixed_precision", which, src(which))
+    elif "bf16" in b.args or "fp16" in b.args:
+        out.set("training.mixed_precision", "no", src("bf16" if "bf16" in b.args else "fp16"))
+    if get("gradient_checkpointing"):
+        out.set("training.gradient_checkpointing", True, src("gradient_checkpointing"))
+    _eval(b, out)
+    if _lora(b, out):
+        _lora_start(b, out, initial_adapter)
+    _quantization(b, out, model_fields)
+    if b.get("model_dtype") and "dtype" in model_fields:  # the frozen base's dtype, as the source's reader says
+        out.set("model.dtype", b.get("model_dtype"), b.args["model_dtype"][1])
+    data_settings(b, out, data_fields)
+    _seed_and_order(b, out)  # after _data: a packing it carried makes the packed rows the samples
+    task_model_settings(b, out, model_fields)
+    if b.get("num_generations") is not None:
+        grpo_settings(b, out, model_fields)
+    if b.card_only:  # the card lists only some arguments: the others are the recipe's own
+        missing = [f"{k} (Trainer default {v})" for k, v in CARD_OMITS.items() if k not in b.args]
+        if missing:
+            out.not_carried.append("not in the model card, the recipe's values kept: " + ", ".join(missing))
+    for name, why in NO_COUNTERPART.items():
+        if get(name, DEFAULTS[name]) not in (DEFAULTS[name], {}, 0, 0.0, False):
+            out.skip(name, get(name), why)
+    _drop_last(b, out)
+    if "beta" not in model_fields:  # a preference or policy task sums its own loss: no Trainer count divides it
+        _loss_divisor(b, out)
+    for setting, value, why in b.uncarried:  # what the source's own reader knows finetune lacks
+        out.skip(setting, value, why)
+    if b.source is not None:  # a tool's own settings (LLaMA-Factory's template, stage), last
+        b.source.carry_own(b, out, model_fields, data_fields, baseline_step)
+    return out
+
+
+# HF Trainer divided a window's summed loss by its labels counted before a causal LM's shift (num_items_in_batch)
+# from transformers 4.46, which introduced that count, until 5.10 counted after it
+UNSHIFTED_COUNT = ((4, 46), (5, 10))
+
+
+def _loss_divisor(b: Baseline, out: Imported) -> None:
+    """The divisor of the Trainer version that trained the baseline (its card's Framework versions): before 5.10,
+    one label more per row whose first label trains (``training.loss_divisor: labels``)."""
+    version = b.get("transformers_version")
+    if version is None:
+        return
+    parts = tuple(int(x) for x in str(version).split(".")[:2])
+    if UNSHIFTED_COUNT[0] <= parts < UNSHIFTED_COUNT[1]:
+        out.set("training.loss_divisor", "labels", f"{b.args['transformers_version'][1]}: Transformers "
+                f"{version}, whose Trainer divides each window's loss by its labels before the shift")
+
+
+def _drop_last(b: Baseline, out: Imported) -> None:
+    """An epoch's dropped tail: the source's own (torchtune's incomplete last window) or the Trainer's
+    ``dataloader_drop_last`` (its incomplete last micro-batch: per-device batch × processes)."""
+    if b.get("drop_last"):
+        out.set("training.drop_last", int(b.get("drop_last")), b.args["drop_last"][1])
+    elif b.get("dataloader_drop_last") and b.get("per_device_train_batch_size"):
+        size = int(b.get("per_device_train_batch_size")) * int(b.get("num_devices") or 1)
+        out.set("training.drop_last", size, f"{b.args['dataloader_drop_last'][1]}: dataloader_drop_last, the "
+                                            "incomplete last micro-batch of each epoch dropped")
+
+
+def _scheduler(b: Baseline, out: Imported, steps_given: int | None) -> None:
+    get = b.get
+    kind = get("lr_scheduler_type")
+    if kind is not None:
+        if str(kind) in SCHEDULERS:
+            out.set("training.lr_scheduler", str(kind), b.args["lr_scheduler_type"][1])
+        else:
+            out.skip("lr_scheduler_type", kind, f"finetune's schedulers are {', '.join(sorted(SCHEDULERS))}")
+    # transformers 5: warmup_steps below 1 is a ratio (TrainingArguments has no warmup_ratio); older arguments and
+    # axolotl have warmup_ratio. The Trainer's warmup_steps are what it took, 0 too: a ratio from another file (the
+    # axolotl config beside its arguments) never overrides them; a ratio in the same file is used when they are 0
+    # (transformers 4's rule). A ratio becomes steps as the source's tool rounds it (its source's warmup), else as
+    # TrainingArguments.get_warmup_steps does: ceil(steps × ratio).
+    steps, ratio, ratio_src = get("warmup_steps"), get("warmup_ratio"), None
+    if steps is not None and 0 < float(steps) < 1:
+        ratio, ratio_src = float(steps), b.args["warmup_steps"][1]
+    elif steps is not None and (float(steps) >= 1 or not ratio or _origin(b, "warmup_ratio") !=
+                                _origin(b, "warmup_steps")):
+        out.set("training.warmup_steps", int(steps), b.args["warmup_steps"][1])
+        return
+    elif ratio:
+        ratio, ratio_src = float(ratio), b.args["warmup_ratio"][1]
+    if not ratio:
+        return
+    total = get("schedule_steps") or (get("max_steps") if (get("max_steps") or -1) > 0 else None)
+    where = b.args["schedule_steps" if get("schedule_steps") else "max_steps"][1] if total else "--steps"
+    n = int(total or steps_given) if total or steps_given else None
+    warmup, how = (b.source and b.source.warmup(b, ratio, n)) or trainer_warmup(ratio, n)
+    if warmup is not None:
+        out.set("training.warmup_steps", warmup, f"{ratio_src}: ratio {ratio:g} × {total or steps_given} steps "
+                                                 f"({where}), {how}")
+    else:
+        out.skip("warmup ratio", ratio, "this source does not say how many optimizer steps the run took; give "
+                 f"--steps N, or set training.warmup_steps={how}")
+
+
+def trainer_warmup(ratio: float, total: int | None) -> tuple:
+    """(warm-up steps, how they were rounded) for a warm-up ratio over ``total`` optimizer steps, as transformers
+    rounds it (up); (None, the formula) when the steps are unknown."""
+    if total is None:
+        return None, f"ceil({ratio:g} × N) (transformers rounds up)"
+    return math.ceil(total * ratio), "rounded up as transformers does"
+
+
+def _origin(b: Baseline, name: str) -> str | None:
+    """The file a setting was read from."""
+    return file_of(b.args[name][1]) if name in b.args else None
+
+
+def _length(b: Baseline, out: Imported) -> None:
+    get = b.get
+    epochs, max_steps = get("num_train_epochs"), get("max_steps")
+    if max_steps is not None and int(max_steps) > 0:
+        out.set("training.max_steps", int(max_steps), b.args["max_steps"][1])
+        out.set("training.epochs", max(1, math.ceil(int(max_steps) / max(1, int(get("schedule_steps") or
+                                                                                max_steps)))), "derived")
+    elif epochs is not None:
+        if float(epochs) != int(float(epochs)):
+            out.set("training.epochs", math.ceil(float(epochs)), b.args["num_train_epochs"][1])
+            out.skip("num_train_epochs", epochs, "finetune trains whole epochs; set training.max_steps to the "
+                     "baseline's step count to stop where it stopped")
+        else:
+            out.set("training.epochs", int(float(epochs)), b.args["num_train_epochs"][1])
+
+
+def trainer_optimizers() -> dict:
+    """TrainingArguments.optim → training.optimizer, from the optimizer table's ``trainer_names`` (read at each
+    call: an entry added to the table is imported at once)."""
+    return {trainer: ours for ours, entry in OPTIMIZERS.items() for trainer in entry.trainer_names}
+
+
+def _optimizer(b: Baseline, out: Imported) -> None:
+    get = b.get
+    optim = get("optim")
+    if optim is not None:
+        ours = trainer_optimizers().get(str(optim).lower())
+        if ours:
+            out.set("training.optimizer", ours, b.args["optim"][1])
+        else:
+            out.skip("optim", optim, f"finetune's optimizers are {', '.join(OPTIMIZERS)}")
+    if get("adam_beta1") is not None or get("adam_beta2") is not None:
+        betas = [float(get("adam_beta1", 0.9)), float(get("adam_beta2", 0.999))]
+        out.set("training.betas", betas, b.args["adam_beta1" if "adam_beta1" in b.args else "adam_beta2"][1])
+    eps = get("adam_epsilon")
+    if eps is not None and float(eps) != 1e-8:
+        out.skip("adam_epsilon", eps, "finetune's AdamW uses torch's eps 1e-8")
+
+
+def _seed_and_order(b: Baseline, out: Imported) -> None:
+    get = b.get
+    seed, data_seed = get("seed"), get("data_seed")
+    if data_seed is not None and data_seed != seed:
+        out.set("training.seed", int(data_seed), f"{b.args['data_seed'][1]}: data_seed, the seed of the order")
+        if seed is not None:
+            out.skip("seed", seed, f"finetune has one seed; data_seed={data_seed} is taken, for the sample order "
+                     "(dropout and new weights draw from it too)")
+    elif seed is not None:
+        out.set("training.seed", int(seed), b.args["seed"][1])
+    strategy = str(get("train_sampling_strategy") or "random")
+    # TRL's packed rows are its samples, drawn in a seeded order too, where data.pack carries the packing
+    if (get("packing") and "data.pack" not in out.values) or get("group_by_length") or \
+            strategy not in ("random", "sequential"):
+        return  # their order is not a seeded permutation of the samples (said by their own not-carried lines)
+    if strategy == "sequential":
+        out.set("training.shuffle", False, b.args["train_sampling_strategy"][1])
+    else:
+        out.set("training.sample_order", "trainer",
+                "HF Trainer's random sampler (axolotl and TRL train with it too)")
+
+
+def _eval(b: Baseline, out: Imported) -> None:
+    strategy = str(b.get("eval_strategy") or b.get("evaluation_strategy") or "")
+    if strategy == "steps" and b.get("eval_steps"):
+        out.set("training.eval_every", int(b.get("eval_steps")), b.args["eval_steps"][1])
+
+
+def _lora(b: Baseline, out: Imported) -> bool:
+    """LoRA's settings, or that there is none; True when the baseline trained adapters."""
+    a, get = b.adapter_config, b.get
+    if a and a.get("peft_type", "LORA") == "LORA":
+        where = "adapter_config.json"
+        values = {"r": a.get("r"), "alpha": a.get("lora_alpha"), "dropout": a.get("lora_dropout"),
+                  "target_modules": a.get("target_modules"), "modules_to_save": a.get("modules_to_save")}
+    elif get("adapter") in ("lora", "qlora"):
+        where = file_of(b.args["adapter"][1])
+        values = {"r": get("lora_r"), "alpha": get("lora_alpha"), "dropout": get("lora_dropout"),
+                  "target_modules": get("lora_target_modules"), "modules_to_save": None}
+        if get("lora_target_linear"):
+            out.skip("lora_target_linear", True, "finetune names the adapted modules; list the model's linear "
+                     "layers in peft.target_modules")
+    elif "adapter" in b.args and get("adapter") is None:  # the source says so (torchtune's model component)
+        out.set("peft.enabled", False, b.args["adapter"][1])
+        return False
+    elif b.weights is not None and b.weights.name == "model.safetensors" and b.model_config is not None:
+        out.set("peft.enabled", False, f"{b.weights.name} and no adapter_config.json: every weight trained")
+        return False
+    else:
+        out.skip("LoRA or not", "unknown", f"the {b.kind} does not say; the recipe's peft section is kept")
+        return False
+    out.set("peft.enabled", True, where)
+    for key, value in values.items():
+        if value is not None:
+            if isinstance(value, float) and key in ("r", "alpha") and value.is_integer():
+                value = int(value)  # a tool that saves them as floats (ms-swift's lora_alpha 32.0)
+            if key == "target_modules" and isinstance(value, str):
+                value = [value]  # peft's "all-linear" too: finetune's peft.target_modules takes [all-linear]
+            out.set(f"peft.{key}", sorted(value) if isinstance(value, (list, set)) else value, where)
+    return True
+
+
+def _lora_start(b: Baseline, out: Imported, initial_adapter) -> None:
+    """Where the adapters start: the baseline's saved initial adapters, TRL's draw replayed from the seed, or
+    unknown (said)."""
+    if initial_adapter is not None:
+        out.set("peft.init_from", str(initial_adapter), "--initial-adapter: the adapters before the first step")
+    elif b.trl:
+        out.not_carried.append("adapters' start: replayed — TRL draws them right after set_seed(seed) and finetune "
+                               "seeds the same way before building the model (checked with TRL 1.16, peft 0.21)")
+    else:  # a tool that draws them otherwise says how (its source's carry_own)
+        out.skip("the adapters' start", "unknown", "a Trainer baseline drew them in its own script: the same only if "
+                 "it called set_seed(seed) right before get_peft_model; else give --initial-adapter DIR (its adapters "
+                 "saved before the first step)")
+
+
+def _quantization(b: Baseline, out: Imported, model_fields: set) -> None:
+    get, q = b.get, (b.model_config or {}).get("quantization_config") or {}
+    kind = None
+    if get("load_in_4bit") or q.get("load_in_4bit"):
+        kind = str(get("bnb_4bit_quant_type") or q.get("bnb_4bit_quant_type") or "nf4")
+    elif get("load_in_8bit") or q.get("load_in_8bit"):
+        kind = "int8"
+    if kind is None:
+        return
+    where = file_of(b.args["load_in_4bit" if get("load_in_4bit") else "load_in_8bit"][1]) \
+        if get("load_in_4bit") or get("load_in_8bit") else "config.json: quantization_config"
+    if "quantization" in model_fields and kind in ("nf4", "fp4", "int8"):
+        out.set("model.quantization", kind, where)
+        if kind == "int8" and out.values.get("training.gradient_checkpointing"):
+            # it saves memory and changes no step; finetune's int8 layers keep their inputs where it cannot free them
+            del out.values["training.gradient_checkpointing"]
+            out.rows = [r for r in out.rows if r[0] != "training.gradient_checkpointing"]
+            out.not_carried.append("note: gradient_checkpointing=True left off — int8 layers keep their inputs "
+                                   "outside autograd, where checkpointing cannot free them; it changes memory, not "
+                                   "the step")
+    else:
+        out.skip("quantization", kind, "this recipe's task has no model.quantization")
