@@ -425,15 +425,15 @@ def test_import_of_a_trl_grpo_folder_carries_its_generation_batch_and_loss(tmp_p
 
 
 def test_import_names_a_loss_type_the_task_does_not_have(tmp_path):
-    from finetune.reproduce.importer import import_recipe
+    from finetune.reproduce.importer import Request, import_recipe
 
     args = tmp_path / "args.json"
     args.write_text(json.dumps({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
                                 "num_generations": 4, "loss_type": "cispo", "generation_batch_size": 8,
                                 "learning_rate": 1e-6}))
-    raw, imported, _ = import_recipe(args, "grpo-smollm2", model=tiny_chat_assets()["model"])
+    raw, imported, _ = import_recipe(args, Request("grpo-smollm2", model=tiny_chat_assets()["model"]))
     assert "loss_type" not in raw["model"] or raw["model"]["loss_type"] == "dapo"  # the recipe's kept
-    assert any(line.startswith("not carried: loss_type=cispo") for line in imported.not_carried)
+    assert any(line.startswith("not carried: loss_type=cispo") for line in imported.lines())
     assert raw["model"]["generation_batch_size"] == 8
 
 

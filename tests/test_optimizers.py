@@ -102,7 +102,7 @@ def test_a_made_up_optimizer_added_to_the_table_alone_is_planned_trained_compare
         tmp_path, monkeypatch, capsys):
     from finetune.cli import main
     from finetune.reproduce.compare import compare_runs
-    from finetune.reproduce.importer import import_recipe
+    from finetune.reproduce.importer import Request, import_recipe
     from finetune.startup import build_job
 
     args = tmp_path / "args.json"  # a Trainer baseline's arguments, naming its optimizer
@@ -110,15 +110,15 @@ def test_a_made_up_optimizer_added_to_the_table_alone_is_planned_trained_compare
     # the control: before the entry exists, the recipe refuses the name and the import does not carry it
     with pytest.raises(ConfigError, match="training.optimizer: got 'adagrad'; expected 'adamw' | 'sgd'"):
         load_recipe(TINY, ["training.optimizer=adagrad"])
-    _, imported, _ = import_recipe(str(args), base=TINY)
+    _, imported, _ = import_recipe(str(args), Request(TINY))
     assert "training.optimizer" not in imported.values
-    assert any(line.startswith("not carried: optim=adagrad_made_up") for line in imported.not_carried)
+    assert any(line.startswith("not carried: optim=adagrad_made_up") for line in imported.lines())
 
     monkeypatch.setitem(OPTIMIZERS, "adagrad", ADAGRAD)
     # the schema
     assert load_recipe(TINY, ["training.optimizer=adagrad"]).training.optimizer == "adagrad"
     # imported
-    raw, imported, _ = import_recipe(str(args), base=TINY)
+    raw, imported, _ = import_recipe(str(args), Request(TINY))
     assert raw["training"]["optimizer"] == "adagrad" and imported.values["training.optimizer"] == "adagrad"
     # planned: the plan's optimizer state is the table's count of the recipe's trainable tensors
     capsys.readouterr()
