@@ -241,7 +241,7 @@ def short_micro_batch(b: Baseline, mine: dict) -> list:
     baseline's reduction, not something a run can carry."""
     trainer = hints(mine["config"]).mean_of_micro_batches
     size, n = int(b.get("per_device_train_batch_size") or 0), mine["metrics"].get("train_samples")
-    accumulation, processes = int(b.get("gradient_accumulation_steps") or 1), int(b.get("num_devices") or 1)
+    accumulation, processes = int(b.get("gradient_accumulation_steps") or 1), b.process_count()
     if trainer is None or not size or not n or processes != 1 or n % size == 0:
         return []
     micro = -(-n // size)                        # micro-batches per epoch, the last one short

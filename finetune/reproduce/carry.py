@@ -49,11 +49,12 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
     total = b.effective_batch()
     if total:
         if get("total_train_batch_size"):
-            where = f"{src('total_train_batch_size')}: total_train_batch_size"
+            where = f"{src('total_train_batch_size')}: total_train_batch_size" + (
+                f", {b.processes[0]} processes ({b.processes[1]})" if b.processes else "")
         else:
-            devices = get("num_devices")
             where = f"{src('per_device_train_batch_size')} × accumulation × " + (
-                f"{devices} devices" if devices else "1 process (the source names no process count)")
+                f"{b.processes[0]} processes ({b.processes[1]})" if b.processes else
+                "1 process (the source names no process count: --processes P)")
         out.set("training.effective_batch_size", total, where)
         out.set("training.gradient_accumulation_steps", None, "derived from the effective batch and your micro-batch")
     for name, field in (("learning_rate", "training.learning_rate"), ("weight_decay", "training.weight_decay")):
@@ -123,7 +124,7 @@ def _drop_last(b: Baseline, out: Imported) -> None:
     if b.get("drop_last"):
         out.set("training.drop_last", int(b.get("drop_last")), b.args["drop_last"][1])
     elif b.get("dataloader_drop_last") and b.get("per_device_train_batch_size"):
-        size = int(b.get("per_device_train_batch_size")) * int(b.get("num_devices") or 1)
+        size = int(b.get("per_device_train_batch_size")) * b.process_count()
         out.set("training.drop_last", size, f"{b.args['dataloader_drop_last'][1]}: dataloader_drop_last, the "
                                             "incomplete last micro-batch of each epoch dropped")
 

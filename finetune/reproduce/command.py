@@ -91,7 +91,8 @@ def import_command(args, recipe: Path) -> list:
             *(["--recipe", args.recipe] if args.recipe else []), *(["--data", str(args.data)] if args.data else []),
             *(["--model", str(args.model)] if args.model else []),
             *(["--initial-adapter", str(args.initial_adapter)] if args.initial_adapter else []),
-            *(["--baseline-step"] if args.baseline_step else [])]
+            *(["--baseline-step"] if args.baseline_step else []),
+            *(["--processes", str(args.processes)] if args.processes else [])]
 
 
 def _below_fp32(run_dir: Path) -> bool:
@@ -131,6 +132,8 @@ def add_arguments(p) -> None:
                                                             "step (peft.init_from)")
     p.add_argument("--baseline-step", action="store_true", help="train the step the baseline's tool took where it "
                    "is not the big batch's (see finetune import --help)")
+    p.add_argument("--processes", type=int, metavar="P", help="the processes the baseline trained on, where its files "
+                   "do not say (see finetune import --help)")
     p.add_argument("--batch-size", metavar="B", help="the micro-batch (default auto: the largest that fits here)")
     p.add_argument("-o", "--output", metavar="DIR", help="where the recipe, the run, the curves and report.md go")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -39,7 +39,8 @@ class Request:
     """What a user asks of ``finetune import`` besides the source: the recipe to import over (``--recipe``), the
     baseline's optimizer steps (``--steps``), its training file (``--data``), its adapters' start
     (``--initial-adapter``), its base model (``--model``), where the recipe goes (beside which the rows go when the
-    baseline's tool reordered them) and whether to take the tool's own step (``--baseline-step``)."""
+    baseline's tool reordered them), whether to take the tool's own step (``--baseline-step``) and the processes
+    it trained on where its files do not say (``--processes``)."""
 
     base_recipe: Optional[str] = None
     steps: Optional[int] = None
@@ -48,12 +49,13 @@ class Request:
     model: Optional[str] = None
     recipe: Optional[Path] = None
     baseline_step: bool = False
+    processes: Optional[int] = None
 
 
 def request_of(args, out: Path) -> Request:
     """The request of ``finetune import`` / ``reproduce``'s command line, the recipe written to ``out``."""
     return Request(args.recipe, getattr(args, "steps", None), args.data, args.initial_adapter, args.model, out,
-                   args.baseline_step)
+                   args.baseline_step, args.processes)
 
 
 def _skeleton(b: Baseline) -> dict:
@@ -69,6 +71,7 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     from the baseline's. A baseline that names no base model, imported without a base recipe, gives a recipe whose
     ``model.name_or_path`` is missing (``Imported.missing`` says so)."""
     baseline = source if isinstance(source, Baseline) else read_baseline(source, "import")
+    given_processes(baseline, request.processes)
     base, data, model = request.base_recipe, request.data, request.model
     raw = read_yaml(recipe_path(base)) if base else _skeleton(baseline)
     if not isinstance(raw, dict):
@@ -131,6 +134,18 @@ def main(args) -> int:
     return write_import(read_baseline(args.source, "import"), request_of(args, out), out)
 
 
+def given_processes(b: Baseline, processes: Optional[int]) -> None:
+    """``--processes P``: the processes the baseline trained on where its files do not say; ConfigError (one line)
+    where they say another number."""
+    if processes is None:
+        return
+    if processes < 1:
+        raise ConfigError(f"--processes: {processes}; give the number of processes the baseline trained on (1 or more)")
+    if b.processes is not None and b.processes[0] != processes:
+        raise ConfigError(f"--processes: {processes}, but the baseline trained on {b.processes[0]} ({b.processes[1]})")
+    b.processes = b.processes or (processes, "--processes")
+
+
 def write_import(baseline: Baseline, request: Request, out: Path) -> int:
     """``finetune import`` of the baseline read: the recipe written to ``out``, the table of what was carried and
     every line on what was not, printed."""
@@ -179,4 +194,6 @@ def add_arguments(p) -> None:
                    "finetune's exact big-batch step, the difference named)")
     p.add_argument("--steps", type=int, metavar="N", help="the baseline's optimizer steps, for a warm-up ratio when "
                                                           "the source does not say them")
+    p.add_argument("--processes", type=int, metavar="P", help="the processes the baseline trained on (data-parallel: "
+                   "its effective batch is per-device × accumulation × P), where its files do not say")
     p.add_argument("--force", action="store_true", help="overwrite the output file")

@@ -71,6 +71,8 @@ class Baseline:
     own: dict = field(default_factory=dict)       # the tool's own settings, name → (value, source), for its
     #                                               source's carry_own
     card_only: bool = False                       # read from a model card alone: it lists only some arguments
+    processes: Optional[tuple] = None             # (processes it trained on, where that is said): its source's
+    #                                               processes(), or import's --processes
     data_file: Optional[tuple] = None             # (path, source): the one local training file the source names,
     #                                               taken as --data when none is given (axolotl's datasets[0].path)
     logged_loss_is_mean: bool = True              # a logged loss is the mean since the previous log (the Trainer's);
@@ -98,7 +100,11 @@ class Baseline:
         if self.get("per_device_train_batch_size") is None:
             return None
         return int(self.get("per_device_train_batch_size")) * int(self.get("gradient_accumulation_steps") or 1) * \
-            int(self.get("num_devices") or 1)
+            self.process_count()
+
+    def process_count(self) -> int:
+        """The processes the run trained on: as its source knows them (``processes``), else 1."""
+        return self.processes[0] if self.processes else 1
 
 
 class Source(Protocol):

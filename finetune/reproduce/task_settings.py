@@ -142,10 +142,10 @@ def grpo_settings(b: Baseline, out: Imported, model_fields: dict) -> None:
     if size:
         where = b.args["generation_batch_size"][1]
     elif get("steps_per_generation") and get("per_device_train_batch_size"):
-        devices = get("num_devices")
-        size = int(get("per_device_train_batch_size")) * int(devices or 1) * int(get("steps_per_generation"))
-        where = (f"{b.args['steps_per_generation'][1]}: per-device batch × {devices or 1} process"
-                 f"{'es' if (devices or 1) > 1 else ''} × steps_per_generation (micro-batches)")
+        devices = b.process_count()
+        size = int(get("per_device_train_batch_size")) * devices * int(get("steps_per_generation"))
+        where = (f"{b.args['steps_per_generation'][1]}: per-device batch × {devices} process"
+                 f"{'es' if devices > 1 else ''} × steps_per_generation (micro-batches)")
     elif get("per_device_train_batch_size"):
         size, where = b.effective_batch(), "TRL's default: one generation batch per optimizer step"
     if size and "generation_batch_size" in model_fields:

@@ -67,6 +67,7 @@ def read_baseline(path, what: str = "baseline") -> Baseline:
         raise ConfigError(f"{what}: {path} {said} (a run of {names()}: finetune import --help says what of each)")
     b = source.read(path, what)
     b.source = source
+    b.processes = source.processes(b)
     return b
 
 

@@ -11,8 +11,9 @@ from typing import Optional
 
 import yaml
 
+from finetune.errors import ConfigError
 from finetune.registry import built_in_hints
-from finetune.reproduce.record import Baseline
+from finetune.reproduce.record import Baseline, Where, file_of
 
 
 class Reader:
@@ -30,8 +31,10 @@ class Reader:
         return b.task or trl_task(b)
 
     def processes(self, b: Baseline) -> Optional[tuple]:
-        """The Trainer's card says ``num_devices`` (with several processes)."""
-        return (int(b.get("num_devices")), b.args["num_devices"][1]) if b.get("num_devices") else None
+        """Where the Trainer's files say it: accelerate's state pickled in ``training_args.bin``
+        (``distributed_state.num_processes``), the card's ``num_devices``, or its ``total_train_batch_size`` over the
+        per-device batch × accumulation. ConfigError (one line) when two of them disagree."""
+        return agreed(trainer_processes(b), b.path)
 
     def training_rows(self, b: Baseline, data, recipe: Path):
         return data
@@ -66,3 +69,30 @@ def yaml_mapping(path: Path) -> Optional[dict]:
     except (yaml.YAMLError, OSError):
         return None
     return raw if isinstance(raw, dict) else None
+
+
+def trainer_processes(b: Baseline) -> list:
+    """(processes, where) for each place of the Trainer's files that says how many processes trained the run."""
+    found = []
+    state = b.get("distributed_state")
+    if isinstance(state, dict) and state.get("num_processes"):
+        found.append((int(state["num_processes"]), Where(file_of(b.args["distributed_state"][1]),
+                                                         "distributed_state.num_processes")))
+    if b.get("num_devices"):
+        found.append((int(b.get("num_devices")), b.args["num_devices"][1]))
+    total, per = b.get("total_train_batch_size"), b.get("per_device_train_batch_size")
+    if total and per:
+        share, left = divmod(int(total), int(per) * int(b.get("gradient_accumulation_steps") or 1))
+        if share and not left:
+            found.append((share, f"{b.args['total_train_batch_size'][1]}: total_train_batch_size ÷ per-device batch "
+                                 "× accumulation"))
+    return found
+
+
+def agreed(found: list, path) -> Optional[tuple]:
+    """The one number of processes the places in ``found`` say; ConfigError naming two that differ."""
+    other = next((f for f in found if f[0] != found[0][0]), None) if found else None
+    if other is not None:
+        raise ConfigError(f"baseline: {path}: the number of processes is {found[0][0]} ({found[0][1]}) but "
+                          f"{other[0]} ({other[1]}); give a folder whose files agree")
+    return found[0] if found else None

@@ -11,14 +11,22 @@ from pathlib import Path
 from finetune.errors import ConfigError
 
 # The classes a TrainingArguments pickle holds: the arguments class itself (TRL's configs derive from it), its enums
-# and the records it keeps (accelerate's state, its accelerator config, a torch.device). Each becomes an inert stand-in:
-# nothing from transformers, TRL or accelerate is imported or called while reading.
-ENUM_MODULES = ("transformers.", "trl.", "accelerate.")  # where the enums of the arguments live
+# and the records it keeps (accelerate's state, its accelerator config, DeepSpeed's and FSDP's plugins and configs, a
+# torch.device of any type and index, a dtype) — whatever device and number of processes it was saved on. Each
+# becomes an inert stand-in: nothing from transformers, TRL, accelerate or torch is imported or called while reading.
+ENUM_MODULES = ("transformers.", "trl.", "accelerate.", "torch.distributed.fsdp")  # where the enums live
 ARGS_CLASSES = {"TrainingArguments", "Seq2SeqTrainingArguments"}
 ENUMS = {"IntervalStrategy", "SaveStrategy", "HubStrategy", "SchedulerType", "OptimizerNames", "FSDPOption",
-         "DebugOption", "ParallelMode", "DistributedType", "EvaluationStrategy", "ExplicitEnum"}
+         "DebugOption", "ParallelMode", "DistributedType", "EvaluationStrategy", "ExplicitEnum", "ShardingStrategy",
+         "BackwardPrefetch", "StateDictType", "CPUOffloadPolicy", "PrecisionType", "DynamoBackend"}
 RECORDS = {("transformers.trainer_pt_utils", "AcceleratorConfig"), ("accelerate.state", "PartialState"),
-           ("torch", "device")}
+           ("accelerate.utils.dataclasses", "DeepSpeedPlugin"),
+           ("accelerate.utils.dataclasses", "FullyShardedDataParallelPlugin"),
+           ("accelerate.utils.dataclasses", "TorchDynamoPlugin"),
+           ("accelerate.utils.dataclasses", "ProjectConfiguration"),
+           ("transformers.integrations.deepspeed", "HfTrainerDeepSpeedConfig"),
+           ("torch.distributed.fsdp.api", "MixedPrecision"), ("torch.distributed.fsdp.api", "CPUOffload")}
+DTYPES = {"float32", "float16", "bfloat16", "float64", "int8", "uint8"}  # a torch dtype: its name
 
 
 class _Record:
@@ -32,6 +40,23 @@ def _enum_value(value, *rest):
     return value
 
 
+def _device(kind, index=None) -> str:
+    """``torch.device('cuda', 3)`` as ``cuda:3`` (an indexed device: a process of a multi-GPU run)."""
+    return str(kind) if index is None or ":" in str(kind) else f"{kind}:{index}"
+
+
+def plain(value):
+    """A value of the arguments with every stand-in replaced by the state it held (a dict): accelerate's state, the
+    DeepSpeed and FSDP records, as mappings to read."""
+    if isinstance(value, _Record):
+        return plain(value.state)
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value)
+    return value
+
+
 class _ArgsUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         # the arguments class by its name, from any tool that subclasses it (it is a stand-in: nothing of it runs)
@@ -39,8 +64,12 @@ class _ArgsUnpickler(pickle.Unpickler):
             return type(name, (_Record,), {})
         if name in ENUMS and module.startswith(ENUM_MODULES):
             return _enum_value
+        if (module, name) == ("torch", "device"):
+            return _device
+        if module == "torch" and name in DTYPES:
+            return f"torch.{name}"
         if (module, name) in RECORDS:
-            return str if name == "device" else type(name, (_Record,), {})
+            return type(name, (_Record,), {})
         raise pickle.UnpicklingError(f"{module}.{name}")
 
     def persistent_load(self, pid):
@@ -72,6 +101,6 @@ def read_training_args_bin(path: Path, what: str = "baseline") -> dict:
             from None
     if not isinstance(obj, _Record) or not isinstance(getattr(obj, "state", None), dict):
         raise ConfigError(f"{what}: {path} does not hold a TrainingArguments object")
-    return {k: v for k, v in obj.state.items() if not isinstance(v, _Record)}
+    return {k: plain(v) for k, v in obj.state.items()}
 
 

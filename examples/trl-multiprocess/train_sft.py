@@ -1,0 +1,39 @@
+"""A TRL SFTTrainer run on two processes — the baseline ``tests/assets/trl-2proc/`` holds, reproduced on one by
+``finetune reproduce`` (tests/test_multiprocess_args.py):
+
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 \\
+        examples/trl-multiprocess/train_sft.py --out tests/assets/trl-2proc/sft
+
+fp32 on the CPU (gloo), the tiny chat model and its 40 chats (tests/assets/llamafactory: model, data/chat.jsonl),
+LoRA r 8 on q and v, 2 per device × 2 accumulation × 2 processes = 8 per step, one epoch: 5 steps, every window full.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+from datasets import load_dataset
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import SFTConfig, SFTTrainer
+
+INPUTS = Path(__file__).resolve().parents[2] / "tests" / "assets" / "llamafactory"
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--data", default=str(INPUTS / "data" / "chat.jsonl"))
+opts = p.parse_args()
+args = SFTConfig(output_dir=opts.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                 num_train_epochs=1, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=0.2,
+                 max_grad_norm=0.5, logging_steps=1, seed=42, bf16=False, report_to=[], save_strategy="no",
+                 use_cpu=True, disable_tqdm=True, assistant_only_loss=False)
+model_dir = str(INPUTS / "model")
+trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
+                     train_dataset=load_dataset("json", data_files=opts.data)["train"],
+                     processing_class=AutoTokenizer.from_pretrained(model_dir),
+                     peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                                            task_type="CAUSAL_LM"))
+trainer.train()
+trainer.save_model()
+trainer.save_state()
+trainer.create_model_card()

@@ -1,0 +1,125 @@
+"""The arguments of a run trained on several processes or on an indexed device (``cuda:3``) under DeepSpeed, read
+from ``training_args.bin`` as inert records (nothing from the file runs), and the number of processes with where it
+was said: the arguments' accelerate state, the card, or ``--processes`` where nothing says; two sources that
+disagree are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, assert_one_error_line
+from tests.helpers import cli_in_process as cli
+
+
+def saved_on(path, device, processes: int, **fields) -> None:
+    """``torch.save`` of real TrainingArguments as a process of a ``processes``-process run on ``device`` saves them
+    (accelerate's shared state set so while they are saved, then put back)."""
+    from accelerate.state import PartialState
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(path.parent / "out"), use_cpu=True, report_to=[],
+                             per_device_train_batch_size=8, gradient_accumulation_steps=1, learning_rate=2e-3,
+                             num_train_epochs=2, seed=42, warmup_steps=0.1, weight_decay=0.01, **fields)
+    _ = args.device  # the state the arguments pickle
+    shared = PartialState._shared_state
+    before = dict(shared)
+    shared.update(device=device, num_processes=processes, process_index=1, distributed_type="MULTI_GPU")
+    try:
+        torch.save(args, path)
+    finally:
+        shared.clear()
+        shared.update(before)
+
+
+DEEPSPEED = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+             "gradient_accumulation_steps": "auto", "communication_data_type": "fp32"}
+
+
+def test_a_bin_saved_on_cuda_3_under_deepspeed_is_read_and_a_foreign_one_still_refused(tmp_path):
+    from finetune.errors import ConfigError
+    from finetune.reproduce.sources.pickled_args import read_training_args_bin
+
+    path = tmp_path / "training_args.bin"
+    saved_on(path, torch.device("cuda", 3), 2, deepspeed=DEEPSPEED)
+    args = read_training_args_bin(path)
+    assert args["distributed_state"]["device"] == "cuda:3" and args["distributed_state"]["num_processes"] == 2
+    assert args["deepspeed"]["zero_optimization"] == {"stage": 2}
+    assert args["deepspeed_plugin"]["zero_stage"] == 2 and args["hf_deepspeed_config"]["_dtype"] == "torch.float32"
+    # the stand-ins held no class of the file's: every value is plain data
+    assert "Record" not in repr(args)
+    torch.save({"x": torch.ones(1)}, tmp_path / "tensor.bin")  # negative control: a tensor storage is refused
+    with pytest.raises(ConfigError, match="refused, nothing from it was run"):
+        read_training_args_bin(tmp_path / "tensor.bin")
+
+
+@pytest.fixture(scope="module")
+def folder(trainer_example_run, tmp_path_factory):
+    """The example's Trainer folder with its arguments as a 2-process run on cuda:3 saved them (no JSON)."""
+    out = tmp_path_factory.mktemp("two") / "baseline"
+    shutil.copytree(trainer_example_run / "baseline", out)
+    (out / "training_args.json").unlink()
+    saved_on(out / "training_args.bin", torch.device("cuda", 3), 2)
+    return out
+
+
+def test_the_processes_come_from_the_arguments_and_scale_the_batch(folder, trainer_example_run, tmp_path, capsys):
+    import yaml
+
+    code, said = cli(capsys, "import", folder, "--recipe", trainer_example_run / "recipe.yaml", "-o",
+                     tmp_path / "r.yaml")
+    assert code == 0, said
+    row = next(line for line in said.splitlines() if line.startswith("training.effective_batch_size"))
+    assert "2 processes (training_args.bin: distributed_state.num_processes)" in row, row  # and the card's total
+    assert yaml.safe_load((tmp_path / "r.yaml").read_text())["training"]["effective_batch_size"] == 16
+    code, said = cli(capsys, "import", folder, "--recipe", trainer_example_run / "recipe.yaml", "-o",
+                     tmp_path / "p.yaml", "--processes", 4)
+    assert code == 2 and not (tmp_path / "p.yaml").exists()
+    assert_one_error_line(said, "--processes: 4, but the baseline trained on 2")
+
+
+def test_sources_that_disagree_are_refused_and_processes_fill_a_gap(folder, trainer_example_run, tmp_path, capsys):
+    import yaml
+
+    odd = tmp_path / "odd"
+    shutil.copytree(folder, odd)
+    card = (odd / "README.md").read_text()
+    (odd / "README.md").write_text(card.replace("- seed: 42", "- seed: 42\n- num_devices: 4"))
+    code, said = cli(capsys, "import", odd, "--recipe", trainer_example_run / "recipe.yaml", "-o", tmp_path / "x.yaml")
+    assert code == 2 and not (tmp_path / "x.yaml").exists(), said
+    assert_one_error_line(said, "the number of processes is 2 (training_args.bin: distributed_state.num_processes) "
+                                "but 4")
+    args = tmp_path / "args.json"  # arguments JSON: it does not say the processes
+    args.write_text(json.dumps({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+                                "learning_rate": 1e-3, "seed": 3}))
+    code, said = cli(capsys, "import", args, "--recipe", trainer_example_run / "recipe.yaml", "-o", tmp_path / "a.yaml")
+    assert code == 0 and "1 process (the source names no process count: --processes P)" in said, said
+    code, said = cli(capsys, "import", args, "--recipe", trainer_example_run / "recipe.yaml", "-o",
+                     tmp_path / "b.yaml", "--processes", 2)
+    assert code == 0 and "× 2 processes (--processes)" in said, said
+    assert yaml.safe_load((tmp_path / "b.yaml").read_text())["training"]["effective_batch_size"] == 16
+
+
+TWO = ROOT / "tests" / "assets" / "trl-2proc" / "sft"  # examples/trl-multiprocess/train_sft.py on 2 processes
+LF = ROOT / "tests" / "assets" / "llamafactory"
+
+
+def test_a_two_process_trl_run_is_reproduced_on_one_and_its_one_word_twin_differs(tmp_path, capsys):
+    def reproduce(out, data):
+        code, said = cli(capsys, "reproduce", TWO, "--model", LF / "model", "--data", data, "--batch-size", 2,
+                         "-o", out, "--set", "model.generate_prompts=0")
+        return code, next((line for line in said.splitlines() if line.startswith("verdict:")), said[-2000:]), said
+
+    code, verdict, said = reproduce(tmp_path / "same", LF / "data" / "chat.jsonl")
+    assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+    assert "× 2 processes (training_args.bin: distributed_state.num_processes)" in said
+    rows = [json.loads(line) for line in open(LF / "data" / "chat.jsonl")]
+    answer = next(m for m in rows[7]["messages"] if m["role"] == "assistant")
+    answer["content"] = answer["content"].replace(" is ", " was ", 1)
+    changed = tmp_path / "chat.jsonl"
+    changed.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, verdict, _ = reproduce(tmp_path / "word", changed)
+    assert code == 1 and verdict.startswith("verdict: differs"), verdict
