@@ -107,10 +107,13 @@ TWO = ROOT / "tests" / "assets" / "trl-2proc" / "sft"  # examples/trl-multiproce
 LF = ROOT / "tests" / "assets" / "llamafactory"
 
 
-def test_a_two_process_trl_run_is_reproduced_on_one_and_its_one_word_twin_differs(tmp_path, capsys):
+@pytest.mark.parametrize("run", ["sft", "sft-bf16"], ids=["fp32", "bf16-checkpointing"])
+def test_a_two_process_trl_run_is_reproduced_on_one_and_its_one_word_twin_differs(tmp_path, capsys, run):
+    """fp32 against fp32's tolerances; bf16 autocast (with gradient checkpointing) against the floor reproduce
+    measures on its twin."""
     def reproduce(out, data):
-        code, said = cli(capsys, "reproduce", TWO, "--model", LF / "model", "--data", data, "--batch-size", 2,
-                         "-o", out, "--set", "model.generate_prompts=0")
+        code, said = cli(capsys, "reproduce", TWO.parent / run, "--model", LF / "model", "--data", data,
+                         "--batch-size", 2, "-o", out, "--set", "model.generate_prompts=0")
         return code, next((line for line in said.splitlines() if line.startswith("verdict:")), said[-2000:]), said
 
     code, verdict, said = reproduce(tmp_path / "same", LF / "data" / "chat.jsonl")
@@ -123,3 +126,10 @@ def test_a_two_process_trl_run_is_reproduced_on_one_and_its_one_word_twin_differ
     changed.write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, verdict, _ = reproduce(tmp_path / "word", changed)
     assert code == 1 and verdict.startswith("verdict: differs"), verdict
+    assert run == "sft" or "floor measured on twin" in said
+
+
+def test_reproduce_refuses_a_baseline_whose_data_it_does_not_know(tmp_path, capsys):
+    code, said = cli(capsys, "reproduce", TWO, "--model", LF / "model", "-o", tmp_path / "r")
+    assert code == 2 and not (tmp_path / "r").exists(), said
+    assert_one_error_line(said, "the baseline's training data is unknown")

@@ -6,6 +6,7 @@
 
 fp32 on the CPU (gloo), the tiny chat model and its 40 chats (tests/assets/llamafactory: model, data/chat.jsonl),
 LoRA r 8 on q and v, 2 per device × 2 accumulation × 2 processes = 8 per step, one epoch: 5 steps, every window full.
+``--bf16``: the same under bf16 autocast with gradient checkpointing (``tests/assets/trl-2proc/sft-bf16``).
 """
 
 import argparse
@@ -22,10 +23,12 @@ INPUTS = Path(__file__).resolve().parents[2] / "tests" / "assets" / "llamafactor
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--data", default=str(INPUTS / "data" / "chat.jsonl"))
+p.add_argument("--bf16", action="store_true", help="bf16 autocast, with gradient checkpointing")
 opts = p.parse_args()
 args = SFTConfig(output_dir=opts.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                  num_train_epochs=1, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=0.2,
-                 max_grad_norm=0.5, logging_steps=1, seed=42, bf16=False, report_to=[], save_strategy="no",
+                 max_grad_norm=0.5, logging_steps=1, seed=42, bf16=opts.bf16, gradient_checkpointing=opts.bf16,
+                 report_to=[], save_strategy="no",
                  use_cpu=True, disable_tqdm=True, assistant_only_loss=False)
 model_dir = str(INPUTS / "model")
 trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,

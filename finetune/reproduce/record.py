@@ -146,6 +146,9 @@ class Source(Protocol):
         """The file ``import`` trains on for ``--data`` ``data`` (None: not given): the rows as the tool trained them,
         written beside ``recipe`` when they had to be rewritten."""
 
+    def named_data(self, b: Baseline) -> Optional[Path]:
+        """The one local training file the run's own files name, where they name one here."""
+
     def whole_recipe(self, b: Baseline, data, model) -> Optional[tuple]:
         """(a recipe that reproduces the run whole, the lines ``import`` says of it) for a tool whose runs carry
         their own recipe (finetune's), ``data`` and ``model`` where they are on this machine; None: the run's

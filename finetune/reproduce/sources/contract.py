@@ -39,6 +39,10 @@ class Reader:
     def training_rows(self, b: Baseline, data, recipe: Path):
         return data
 
+    def named_data(self, b: Baseline) -> Optional[Path]:
+        """The one local training file the run's own files name (None: they name none here)."""
+        return b.data_file[0] if b.data_file else None
+
     def whole_recipe(self, b: Baseline, data, model) -> Optional[tuple]:
         return None
 

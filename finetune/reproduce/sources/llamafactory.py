@@ -117,6 +117,9 @@ class LlamaFactory(Reader):
     def training_rows(self, b: Baseline, data, recipe: Path):
         return training_rows(b, data, recipe)
 
+    def named_data(self, b: Baseline) -> Path | None:
+        return dataset_file(b)
+
 
 SOURCE = LlamaFactory()
 
