@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from finetune.config import parse_yaml
 from finetune.errors import ConfigError
 
 RECIPE_START, RECIPE_END = "<!-- finetune recipe -->", "<!-- end of finetune recipe -->"
@@ -219,8 +220,8 @@ def read_recipe(path) -> dict:
     block = text.split(RECIPE_START, 1)[-1].split(RECIPE_END, 1)[0]
     found = re.search(r"```yaml\n(.*?)```", block, re.S)
     try:
-        recipe = yaml.safe_load(found.group(1)) if found else None
-    except yaml.YAMLError:
+        recipe = parse_yaml(found.group(1), str(p)) if found else None
+    except ConfigError:
         recipe = None
     if not isinstance(recipe, dict):
         raise ConfigError(f"import: {p} holds no readable finetune recipe between its {RECIPE_START} markers")

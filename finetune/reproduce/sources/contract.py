@@ -9,8 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-import yaml
-
+from finetune.config import parse_yaml
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints
 from finetune.reproduce.record import Baseline, Where, file_of
@@ -69,8 +68,8 @@ def yaml_mapping(path: Path) -> Optional[dict]:
     if not (path.is_file() and path.suffix.lower() in (".yaml", ".yml")):
         return None
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8", errors="replace"))
-    except (yaml.YAMLError, OSError):
+        raw = parse_yaml(path.read_text(encoding="utf-8", errors="replace"), str(path))
+    except (ConfigError, OSError):
         return None
     return raw if isinstance(raw, dict) else None
 
