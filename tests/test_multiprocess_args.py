@@ -133,3 +133,41 @@ def test_reproduce_refuses_a_baseline_whose_data_it_does_not_know(tmp_path, caps
     code, said = cli(capsys, "reproduce", TWO, "--model", LF / "model", "-o", tmp_path / "r")
     assert code == 2 and not (tmp_path / "r").exists(), said
     assert_one_error_line(said, "the baseline's training data is unknown")
+
+
+def test_a_short_last_batch_on_two_processes_is_named_with_the_samples_it_repeated(tmp_path, capsys):
+    """38 rows, 2 per device on 2 processes: each process's last batch is short, and accelerate's even_batches
+    completes it with the epoch's first samples. finetune keeps the big batch's step: steps 1–4 agree, and the verdict
+    names window 4 (step 5) and the samples it held a second time, as accelerate's own sampler hands them out."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    from finetune.windows import trainer_epoch_order
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join((LF / "data" / "chat.jsonl").read_text().splitlines(keepends=True)[:38]))
+    code, said = cli(capsys, "reproduce", TWO.parent / "sft-short", "--model", LF / "model", "--data", rows,
+                     "--batch-size", 2, "-o", tmp_path / "r", "--set", "model.generate_prompts=0")
+    verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
+    assert code == 1 and verdict.startswith("verdict: differs — window samples: step 5 (epoch 0, window 4)"), verdict
+    assert "first above at step 5" in said  # the four full windows are the baseline's steps
+    base = BatchSampler(trainer_epoch_order(38, 42, 0), batch_size=2, drop_last=False)
+    last = [list(BatchSamplerShard(base, num_processes=2, process_index=r, even_batches=True))[-1] for r in (0, 1)]
+    first = set(trainer_epoch_order(38, 42, 0)[:4])
+    repeated = sorted(i for batch in last for i in batch if i in first)
+    assert repeated and f"held samples {repeated} a second time" in verdict, (repeated, verdict)
+
+
+def test_what_a_data_parallel_run_reduced_otherwise_is_named(trainer_example_run, tmp_path, capsys):
+    args = tmp_path / "args.json"
+    args.write_text(json.dumps({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+                                "learning_rate": 1e-3, "seed": 3, "average_tokens_across_devices": False,
+                                "deepspeed": {"zero_optimization": {"stage": 2}, "communication_data_type": "bf16"}}))
+    code, said = cli(capsys, "import", args, "--recipe", trainer_example_run / "recipe.yaml", "-o",
+                     tmp_path / "r.yaml", "--processes", 2)
+    assert code == 0, said
+    assert "not carried: average_tokens_across_devices=False — each process divided its loss" in said, said
+    assert "not carried: deepspeed communication_data_type=bf16" in said, said
+    code, said = cli(capsys, "import", args, "--recipe", trainer_example_run / "recipe.yaml", "-o",
+                     tmp_path / "s.yaml")  # one process: its own mean is the batch's
+    assert code == 0 and "average_tokens_across_devices" not in said, said

@@ -6,7 +6,8 @@
 
 fp32 on the CPU (gloo), the tiny chat model and its 40 chats (tests/assets/llamafactory: model, data/chat.jsonl),
 LoRA r 8 on q and v, 2 per device × 2 accumulation × 2 processes = 8 per step, one epoch: 5 steps, every window full.
-``--bf16``: the same under bf16 autocast with gradient checkpointing (``tests/assets/trl-2proc/sft-bf16``).
+``--bf16``: the same under bf16 autocast with gradient checkpointing (``tests/assets/trl-2proc/sft-bf16``);
+``--rows 38``: the first 38 chats, so that each process's last batch is short (``tests/assets/trl-2proc/sft-short``).
 """
 
 import argparse
@@ -24,6 +25,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--data", default=str(INPUTS / "data" / "chat.jsonl"))
 p.add_argument("--bf16", action="store_true", help="bf16 autocast, with gradient checkpointing")
+p.add_argument("--rows", type=int, help="train on the first ROWS rows only")
 opts = p.parse_args()
 args = SFTConfig(output_dir=opts.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                  num_train_epochs=1, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=0.2,
@@ -31,8 +33,9 @@ args = SFTConfig(output_dir=opts.out, per_device_train_batch_size=2, gradient_ac
                  report_to=[], save_strategy="no",
                  use_cpu=True, disable_tqdm=True, assistant_only_loss=False)
 model_dir = str(INPUTS / "model")
+rows = load_dataset("json", data_files=opts.data)["train"]
 trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
-                     train_dataset=load_dataset("json", data_files=opts.data)["train"],
+                     train_dataset=rows.select(range(opts.rows)) if opts.rows else rows,
                      processing_class=AutoTokenizer.from_pretrained(model_dir),
                      peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                                             task_type="CAUSAL_LM"))

@@ -35,7 +35,7 @@ from finetune.reproduce.record import Baseline, Imported
 from finetune.reproduce.sources import read_baseline
 from finetune.reproduce.sources.hub import no_step_log
 from finetune.reproduce.update_settings import hints, run_settings, setting, settings_of, step_settings
-from finetune.windows import WindowSpec, membership_hash
+from finetune.windows import WindowSpec, membership_hash, trainer_epoch_order
 
 # Where the baseline's loss cannot be replayed exactly, the band it is held to, and why.
 MIXED_PRECISION_BAND = 1e-2   # bf16 / fp16 autocast rounds the two runs' matmuls differently
@@ -151,7 +151,8 @@ def _notes(c: Comparison, b: Baseline, mine: dict, imported: Imported, judged_un
         ([f"loss held to {band:g}" + (f", not {FP32_LOSS_RTOL:g}" if band != FP32_LOSS_RTOL else "") + f": {why}"]
          if why else []) + \
         ([f"not checkable from the {b.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
-        (cause or start_notes(b, mine, c.equivalent))
+        (cause or ([] if any(name == "window samples" and ok is False for name, ok, _, _ in c.checks) else
+                   start_notes(b, mine, c.equivalent)))
 
 
 def _check_lr(c: Comparison, b: Baseline, history: list, unchecked: list) -> None:
@@ -293,6 +294,8 @@ def _check_windows(c: Comparison, b: Baseline, mine: dict, imported: Imported, u
                          sample_order="trainer", drop_last=setting(mine["config"], "training.drop_last"))
     trainer = {(e, w.index): membership_hash(w.samples) for e in epochs for w in windows.epoch(e)}
     bad = next((h for h in history if trainer.get((h["epoch"], h["window"])) != h.get("window_hash")), None)
+    if bad is None and b.process_count() > 1 and _repeated_samples(c, b, history, (n, int(seed))):
+        return
     order = (mine["config"].get("training") or {}).get("sample_order", "finetune")
     c.add("window samples", bad is None, f"all {len(history)} windows held the Trainer's batches (seed {seed})"
           if bad is None else f"step {bad['step']} (epoch {bad['epoch']}, window {bad['window']}) held different "
@@ -300,6 +303,47 @@ def _check_windows(c: Comparison, b: Baseline, mine: dict, imported: Imported, u
           f"{(mine['config'].get('training') or {}).get('seed')}; the baseline's seed {seed})",
           step=bad["step"] if bad else None, basis=f"the Trainer's samples in all {len(history)} windows")
 
+
+
+def _repeated_samples(c: Comparison, b: Baseline, history: list, set_and_seed: tuple) -> bool:
+    """Whether a window of the baseline held a sample twice, said as the difference it is (then True): on several
+    processes accelerate's ``even_batches`` (the Trainer's default) completes each epoch's short last batch with the
+    epoch's first samples, which finetune's big batch holds once."""
+    n, seed = set_and_seed
+    step_of = {(h["epoch"], h["window"]): h["step"] for h in history}
+    for epoch in sorted({h["epoch"] for h in history}):
+        twice = even_batch_repeats(trainer_epoch_order(n, seed, epoch), int(b.get("per_device_train_batch_size")),
+                                   b.process_count(), int(b.get("gradient_accumulation_steps") or 1))
+        if twice:
+            window, samples = twice[0]
+            step = step_of.get((epoch, window))
+            c.add("window samples", False, f"step {step} (epoch {epoch}, window {window}): the baseline's window held "
+                  f"samples {samples} a second time — on {b.process_count()} processes accelerate's even_batches (the "
+                  "Trainer's default) completes the epoch's short last batch with its first samples; finetune's big "
+                  "batch holds each sample once", step=step)
+            return True
+    return False
+
+
+def even_batch_repeats(order: list, per_device: int, processes: int, accumulation: int) -> list:
+    """(window, the samples it held that the epoch had already held) for each window of an epoch in ``order`` whose
+    processes' batches repeat a sample, as accelerate's ``BatchSamplerShard`` hands them out (``even_batches``,
+    batches not split)."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    base = BatchSampler(order, batch_size=per_device, drop_last=False)
+    ranks = [list(BatchSamplerShard(base, num_processes=processes, process_index=r, split_batches=False,
+                                    even_batches=True)) for r in range(processes)]
+    out, seen = [], set()
+    for window in range(math.ceil(len(ranks[0]) / accumulation)):
+        held = [i for batches in ranks for batch in batches[window * accumulation:(window + 1) * accumulation]
+                for i in batch]
+        twice = sorted({i for i in held if i in seen or held.count(i) > 1})
+        seen.update(held)
+        if twice:
+            out.append((window, twice))
+    return out
 
 
 def _check_logged_loss(c: Comparison, b: Baseline, history: list, judged: Judgement) -> None:

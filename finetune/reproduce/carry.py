@@ -92,6 +92,7 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
         if get(name, DEFAULTS[name]) not in (DEFAULTS[name], {}, 0, 0.0, False):
             out.skip(name, get(name), why)
     _drop_last(b, out)
+    _data_parallel(b, out)
     if "beta" not in model_fields:  # a preference or policy task sums its own loss: no Trainer count divides it
         _loss_divisor(b, out)
     for setting, value, why in b.uncarried:  # what the source's own reader knows finetune lacks
@@ -116,6 +117,30 @@ def _loss_divisor(b: Baseline, out: Imported) -> None:
     if UNSHIFTED_COUNT[0] <= parts < UNSHIFTED_COUNT[1]:
         out.set("training.loss_divisor", "labels", f"{b.args['transformers_version'][1]}: Transformers "
                 f"{version}, whose Trainer divides each window's loss by its labels before the shift")
+
+
+# DeepSpeed's names of a reduction or accumulation dtype below fp32
+LOW = {"bf16", "bfloat16", "fp16", "float16", "torch.bfloat16", "torch.float16"}
+
+
+def _data_parallel(b: Baseline, out: Imported) -> None:
+    """What a run on several processes did that is not the big batch's step, named: each process's own token mean
+    (``average_tokens_across_devices: false``), and gradients reduced or accumulated below fp32 by DeepSpeed
+    (``communication_data_type``, ``data_types.grad_accum_dtype``) or FSDP (its mixed precision's reduce dtype)."""
+    if b.process_count() > 1 and b.get("average_tokens_across_devices") is False:
+        out.skip("average_tokens_across_devices", False, "each process divided its loss by its own tokens and the "
+                 "processes' gradients were averaged: the mean of their means, not the big batch's token mean")
+    ds = b.get("deepspeed") if isinstance(b.get("deepspeed"), dict) else {}
+    for key, value in (("communication_data_type", ds.get("communication_data_type")),
+                       ("data_types.grad_accum_dtype", (ds.get("data_types") or {}).get("grad_accum_dtype"))):
+        if str(value) in LOW:
+            out.skip(f"deepspeed {key}", value, "DeepSpeed reduced or accumulated the gradients in it; finetune "
+                     "sums them in fp32")
+    fsdp = b.get("fsdp_config") if isinstance(b.get("fsdp_config"), dict) else {}
+    reduce = (fsdp.get("mixed_precision_policy") or {}).get("reduce_dtype") if isinstance(
+        fsdp.get("mixed_precision_policy"), dict) else None
+    if str(reduce) in LOW:
+        out.skip("fsdp reduce_dtype", reduce, "FSDP reduced the gradients in it; finetune sums them in fp32")
 
 
 def _drop_last(b: Baseline, out: Imported) -> None:
