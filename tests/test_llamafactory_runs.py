@@ -297,3 +297,22 @@ def test_a_run_training_every_token_is_divided_as_its_trainer_divided(tmp_path, 
         assert code == 1 and "training.loss_divisor labels in the baseline vs items" in verdict, verdict
     else:
         assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+
+
+def test_a_first_step_that_differs_with_settings_unread_is_not_certified(tmp_path, capsys):
+    """Without its YAML the folder's template is unknown (smollm2 adds a default system message the tokenizer's
+    template lacks): step 1's loss differs before any update, and the verdict is "not certified", naming what import
+    could not read. Control: with the YAML there, the same difference of the tokens (the system message dropped)
+    reads "differs"."""
+    folder = tmp_path / "sft-lora"
+    shutil.copytree(LF / "sft-lora", folder)
+    (folder / "training_args.yaml").unlink()
+    code, said = cli(capsys, "reproduce", folder, "--model", MODEL, "--data", LF / "data" / "chat.jsonl",
+                     "--batch-size", 1, "-o", tmp_path / "r", "--set", "model.generate_prompts=0")
+    verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
+    assert code == 3 and verdict.startswith("verdict: not certified — loss curve"), verdict
+    assert "step 1's loss differs before any update" in verdict and "training_args.yaml" in verdict, verdict
+    assert "adapters" not in verdict  # their start cannot move step 1
+    code, verdict, _ = reproduce(capsys, tmp_path, LF / "sft-lora", "sft-smollm2", "model.generate_prompts=0",
+                                 "data.system_prompt=null")
+    assert code == 1 and verdict.startswith("verdict: differs"), verdict

@@ -123,8 +123,27 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         weights(c, (mine["weights"], load_file(str(b.weights))), setting(mine["config"], "training.optimizer"),
                 Judgement(weight_rtol, assumed=judged.assumed and weight_rtol is None,
                           tolerances=judged.tolerances), against=f" against {b.weights.name}")
+    _unread_at_step_one(c, b)
     c.qualifier = "; ".join(_notes(c, b, mine, imported, (judged, unchecked))) or None
     return c
+
+
+KNOWN = ("settings", "effective batch", "optimizer steps", "window samples", "window content")  # differ for sure
+
+
+def _unread_at_step_one(c: Comparison, b: Baseline) -> None:
+    """Step 1's loss comes before any update: where it differs, the tokens differ, and where import could not read
+    some of the baseline's own settings (``Baseline.unknown``: a LLaMA-Factory folder without its YAML, whose
+    template and system message are then unknown) the run is "not certified", naming them — not "differs", which a
+    difference of the settings carried would make it."""
+    failed = [(i, name, step) for i, (name, ok, _, step) in enumerate(c.checks) if ok is False]
+    first = min((e["step"] for e in b.logs), default=None)
+    at_first = any(name == "loss curve" and step == first for _, name, step in failed)
+    if not b.unknown or not at_first or any(name in KNOWN for _, name, _ in failed):
+        return
+    c.uncertain.update(i for i, _, _ in failed)
+    c.unread = (f"step {first}'s loss differs before any update, so the tokens trained differ: import could not "
+                f"read {'; '.join(b.unknown)}")
 
 
 def _judgement(b: Baseline, mine: dict, twin, loss_rtol) -> Judgement:
@@ -146,13 +165,13 @@ def _notes(c: Comparison, b: Baseline, mine: dict, imported: Imported, judged_un
     such setting is left to blame)."""
     judged, unchecked = judged_unchecked
     band, why = judged.rtol, judged.why
-    cause = [] if c.equivalent else uncarried(imported) + short_micro_batch(b, mine)
+    cause = [] if c.equivalent or c.unread else uncarried(imported) + short_micro_batch(b, mine)
     return [line for line in (no_step_log(b),) if line] + \
         ([f"loss held to {band:g}" + (f", not {FP32_LOSS_RTOL:g}" if band != FP32_LOSS_RTOL else "") + f": {why}"]
          if why else []) + \
         ([f"not checkable from the {b.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
-        (cause or ([] if any(name == "window samples" and ok is False for name, ok, _, _ in c.checks) else
-                   start_notes(b, mine, c.equivalent)))
+        (cause or ([] if c.unread or any(name == "window samples" and ok is False for name, ok, _, _ in c.checks)
+                   else start_notes(b, mine, c.equivalent)))
 
 
 def _check_lr(c: Comparison, b: Baseline, history: list, unchecked: list) -> None:

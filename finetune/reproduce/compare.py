@@ -69,6 +69,8 @@ class Comparison:
     # the failed layers that were judged against an assumed floor, not a measured one: outside it is not known to
     # differ (an assumed floor errs both ways), so alone they make the verdict "not certified"
     uncertain: set = field(default_factory=set)
+    # why the uncertain layers are not known to differ, when it is not an assumed floor (settings a source left unread)
+    unread: str | None = None
 
     def add(self, name: str, ok, detail: str, step: int | None = None, basis: str | None = None,
             assumed: bool = False) -> None:
@@ -116,7 +118,9 @@ class Comparison:
         mark = {True: "ok", False: "DIFF", None: "info"}
         lines = [f"{'OUT' if i in self.uncertain else mark[ok]:<4}  {name:<{width}}  {detail}"
                  for i, (name, ok, detail, _) in enumerate(self.checks)]
-        if self.verdict == "not certified":
+        if self.verdict == "not certified" and self.unread:
+            lines.append(f"verdict: not certified — {self.first_difference}; {self.unread}")
+        elif self.verdict == "not certified":
             lines.append(f"verdict: not certified — {self.first_difference}; outside an assumed floor, which errs "
                          "both ways: measure the floor on this hardware with --floor TWIN (RUN_A's recipe at "
                          "another --batch-size)" + (f"; {self.qualifier}" if self.qualifier else ""))
