@@ -58,7 +58,7 @@ def read_baseline(path, what: str = "baseline") -> Baseline:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{what}: {path} does not exist")
-    source = next(iter(recognised_by(path)), None)
+    source = next((s for s in SOURCES if s.recognises(path)), None)  # the first: the others are not looked at
     if source is None:
         if path.suffix.lower() in (".yaml", ".yml"):
             load_yaml(path, what)  # a file that is not YAML is said so first

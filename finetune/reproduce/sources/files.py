@@ -67,12 +67,12 @@ def read_file(path: Path, what: str) -> Baseline:
 
 def read_folder(folder: Path, what: str) -> Baseline:
     """An output, checkpoint or Hub folder as the Trainer wrote it (the module docstring says which files)."""
-    state = state_file(folder)
+    state, events = state_file(folder), event_files(folder)
     b = Baseline("Trainer folder" if state else HUB_FOLDER, folder)
     if state is not None:
         read_trainer_state(state, b, what)
-    elif event_files(folder):
-        read_events(event_files(folder), b)
+    elif events:
+        read_events(events, b)
     elif not has_args_file(folder):
         raise ConfigError(f"{what}: {folder} holds no trainer_state.json (nor a checkpoint-*/ with one) and no "
                           "training_args.bin; give a Trainer/TRL output or checkpoint folder, a Hub folder with its "

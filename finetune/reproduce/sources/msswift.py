@@ -16,6 +16,7 @@ of the data) is named as not carried.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -141,8 +142,6 @@ def lr_of_each_step(logs: list, b: Baseline) -> list:
 def read_log(path: Path) -> list:
     """``logging.jsonl``: one line per logged step (``global_step/max_steps``, loss, lr, grad norm), as the
     Trainer's log entries."""
-    import json
-
     entries = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         e = json.loads(line) if line.strip() else {}
