@@ -62,7 +62,7 @@ class Range:
         """Whether ``value`` (already of the field's type) is allowed. What the type allows besides numbers (null,
         auto) is not a number and passes: the range bounds the numbers only."""
         if self.length is not None:
-            return (isinstance(value, list) and len(value) == self.length
+            return value is None or (isinstance(value, list) and len(value) == self.length
                     and all(_is_number(x) and self._within(x) for x in value))
         return not _is_number(value) or self._within(value)
 
@@ -251,6 +251,12 @@ class TrainingConfig:
         "(null: none dropped, the last window holds the remainder): the effective batch drops an incomplete last "
         "window, as torchtune does; a baseline's micro-batch × processes drops its incomplete last micro-batch, as "
         "HF Trainer's dataloader_drop_last", None, at_least=1)
+    even_batches: Optional[list] = doc(
+        "[processes, per-device batch] of a baseline trained on several processes whose sampler accelerate sharded "
+        "with even_batches (HF Trainer's default): each epoch's short last batch is completed with the epoch's "
+        "first samples, so its last window holds some samples twice, as the baseline's did (null: each sample "
+        "once, the big batch's epoch); needs sample_order: trainer, and the effective batch a multiple of their "
+        "product", None, at_least=1, length=2)
     items: Literal["auto", "samples", "tokens", "shifted_tokens"] = doc(
         "what the loss averages over, used to weight micro-batches: auto detects label tokens (-100 ignored, "
         "shifted for causal LMs), else samples", "auto")

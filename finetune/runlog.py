@@ -15,7 +15,7 @@ from finetune.durable import atomic_write_text
 from finetune.models import precision
 from finetune.optim import lr_scale
 from finetune.state import TrainState
-from finetune.windows import kept
+from finetune.windows import even_batch_windows, kept
 
 
 class RunLog:
@@ -78,6 +78,9 @@ def banner(run) -> str:
     tail = trained - (per_epoch - 1) * effective
     tail_text = "every window is full" if tail == effective else \
         f"the last window of each epoch holds {tail} sample{'s' if tail > 1 else ''}"
+    if windows.even_batches and tail < effective:  # the baseline's last window, replayed
+        held = len(even_batch_windows(list(range(trained)), effective, *windows.even_batches)[-1])
+        tail_text += f" and {held - tail} of the epoch's first again (training.even_batches)" if held > tail else ""
     if trained < n_train:  # training.drop_last: not the big batch's epoch, said
         tail_text += f"; its last {n_train - trained} samples dropped (training.drop_last {windows.drop_last})"
     lines = [

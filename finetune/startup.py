@@ -133,6 +133,7 @@ def check_training(t: TrainingConfig, settings: dict, resume: Optional[str], out
     keeps quiet; else they are printed, with the notes on resuming (e.g. a new effective split), after them."""
     check_environment(t, tracker)
     shape = split_batch(t, processes)
+    check_even_batches(t, shape)
     saved, resuming = None, []
     if resume is not None:
         # refuses a missing / corrupt checkpoint; every process reads the same files, so every process reaches the
@@ -142,6 +143,22 @@ def check_training(t: TrainingConfig, settings: dict, resume: Optional[str], out
     for note in [*notes, *resuming] if notes is not None else []:
         print(note, file=sys.stderr)
     return saved, shape
+
+
+def check_even_batches(t: TrainingConfig, shape: Shape) -> None:
+    """``training.even_batches`` replays a baseline's windows of whole per-device batches from its sample order:
+    the effective batch must be a multiple of its processes × per-device batch, and no setting may cut or regroup
+    the epoch otherwise."""
+    if not t.even_batches:
+        return
+    processes, per_device = t.even_batches
+    if shape.effective % (processes * per_device):
+        raise ConfigError(f"training.even_batches: {processes} processes × {per_device} per device does not divide "
+                          f"the effective batch {shape.effective}; give the baseline's [processes, per-device batch]")
+    other = next((k for k in ("drop_last", "packing", "max_tokens_per_micro_batch") if getattr(t, k)), None)
+    if other:
+        raise ConfigError(f"training.even_batches: cannot be combined with training.{other} (the baseline's "
+                          "batches are whole samples of its order)")
 
 
 def check_job(t: TrainingConfig, reporting: loop.Reporting, resume: Optional[str] = None,

@@ -135,6 +135,23 @@ def windows_of_epoch(
     return spec.epoch(epoch, rank)
 
 
+def even_batch_windows(order: list, size: int, processes: int, per_device: int) -> list[list[int]]:
+    """The samples each window of ``size`` held in a baseline trained on ``processes`` processes of ``per_device``
+    samples each, as accelerate's ``BatchSamplerShard`` (``even_batches``, the Trainer's default) hands an epoch in
+    ``order`` to them: consecutive batches dealt round-robin, the epoch's short last batch completed with its first
+    samples (and a process left without one given them), so that the last window can hold some samples twice. The
+    windows are as many as ``order``'s windows of ``size``."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    accumulation = size // (processes * per_device)
+    base = BatchSampler(order, batch_size=per_device, drop_last=False)
+    ranks = [list(BatchSamplerShard(base, num_processes=processes, process_index=r, split_batches=False,
+                                    even_batches=True)) for r in range(processes)]
+    return [[i for batches in ranks for batch in batches[w * accumulation:(w + 1) * accumulation] for i in batch]
+            for w in range(math.ceil(len(ranks[0]) / accumulation))]
+
+
 def packed_micro_batches(samples, length_of, capacity: int, rows_per_batch: int, max_tokens: Optional[int]):
     """The window's samples packed into rows, cut into micro-batches of rows; with each micro-batch its (real,
     padded) tokens (padded: rows × the longest row, as ``packing.collate_rows`` pads)."""
@@ -181,6 +198,7 @@ class WindowSpec:
     pack_capacity: Optional[int] = None     # tokens per packed row; None: not packed
     block: Optional[int] = None             # a streamed training set: shuffled in blocks of this many (block_order)
     drop_last: Optional[int] = None         # each epoch keeps the largest multiple of this many samples (kept())
+    even_batches: Optional[tuple] = None    # a baseline's (processes, per-device batch): even_batch_windows()
 
     @classmethod
     def of(cls, t, shape, samples: int, length_of: Optional[Callable] = None,
@@ -193,7 +211,8 @@ class WindowSpec:
         return cls(samples, shape.micro_batch, shape.accumulation, shape.processes, t.seed, t.epochs, t.shuffle,
                    t.sample_order, sort_key=length_of if sort else None, length_of=pack_length_of or length_of,
                    max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity, block=block,
-                   drop_last=getattr(t, "drop_last", None))
+                   drop_last=getattr(t, "drop_last", None),
+                   even_batches=tuple(t.even_batches) if getattr(t, "even_batches", None) else None)
 
     @property
     def per_epoch(self) -> int:
@@ -213,8 +232,9 @@ class WindowSpec:
         order = epoch_order(self.samples, self.seed, epoch, self.shuffle, self.sample_order, self.block)
         order = order[:kept(self.samples, self.drop_last)]  # the dropped tail: the order's last samples
         size = self.micro_batch * self.accumulation * self.processes
+        held = even_batch_windows(order, size, *self.even_batches) if self.even_batches else None
         for w in range(first, self.per_epoch):
-            samples = order[w * size:(w + 1) * size]
+            samples = held[w] if held else order[w * size:(w + 1) * size]
             yield Window(epoch, w, tuple(samples), *self.cut(samples, rank))
 
     def cut(self, samples: list, rank: int) -> tuple:

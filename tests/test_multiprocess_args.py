@@ -156,6 +156,53 @@ def test_a_short_last_batch_on_two_processes_is_named_with_the_samples_it_repeat
     first = set(trainer_epoch_order(38, 42, 0)[:4])
     repeated = sorted(i for batch in last for i in batch if i in first)
     assert repeated and f"held samples {repeated} a second time" in verdict, (repeated, verdict)
+    assert "import --baseline-step replays them" in verdict
+
+    code, said = cli(capsys, "reproduce", TWO.parent / "sft-short", "--model", LF / "model", "--data", rows,
+                     "--batch-size", 2, "-o", tmp_path / "b", "--set", "model.generate_prompts=0", "--baseline-step")
+    verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
+    assert code == 0 and verdict.startswith("verdict: equivalent"), said
+    assert "training.even_batches                 [2, 2]" in said
+    assert f"holds 6 samples and {len(repeated)} of the epoch's first again" in said
+
+
+def test_even_batches_windows_hold_what_accelerate_hands_each_process(tmp_path):
+    """``training.even_batches``: each window holds the samples accelerate's sampler gave every process in it, the
+    last one's repeats included, at any micro-batch of this run; without it, each sample once."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    from finetune.windows import WindowSpec, trainer_epoch_order
+
+    n, processes, per_device, accumulation = 29, 3, 2, 2
+    order = trainer_epoch_order(n, 7, 0)
+    ranks = [list(BatchSamplerShard(BatchSampler(order, per_device, False), num_processes=processes,
+                                    process_index=r, even_batches=True)) for r in range(processes)]
+    size = processes * per_device * accumulation
+    for micro in (1, 2, 3, 6):
+        spec = WindowSpec(samples=n, micro_batch=micro, accumulation=size // micro, processes=1, seed=7,
+                          sample_order="trainer", even_batches=(processes, per_device))
+        windows = spec.epoch(0)
+        assert len(windows) == spec.per_epoch == 3
+        for w in windows:
+            theirs = sorted(i for r in ranks for b in r[w.index * accumulation:(w.index + 1) * accumulation] for i in b)
+            assert sorted(w.samples) == theirs
+            assert sorted(i for m in w.micro_batches for i in m) == theirs
+    held = [i for w in windows for i in w.samples]
+    assert len(held) > n and set(held) == set(range(n))  # the last window repeats the epoch's first samples
+    plain = WindowSpec(samples=n, micro_batch=2, accumulation=6, processes=1, seed=7, sample_order="trainer")
+    assert sorted(i for w in plain.epoch(0) for i in w.samples) == list(range(n))
+
+
+@pytest.mark.parametrize("extra, field", [(["training.even_batches=[4,2]"], "does not divide the effective batch"),
+                                          (["training.even_batches=[2,2]", "training.drop_last=4"], "drop_last")])
+def test_even_batches_that_cannot_be_replayed_are_refused(trainer_example_run, tmp_path, capsys, extra, field):
+    sets = [x for e in extra for x in ("--set", e)]
+    code, said = cli(capsys, "run", "--recipe", trainer_example_run / "recipe.yaml", "--effective-batch-size", 12,
+                     "--batch-size", 2, "--output-dir", tmp_path / "r", *sets)
+    assert code == 2 and not (tmp_path / "r").exists(), said
+    assert_one_error_line(said, "training.even_batches:")
+    assert field in said
 
 
 def test_what_a_data_parallel_run_reduced_otherwise_is_named(trainer_example_run, tmp_path, capsys):

@@ -35,7 +35,7 @@ from finetune.reproduce.record import Baseline, Imported
 from finetune.reproduce.sources import read_baseline
 from finetune.reproduce.sources.hub import no_step_log
 from finetune.reproduce.update_settings import hints, run_settings, setting, settings_of, step_settings
-from finetune.windows import WindowSpec, membership_hash, trainer_epoch_order
+from finetune.windows import WindowSpec, even_batch_windows, membership_hash, trainer_epoch_order
 
 # Where the baseline's loss cannot be replayed exactly, the band it is held to, and why.
 MIXED_PRECISION_BAND = 1e-2   # bf16 / fp16 autocast rounds the two runs' matmuls differently
@@ -309,14 +309,18 @@ def _check_windows(c: Comparison, b: Baseline, mine: dict, imported: Imported, u
         c.add("window samples", None, f"not checkable: {what} is unknown")
         return
     # membership only: how a window splits does not matter
+    replayed = setting(mine["config"], "training.even_batches")
     windows = WindowSpec(samples=n, micro_batch=size, accumulation=1, processes=1, seed=int(seed),
-                         sample_order="trainer", drop_last=setting(mine["config"], "training.drop_last"))
+                         sample_order="trainer", drop_last=setting(mine["config"], "training.drop_last"),
+                         even_batches=tuple(replayed) if replayed else None)
     trainer = {(e, w.index): membership_hash(w.samples) for e in epochs for w in windows.epoch(e)}
     bad = next((h for h in history if trainer.get((h["epoch"], h["window"])) != h.get("window_hash")), None)
-    if bad is None and b.process_count() > 1 and _repeated_samples(c, b, history, (n, int(seed))):
+    if bad is None and not replayed and b.process_count() > 1 and _repeated_samples(c, b, history, (n, int(seed))):
         return
     order = (mine["config"].get("training") or {}).get("sample_order", "finetune")
-    c.add("window samples", bad is None, f"all {len(history)} windows held the Trainer's batches (seed {seed})"
+    held = f"the Trainer's batches on {replayed[0]} processes, with the samples even_batches repeats" if replayed \
+        else "the Trainer's batches"
+    c.add("window samples", bad is None, f"all {len(history)} windows held {held} (seed {seed})"
           if bad is None else f"step {bad['step']} (epoch {bad['epoch']}, window {bad['window']}) held different "
           f"samples than the Trainer's batch (this run: sample_order {order}, seed "
           f"{(mine['config'].get('training') or {}).get('seed')}; the baseline's seed {seed})",
@@ -339,25 +343,17 @@ def _repeated_samples(c: Comparison, b: Baseline, history: list, set_and_seed: t
             c.add("window samples", False, f"step {step} (epoch {epoch}, window {window}): the baseline's window held "
                   f"samples {samples} a second time — on {b.process_count()} processes accelerate's even_batches (the "
                   "Trainer's default) completes the epoch's short last batch with its first samples; finetune's big "
-                  "batch holds each sample once", step=step)
+                  "batch holds each sample once (import --baseline-step replays them)", step=step)
             return True
     return False
 
 
 def even_batch_repeats(order: list, per_device: int, processes: int, accumulation: int) -> list:
     """(window, the samples it held that the epoch had already held) for each window of an epoch in ``order`` whose
-    processes' batches repeat a sample, as accelerate's ``BatchSamplerShard`` hands them out (``even_batches``,
-    batches not split)."""
-    from accelerate.data_loader import BatchSamplerShard
-    from torch.utils.data import BatchSampler
-
-    base = BatchSampler(order, batch_size=per_device, drop_last=False)
-    ranks = [list(BatchSamplerShard(base, num_processes=processes, process_index=r, split_batches=False,
-                                    even_batches=True)) for r in range(processes)]
+    processes' batches repeat a sample (``windows.even_batch_windows``)."""
     out, seen = [], set()
-    for window in range(math.ceil(len(ranks[0]) / accumulation)):
-        held = [i for batches in ranks for batch in batches[window * accumulation:(window + 1) * accumulation]
-                for i in batch]
+    for window, held in enumerate(even_batch_windows(order, per_device * processes * accumulation, processes,
+                                                     per_device)):
         twice = sorted({i for i in held if i in seen or held.count(i) > 1})
         seen.update(held)
         if twice:

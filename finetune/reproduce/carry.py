@@ -92,7 +92,7 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
         if get(name, DEFAULTS[name]) not in (DEFAULTS[name], {}, 0, 0.0, False):
             out.skip(name, get(name), why)
     _drop_last(b, out)
-    _data_parallel(b, out)
+    _data_parallel(b, out, baseline_step)
     if "beta" not in model_fields:  # a preference or policy task sums its own loss: no Trainer count divides it
         _loss_divisor(b, out)
     for setting, value, why in b.uncarried:  # what the source's own reader knows finetune lacks
@@ -123,10 +123,14 @@ def _loss_divisor(b: Baseline, out: Imported) -> None:
 LOW = {"bf16", "bfloat16", "fp16", "float16", "torch.bfloat16", "torch.float16"}
 
 
-def _data_parallel(b: Baseline, out: Imported) -> None:
-    """What a run on several processes did that is not the big batch's step, named: each process's own token mean
-    (``average_tokens_across_devices: false``), and gradients reduced or accumulated below fp32 by DeepSpeed
+def _data_parallel(b: Baseline, out: Imported, baseline_step: bool) -> None:
+    """What a run on several processes did that is not the big batch's step: the samples accelerate's
+    ``even_batches`` repeats in an epoch's short last window (replayed with ``baseline_step``, else named by
+    compare, which knows the training set's size), and, named, each process's own token mean
+    (``average_tokens_across_devices: false``) and gradients reduced or accumulated below fp32 by DeepSpeed
     (``communication_data_type``, ``data_types.grad_accum_dtype``) or FSDP (its mixed precision's reduce dtype)."""
+    if baseline_step and b.process_count() > 1:
+        _even_batches(b, out)
     if b.process_count() > 1 and b.get("average_tokens_across_devices") is False:
         out.skip("average_tokens_across_devices", False, "each process divided its loss by its own tokens and the "
                  "processes' gradients were averaged: the mean of their means, not the big batch's token mean")
@@ -141,6 +145,20 @@ def _data_parallel(b: Baseline, out: Imported) -> None:
         fsdp.get("mixed_precision_policy"), dict) else None
     if str(reduce) in LOW:
         out.skip("fsdp reduce_dtype", reduce, "FSDP reduced the gradients in it; finetune sums them in fp32")
+
+
+def _even_batches(b: Baseline, out: Imported) -> None:
+    """``training.even_batches``: the baseline's processes and per-device batch, where accelerate completed each
+    process's short last batch with the epoch's first samples (its ``even_batches``, true unless the arguments'
+    ``accelerator_config`` says otherwise; nothing is short when the last micro-batch is dropped)."""
+    config = b.get("accelerator_config") if isinstance(b.get("accelerator_config"), dict) else {}
+    per_device = b.get("per_device_train_batch_size")
+    if config.get("even_batches", True) is False or b.get("dataloader_drop_last") or b.get("drop_last") or \
+            not per_device:
+        return
+    out.set("training.even_batches", [b.process_count(), int(per_device)],
+            f"{b.processes[1]}: accelerate's even_batches on "
+            f"{b.process_count()} processes of {per_device} — the baseline's own step (--baseline-step)")
 
 
 def _drop_last(b: Baseline, out: Imported) -> None:
