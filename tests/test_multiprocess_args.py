@@ -6,6 +6,7 @@ disagree are refused in one line."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -107,26 +108,79 @@ TWO = ROOT / "tests" / "assets" / "trl-2proc" / "sft"  # examples/trl-multiproce
 LF = ROOT / "tests" / "assets" / "llamafactory"
 
 
-@pytest.mark.parametrize("run", ["sft", "sft-bf16"], ids=["fp32", "bf16-checkpointing"])
+def one_word_changed(rows_file, out, answer_of) -> str:
+    """A copy of ``rows_file`` with one word of row 7's answer (``answer_of(row)``: the message) changed."""
+    rows = [json.loads(line) for line in open(rows_file)]
+    answer = answer_of(rows[7])
+    assert " is " in answer["content"]
+    answer["content"] = answer["content"].replace(" is ", " was ", 1)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(out)
+
+
+RUNS = {  # fixture → (its rows, the micro-batch reproducing it, the answer of a row, what import says of it)
+    "sft": (LF / "data" / "chat.jsonl", 2, lambda r: next(m for m in r["messages"] if m["role"] == "assistant"),
+            "× 2 processes (training_args.bin: distributed_state.num_processes)"),
+    "sft-bf16": (LF / "data" / "chat.jsonl", 2,
+                 lambda r: next(m for m in r["messages"] if m["role"] == "assistant"), "× 2 processes"),
+    "sft-zero2": (LF / "data" / "chat.jsonl", 2,
+                  lambda r: next(m for m in r["messages"] if m["role"] == "assistant"),
+                  "× 2 processes (training_args.bin: distributed_state.num_processes); under DeepSpeed ZeRO-2: "
+                  "the data-parallel step"),
+    "dpo": (TWO.parent / "pairs.jsonl", 1, lambda r: r["chosen"][0], "× 2 processes"),
+}
+
+
+@pytest.mark.parametrize("run", list(RUNS), ids=["fp32", "bf16-checkpointing", "deepspeed-zero2", "dpo"])
 def test_a_two_process_trl_run_is_reproduced_on_one_and_its_one_word_twin_differs(tmp_path, capsys, run):
     """fp32 against fp32's tolerances; bf16 autocast (with gradient checkpointing) against the floor reproduce
-    measures on its twin."""
+    measures on its twin; DeepSpeed ZeRO-2 (gradients reduced in fp32) and DPO (each micro-batch's mean, every one
+    full) as the big batch's step."""
+    rows, micro, answer_of, said_of_processes = RUNS[run]
+
     def reproduce(out, data):
         code, said = cli(capsys, "reproduce", TWO.parent / run, "--model", LF / "model", "--data", data,
-                         "--batch-size", 2, "-o", out, "--set", "model.generate_prompts=0")
+                         "--batch-size", micro, "-o", out, "--set", "model.generate_prompts=0" if run != "dpo" else
+                         "training.seed=42")
         return code, next((line for line in said.splitlines() if line.startswith("verdict:")), said[-2000:]), said
 
-    code, verdict, said = reproduce(tmp_path / "same", LF / "data" / "chat.jsonl")
+    code, verdict, said = reproduce(tmp_path / "same", rows)
     assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
-    assert "× 2 processes (training_args.bin: distributed_state.num_processes)" in said
-    rows = [json.loads(line) for line in open(LF / "data" / "chat.jsonl")]
-    answer = next(m for m in rows[7]["messages"] if m["role"] == "assistant")
-    answer["content"] = answer["content"].replace(" is ", " was ", 1)
-    changed = tmp_path / "chat.jsonl"
-    changed.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code, verdict, _ = reproduce(tmp_path / "word", changed)
+    assert said_of_processes in said, said
+    code, verdict, _ = reproduce(tmp_path / "word", one_word_changed(rows, tmp_path / rows.name, answer_of))
     assert code == 1 and verdict.startswith("verdict: differs"), verdict
-    assert run == "sft" or "floor measured on twin" in said
+    assert run != "sft-bf16" or "floor measured on twin" in said
+
+
+def test_the_processes_come_from_the_steps_per_epoch_where_no_file_says_them(tmp_path, capsys):
+    """The 2-process TRL run with its arguments as JSON (no accelerate state): its 5 steps over the 40 rows of --data
+    at 2 × 2 fit 2 processes only; without --data the count is unknown (1, said); 100 rows fit 5 or 6: refused."""
+    import yaml
+
+    from finetune.reproduce.sources.pickled_args import read_training_args_bin
+
+    run = tmp_path / "run"
+    shutil.copytree(TWO, run)
+    args = read_training_args_bin(run / "training_args.bin")
+    (run / "training_args.bin").unlink()
+    kept = {k: args[k] for k in ("per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
+                                 "seed", "num_train_epochs", "max_grad_norm", "lr_scheduler_type")}
+    (run / "training_args.json").write_text(json.dumps(kept))
+    code, said = cli(capsys, "import", run, "--recipe", "sft-smollm2", "--data", LF / "data" / "chat.jsonl", "-o",
+                     tmp_path / "r.yaml")
+    assert code == 0, said
+    assert "× 2 processes (trainer_state.json: 5 steps per epoch over the 40 rows of" in said, said
+    assert yaml.safe_load((tmp_path / "r.yaml").read_text())["training"]["effective_batch_size"] == 8
+    code, said = cli(capsys, "import", run, "--recipe", "sft-smollm2", "-o", tmp_path / "n.yaml")
+    assert code == 0 and "1 process (the source names no process count: --processes P)" in said, said
+    more = tmp_path / "more.jsonl"
+    more.write_text((LF / "data" / "chat.jsonl").read_text() * 3 + "".join(
+        (LF / "data" / "chat.jsonl").read_text().splitlines(keepends=True)[:20]))
+    code, said = cli(capsys, "import", run, "--recipe", "sft-smollm2", "--data", more, "-o", tmp_path / "m.yaml")
+    assert code == 2 and not (tmp_path / "m.yaml").exists(), said
+    assert_one_error_line(said, "import: trainer_state.json: 5 steps per epoch over the 140 rows")
+    fits = [p for p in range(1, 40) if math.ceil(140 / (4 * p)) == 5]
+    assert len(fits) > 1 and f"fit {', '.join(map(str, fits))} processes; give --processes P" in said, said
 
 
 def test_reproduce_refuses_a_baseline_whose_data_it_does_not_know(tmp_path, capsys):

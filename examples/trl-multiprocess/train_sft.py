@@ -8,12 +8,19 @@ fp32 on the CPU (gloo), the tiny chat model and its 40 chats (tests/assets/llama
 LoRA r 8 on q and v, 2 per device × 2 accumulation × 2 processes = 8 per step, one epoch: 5 steps, every window full.
 ``--bf16``: the same under bf16 autocast with gradient checkpointing (``tests/assets/trl-2proc/sft-bf16``);
 ``--rows 38``: the first 38 chats, so that each process's last batch is short (``tests/assets/trl-2proc/sft-short``).
+``--zero 2``: under DeepSpeed ZeRO-2 (``tests/assets/trl-2proc/sft-zero2``), launched with
+the Trainer's ``deepspeed`` argument and torchrun (DeepSpeed on the CPU over gloo; the Trainer's AdamW, reduced in
+fp32):
+
+    torchrun --nproc_per_node 2 examples/trl-multiprocess/train_sft.py --zero 2 --out tests/assets/trl-2proc/sft-zero2
 """
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from datasets import load_dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -26,12 +33,21 @@ p.add_argument("--out", required=True)
 p.add_argument("--data", default=str(INPUTS / "data" / "chat.jsonl"))
 p.add_argument("--bf16", action="store_true", help="bf16 autocast, with gradient checkpointing")
 p.add_argument("--rows", type=int, help="train on the first ROWS rows only")
+p.add_argument("--zero", type=int, choices=(1, 2, 3), help="train under DeepSpeed ZeRO at this stage")
 opts = p.parse_args()
+# the Trainer fills each "auto" from its own arguments; with no optimizer section DeepSpeed wraps the Trainer's AdamW
+if opts.zero:  # on the CPU the Trainer would start DeepSpeed with no backend (a world of one): start it on gloo
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+zero = {"zero_optimization": {"stage": opts.zero}, "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto"}
 args = SFTConfig(output_dir=opts.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                  num_train_epochs=1, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=0.2,
                  max_grad_norm=0.5, logging_steps=1, seed=42, bf16=opts.bf16, gradient_checkpointing=opts.bf16,
                  report_to=[], save_strategy="no",
-                 use_cpu=True, disable_tqdm=True, assistant_only_loss=False)
+                 use_cpu=not opts.zero, deepspeed=zero if opts.zero else None, disable_tqdm=True,
+                 accelerator_config={"use_configured_state": bool(opts.zero)},
+                 assistant_only_loss=False)
 model_dir = str(INPUTS / "model")
 rows = load_dataset("json", data_files=opts.data)["train"]
 trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,

@@ -55,7 +55,7 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
             where = f"{src('per_device_train_batch_size')} × accumulation × " + (
                 f"{b.processes[0]} processes ({b.processes[1]})" if b.processes else
                 "1 process (the source names no process count: --processes P)")
-        out.set("training.effective_batch_size", total, where)
+        out.set("training.effective_batch_size", total, where + _engine(b))
         out.set("training.gradient_accumulation_steps", None, "derived from the effective batch and your micro-batch")
     for name, field in (("learning_rate", "training.learning_rate"), ("weight_decay", "training.weight_decay")):
         if get(name) is not None:
@@ -145,6 +145,17 @@ def _data_parallel(b: Baseline, out: Imported, baseline_step: bool) -> None:
         fsdp.get("mixed_precision_policy"), dict) else None
     if str(reduce) in LOW:
         out.skip("fsdp reduce_dtype", reduce, "FSDP reduced the gradients in it; finetune sums them in fp32")
+
+
+def _engine(b: Baseline) -> str:
+    """The sharding engine a run on several processes trained under, said beside its batch: its step is the
+    data-parallel one (what it reduced below fp32 is named by ``_data_parallel``)."""
+    ds = b.get("deepspeed") if isinstance(b.get("deepspeed"), dict) else {}
+    stage = (ds.get("zero_optimization") or {}).get("stage") if isinstance(ds.get("zero_optimization"), dict) \
+        else None
+    engine = f"DeepSpeed ZeRO-{stage}" if stage is not None else f"DeepSpeed ({b.get('deepspeed')})" if \
+        isinstance(b.get("deepspeed"), str) else "FSDP" if b.get("fsdp") else None
+    return f"; under {engine}: the data-parallel step" if engine and b.process_count() > 1 else ""
 
 
 def _even_batches(b: Baseline, out: Imported) -> None:

@@ -16,6 +16,7 @@ carried gets one ``not carried:`` line. The micro-batch is yours: run the recipe
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import typing
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from finetune.registry import recipe_path, resolve_task, section_class, task_mod
 from finetune.reproduce.architecture import model_config_of, model_difference
 from finetune.reproduce.carry import carry
 from finetune.reproduce.record import Baseline, Imported
-from finetune.reproduce.rows import training_file
+from finetune.reproduce.rows import row_change, training_file
 from finetune.reproduce.sources import accepted, names, read_baseline
 
 
@@ -73,6 +74,7 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     baseline = source if isinstance(source, Baseline) else read_baseline(source, "import")
     given_processes(baseline, request.processes)
     base, data, model = request.base_recipe, request.data, request.model
+    processes_from_steps(baseline, data)
     raw = read_yaml(recipe_path(base)) if base else _skeleton(baseline)
     if not isinstance(raw, dict):
         raise ConfigError(f"--recipe: {base} is not a recipe (a YAML mapping)")
@@ -144,6 +146,44 @@ def given_processes(b: Baseline, processes: Optional[int]) -> None:
     if b.processes is not None and b.processes[0] != processes:
         raise ConfigError(f"--processes: {processes}, but the baseline trained on {b.processes[0]} ({b.processes[1]})")
     b.processes = b.processes or (processes, "--processes")
+
+
+def processes_from_steps(b: Baseline, data) -> None:
+    """Where no file says the processes: the count that makes the steps the run took per epoch, over the rows of
+    ``data`` (a local file the run trained on whole: no rows held out or reordered), the Trainer's
+    ceil(rows / (per-device × accumulation × processes)) — taken when exactly one count fits and it is not 1; several
+    that fit, none of them 1, are refused in one line (``--processes`` says which)."""
+    epochs, steps, per_device = b.get("num_train_epochs"), b.get("schedule_steps"), b.get("per_device_train_batch_size")
+    if b.processes is not None or data is None or row_change(b) is not None or b.get("dataloader_drop_last") or \
+            not (epochs and steps and per_device) or float(epochs) != int(epochs) or int(steps) % int(epochs):
+        return
+    rows = row_count(data)
+    per_epoch, window = int(steps) // int(epochs), int(per_device) * int(b.get("gradient_accumulation_steps") or 1)
+    if rows is None or rows < window:
+        return
+    fits = [p for p in range(1, rows // window + 2) if math.ceil(rows / (window * p)) == per_epoch]
+    if 1 in fits or not fits:
+        return  # maybe one process, or another training set than this file: compare says what differs
+    where = f"{b.args['schedule_steps'][1]}: {per_epoch} steps per epoch over the {rows} rows of {data}"
+    if len(fits) > 1:
+        raise ConfigError(f"import: {where} fit {', '.join(map(str, fits))} processes; give --processes P")
+    b.processes = (fits[0], where)
+
+
+def row_count(data) -> int | None:
+    """The rows of a local jsonl, json, parquet or csv file; None for anything else."""
+    path = Path(str(data))
+    kind = path.suffix.lower().lstrip(".")
+    if not path.is_file() or kind not in ("jsonl", "json", "parquet", "csv"):
+        return None
+    if kind == "jsonl":
+        return sum(1 for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip())
+    import datasets  # lazy: 0.6 s on every command
+
+    try:
+        return len(datasets.load_dataset(kind, data_files=str(path), split="train"))
+    except Exception:  # the run reads the file again and says what is wrong with it
+        return None
 
 
 def write_import(baseline: Baseline, request: Request, out: Path) -> int:

@@ -25,6 +25,8 @@ RECORDS = {("transformers.trainer_pt_utils", "AcceleratorConfig"), ("accelerate.
            ("accelerate.utils.dataclasses", "TorchDynamoPlugin"),
            ("accelerate.utils.dataclasses", "ProjectConfiguration"),
            ("transformers.integrations.deepspeed", "HfTrainerDeepSpeedConfig"),
+           ("transformers.integrations.deepspeed", "HfDeepSpeedConfig"),
+           ("accelerate.utils.deepspeed", "HfDeepSpeedConfig"),
            ("torch.distributed.fsdp.api", "MixedPrecision"), ("torch.distributed.fsdp.api", "CPUOffload")}
 DTYPES = {"float32", "float16", "bfloat16", "float64", "int8", "uint8"}  # a torch dtype: its name
 
