@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune.config import parse_yaml
+from finetune.config import gguf_hub_id, parse_yaml, read_yaml
 from finetune.errors import ConfigError
 
 RECIPE_START, RECIPE_END = "<!-- finetune recipe -->", "<!-- end of finetune recipe -->"
@@ -39,10 +39,13 @@ def hub_id(name) -> str | None:
 
 
 def base_model_id(name) -> str | None:
-    """The hub id of the model the run fine-tuned: the recipe's name when it is one, else the one a local model
-    folder's ``config.json`` names (``_name_or_path``), else None."""
+    """The hub id of the model the run fine-tuned: the recipe's name when it is one, a GGUF file's source model
+    (``config.gguf_hub_id``), else the one a local model folder's ``config.json`` names (``_name_or_path``), else
+    None."""
     if hub_id(name):
         return name
+    if gguf_hub_id(name):
+        return gguf_hub_id(name)
     config = Path(str(name)).expanduser() / "config.json"
     if config.is_file():
         try:
@@ -50,6 +53,35 @@ def base_model_id(name) -> str | None:
         except (ValueError, AttributeError):
             return None
     return None
+
+
+def local_path(value) -> bool:
+    """Whether ``value`` names a file or folder of this machine by a path (one with a folder in it, or ``~``)."""
+    return isinstance(value, str) and ("/" in value or value.startswith("~")) and Path(value).expanduser().exists()
+
+
+def portable(value, base: str | None = None):
+    """A recipe (or one of its values) as a published card holds it: no path of this machine — a local file or
+    folder named by its last part (import's ``--data`` / ``--model`` say where it is elsewhere), a local base model
+    by its hub id ``base`` when it has one."""
+    if isinstance(value, dict):
+        return {k: portable(v, base) if k != "name_or_path" or not base or not local_path(v) else base
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v, base) for v in value]
+    return Path(value).expanduser().name if local_path(value) else value
+
+
+def recipe_data(name) -> object:
+    """The data source finetune's recipe ``name`` trains on by default (None when ``name`` is not one of its
+    recipes)."""
+    from finetune.registry import recipe_path  # lazy: the registry imports every task module's names
+
+    try:
+        raw = read_yaml(recipe_path(str(name)), "recipe") if name and "/" not in str(name) else None
+    except ConfigError:
+        return None
+    return ((raw or {}).get("data") or {}).get("source") if isinstance(raw, dict) else None
 
 
 def file_sha256(path) -> str | None:
@@ -123,14 +155,12 @@ def card_text(settings: dict, metrics: dict, history: list, merged: bool = False
     meta = ModelCardData(base_model=base, library_name="peft" if peft and not merged else "transformers",
                          tags=[TAG, settings.get("task") or "custom", *(["lora"] if peft else [])],
                          pipeline_tag=None)
-    named = (f"`{name}`" + ("" if base else " (no hub id: the recipe's own reference)")) if name else "not named"
-    recipe = yaml.safe_dump(reproducible(settings, effective), sort_keys=False)
+    recipe = yaml.safe_dump(portable(reproducible(settings, effective), base), sort_keys=False)
+    what = "LoRA adapters" if peft and not merged else "LoRA merged into the base" if peft else "every weight"
     body = f"""
-# {settings.get("name") or "a finetune run"}
+# {title(settings, base)}
 
-Fine-tuned with finetune (task `{settings.get("task")}`{", LoRA adapters" if peft and not merged else
-                                                         ", LoRA merged into the base" if peft else ""}) from
-{named}.{" " + settings["description"] if settings.get("description") else ""}
+{intro(settings, base, what)}
 
 ## Training
 
@@ -144,7 +174,7 @@ seed {t.get("seed")}
 
 ## Data
 
-- source: `{source}`{f" (sha256 `{sha}`)" if sha else ""}
+- source: `{portable(source)}`{f" (sha256 `{sha}`)" if sha else ""}
 - {metrics.get("train_samples")} training rows
 - content digest of every window trained, in order: `{trained_digest(history)}` (sha256 over each step's \
 `content_hash`; a run of the same data at any micro-batch records the same)
@@ -183,6 +213,33 @@ Not compared yet: `finetune compare BASELINE RUN` writes its verdict here.
                                        "{% endraw %}"))
 
 
+def title(settings: dict, base: str | None) -> str:
+    """The card's title: the base model and the data this run trained on (not the recipe's own name alone, which
+    describes the recipe's data)."""
+    name = (settings.get("model") or {}).get("name_or_path")
+    model = (base or str(portable(name) or "a model")).split("/")[-1]
+    data = (settings.get("data") or {}).get("source")
+    return f"{model} fine-tuned on {portable(data)}" if data else f"{model}, {settings.get('name') or 'a finetune run'}"
+
+
+def intro(settings: dict, base: str | None, what: str) -> str:
+    """What was trained from which base on which data, and where the settings came from: the recipe's own
+    description only when the run trained on the recipe's own data."""
+    name = (settings.get("model") or {}).get("name_or_path")
+    model = f"`{base}`" if base else f"`{portable(name)}` (a local model without a hub id)" if name else "a model"
+    if base and name != base:  # a GGUF file or a local copy: the hub model is what the adapters load onto
+        rounded = ", a quantized file: its weights are the hub model's rounded" if str(name).lower().endswith(
+            ".gguf") else ""
+        model += f" (trained from `{portable(name)}`{rounded})"
+    source, recipe = (settings.get("data") or {}).get("source"), settings.get("name")
+    own = recipe is not None and recipe_data(recipe) == source
+    settings_from = (f"Settings from finetune's recipe `{recipe}`" + (f": {settings['description']}" if own and
+                     settings.get("description") else "; its data replaced by this run's" if recipe_data(recipe)
+                     is not None else "") + ".") if recipe else ""
+    return (f"{model}, fine-tuned with finetune (task `{settings.get('task')}`, {what}) on `{portable(source)}`. "
+            f"{settings_from}").strip()
+
+
 def reproducible(settings: dict, effective: int | None) -> dict:
     """The run's resolved recipe as a recipe that reproduces it at any micro-batch: its effective batch kept (N is
     then derived from the ``--batch-size`` given), its output section left to the new run."""
@@ -194,14 +251,31 @@ def reproducible(settings: dict, effective: int | None) -> dict:
 
 
 def write_cards(out_dir: Path, settings: dict, metrics: dict, history: list) -> list[Path]:
-    """The card in the run's ``model/`` and ``model-merged/`` (those that exist); replaces peft's template card."""
+    """The card in the run's ``model/`` and ``model-merged/`` (those that exist), replacing peft's template card;
+    the adapters' base named as the card names it (``name_adapters_base``)."""
     written = []
     for folder, merged in (("model", False), ("model-merged", True)):
         if (out_dir / folder).is_dir():
             path = out_dir / folder / "README.md"
             path.write_text(card_text(settings, metrics, history, merged))
             written.append(path)
+            name_adapters_base(out_dir / folder, base_model_id((settings.get("model") or {}).get("name_or_path")))
     return written
+
+
+def name_adapters_base(folder: Path, base: str | None) -> None:
+    """``adapter_config.json``'s ``base_model_name_or_path`` as the hub id ``base`` (peft wrote the folder the
+    weights were loaded from, a path of this machine: the adapters would load nowhere else); null where the base
+    has no hub id (``PeftModel.from_pretrained`` on a base the user loads still works)."""
+    config = folder / "adapter_config.json"
+    if not config.is_file():
+        return
+    values = json.loads(config.read_text())
+    named = values.get("base_model_name_or_path")
+    if named == base or (named is not None and not local_path(named) and not Path(str(named)).is_absolute()):
+        return  # already a hub id (or a name that is no path)
+    values["base_model_name_or_path"] = base
+    config.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def is_card(path) -> bool:

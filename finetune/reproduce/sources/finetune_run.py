@@ -46,13 +46,14 @@ class FinetuneRun(Reader):
         where the training file and the base model are on this machine. With it, what the import says: each line
         names what was read and how the data stand against the run's (sha256)."""
         p = b.path
-        run = p if (p / "history.jsonl").is_file() else None
+        run = run_folder(p)  # the run, or the run whose card this is: its config names its files on this machine
         card = card_of(p)
         if run is not None:
             recipe = card_io.reproducible(read_config(run), read_metrics(run).get("effective_batch_size"))
         else:
             recipe = card_io.read_recipe(card)
-        said = [f"finetune {'run' if run else 'model card'}: {p} (its resolved recipe, whole; effective batch "
+        kind = "run" if run == p else "model card of a run here" if run else "model card"
+        said = [f"finetune {kind}: {p} (its resolved recipe, whole; effective batch "
                 f"{(recipe.get('training') or {}).get('effective_batch_size')} kept, the micro-batch yours)"]
         sections = {k: dict(recipe.get(k) or {}) for k in ("model", "data")}
         if model is not None:
