@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from finetune.cli import run_main
+from finetune.cli import main, run_main
 from finetune.config import ConfigError, load_recipe
 from finetune.models.hf import gguf_file, resolve_model_path
 from finetune.startup import build_job
@@ -54,8 +54,11 @@ def smollm_run(tmp_path_factory):
     torch.set_num_threads(1)
     tiny_chat_assets()
     out = tmp_path_factory.mktemp("smollm") / "run"
+    mine = out.with_name("my_chats.jsonl")  # a user's own chats, not the recipe's data
+    mine.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(62, seed=5)))
     log = open(out.with_suffix(".log"), "w+")
-    proc = subprocess.Popen([sys.executable, RUN, "--recipe", RECIPE, *SMOLLM_ARGS, "--output-dir", str(out)],
+    proc = subprocess.Popen([sys.executable, RUN, "--recipe", RECIPE, *SMOLLM_ARGS, "--set", f"data.source={mine}",
+                             "--output-dir", str(out)],
                             stdout=log, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**ENV, "OMP_NUM_THREADS": "1"})
     yield proc, log, out
@@ -394,6 +397,58 @@ def test_real_recipe_through_the_cli(smollm_run):
     s = sft.encode(tok, messages)
     learned = tok.decode([x for x in s["labels"] if x != -100])
     assert learned == "".join(m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant")
+
+
+def hub_cache(home, repo: str, folder) -> None:
+    """``folder``'s files as the hub's cache under ``home`` (HF_HOME) holds repository ``repo``: what a user's
+    machine has after downloading it (linked, not copied)."""
+    snapshot = home / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for f in os.listdir(folder):
+        (snapshot / f).symlink_to(os.path.join(folder, f))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+
+
+def test_a_run_on_your_own_chats_publishes_a_folder_that_loads_elsewhere(smollm_run, tmp_path, capsys):
+    """The real recipe on a user's 62 chats: its card names their file and the hub model the packaged GGUF came
+    from, nothing in model/ names a path of this machine; a copy loads with peft's AutoPeftModelForCausalLM against
+    the base under its hub id on a fresh HF_HOME (a hub cache, offline), and imports back."""
+    import shutil
+
+    from huggingface_hub import ModelCard
+
+    proc, log, out = smollm_run
+    assert proc.wait(timeout=600) == 0
+    mine = out.with_name("my_chats.jsonl")
+    card = ModelCard.load(out / "model" / "README.md")
+    assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert card.text.lstrip().startswith("# SmolLM2-135M-Instruct fine-tuned on my_chats.jsonl"), card.text[:200]
+    assert "- source: `my_chats.jsonl` (sha256" in card.text and "stdlib" not in card.text.split("## Training")[0]
+    machine = (str(out.parent), str(ROOT), os.path.expanduser("~"), str(resolve_model_path(SMOLLM)))
+    for folder in ("model", "model-merged"):
+        for f in (out / folder).iterdir():
+            if f.suffix in (".md", ".json", ".jinja", ".txt"):
+                assert not [m for m in machine if m in f.read_text()], f
+    copy = tmp_path / "published"
+    shutil.copytree(out / "model", copy)
+    home = tmp_path / "hf-home"
+    hub_cache(home, "HuggingFaceTB/SmolLM2-135M-Instruct", resolve_model_path(SMOLLM))
+    load = ("import sys, torch; from peft import AutoPeftModelForCausalLM; "
+            "m = AutoPeftModelForCausalLM.from_pretrained(sys.argv[1]); "
+            "print(m.peft_config['default'].base_model_name_or_path, "
+            "sum('lora_' in n for n, _ in m.named_parameters()))")
+    done = subprocess.run([sys.executable, "-c", load, str(copy)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**ENV, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    base, adapters = done.stdout.split()[-2:]
+    assert base == "HuggingFaceTB/SmolLM2-135M-Instruct" and int(adapters) > 0
+    unfound = subprocess.run([sys.executable, "-c", load, str(copy)], capture_output=True, text=True, cwd=tmp_path,
+                             env={**ENV, "HF_HOME": str(tmp_path / "empty"), "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert unfound.returncode != 0  # the control: the base comes from the hub cache, not from a path of this run
+    capsys.readouterr()
+    assert main(["import", str(copy), "--data", str(mine), "-o", str(tmp_path / "again.yaml")]) == 0
+    assert "matches the run's" in capsys.readouterr().out
 
 
 def test_gguf_forms_name_the_same_converted_model():
