@@ -231,20 +231,24 @@ def _bad_rows(tmp_path):
         "number.jsonl": [{"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]}],
         "role.jsonl": [{"messages": [{"role": "bot", "content": "Hi"}, {"role": "assistant", "content": "x"}]}],
         "noassistant.jsonl": [ok, {"messages": [{"role": "user", "content": "Hi"}]}],
-        "nocompletion.jsonl": [{"prompt": "Hi"}],
+        "nocompletion.jsonl": [{"prompt": "Hi", "completion": "Hello"}, {"prompt": "Hi"}],
     }
     for name, rows in cases.items():
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "notes.txt").write_text("hello\n")
+    # a blank line counts as a line of the file, as an editor counts it (datasets skips it)
+    (tmp_path / "blank.jsonl").write_text(f"{json.dumps(ok)}\n\n{json.dumps({'text': 'no conversation'})}\n")
+    (tmp_path / "broken.jsonl").write_text(f"{json.dumps(ok)}\n\n{json.dumps(ok)[:-1]}\n")
+    (tmp_path / "chat.csv").write_text("question,answer\nWhat is 1 plus 1?,2\nWhat is 2 plus 2?,4\n")
 
 
 BAD = [
-    (["data.source={tmp}/nomessages.jsonl"], "data.source: row 1 has no 'messages' and no 'prompt' + 'completion'"),
-    (["data.source={tmp}/empty.jsonl"], "data.source: row 1 message 1 (assistant) has empty content"),
-    (["data.source={tmp}/number.jsonl"], "data.source: row 0 message 0 (user) has non-string content"),
-    (["data.source={tmp}/role.jsonl"], "data.source: row 0 message 0 has unknown role 'bot'; allowed: system, user"),
-    (["data.source={tmp}/noassistant.jsonl"], "data.source: row 1 has no assistant turn"),
-    (["data.source={tmp}/nocompletion.jsonl"], "data.source: row 0 has 'prompt' but no 'completion'"),
+    (["data.source={tmp}/nomessages.jsonl"], "data.source: line 2 has no 'messages' and no 'prompt' + 'completion'"),
+    (["data.source={tmp}/empty.jsonl"], "data.source: line 2 message 1 (assistant) has empty content"),
+    (["data.source={tmp}/number.jsonl"], "data.source: line 1 message 0 (user) has non-string content"),
+    (["data.source={tmp}/role.jsonl"], "data.source: line 1 message 0 has unknown role 'bot'; allowed: system, user"),
+    (["data.source={tmp}/noassistant.jsonl"], "data.source: line 2 has no assistant turn"),
+    (["data.source={tmp}/nocompletion.jsonl"], "data.source: line 2 has 'prompt' but no 'completion'"),
     (["data.source={tmp}/notes.txt"], "data.source: unsupported file type .txt"),
     (["data.source={tmp}/missing.jsonl"], "data.source: {tmp}/missing.jsonl not found"),
     (["data.source=someone/some-chats"], "data.source: cannot load hub dataset 'someone/some-chats': the hub is "
@@ -261,8 +265,14 @@ BAD = [
     (["training.loss_divisor=labels", "training.packing=true"],
      "training.packing: true hides each sample's first label in its row, which training.loss_divisor=labels counts"),
     (["data.too_long=turns", "data.train_on=all"], "data.too_long: turns finds the turns by their labels"),
+    (["data.source={tmp}/blank.jsonl"], "data.source: line 3 has no 'messages' and no 'prompt' + 'completion'"),
+    (["data.source={tmp}/broken.jsonl"], "data.source: {tmp}/broken.jsonl line 3 is not JSON ("),
+    (["data.source={tmp}/chat.csv"], "data.source: {tmp}/chat.csv has columns question, answer; the sft task needs "
+                                     "messages, or prompt and completion"),
 ]
-IN_A_PROCESS = {9}  # as a user runs it; the rest through main() in this process
+# as a user runs it (the rest through main() in this process); a file without a conversation's columns is refused
+# before the tokenizing progress bar shows
+IN_A_PROCESS = {9, 20}
 
 
 @pytest.mark.parametrize("index,overrides,message", [(i, *case) for i, case in enumerate(BAD)],
@@ -277,6 +287,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, index, overrides, messag
     if index in IN_A_PROCESS:
         proc = cli("--recipe", RECIPE, *sets, "--output-dir", str(out))
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+        assert "\r" not in proc.stderr and "tokenize" not in proc.stderr, proc.stderr[-2000:]  # no progress bar
         assert_one_error_line(proc.stderr, message)
     else:
         refused_in_process(capsys, ["--recipe", RECIPE, *sets, "--output-dir", str(out)], message)

@@ -82,7 +82,9 @@ def pydoc_paragraphs(min_chars: int = 40) -> list[str]:
     return [p.strip() for p in text.split("\n\n") if len(p.strip()) >= min_chars]
 
 
-def load_texts(d: DataConfig):
+def load_rows(d: DataConfig):
+    """The texts of the data source (a ``text`` column), in its order; one line, before any is tokenized, when a file
+    has no ``data.text_field`` column (``finetune import`` checks its ``--data`` with it too)."""
     import datasets
 
     if d.source == "pydoc":
@@ -142,7 +144,7 @@ def build_model(m: ModelConfig, tokenizer, precision: dict):
 
 def build(cfg) -> Job:
     m, d = cfg.model, cfg.data
-    texts = load_texts(d)
+    texts = load_rows(d)
     train_texts, val_texts = split(texts, d.val_fraction, d.split_seed, d.limit)
     if m.tokenizer or m.name_or_path:
         from transformers import AutoTokenizer

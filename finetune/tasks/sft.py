@@ -23,7 +23,7 @@ from typing import Literal, Optional
 
 from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, Needs, doc
-from finetune.data import attention_mask, parse_rows, right_pad
+from finetune.data import attention_mask, parse_rows, require_columns, right_pad, row_place
 from finetune.evaluation import load_metric
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models.hf import peft_save_hook
@@ -132,9 +132,18 @@ def validate(cfg, problems: list) -> None:
 # rows → conversations
 
 
+# a conversation's columns, either of TRL's two layouts (to_messages)
+COLUMNS = (("messages",), ("prompt", "completion"))
+
+
 def load_rows(d: DataConfig):
-    """The data source's rows as a ``datasets.Dataset``, in its order."""
-    return builtin_table(stdlib_qa()) if d.source == "stdlib-qa" else load_table(d.source, d.split)
+    """The data source's rows as a ``datasets.Dataset``, in its order; one line, before any row is encoded, when they
+    lack a conversation's columns (``finetune import`` checks its ``--data`` with it too)."""
+    if d.source == "stdlib-qa":
+        return builtin_table(stdlib_qa())
+    table = load_table(d.source, d.split)
+    require_columns(table, d.source, "sft", COLUMNS)
+    return table
 
 
 def to_messages(row, system_prompt: Optional[str] = None) -> list:
@@ -273,7 +282,7 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
     try:
         messages = to_messages(row, d.system_prompt)
     except ValueError as e:
-        return {**empty, "error": f"data.source: row {i} {e}"}
+        return {**empty, "error": f"data.source: {row_place(d.source, i)} {e}"}
     try:
         sample = encode(tokenizer, messages, d.train_on, d.turn_end)
     except ValueError as e:
