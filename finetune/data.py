@@ -1,5 +1,5 @@
-"""Data for tasks: a seeded train/validation split, local data files read as tables, where a row sits in its file,
-and padding collation."""
+"""Data for tasks: a seeded train/validation split (the held-out set raised to a minimum on the user's own data),
+local data files read as tables, where a row sits in its file, and padding collation."""
 
 from __future__ import annotations
 
@@ -8,18 +8,53 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from finetune.errors import ConfigError
 
+# The least a recipe's val_fraction may hold out of the user's own data: a fraction sized for the recipe's data set
+# (0.012 of 4,170 rows) leaves one row of a 62-row file, and evaluation numbers resting on one row mean nothing. Never
+# more than a quarter of the rows is taken for it.
+LEAST_HELD_OUT_ROWS = 16
+LEAST_HELD_OUT_SHARE = 0.05
+MOST_HELD_OUT_SHARE = 0.25
 
-def split(dataset, val_fraction: float, seed: int, limit=None):
-    """Seeded train/validation split of a 🤗 Dataset; ``limit`` keeps the first N of each part."""
+
+def held_out(n: int, val_fraction: float, minimum: bool, rounding: Callable = math.ceil) -> tuple:
+    """The held-out part of ``n`` rows as :func:`split` / :func:`split_samples` take it, and the line to say before
+    training when it was raised or could not be (None when ``val_fraction`` stands unremarked).
+
+    ``val_fraction`` as it is, unless ``minimum`` (``data.val_minimum`` on the user's own data) and it holds out
+    (``rounding`` of val_fraction × n: ceil for :func:`split`, round for :func:`split_samples`) fewer than
+    ``LEAST_HELD_OUT_ROWS`` or ``LEAST_HELD_OUT_SHARE`` of the rows, whichever is more: then a row count, that
+    minimum, at most ``MOST_HELD_OUT_SHARE`` of the rows (rows too few for the minimum are said too).
+
+        >>> held_out(400, 0.012, True)[0], held_out(62, 0.012, True)[0], held_out(62, 0.012, False)[0]
+        (20, 15, 0.012)
+    """
+    asked = rounding(val_fraction * n)
+    least = max(LEAST_HELD_OUT_ROWS, math.ceil(LEAST_HELD_OUT_SHARE * n))
+    if not minimum or val_fraction <= 0 or asked >= least:
+        return val_fraction, None
+    most = int(MOST_HELD_OUT_SHARE * n)
+    why = f"val_fraction {val_fraction:g} of {n} rows is below the minimum of {least} rows"
+    if least <= most:
+        return least, f"data: held-out set raised from {asked} to {least} rows ({why})"
+    too_few = f"{why}, more than a quarter of them"
+    if most > asked:
+        return most, f"data: held-out set raised from {asked} to {most} rows, a quarter of the {n} rows ({too_few})"
+    return val_fraction, f"data: held-out set kept at {asked} row{'s' if asked != 1 else ''} ({too_few})"
+
+
+def split(dataset, val_fraction, seed: int, limit=None):
+    """Seeded train/validation split of a 🤗 Dataset; ``limit`` keeps the first N of each part. ``val_fraction``: the
+    share held out, or a row count (an int, as datasets' ``test_size`` takes either; :func:`held_out`)."""
     if val_fraction > 0:
         n = len(dataset)
-        n_val = math.ceil(val_fraction * n)  # how datasets rounds a fractional test_size
+        # a fractional test_size rounded up, as datasets rounds it
+        n_val = val_fraction if isinstance(val_fraction, int) else math.ceil(val_fraction * n)
         if n - n_val < 1:
             raise ConfigError(f"data.val_fraction: {val_fraction} of {n} sample{'s' if n > 1 else ''} leaves none "
                               "to train on; give more data or set data.val_fraction=0")
@@ -33,11 +68,12 @@ def split(dataset, val_fraction: float, seed: int, limit=None):
     return train, val
 
 
-def split_samples(samples: list, val_fraction: float, seed: int, limit=None):
+def split_samples(samples: list, val_fraction, seed: int, limit=None):
     """Seeded train/validation split of a list of samples (for data a task generates itself); ``limit`` keeps the
     first N of each part. Returns (train, val or None). Without a validation part the samples keep their order, as
-    :func:`split` keeps a table's (a baseline trained on a file in the Trainer's order draws from the file's)."""
-    n_val = round(len(samples) * val_fraction)
+    :func:`split` keeps a table's (a baseline trained on a file in the Trainer's order draws from the file's).
+    ``val_fraction``: the share held out (rounded), or a row count (an int; :func:`held_out`)."""
+    n_val = val_fraction if isinstance(val_fraction, int) else round(len(samples) * val_fraction)
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist() if n_val else \
         list(range(len(samples)))
     val = [samples[i] for i in order[:n_val]] or None

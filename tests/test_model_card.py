@@ -53,6 +53,10 @@ def test_the_card_loads_and_carries_what_reproduces_the_run(original):
     source = settings["data"]["source"]
     assert f"`{source}` (sha256 `{hashlib.sha256(Path(source).read_bytes()).hexdigest()}`)" in text
     assert f"{metrics['train_samples']} training rows" in text
+    assert metrics["val_samples"] > 0  # what the evaluation numbers rest on
+    assert f"{metrics['val_samples']} held-out rows: the evaluation numbers below rest on them" in text
+    assert cards.held_out_line({"val_samples": 0}) == "no held-out rows: no evaluation numbers"
+    assert cards.held_out_line({}) == "held-out rows: not recorded"  # a run from before they were recorded
     assert "effective batch **4** per optimizer step, run as micro-batch 4 × 1 accumulation steps × 1 process" in text
     assert "mixed precision `no`" in text and "device: cpu" in text
     import torch

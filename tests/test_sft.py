@@ -304,6 +304,42 @@ def test_long_conversations_are_dropped_and_counted(capsys):
     assert max(len(s["input_ids"]) for s in [*job.train_data, *job.val_data]) <= 40
 
 
+def test_the_held_out_set_of_a_small_file_is_raised_to_its_minimum(tmp_path, capsys):
+    """The recipe's val_fraction (0.012, sized for its 4,170 rows) would hold out 1 of 80 rows: raised to 16, said in
+    one line; the user's own --set data.val_fraction is kept as given (the control)."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(80)))
+    base = [s for s in SMALL[RECIPE] if not s.startswith(("data.val_fraction=", "data.source="))]
+    cfg = load_recipe(RECIPE, [*base, f"data.source={data}"])
+    assert cfg.data.val_fraction == 0.012 and cfg.data.val_minimum
+    job = build_job(cfg)
+    said = capsys.readouterr().out.splitlines()
+    assert "data: held-out set raised from 1 to 16 rows (val_fraction 0.012 of 80 rows is below the minimum of 16 " \
+           "rows)" in said, said
+    assert len(job.val_data) == 16 and len(job.train_data) == 64
+    cfg = load_recipe(RECIPE, [*base, f"data.source={data}", "data.val_fraction=0.012"])
+    assert not cfg.data.val_minimum
+    job = build_job(cfg)
+    assert len(job.val_data) == 1 and "held-out set" not in capsys.readouterr().out
+
+
+def test_held_out_minimum_rule():
+    from finetune.data import held_out
+
+    assert held_out(80, 0.012, True, round)[0] == 16
+    assert held_out(1000, 0.012, True)[0] == 50  # 5% of the rows when that is more than 16
+    size, said = held_out(62, 0.012, True)
+    assert size == 15 and said.startswith("data: held-out set raised from 1 to 15 rows, a quarter of the 62 rows")
+    size, said = held_out(10, 0.3, True)  # 3 rows, more than a quarter already: kept, and said
+    assert size == 0.3 and said == ("data: held-out set kept at 3 rows (val_fraction 0.3 of 10 rows is below the "
+                                    "minimum of 16 rows, more than a quarter of them)")
+    for n, fraction, minimum in ((80, 0.012, False), (80, 0.0, True), (1000, 0.1, True)):  # off, none held out, enough
+        assert held_out(n, fraction, minimum) == (fraction, None)
+    d = sft.DataConfig(val_fraction=0.012)  # the task's own data set: the recipe's fraction was sized for it
+    assert chat.held_out_size(4170, d, "stdlib-qa") == (0.012, None)
+    assert chat.held_out_size(4170, sft.DataConfig(source="mine.jsonl", val_fraction=0.012), "stdlib-qa")[0] == 209
+
+
 def test_long_conversations_cut_turn_by_turn_keep_every_row(capsys):
     cfg = load_recipe(RECIPE, [*SMALL[RECIPE], "data.max_length=40", "data.too_long=turns"])
     job = build_job(cfg)

@@ -476,7 +476,10 @@ def tokenized_data(tokenizer, d: DataConfig, main: bool) -> chat.TrainingData:
     """The data source's pairs tokenized into the cache, split and the longer ones dropped or cut. Warns about pairs
     whose completions are the same (once, on the ``main`` process)."""
     samples = tokenized(tokenizer, load_rows(d), d)
-    train, val, dropped_train, dropped_val = chat.parts(samples, d)
+    val_size, held_out_note = chat.held_out_size(len(samples), d, "stdlib-pairs")
+    if held_out_note and main:
+        print(held_out_note, flush=True)
+    train, val, dropped_train, dropped_val = chat.parts(samples, d, val_size)
     if not len(train):
         raise ConfigError(f"data.max_length: every training pair is longer than {d.max_length} tokens")
     lengths = tables.column(train, "length")

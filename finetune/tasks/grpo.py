@@ -665,7 +665,10 @@ def build(cfg, ctx: TaskContext) -> Job:
     funcs = load_rewards(m)
     replay = read_rollouts(m.rollouts) if m.rollouts else None
     rows = load_rows(d)
-    train_part, val_part = split_samples(list(range(len(rows))), d.val_fraction, d.split_seed, d.limit)
+    val_size, held_out_note = chat.held_out_size(len(rows), d, "sums")
+    if held_out_note and ctx.main:
+        print(held_out_note, flush=True)
+    train_part, val_part = split_samples(list(range(len(rows))), val_size, d.split_seed, d.limit)
     # the generation batches against the prompts, before any is tokenized or the model loads
     schedule, source = schedule_of(m, ctx.shape.effective, len(train_part))
     tokenizer = chat.load_tokenizer(m)

@@ -23,9 +23,9 @@ from finetune.config import (
     doc,
     refuse_precision_for_new_model,
 )
-from finetune.data import check_data_source, load_local_table, row_place, split
+from finetune.data import check_data_source, held_out, load_local_table, row_place, split
 from finetune.evaluation import load_metric
-from finetune.job import Job
+from finetune.job import Job, TaskContext
 from finetune.models import precision
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
@@ -145,7 +145,7 @@ def only_the_head_is_new(model, info: dict) -> bool:
     return not any(key == encoder or key.startswith(encoder + ".") for key in info["missing_keys"])
 
 
-def build(cfg) -> Job:
+def build(cfg, ctx: Optional[TaskContext] = None) -> Job:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
     m, d = cfg.model, cfg.data
@@ -158,6 +158,9 @@ def build(cfg) -> Job:
             raise ConfigError(f"data.{'text' if f == d.text_field else 'label'}_field: no column {f!r} in "
                               f"{d.source}; columns: {', '.join(table.column_names)}")
     check_columns(table, d.source, d.text_field, label_field, regression, m.num_labels)
+    val_size, held_out_note = held_out(len(table), d.val_fraction, d.val_minimum and d.source != "vader")
+    if held_out_note and (ctx is None or ctx.main):
+        print(held_out_note, flush=True)
 
     path = resolve_model_path(m.name_or_path)
     tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code=m.trust_remote_code)
@@ -181,7 +184,7 @@ def build(cfg) -> Job:
         return enc
 
     table = table.map(tokenize, batched=True, remove_columns=table.column_names, desc="tokenize")
-    train, val = split(table, d.val_fraction, d.split_seed, d.limit)
+    train, val = split(table, val_size, d.split_seed, d.limit)
     if regression:
         import evaluate
 

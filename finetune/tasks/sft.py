@@ -34,6 +34,7 @@ from finetune.tasks.chat import (
     TrainingData,
     answer,
     builtin_table,
+    held_out_size,
     load_table,
     load_tokenizer,
     num_proc_field,
@@ -449,7 +450,8 @@ def tokenized_data(tokenizer, d: DataConfig, m: ModelConfig) -> TrainingData:
     LLaMA-Factory packs them when ``data.pack`` says; the held-out samples flag the first ``model.generate_prompts``
     to answer."""
     samples = tokenized(tokenizer, load_rows(d), d)
-    train_rows, val_rows, dropped_train, dropped_val = part_ids(samples, d)
+    val_size, held_out_note = held_out_size(len(samples), d, "stdlib-qa")
+    train_rows, val_rows, dropped_train, dropped_val = part_ids(samples, d, val_size)
     train, val = samples.select(train_rows), samples.select(val_rows)
     if not len(train):
         raise ConfigError(f"data.max_length: every training conversation is longer than {d.max_length} tokens")
@@ -472,7 +474,7 @@ def tokenized_data(tokenizer, d: DataConfig, m: ModelConfig) -> TrainingData:
                else ""))
     return TrainingData(train, tables.Tagged(val, lambda i: {"generate": i < m.generate_prompts}) if len(val) else None,
                         # TRL's packed rows are samples already: no length, so the loop neither sorts nor packs them
-                        None if d.pack else lambda i: int(lengths[i]), note)
+                        None if d.pack else lambda i: int(lengths[i]), note, held_out_note=held_out_note)
 
 
 def build(cfg, ctx: TaskContext) -> Job:
@@ -484,6 +486,8 @@ def build(cfg, ctx: TaskContext) -> Job:
     model, _ = tuned_model(cfg, tokenizer)
     val = data.val
     if ctx.main:
+        if data.held_out_note:
+            print(data.held_out_note, flush=True)
         print(f"sft: {data.note}" + (f"; loss on {d.train_on} tokens" if d.streaming else ""), flush=True)
 
     metric = load_metric("token_f1")
