@@ -127,6 +127,17 @@ def per_epoch(history: list, val_history: list) -> list[dict]:
     return rows
 
 
+def held_out_line(metrics: dict) -> str:
+    """What the evaluation numbers rest on: the held-out rows, none, or not recorded (a run from before they were)."""
+    rows = metrics.get("val_samples")
+    if rows is None:
+        return "held-out rows: not recorded"
+    if not rows:
+        return "no held-out rows: no evaluation numbers"
+    return f"{rows} held-out row{'s' if rows > 1 else ''}: the evaluation numbers below rest on " + \
+        ("them" if rows > 1 else "it")
+
+
 def _table(rows: list[dict]) -> str:
     if not rows:
         return "(no optimizer step was taken)"
@@ -176,6 +187,7 @@ seed {t.get("seed")}
 
 - source: `{portable(source)}`{f" (sha256 `{sha}`)" if sha else ""}
 - {metrics.get("train_samples")} training rows
+- {held_out_line(metrics)}
 - content digest of every window trained, in order: `{trained_digest(history)}` (sha256 over each step's \
 `content_hash`; a run of the same data at any micro-batch records the same)
 

@@ -368,6 +368,11 @@ class PretrainedModelConfig(BaseModelConfig):
 @dataclass
 class BaseDataConfig:
     val_fraction: float = doc("fraction of the data held out for validation", 0.1, at_least=0, below=1)
+    val_minimum: bool = doc(
+        "on the user's own data (not the task's built-in set) hold out at least 16 rows or 5% of them, whichever is "
+        "more, at most a quarter, where data.val_fraction holds out fewer (a recipe's fraction is sized for its own "
+        "data), said in one line before training; false: data.val_fraction exactly. Set to false by giving "
+        "data.val_fraction on the command line", True)
     split_seed: int = doc("seed of the train/validation split (independent of training.seed)", 0,
                           at_least=0, at_most=2**32 - 1)
     limit: Optional[int] = doc("use only the first N samples (after the split) — for smoke runs", None, at_least=1)
@@ -780,7 +785,8 @@ def parse_yaml(text: str, where: str) -> Any:
 
 
 def load_recipe(name_or_path: str, overrides=None) -> RecipeConfig:
-    """Load ``recipes/<name>.yaml`` (or a path), apply ``section.key=value`` overrides, validate."""
+    """Load ``recipes/<name>.yaml`` (or a path), apply ``section.key=value`` overrides, validate. A
+    ``data.val_fraction`` among the overrides turns ``data.val_minimum`` off (unless that is given too)."""
     path = recipe_path(name_or_path)
     raw = read_yaml(path)
     if raw is None:
@@ -790,7 +796,11 @@ def load_recipe(name_or_path: str, overrides=None) -> RecipeConfig:
         raise ConfigError(f"recipe: {path} holds a YAML {type(raw).__name__}; a recipe is a mapping of task, model, "
                           "data, training, output")
     raw = apply_overrides(raw, overrides)
-    return config_from_dict(raw, name=path.stem, folder=path.parent)
+    cfg = config_from_dict(raw, name=path.stem, folder=path.parent)
+    given = {".".join(parse_override(o)[0] if isinstance(o, str) else o[0]) for o in overrides or []}
+    if "data.val_fraction" in given and "data.val_minimum" not in given and hasattr(cfg.data, "val_minimum"):
+        cfg.data.val_minimum = False  # a fraction the user gave is theirs: held out as given
+    return cfg
 
 
 def flatten(tree: dict, prefix: str = "", sep: str = ".") -> dict:

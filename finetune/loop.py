@@ -102,6 +102,7 @@ class TrainResult:
     gradient_accumulation_steps: int
     total_steps: int
     train_samples: int = 0            # the training set's size (a baseline's windows are recomputed over it)
+    val_samples: int = 0              # the held-out set's size: what the evaluation numbers rest on
     extra_metrics: dict = field(default_factory=dict)  # added by the caller (train time, a generated sample, …)
 
     history = property(lambda self: self.state.history)
@@ -294,4 +295,5 @@ def finish(run: Run, state: TrainState) -> TrainResult:
     distributed.release_sharding(run.accelerator, run.model)
     return TrainResult(model=run.accelerator.unwrap_model(run.model), accelerator=run.accelerator, state=state,
                        effective_batch_size=run.shape.effective, gradient_accumulation_steps=run.shape.accumulation,
-                       total_steps=run.shape.total_steps, train_samples=len(run.job.train_data))
+                       total_steps=run.shape.total_steps, train_samples=len(run.job.train_data),
+                       val_samples=len(run.job.val_data) if run.job.val_data is not None else 0)

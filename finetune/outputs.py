@@ -65,8 +65,8 @@ def read_config(run_dir) -> dict | None:
 def summary(result: dict) -> dict:
     """The JSON-safe part of a run's result."""
     keys = ("optimizer_steps", "skipped_steps", "micro_batches", "effective_batch_size",
-            "gradient_accumulation_steps", "total_steps", "train_samples", "final_loss", "final_metrics", "val_history",
-            "tokens", "padded_tokens")
+            "gradient_accumulation_steps", "total_steps", "train_samples", "val_samples", "final_loss", "final_metrics",
+            "val_history", "tokens", "padded_tokens")
     out = {k: result[k] for k in keys if k in result}
     if result.get("padded_tokens"):
         out["padding_efficiency"] = result["tokens"] / result["padded_tokens"]

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from finetune.data import row_place
 from finetune.errors import ConfigError
 
 # pyarrow.parquet (30 ms) is imported where a parquet shard is read: `finetune validate` imports this module
@@ -140,12 +141,17 @@ class StreamedRows(torch.utils.data.Dataset):
             if sample.get("error"):
                 raise ConfigError(sample["error"])
             if sample.get("dropped"):
-                raise ConfigError(f"data.source: row {first + k} has no trained token within data.max_length; a "
-                                  "stream cannot drop rows it has not read (raise data.max_length, or remove it)")
+                raise ConfigError(f"data.source: {self.place(first + k)} has no trained token within "
+                                  "data.max_length; a stream cannot drop rows it has not read (raise "
+                                  "data.max_length, or remove it)")
         self.kept[b] = samples
         while len(self.kept) > BLOCKS_KEPT:
             self.kept.popitem(last=False)
         return samples
+
+    def place(self, i: int) -> str:
+        """Where row ``i`` of the stream sits: a line of its one file, else its place in the stream (1-based)."""
+        return row_place(self.shards[0].path, i) if len(self.shards) == 1 else f"row {i + 1}"
 
     def read(self, first: int, count: int) -> list:
         """Rows ``first`` … ``first + count - 1`` of the stream, across shards."""

@@ -237,17 +237,20 @@ def _bad_rows(tmp_path):
     }
     for name, rows in cases.items():
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "pairs.csv").write_text("prompt,good,bad\nHi,Hello.,Go away.\n")
 
 
 BAD = [
-    (["data.source={tmp}/norejected.jsonl"], "data.source: row 1 has no 'rejected'"),
-    (["data.source={tmp}/nochosen.jsonl"], "data.source: row 1 has no 'chosen'"),
-    (["data.source={tmp}/empty.jsonl"], "data.source: row 1 has an empty 'chosen'"),
-    (["data.source={tmp}/emptyturn.jsonl"], "data.source: row 1 has an empty 'chosen'"),
+    (["data.source={tmp}/norejected.jsonl"], "data.source: line 2 has no 'rejected'"),
+    (["data.source={tmp}/nochosen.jsonl"], "data.source: line 2 has no 'chosen'"),
+    (["data.source={tmp}/empty.jsonl"], "data.source: line 2 has an empty 'chosen'"),
+    (["data.source={tmp}/emptyturn.jsonl"], "data.source: line 2 has an empty 'chosen'"),
     (["model.beta=0"], "model.beta: got 0.0; must be a number > 0"),
     (["model.beta=-0.1"], "model.beta: got -0.1; must be a number > 0"),
     (["model.loss_type=kto"], "model.loss_type: got 'kto'"),
     (["model.loss_type=ipo", "model.label_smoothing=0.1"], "model.label_smoothing: applies to loss_type sigmoid"),
+    (["data.source={tmp}/pairs.csv"], "pairs.csv has columns prompt, good, bad; the dpo task needs chosen and "
+                                      "rejected"),
 ]
 IN_A_PROCESS = {0}  # as a user runs it; the rest through main() in this process
 

@@ -158,6 +158,39 @@ def test_a_bad_yaml_is_one_line(tmp_path, capsys):
         said
 
 
+@pytest.mark.parametrize("stage", ["ppo", "rm", "kto", "pt", "sft"])
+def test_a_stage_no_task_trains_is_named_in_one_line(tmp_path, capsys, stage):
+    """A stage finetune does not train is refused naming it and the stages it does, nothing written; sft (the
+    control) imports."""
+    folder = tmp_path / "lf"
+    shutil.copytree(LF / "sft-lora", folder)
+    saved = folder / "training_args.yaml"
+    saved.write_text(saved.read_text().replace("stage: sft", f"stage: {stage}"))
+    recipe = tmp_path / "r.yaml"
+    code, said = cli(capsys, "import", folder, "--recipe", "sft-smollm2", "--model", MODEL, "-o", recipe)
+    if stage == "sft":
+        assert code == 0 and recipe.is_file(), said
+        return
+    assert code == 2 and said.strip().splitlines() == [f"error: import: stage: {stage} in {saved} is not supported "
+                                                       "(supported: dpo, sft)"], said
+    assert not recipe.exists()
+
+
+def test_import_refuses_data_without_the_columns_the_task_needs(tmp_path, capsys):
+    """``--data`` is read as ``finetune run`` reads it: a CSV of questions and answers for an sft recipe is refused
+    in one line naming its columns, nothing written; the baseline's own file (the control) imports."""
+    qa = tmp_path / "qa.csv"
+    qa.write_text("question,answer\nWhat is 1 plus 1?,2\n")
+    recipe = tmp_path / "r.yaml"
+    args = ("import", LF / "sft-lora", "--recipe", "sft-smollm2", "--model", MODEL, "-o", recipe)
+    code, said = cli(capsys, *args, "--data", qa)
+    assert code == 2 and said.strip().splitlines() == [f"error: data.source: {qa} has columns question, answer; the "
+                                                       "sft task needs messages, or prompt and completion"], said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qa.csv"]
+    code, said = cli(capsys, *args, "--data", LF / "data" / "chat.jsonl")
+    assert code == 0 and recipe.is_file(), said
+
+
 def test_pure_bf16_is_named_and_taken_with_the_baseline_step(tmp_path, capsys, monkeypatch):
     """``pure_bf16: true`` (every weight trained in bf16, no fp32 master weights): by default bf16 autocast and the
     setting named as not carried; with --baseline-step the recipe trains as it did."""

@@ -56,6 +56,10 @@ def test_the_card_loads_and_carries_what_reproduces_the_run(original):
     assert f"fine-tuned on {name}" in text.splitlines()[1], text[:300]
     assert "stdlib" not in text.split("## Training")[0]  # not the recipe's own data's description
     assert f"{metrics['train_samples']} training rows" in text
+    assert metrics["val_samples"] > 0  # what the evaluation numbers rest on
+    assert f"{metrics['val_samples']} held-out rows: the evaluation numbers below rest on them" in text
+    assert cards.held_out_line({"val_samples": 0}) == "no held-out rows: no evaluation numbers"
+    assert cards.held_out_line({}) == "held-out rows: not recorded"  # a run from before they were recorded
     assert "effective batch **4** per optimizer step, run as micro-batch 4 × 1 accumulation steps × 1 process" in text
     assert "mixed precision `no`" in text and "device: cpu" in text
     import torch

@@ -234,20 +234,24 @@ def _bad_rows(tmp_path):
         "number.jsonl": [{"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "x"}]}],
         "role.jsonl": [{"messages": [{"role": "bot", "content": "Hi"}, {"role": "assistant", "content": "x"}]}],
         "noassistant.jsonl": [ok, {"messages": [{"role": "user", "content": "Hi"}]}],
-        "nocompletion.jsonl": [{"prompt": "Hi"}],
+        "nocompletion.jsonl": [{"prompt": "Hi", "completion": "Hello"}, {"prompt": "Hi"}],
     }
     for name, rows in cases.items():
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "notes.txt").write_text("hello\n")
+    # a blank line counts as a line of the file, as an editor counts it (datasets skips it)
+    (tmp_path / "blank.jsonl").write_text(f"{json.dumps(ok)}\n\n{json.dumps({'text': 'no conversation'})}\n")
+    (tmp_path / "broken.jsonl").write_text(f"{json.dumps(ok)}\n\n{json.dumps(ok)[:-1]}\n")
+    (tmp_path / "chat.csv").write_text("question,answer\nWhat is 1 plus 1?,2\nWhat is 2 plus 2?,4\n")
 
 
 BAD = [
-    (["data.source={tmp}/nomessages.jsonl"], "data.source: row 1 has no 'messages' and no 'prompt' + 'completion'"),
-    (["data.source={tmp}/empty.jsonl"], "data.source: row 1 message 1 (assistant) has empty content"),
-    (["data.source={tmp}/number.jsonl"], "data.source: row 0 message 0 (user) has non-string content"),
-    (["data.source={tmp}/role.jsonl"], "data.source: row 0 message 0 has unknown role 'bot'; allowed: system, user"),
-    (["data.source={tmp}/noassistant.jsonl"], "data.source: row 1 has no assistant turn"),
-    (["data.source={tmp}/nocompletion.jsonl"], "data.source: row 0 has 'prompt' but no 'completion'"),
+    (["data.source={tmp}/nomessages.jsonl"], "data.source: line 2 has no 'messages' and no 'prompt' + 'completion'"),
+    (["data.source={tmp}/empty.jsonl"], "data.source: line 2 message 1 (assistant) has empty content"),
+    (["data.source={tmp}/number.jsonl"], "data.source: line 1 message 0 (user) has non-string content"),
+    (["data.source={tmp}/role.jsonl"], "data.source: line 1 message 0 has unknown role 'bot'; allowed: system, user"),
+    (["data.source={tmp}/noassistant.jsonl"], "data.source: line 2 has no assistant turn"),
+    (["data.source={tmp}/nocompletion.jsonl"], "data.source: line 2 has 'prompt' but no 'completion'"),
     (["data.source={tmp}/notes.txt"], "data.source: unsupported file type .txt"),
     (["data.source={tmp}/missing.jsonl"], "data.source: {tmp}/missing.jsonl not found"),
     (["data.source=someone/some-chats"], "data.source: cannot load hub dataset 'someone/some-chats': the hub is "
@@ -264,8 +268,14 @@ BAD = [
     (["training.loss_divisor=labels", "training.packing=true"],
      "training.packing: true hides each sample's first label in its row, which training.loss_divisor=labels counts"),
     (["data.too_long=turns", "data.train_on=all"], "data.too_long: turns finds the turns by their labels"),
+    (["data.source={tmp}/blank.jsonl"], "data.source: line 3 has no 'messages' and no 'prompt' + 'completion'"),
+    (["data.source={tmp}/broken.jsonl"], "data.source: {tmp}/broken.jsonl line 3 is not JSON ("),
+    (["data.source={tmp}/chat.csv"], "data.source: {tmp}/chat.csv has columns question, answer; the sft task needs "
+                                     "messages, or prompt and completion"),
 ]
-IN_A_PROCESS = {9}  # as a user runs it; the rest through main() in this process
+# as a user runs it (the rest through main() in this process); a file without a conversation's columns is refused
+# before the tokenizing progress bar shows
+IN_A_PROCESS = {9, 20}
 
 
 @pytest.mark.parametrize("index,overrides,message", [(i, *case) for i, case in enumerate(BAD)],
@@ -280,6 +290,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, index, overrides, messag
     if index in IN_A_PROCESS:
         proc = cli("--recipe", RECIPE, *sets, "--output-dir", str(out))
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+        assert "\r" not in proc.stderr and "tokenize" not in proc.stderr, proc.stderr[-2000:]  # no progress bar
         assert_one_error_line(proc.stderr, message)
     else:
         refused_in_process(capsys, ["--recipe", RECIPE, *sets, "--output-dir", str(out)], message)
@@ -294,6 +305,42 @@ def test_long_conversations_are_dropped_and_counted(capsys):
     assert 0 < dropped < 40 and f"{dropped} longer than data.max_length=40 tokens dropped" in line
     assert len(job.train_data) + len(job.val_data) == 40 - dropped
     assert max(len(s["input_ids"]) for s in [*job.train_data, *job.val_data]) <= 40
+
+
+def test_the_held_out_set_of_a_small_file_is_raised_to_its_minimum(tmp_path, capsys):
+    """The recipe's val_fraction (0.012, sized for its 4,170 rows) would hold out 1 of 80 rows: raised to 16, said in
+    one line; the user's own --set data.val_fraction is kept as given (the control)."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(80)))
+    base = [s for s in SMALL[RECIPE] if not s.startswith(("data.val_fraction=", "data.source="))]
+    cfg = load_recipe(RECIPE, [*base, f"data.source={data}"])
+    assert cfg.data.val_fraction == 0.012 and cfg.data.val_minimum
+    job = build_job(cfg)
+    said = capsys.readouterr().out.splitlines()
+    assert "data: held-out set raised from 1 to 16 rows (val_fraction 0.012 of 80 rows is below the minimum of 16 " \
+           "rows)" in said, said
+    assert len(job.val_data) == 16 and len(job.train_data) == 64
+    cfg = load_recipe(RECIPE, [*base, f"data.source={data}", "data.val_fraction=0.012"])
+    assert not cfg.data.val_minimum
+    job = build_job(cfg)
+    assert len(job.val_data) == 1 and "held-out set" not in capsys.readouterr().out
+
+
+def test_held_out_minimum_rule():
+    from finetune.data import held_out
+
+    assert held_out(80, 0.012, True, round)[0] == 16
+    assert held_out(1000, 0.012, True)[0] == 50  # 5% of the rows when that is more than 16
+    size, said = held_out(62, 0.012, True)
+    assert size == 15 and said.startswith("data: held-out set raised from 1 to 15 rows, a quarter of the 62 rows")
+    size, said = held_out(10, 0.3, True)  # 3 rows, more than a quarter already: kept, and said
+    assert size == 0.3 and said == ("data: held-out set kept at 3 rows (val_fraction 0.3 of 10 rows is below the "
+                                    "minimum of 16 rows, more than a quarter of them)")
+    for n, fraction, minimum in ((80, 0.012, False), (80, 0.0, True), (1000, 0.1, True)):  # off, none held out, enough
+        assert held_out(n, fraction, minimum) == (fraction, None)
+    d = sft.DataConfig(val_fraction=0.012)  # the task's own data set: the recipe's fraction was sized for it
+    assert chat.held_out_size(4170, d, "stdlib-qa") == (0.012, None)
+    assert chat.held_out_size(4170, sft.DataConfig(source="mine.jsonl", val_fraction=0.012), "stdlib-qa")[0] == 209
 
 
 def test_long_conversations_cut_turn_by_turn_keep_every_row(capsys):

@@ -109,7 +109,7 @@ def test_dpo_and_grpo_tables_are_cached_too(tmp_path, fresh_cache, tokenizer, mo
     expected = dpo.encode_pair(tokenizer, *dpo.to_pair(pairs[3]))
     assert {k: first[3][k] for k in expected} == expected
     g = grpo.DataConfig(source=str(tmp_path / "p.jsonl"))
-    prompts = grpo.tokenized(tokenizer, grpo.load_prompts(g), g)
+    prompts = grpo.tokenized(tokenizer, grpo.load_rows(g), g)
     assert prompts[3]["ids"] == grpo.prompt_ids(tokenizer, pairs[3]["prompt"], None)
     assert len(folders(fresh_cache)) == 2
 
@@ -121,7 +121,7 @@ def test_a_bad_row_is_one_line_and_nothing_is_cached(tmp_path, fresh_cache, toke
     d = sft_config(write_rows(tmp_path / "c.jsonl", rows))
     with pytest.raises(ConfigError) as e:
         sft.tokenized(tokenizer, sft.load_rows(d), d)
-    assert e.value.problems == ["data.source: row 4 has no assistant turn (nothing to learn) (1 more bad rows)"]
+    assert e.value.problems == ["data.source: line 5 has no assistant turn (nothing to learn) (1 more bad rows)"]
     assert not any(cache.is_complete(p) for p in folders(fresh_cache))
 
 

@@ -101,6 +101,23 @@ def test_lora_trains_only_adapters_saves_loads_and_merges(tmp_path):
     assert not any("lora_" in n for n, _ in merged.named_parameters())
 
 
+def test_adding_adapters_says_nothing_of_transformers_deprecated_property():
+    """peft reads ``is_gradient_checkpointing``, which transformers 5 deprecates with a FutureWarning on every read:
+    that one warning is silenced where finetune adds the adapters, and only there (read again afterwards, it warns)."""
+    import warnings
+
+    from finetune.config import PeftConfig
+    from finetune.models.hf import apply_peft
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = apply_peft(tiny_gpt2(), PeftConfig(enabled=True, r=4, target_modules=["c_attn"]), "CAUSAL_LM")
+        said = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+        assert not any("is_gradient_checkpointing" in m for m in said), said
+        model.get_base_model().is_gradient_checkpointing  # the control: the filter did not outlive the call
+        assert any("is_gradient_checkpointing" in str(w.message) for w in caught)
+
+
 def test_lora_windows_are_exact():
     model, data = _lora_gpt2(), token_data(21)
     small = test_fine_tuning(copy_model(model), train_data=data, batch_size=2, gradient_accumulation_steps=3,

@@ -9,6 +9,7 @@ import copy
 import importlib
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -277,7 +278,12 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
         lora = LoraConfig(task_type=task_type, r=peft_cfg.r, lora_alpha=peft_cfg.alpha,
                           lora_dropout=peft_cfg.dropout, target_modules=targets,
                           modules_to_save=peft_cfg.modules_to_save)
-        model = get_peft_model(model, lora)
+        with warnings.catch_warnings():
+            # peft asks the model getattr(model, "is_gradient_checkpointing"), a property transformers 5 deprecated
+            # with a FutureWarning on every read: peft's to heed, not the user's; only that warning, only here
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            model = get_peft_model(model, lora)
         if getattr(peft_cfg, "init_from", None):  # a stand-in section (the planner's) may not have it
             load_initial_adapter(model, peft_cfg.init_file)
     precision.keep_trainable_in(model, trained_dtype)

@@ -25,7 +25,7 @@ from typing import Optional
 
 import yaml
 
-from finetune.config import apply_overrides, config_from_dict, read_yaml
+from finetune.config import apply_overrides, build_section, config_from_dict, read_yaml
 from finetune.errors import ConfigError
 from finetune.registry import recipe_path, resolve_task, section_class, task_module
 from finetune.reproduce.architecture import model_config_of, model_difference
@@ -103,6 +103,7 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
         imported.set("model.name_or_path", baseline.base_model, f"the baseline's base model (the recipe's {ours} "
                      "replaced; its task and data kept)")
     raw = apply_overrides(raw, [(name.split("."), value) for name, value in imported.values.items()])
+    check_training_file(module, raw, imported)
     if not base:
         raw.setdefault("name", baseline.path.stem)
     if not baseline.base_model and not base and model is None:
@@ -115,6 +116,23 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
         raise ConfigError(f"import: the baseline's model ({baseline.path / 'config.json'}) differs from the recipe's "
                           f"model.name_or_path: {diff}")
     return raw, imported, baseline
+
+
+def check_training_file(module, raw: dict, imported: Imported) -> None:
+    """The training file import hands the recipe, read as ``finetune run`` reads it (the task module's
+    ``load_rows``, which refuses rows that lack the columns the task needs): one line before any recipe is written,
+    not a recipe that fails when run. Nothing to read when import named no file or the task reads none."""
+    if "data.source" not in imported.values or not hasattr(module, "load_rows"):
+        return
+    problems = []
+    data = build_section(section_class(module, "DataConfig"), raw.get("data"), "data", problems)
+    if not problems:  # a data section that does not validate is refused, in its words, by config_from_dict
+        module.load_rows(data)
+
+
+def rows_beside(out: Path) -> set:
+    """The rows files import writes beside the recipe ``out`` (``RECIPE-rows.*``)."""
+    return set(out.parent.glob(f"{out.stem}-rows.*"))
 
 
 def table(imported: Imported, b: Baseline) -> str:
@@ -195,8 +213,14 @@ def write_import(baseline: Baseline, request: Request, out: Path) -> int:
         for line in said:
             print(line, file=sys.stderr if line.startswith(("missing:", "not carried:")) else sys.stdout)
         return write_recipe(out, raw, baseline.path, baseline.kind)
-    rows = baseline.source.training_rows(baseline, request.data, out)  # the rows as the tool trained them
-    raw, imported, baseline = import_recipe(baseline, dataclasses.replace(request, data=rows))
+    before = rows_beside(out)
+    try:
+        rows = baseline.source.training_rows(baseline, request.data, out)  # the rows as the tool trained them
+        raw, imported, baseline = import_recipe(baseline, dataclasses.replace(request, data=rows))
+    except ConfigError:
+        for path in rows_beside(out) - before:  # a refused import leaves nothing behind
+            path.unlink()
+        raise
     print(table(imported, baseline))
     if baseline.unknown:  # listed, not fatal: axolotl grows keys faster than this list
         print(f"warning: {baseline.path.name}: keys finetune does not know, not read: {', '.join(baseline.unknown)}",

@@ -21,7 +21,7 @@ from accelerate.utils import extract_model_from_parallel
 
 from finetune import streaming, tables
 from finetune.config import GGUF, ConfigError, PretrainedModelConfig, doc
-from finetune.data import load_local_table, split_samples
+from finetune.data import held_out, load_local_table, split_samples
 from finetune.models import precision
 from finetune.models.forward import set_dropout, shards_weights
 from finetune.models.hf import apply_peft, gguf_file, precision_kwargs, pretrained, resolve_model_path
@@ -94,6 +94,7 @@ class TrainingData:
     length_of: Optional[Callable]       # sample index → tokens (None: the samples are packed rows already)
     note: str                           # the set-up line's words on the data
     stream_block: Optional[int] = None  # a stream: read a block of this many rows at a time
+    held_out_note: Optional[str] = None  # a line on the held-out set raised to its minimum (data.held_out)
 
 
 def streamed(d, encode, what: str) -> TrainingData:
@@ -191,16 +192,25 @@ def builtin_table(rows):
     return datasets.Dataset.from_list(list(rows))
 
 
-def parts(samples, d) -> tuple:
+def held_out_size(n: int, d, builtin: str) -> tuple:
+    """(the held-out part of a chat task's ``n`` rows as :func:`parts` takes it, the line to say or None):
+    ``data.held_out`` — its minimum on the user's data, not on the task's ``builtin`` set, which its recipe's
+    val_fraction was sized for."""
+    return held_out(n, d.val_fraction, d.val_minimum and d.source != builtin, round)
+
+
+def parts(samples, d, val=None) -> tuple:
     """(train, held out, dropped train, dropped held out): the seeded split of the table's rows (``data.limit``
-    of each part), less the rows dropped as too long; views of the table, nothing copied."""
-    train_kept, val_kept, dropped_train, dropped_val = part_ids(samples, d)
+    of each part), less the rows dropped as too long; views of the table, nothing copied. ``val``: the held-out
+    part as :func:`held_out_size` gives it (default: ``data.val_fraction``)."""
+    train_kept, val_kept, dropped_train, dropped_val = part_ids(samples, d, val)
     return samples.select(train_kept), samples.select(val_kept), dropped_train, dropped_val
 
 
-def part_ids(samples, d) -> tuple:
+def part_ids(samples, d, val=None) -> tuple:
     """:func:`parts` as the table's row numbers: (train, held out, dropped train, dropped held out)."""
-    train_ids, val_ids = split_samples(list(range(len(samples))), d.val_fraction, d.split_seed, d.limit)
+    train_ids, val_ids = split_samples(list(range(len(samples))), d.val_fraction if val is None else val,
+                                       d.split_seed, d.limit)
     dropped = tables.column(samples, "dropped")
     train_kept, val_kept = tables.kept(train_ids, dropped), tables.kept(val_ids or [], dropped)
     return train_kept, val_kept, len(train_ids) - len(train_kept), len(val_ids or []) - len(val_kept)

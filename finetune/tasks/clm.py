@@ -28,8 +28,8 @@ from finetune.config import (
     doc,
     refuse_precision_for_new_model,
 )
-from finetune.data import check_data_source, load_local_table, pad_collate, split
-from finetune.job import Job
+from finetune.data import check_data_source, held_out, load_local_table, pad_collate, split
+from finetune.job import Job, TaskContext
 from finetune.models import precision
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
@@ -82,7 +82,9 @@ def pydoc_paragraphs(min_chars: int = 40) -> list[str]:
     return [p.strip() for p in text.split("\n\n") if len(p.strip()) >= min_chars]
 
 
-def load_texts(d: DataConfig):
+def load_rows(d: DataConfig):
+    """The texts of the data source (a ``text`` column), in its order; one line, before any is tokenized, when a file
+    has no ``data.text_field`` column (``finetune import`` checks its ``--data`` with it too)."""
     import datasets
 
     if d.source == "pydoc":
@@ -140,10 +142,13 @@ def build_model(m: ModelConfig, tokenizer, precision: dict):
     return model
 
 
-def build(cfg) -> Job:
+def build(cfg, ctx: Optional[TaskContext] = None) -> Job:
     m, d = cfg.model, cfg.data
-    texts = load_texts(d)
-    train_texts, val_texts = split(texts, d.val_fraction, d.split_seed, d.limit)
+    texts = load_rows(d)
+    val_size, held_out_note = held_out(len(texts), d.val_fraction, d.val_minimum and d.source != "pydoc")
+    if held_out_note and (ctx is None or ctx.main):
+        print(held_out_note, flush=True)
+    train_texts, val_texts = split(texts, val_size, d.split_seed, d.limit)
     if m.tokenizer or m.name_or_path:
         from transformers import AutoTokenizer
 

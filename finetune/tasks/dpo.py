@@ -36,7 +36,7 @@ from accelerate.utils import extract_model_from_parallel
 
 from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, doc
-from finetune.data import attention_mask, right_pad
+from finetune.data import attention_mask, require_columns, right_pad, row_place
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models import precision
 from finetune.models.hf import peft_save_hook
@@ -246,11 +246,11 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
     try:
         sample = encode_pair(tokenizer, *to_pair(row, d.system_prompt, d.text_rows == "plain"))
     except ValueError as e:
-        return {**empty, "error": f"data.source: row {i} {e}"}
+        return {**empty, "error": f"data.source: {row_place(d.source, i)} {e}"}
     for key in ("chosen_ids", "rejected_ids"):
         if not sample[key]:
-            return {**empty, "error": f"data.source: row {i} has an empty {key[:-4]!r} completion once tokenized "
-                                      "(the template renders nothing after the prompt)"}
+            return {**empty, "error": f"data.source: {row_place(d.source, i)} has an empty {key[:-4]!r} completion "
+                                      "once tokenized (the template renders nothing after the prompt)"}
     room = d.max_length - len(sample["prompt_ids"])
     if max(len(sample["chosen_ids"]), len(sample["rejected_ids"])) > room:
         if d.too_long == "drop" or room <= 0:
@@ -463,17 +463,23 @@ def make_reference(cfg, untuned) -> Reference:
 
 
 def load_rows(d: DataConfig):
-    """The data source's rows as a ``datasets.Dataset``, in its order."""
+    """The data source's rows as a ``datasets.Dataset``, in its order; one line, before any row is encoded, when they
+    lack a pair's columns (``finetune import`` checks its ``--data`` with it too)."""
     if d.source == "stdlib-pairs":
         return chat.builtin_table(stdlib_pairs())
-    return chat.load_table(d.source, d.split)
+    table = chat.load_table(d.source, d.split)
+    require_columns(table, d.source, "dpo", (("chosen", "rejected"),))  # the prompt may be their shared start
+    return table
 
 
 def tokenized_data(tokenizer, d: DataConfig, main: bool) -> chat.TrainingData:
     """The data source's pairs tokenized into the cache, split and the longer ones dropped or cut. Warns about pairs
     whose completions are the same (once, on the ``main`` process)."""
     samples = tokenized(tokenizer, load_rows(d), d)
-    train, val, dropped_train, dropped_val = chat.parts(samples, d)
+    val_size, held_out_note = chat.held_out_size(len(samples), d, "stdlib-pairs")
+    if held_out_note and main:
+        print(held_out_note, flush=True)
+    train, val, dropped_train, dropped_val = chat.parts(samples, d, val_size)
     if not len(train):
         raise ConfigError(f"data.max_length: every training pair is longer than {d.max_length} tokens")
     lengths = tables.column(train, "length")

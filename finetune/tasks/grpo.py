@@ -43,7 +43,7 @@ from accelerate.utils import gather_object
 
 from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, doc
-from finetune.data import split_samples
+from finetune.data import require_columns, split_samples
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models.forward import shards_weights
 from finetune.models.hf import peft_save_hook
@@ -573,12 +573,13 @@ def held_out_metrics(preds: list, refs: list) -> dict:
 # build
 
 
-def load_prompts(d: DataConfig):
-    """The data source's rows as a ``datasets.Dataset``, in its order; one line when there is no prompt column."""
-    rows = chat.builtin_table(sums(d.count, max_operand=d.max_operand)) if d.source == "sums" else \
-        chat.load_table(d.source, d.split)
-    if "prompt" not in rows.column_names:
-        raise ConfigError(f"data.source: {d.source} has no 'prompt' column (columns: {', '.join(rows.column_names)})")
+def load_rows(d: DataConfig):
+    """The data source's rows as a ``datasets.Dataset``, in its order; one line, before any prompt is encoded, when
+    there is no prompt column (``finetune import`` checks its ``--data`` with it too)."""
+    if d.source == "sums":
+        return chat.builtin_table(sums(d.count, max_operand=d.max_operand))
+    rows = chat.load_table(d.source, d.split)
+    require_columns(rows, d.source, "grpo", (("prompt",),))
     return rows
 
 
@@ -663,8 +664,11 @@ def build(cfg, ctx: TaskContext) -> Job:
     m, d = cfg.model, cfg.data
     funcs = load_rewards(m)
     replay = read_rollouts(m.rollouts) if m.rollouts else None
-    rows = load_prompts(d)
-    train_part, val_part = split_samples(list(range(len(rows))), d.val_fraction, d.split_seed, d.limit)
+    rows = load_rows(d)
+    val_size, held_out_note = chat.held_out_size(len(rows), d, "sums")
+    if held_out_note and ctx.main:
+        print(held_out_note, flush=True)
+    train_part, val_part = split_samples(list(range(len(rows))), val_size, d.split_seed, d.limit)
     # the generation batches against the prompts, before any is tokenized or the model loads
     schedule, source = schedule_of(m, ctx.shape.effective, len(train_part))
     tokenizer = chat.load_tokenizer(m)

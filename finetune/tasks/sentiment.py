@@ -23,9 +23,9 @@ from finetune.config import (
     doc,
     refuse_precision_for_new_model,
 )
-from finetune.data import check_data_source, load_local_table, split
+from finetune.data import check_data_source, held_out, load_local_table, row_place, split
 from finetune.evaluation import load_metric
-from finetune.job import Job
+from finetune.job import Job, TaskContext
 from finetune.models import precision
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
@@ -89,20 +89,20 @@ def load_table(source: str):
                                      "parquet": "parquet"}, {"tsv": {"delimiter": "\t"}})
 
 
-def check_columns(table, text_field: str, label_field: str, regression: bool, num_labels: int) -> None:
-    """Refuse, naming the first bad data row, a text that is missing or a label the model cannot take: a missing
-    or non-finite number, a string, a class outside [0, num_labels)."""
+def check_columns(table, source: str, text_field: str, label_field: str, regression: bool, num_labels: int) -> None:
+    """Refuse, naming where the first bad row sits in ``source`` (``data.row_place``), a text that is missing or a
+    label the model cannot take: a missing or non-finite number, a string, a class outside [0, num_labels)."""
     for i, text in enumerate(table[text_field]):
         if not isinstance(text, str):
-            raise ConfigError(f"data.text_field: data row {i + 1} has no text (got {text!r})")
+            raise ConfigError(f"data.text_field: {row_place(source, i)} has no text (got {text!r})")
     for i, label in enumerate(table[label_field]):
         number = isinstance(label, (int, float)) and not isinstance(label, bool)
         if regression and not (number and math.isfinite(label)):
-            raise ConfigError(f"data.label_field: data row {i + 1} has label {label!r}; regression labels must be "
-                              "finite numbers")
+            raise ConfigError(f"data.label_field: {row_place(source, i)} has label {label!r}; regression labels "
+                              "must be finite numbers")
         if not regression and not (number and float(label).is_integer() and 0 <= label < num_labels):
-            raise ConfigError(f"data.label_field: data row {i + 1} has label {label!r}; labels must be integers in "
-                              f"[0, {num_labels - 1}] (model.num_labels = {num_labels})")
+            raise ConfigError(f"data.label_field: {row_place(source, i)} has label {label!r}; labels must be "
+                              f"integers in [0, {num_labels - 1}] (model.num_labels = {num_labels})")
 
 
 def load_classifier(path: str, **kwargs):
@@ -145,7 +145,7 @@ def only_the_head_is_new(model, info: dict) -> bool:
     return not any(key == encoder or key.startswith(encoder + ".") for key in info["missing_keys"])
 
 
-def build(cfg) -> Job:
+def build(cfg, ctx: Optional[TaskContext] = None) -> Job:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
     m, d = cfg.model, cfg.data
@@ -157,7 +157,10 @@ def build(cfg) -> Job:
         if f not in table.column_names:
             raise ConfigError(f"data.{'text' if f == d.text_field else 'label'}_field: no column {f!r} in "
                               f"{d.source}; columns: {', '.join(table.column_names)}")
-    check_columns(table, d.text_field, label_field, regression, m.num_labels)
+    check_columns(table, d.source, d.text_field, label_field, regression, m.num_labels)
+    val_size, held_out_note = held_out(len(table), d.val_fraction, d.val_minimum and d.source != "vader")
+    if held_out_note and (ctx is None or ctx.main):
+        print(held_out_note, flush=True)
 
     path = resolve_model_path(m.name_or_path)
     tokenizer = from_pretrained(AutoTokenizer, path, trust_remote_code=m.trust_remote_code)
@@ -181,7 +184,7 @@ def build(cfg) -> Job:
         return enc
 
     table = table.map(tokenize, batched=True, remove_columns=table.column_names, desc="tokenize")
-    train, val = split(table, d.val_fraction, d.split_seed, d.limit)
+    train, val = split(table, val_size, d.split_seed, d.limit)
     if regression:
         import evaluate
 

@@ -23,7 +23,7 @@ from typing import Literal, Optional
 
 from finetune import tables
 from finetune.config import BaseDataConfig, ConfigError, Needs, doc
-from finetune.data import attention_mask, parse_rows, right_pad
+from finetune.data import attention_mask, parse_rows, require_columns, right_pad, row_place
 from finetune.evaluation import load_metric
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models.hf import peft_save_hook
@@ -34,6 +34,7 @@ from finetune.tasks.chat import (
     TrainingData,
     answer,
     builtin_table,
+    held_out_size,
     load_table,
     load_tokenizer,
     num_proc_field,
@@ -132,9 +133,18 @@ def validate(cfg, problems: list) -> None:
 # rows → conversations
 
 
+# a conversation's columns, either of TRL's two layouts (to_messages)
+COLUMNS = (("messages",), ("prompt", "completion"))
+
+
 def load_rows(d: DataConfig):
-    """The data source's rows as a ``datasets.Dataset``, in its order."""
-    return builtin_table(stdlib_qa()) if d.source == "stdlib-qa" else load_table(d.source, d.split)
+    """The data source's rows as a ``datasets.Dataset``, in its order; one line, before any row is encoded, when they
+    lack a conversation's columns (``finetune import`` checks its ``--data`` with it too)."""
+    if d.source == "stdlib-qa":
+        return builtin_table(stdlib_qa())
+    table = load_table(d.source, d.split)
+    require_columns(table, d.source, "sft", COLUMNS)
+    return table
 
 
 def to_messages(row, system_prompt: Optional[str] = None) -> list:
@@ -273,7 +283,7 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
     try:
         messages = to_messages(row, d.system_prompt)
     except ValueError as e:
-        return {**empty, "error": f"data.source: row {i} {e}"}
+        return {**empty, "error": f"data.source: {row_place(d.source, i)} {e}"}
     try:
         sample = encode(tokenizer, messages, d.train_on, d.turn_end)
     except ValueError as e:
@@ -440,7 +450,8 @@ def tokenized_data(tokenizer, d: DataConfig, m: ModelConfig) -> TrainingData:
     LLaMA-Factory packs them when ``data.pack`` says; the held-out samples flag the first ``model.generate_prompts``
     to answer."""
     samples = tokenized(tokenizer, load_rows(d), d)
-    train_rows, val_rows, dropped_train, dropped_val = part_ids(samples, d)
+    val_size, held_out_note = held_out_size(len(samples), d, "stdlib-qa")
+    train_rows, val_rows, dropped_train, dropped_val = part_ids(samples, d, val_size)
     train, val = samples.select(train_rows), samples.select(val_rows)
     if not len(train):
         raise ConfigError(f"data.max_length: every training conversation is longer than {d.max_length} tokens")
@@ -463,7 +474,7 @@ def tokenized_data(tokenizer, d: DataConfig, m: ModelConfig) -> TrainingData:
                else ""))
     return TrainingData(train, tables.Tagged(val, lambda i: {"generate": i < m.generate_prompts}) if len(val) else None,
                         # TRL's packed rows are samples already: no length, so the loop neither sorts nor packs them
-                        None if d.pack else lambda i: int(lengths[i]), note)
+                        None if d.pack else lambda i: int(lengths[i]), note, held_out_note=held_out_note)
 
 
 def build(cfg, ctx: TaskContext) -> Job:
@@ -475,6 +486,8 @@ def build(cfg, ctx: TaskContext) -> Job:
     model, _ = tuned_model(cfg, tokenizer)
     val = data.val
     if ctx.main:
+        if data.held_out_note:
+            print(data.held_out_note, flush=True)
         print(f"sft: {data.note}" + (f"; loss on {d.train_on} tokens" if d.streaming else ""), flush=True)
 
     metric = load_metric("token_f1")

@@ -126,7 +126,7 @@ SOURCE = LlamaFactory()
 
 def read(path: Path, what: str) -> Baseline:
     """The LLaMA-Factory run at ``path`` (its YAML or its output folder); ConfigError (one line naming the file)
-    when it is unreadable."""
+    when it is unreadable, or names a stage no task trains (ppo, rm, kto, pt)."""
     folder, yaml_file = (path, path / SAVED_YAML) if path.is_dir() else (None, path)
     raw = load_yaml(yaml_file, what) if yaml_file.is_file() else None
     if folder is None:
@@ -149,6 +149,9 @@ def read(path: Path, what: str) -> Baseline:
             b.own["stage"] = (stage, said)
         return b
     read_yaml_keys(raw, yaml_file.name, b)
+    if b.task is None:  # refused here, naming the stage: a recipe of no task would fail on the stage's own keys
+        raise ConfigError(f"{what}: stage: {raw.get('stage')} in {yaml_file} is not supported (supported: "
+                          f"{', '.join(stages())})")
     return b
 
 
@@ -321,9 +324,6 @@ def carry_own(b, out, model_fields, data_fields: set, baseline_step: bool) -> No
         out.not_carried.append("adapters' start: replayed — LLaMA-Factory draws them after set_seed(seed), as "
                                "finetune does before building the model (checked with LLaMA-Factory 0.9.5, peft 0.18)")
     value = lambda key, default=None: own[key][0] if key in own else default  # noqa: E731
-    if b.task is None:
-        out.skip("stage", value("stage"), f"finetune reproduces LLaMA-Factory's {' and '.join(stages())} stages, "
-                                          f"not {value('stage')}")
     template = value("template")
     if template is not None:
         where = own["template"][1]
