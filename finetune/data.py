@@ -32,13 +32,13 @@ def held_out(n: int, val_fraction: float, minimum: bool, rounding: Callable = ma
     minimum, at most ``MOST_HELD_OUT_SHARE`` of the rows (rows too few for the minimum are said too).
 
         >>> held_out(400, 0.012, True)[0], held_out(62, 0.012, True)[0], held_out(62, 0.012, False)[0]
-        (20, 15, 0.012)
+        (20, 16, 0.012)
     """
     asked = rounding(val_fraction * n)
     least = max(LEAST_HELD_OUT_ROWS, math.ceil(LEAST_HELD_OUT_SHARE * n))
     if not minimum or val_fraction <= 0 or asked >= least:
         return val_fraction, None
-    most = int(MOST_HELD_OUT_SHARE * n)
+    most = math.ceil(MOST_HELD_OUT_SHARE * n)  # 62 rows: 16, the minimum itself
     why = f"val_fraction {val_fraction:g} of {n} rows is below the minimum of {least} rows"
     if least <= most:
         return least, f"data: held-out set raised from {asked} to {least} rows ({why})"

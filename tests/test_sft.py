@@ -331,8 +331,11 @@ def test_held_out_minimum_rule():
 
     assert held_out(80, 0.012, True, round)[0] == 16
     assert held_out(1000, 0.012, True)[0] == 50  # 5% of the rows when that is more than 16
-    size, said = held_out(62, 0.012, True)
-    assert size == 15 and said.startswith("data: held-out set raised from 1 to 15 rows, a quarter of the 62 rows")
+    size, said = held_out(62, 0.012, True)  # a quarter of 62 rows, rounded up, is the minimum itself
+    assert size == 16 and said == ("data: held-out set raised from 1 to 16 rows (val_fraction 0.012 of 62 rows is "
+                                   "below the minimum of 16 rows)")
+    size, said = held_out(50, 0.012, True)  # a quarter is 13: the minimum does not fit
+    assert size == 13 and said.startswith("data: held-out set raised from 1 to 13 rows, a quarter of the 50 rows")
     size, said = held_out(10, 0.3, True)  # 3 rows, more than a quarter already: kept, and said
     assert size == 0.3 and said == ("data: held-out set kept at 3 rows (val_fraction 0.3 of 10 rows is below the "
                                     "minimum of 16 rows, more than a quarter of them)")
