@@ -259,6 +259,35 @@ def test_even_batches_that_cannot_be_replayed_are_refused(trainer_example_run, t
     assert field in said
 
 
+def test_a_trainer_run_with_evaluation_on_two_processes_replays_with_the_baseline_step(trainer_example_run, tmp_path,
+                                                                                       capsys):
+    """The HF Trainer example (its own tiny model and data, evaluation each epoch) trained on 2 processes: each epoch's
+    last window repeats samples (named; replayed by --baseline-step: equivalent), and its eval loss, the mean of the
+    processes' batch means, is said and not judged."""
+    import subprocess
+
+    from tests.helpers import ACCELERATE, ENV
+
+    out = tmp_path / "baseline"
+    done = subprocess.run([ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", "29581",
+                           str(ROOT / "examples" / "trainer-baseline" / "train_with_trainer.py"), "--out", str(out),
+                           "--model", str(trainer_example_run / "tiny-llama")], capture_output=True, text=True,
+                          cwd=tmp_path, env={**ENV, "ACCELERATE_USE_CPU": "1"}, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def reproduce(name, *extra):
+        code, said = cli(capsys, "reproduce", out, "--recipe", trainer_example_run / "recipe.yaml", "--batch-size", 4,
+                         "-o", tmp_path / name, *extra)
+        return code, said, next(line for line in said.splitlines() if line.startswith("verdict:"))
+
+    code, said, verdict = reproduce("plain")
+    assert code == 1 and "the baseline's window held samples" in verdict, verdict
+    code, said, verdict = reproduce("own", "--baseline-step")
+    assert code == 0 and verdict.startswith("verdict: equivalent"), said[-3000:]
+    assert "info  eval loss        not judged: the Trainer's eval loss is the mean of its 2 processes' batch means" \
+        in said, said
+
+
 def test_what_a_data_parallel_run_reduced_otherwise_is_named(trainer_example_run, tmp_path, capsys):
     args = tmp_path / "args.json"
     args.write_text(json.dumps({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,

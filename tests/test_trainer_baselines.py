@@ -175,6 +175,23 @@ def test_the_trainer_round_trip_is_equivalent(baseline, replayed, capsys):
     assert weights <= 1e-5 and loss <= 1e-4 and norm <= 1e-4
 
 
+def test_an_eval_loss_of_one_batch_is_still_judged(baseline, replayed, tmp_path, capsys):
+    """The twin of the Trainer's several-batch eval loss, which is said and not judged: one eval batch, whose mean is
+    the token mean, moved by 1e-3 reads "differs"."""
+    import json
+    import shutil
+
+    moved = tmp_path / "moved"
+    shutil.copytree(baseline / "baseline", moved)
+    state = json.loads((moved / "trainer_state.json").read_text())
+    for entry in state["log_history"]:
+        if "eval_loss" in entry:
+            entry["eval_loss"] *= 1.001
+    (moved / "trainer_state.json").write_text(json.dumps(state))
+    code, out, _ = finetune_cli(capsys, "compare", moved, replayed)
+    assert code == 1 and "verdict: differs — eval loss" in out, out
+
+
 def test_the_default_order_is_flagged_different_samples(baseline, replayed, capsys):
     """Negative control: the same recipe in finetune's own order takes other windows than the Trainer."""
     from finetune.cli import run_main

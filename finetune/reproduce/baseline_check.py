@@ -388,6 +388,20 @@ def _check_logged_loss(c: Comparison, b: Baseline, history: list, judged: Judgem
 
 
 
+def _eval_batches(b: Baseline, mine: dict) -> str | None:
+    """What the baseline's evaluation averaged when it was not one batch of the held-out set: on several processes
+    each process's batches (accelerate's even_batches repeating rows to even them), and on one, several batches
+    (their means averaged alike); None when it was one batch, or when the sizes are not known."""
+    rows, per_batch = mine["metrics"].get("val_samples"), b.get("per_device_eval_batch_size")
+    processes = b.process_count()
+    if processes > 1:
+        return f"{processes} processes' batch means (each process's share of the held-out rows, evened by " \
+               "repeating some)"
+    if rows and per_batch and rows > int(per_batch):
+        return f"{math.ceil(rows / int(per_batch))} batch means (batches of {per_batch} of its {rows} rows)"
+    return None
+
+
 def _check_eval(c: Comparison, b: Baseline, mine: dict, judged: Judgement, rounding: float) -> None:
     """The evaluation losses the baseline holds against this run's at the same steps."""
     rtol, assumed = judged.rtol, judged.assumed
@@ -400,6 +414,12 @@ def _check_eval(c: Comparison, b: Baseline, mine: dict, judged: Judgement, round
         c.add("eval loss", False, f"this run evaluated at none of the baseline's steps ({[s for s, _ in b.evals]})")
         return
     worst = max(_rel(x, y) for _, x, y in pairs)
+    batches = _eval_batches(b, mine)
+    if batches:  # the Trainer's mean of batch means: not the held-out set's token mean, whatever the weights
+        c.add("eval loss", None, f"not judged: the Trainer's eval loss is the mean of its {batches}; finetune's is "
+              f"the token mean of every held-out row once (max relative difference {worst:.2e} at steps "
+              f"{[s for s, _, _ in pairs]})")
+        return
     bad = next(((s, x, y) for s, x, y in pairs if abs(x - y) > rtol * abs(y) + rounding), None)
     c.add("eval loss", bad is None, f"max relative difference {worst:.2e} at steps {[s for s, _, _ in pairs]}" + (
         " (the card's 4 decimals allowed)" if rounding else "") + (
