@@ -282,6 +282,10 @@ class TrainingConfig:
         "first samples, so its last window holds some samples twice, as the baseline's did (null: each sample "
         "once, the big batch's epoch); needs sample_order: trainer, and the effective batch a multiple of their "
         "product", None, at_least=1, length=2)
+    process_mean: bool = doc(
+        "with even_batches: a window's loss is the mean over the baseline's processes of each one's own mean over "
+        "its items, as HF Trainer's average_tokens_across_devices: false trained (false: the mean over every item "
+        "of the window, the big batch's)", False)
     items: Literal["auto", "samples", "tokens", "shifted_tokens"] = doc(
         "what the loss averages over, used to weight micro-batches: auto detects label tokens (-100 ignored, "
         "shifted for causal LMs), else samples", "auto")

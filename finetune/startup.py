@@ -148,17 +148,22 @@ def check_training(t: TrainingConfig, settings: dict, resume: Optional[str], out
 def check_even_batches(t: TrainingConfig, shape: Shape) -> None:
     """``training.even_batches`` replays a baseline's windows of whole per-device batches from its sample order:
     the effective batch must be a multiple of its processes × per-device batch, and no setting may cut or regroup
-    the epoch otherwise."""
+    the epoch otherwise; ``training.process_mean`` averages those processes' means, so it needs them."""
+    if t.process_mean and not t.even_batches:
+        raise ConfigError("training.process_mean: needs training.even_batches (the baseline's processes and "
+                          "per-device batch, whose samples each process's mean covers)")
     if not t.even_batches:
         return
     processes, per_device = t.even_batches
     if shape.effective % (processes * per_device):
         raise ConfigError(f"training.even_batches: {processes} processes × {per_device} per device does not divide "
                           f"the effective batch {shape.effective}; give the baseline's [processes, per-device batch]")
-    other = next((k for k in ("drop_last", "packing", "max_tokens_per_micro_batch") if getattr(t, k)), None)
-    if other:
-        raise ConfigError(f"training.even_batches: cannot be combined with training.{other} (the baseline's "
-                          "batches are whole samples of its order)")
+    if t.drop_last:
+        raise ConfigError("training.even_batches: cannot be combined with training.drop_last (the baseline kept its "
+                          "short last batch, evened with the epoch's first samples)")
+    if t.process_mean and t.packing:
+        raise ConfigError("training.process_mean: cannot be combined with training.packing (a packed row mixes the "
+                          "baseline processes' samples); set training.packing=false")
 
 
 def check_job(t: TrainingConfig, reporting: loop.Reporting, resume: Optional[str] = None,
@@ -411,6 +416,8 @@ def packing_for(job: Job, t: TrainingConfig, model) -> tuple:
     """(each sample's length for packing, or None when the run does not pack; what the banner says of packing)."""
     if t.loss_divisor == "labels":  # a packed row hides each sample's first label, which the divisor counts
         return None, "off (training.loss_divisor=labels counts each sample's first label); sorted windows instead"
+    if t.process_mean:  # each micro-batch holds one baseline process's samples: a packed row would mix them
+        return None, "off (training.process_mean: each micro-batch holds one baseline process's samples)"
     pack_length_of, packing_note = decide_packing(t.packing, model, job.train_data, job.length_of, job.loss_fn)
     if job.stream_block is not None and pack_length_of and not t.pack_length:  # rows as long as the longest sample:
         return None, STREAM_UNPACKED  # a stream's is not known ahead

@@ -81,20 +81,27 @@ def _right_pad(value, length: int, longest: int, fill: int):
     return torch.cat([value, pad], dim=1)
 
 
-def count_window(accelerator, window, micro_batches, counter, divisor=None) -> tuple[list, int, int, int]:
-    """Items per micro-batch of this process, and the window's items (what its loss is divided by: ``divisor``'s
-    counts when given, ``training.loss_divisor``) / real / padded tokens over every process (one all-reduce,
-    before the first backward)."""
+def count_window(accelerator, window, micro_batches, counter, divisor=None) -> tuple[list, list, int, int, int]:
+    """Items per micro-batch of this process, what each one's loss is divided by, and the window's items (what its
+    loss is divided by: ``divisor``'s counts when given, ``training.loss_divisor``) / real / padded tokens over every
+    process (one all-reduce, before the first backward). Each micro-batch's loss is divided by the window's items;
+    with ``window.groups`` (``training.process_mean``) by its baseline process's items × their number: the mean of
+    each one's own mean."""
     counts = [counter(b) if active else 0 for b, active in zip(micro_batches, window.active)]
     tokens = window.token_counts or [token_counts(b) if active else (0, 0)  # packed: known from the plan
                                      for b, active in zip(micro_batches, window.active)]
-    divided = sum(divisor(b) for b, active in zip(micro_batches, window.active) if active) if divisor else \
-        sum(counts)
-    totals = [divided, sum(r for r, _ in tokens), sum(p for _, p in tokens)]
+    divided = [divisor(b) if active else 0 for b, active in zip(micro_batches, window.active)] if divisor else counts
+    shares = [0] * window.group_count
+    for g, d in zip(window.groups or (), divided):
+        shares[g] += d
+    totals = [sum(divided), sum(r for r, _ in tokens), sum(p for _, p in tokens), *shares]
     if accelerator.num_processes > 1:
         totals = accelerator.reduce(torch.tensor(totals, device=accelerator.device), "sum").tolist()
-    window_items, real, padded = (int(x) for x in totals)
-    return counts, window_items, real, padded
+    window_items, real, padded = (int(x) for x in totals[:3])
+    shares = [int(x) for x in totals[3:]]
+    per_micro_batch = [shares[g] * len(shares) for g in window.groups] if window.groups else \
+        [window_items] * len(counts)
+    return counts, per_micro_batch, window_items, real, padded
 
 
 def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_batches, counter,
@@ -102,10 +109,10 @@ def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_
     """Forward and backward every micro-batch of one window, each weighted by its share of the window's items (of
     the window's ``divisor`` count, when given); gradients are all-reduced once, on the last micro-batch.
     ``offload``: activations saved for backward wait in host memory."""
-    counts, window_items, real, padded = count_window(accelerator, window, micro_batches, counter, divisor)
+    counts, shares, window_items, real, padded = count_window(accelerator, window, micro_batches, counter, divisor)
     device, last = accelerator.device, len(micro_batches) - 1
     window_loss, window_extras = torch.zeros((), device=device), {}
-    for i, (batch, items) in enumerate(zip(micro_batches, counts)):
+    for i, (batch, items, share) in enumerate(zip(micro_batches, counts, shares)):
         fake_oom_check(batch_len(batch))  # test hook (FINETUNE_FAKE_OOM_ABOVE); a no-op otherwise
         with distributed.sync_gradients(accelerator, model, sync=i == last):
             # The outputs (a language model's logits) are not kept: held, they would stay allocated through this
@@ -113,7 +120,7 @@ def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_
             with offload_activations(offload):
                 loss, extras = compute_loss(forward_model, send_to_device(batch, device), loss_fn)[:2]
             # A weight-0 placeholder (or an item-less micro-batch) must add exact zeros, not 0 × NaN.
-            weighted = loss * loss_weight(items, window_items, accelerator.num_processes) if items \
+            weighted = loss * loss_weight(items, share, accelerator.num_processes) if items \
                 else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0
             distributed.backward(accelerator, weighted, sync=i == last)
         # The logged loss: the same item-weighted mean, without the process factor. Every term is entered even from
@@ -121,9 +128,9 @@ def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_
         for k in extras:
             window_extras.setdefault(k, torch.zeros((), device=device))
         if items:
-            window_loss += loss.detach().float() * (items / window_items)
+            window_loss += loss.detach().float() * (items / share)
             for k, v in extras.items():
-                window_extras[k] += v.detach().float() * (items / window_items)
+                window_extras[k] += v.detach().float() * (items / share)
     return WindowResult(window_items, real, padded, len(micro_batches), window_loss, window_extras)
 
 

@@ -42,6 +42,10 @@ class Window:
     # packed windows: per micro-batch of this process, (real, padded) tokens — its micro-batches are then tuples of
     # rows, each row a tuple of sample indices (finetune.packing)
     token_counts: Optional[tuple] = None
+    # training.process_mean: per micro-batch of this process, the baseline process whose samples it holds, of
+    # ``group_count`` (each one's own token mean, averaged over them)
+    groups: Optional[tuple] = None
+    group_count: int = 0
 
     @property
     def sample_hash(self) -> str:
@@ -135,9 +139,9 @@ def windows_of_epoch(
     return spec.epoch(epoch, rank)
 
 
-def even_batch_windows(order: list, size: int, processes: int, per_device: int) -> list[list[int]]:
-    """The samples each window of ``size`` held in a baseline trained on ``processes`` processes of ``per_device``
-    samples each, as accelerate's ``BatchSamplerShard`` (``even_batches``, the Trainer's default) hands an epoch in
+def even_batch_shares(order: list, size: int, processes: int, per_device: int) -> list[list[list[int]]]:
+    """Per window of ``size``, the samples each of a baseline's ``processes`` processes (of ``per_device`` samples
+    a batch) held, as accelerate's ``BatchSamplerShard`` (``even_batches``, the Trainer's default) hands an epoch in
     ``order`` to them: consecutive batches dealt round-robin, the epoch's short last batch completed with its first
     samples (and a process left without one given them), so that the last window can hold some samples twice. The
     windows are as many as ``order``'s windows of ``size``."""
@@ -148,8 +152,13 @@ def even_batch_windows(order: list, size: int, processes: int, per_device: int) 
     base = BatchSampler(order, batch_size=per_device, drop_last=False)
     ranks = [list(BatchSamplerShard(base, num_processes=processes, process_index=r, split_batches=False,
                                     even_batches=True)) for r in range(processes)]
-    return [[i for batches in ranks for batch in batches[w * accumulation:(w + 1) * accumulation] for i in batch]
+    return [[[i for batch in batches[w * accumulation:(w + 1) * accumulation] for i in batch] for batches in ranks]
             for w in range(math.ceil(len(ranks[0]) / accumulation))]
+
+
+def even_batch_windows(order: list, size: int, processes: int, per_device: int) -> list[list[int]]:
+    """The samples each window held over all the baseline's processes (:func:`even_batch_shares`)."""
+    return [[i for share in window for i in share] for window in even_batch_shares(order, size, processes, per_device)]
 
 
 def packed_micro_batches(samples, length_of, capacity: int, rows_per_batch: int, max_tokens: Optional[int]):
@@ -199,6 +208,7 @@ class WindowSpec:
     block: Optional[int] = None             # a streamed training set: shuffled in blocks of this many (block_order)
     drop_last: Optional[int] = None         # each epoch keeps the largest multiple of this many samples (kept())
     even_batches: Optional[tuple] = None    # a baseline's (processes, per-device batch): even_batch_windows()
+    process_mean: bool = False              # with even_batches: micro-batches cut per baseline process (cut())
 
     @classmethod
     def of(cls, t, shape, samples: int, length_of: Optional[Callable] = None,
@@ -212,7 +222,8 @@ class WindowSpec:
                    t.sample_order, sort_key=length_of if sort else None, length_of=pack_length_of or length_of,
                    max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity, block=block,
                    drop_last=getattr(t, "drop_last", None),
-                   even_batches=tuple(t.even_batches) if getattr(t, "even_batches", None) else None)
+                   even_batches=tuple(t.even_batches) if getattr(t, "even_batches", None) else None,
+                   process_mean=bool(getattr(t, "process_mean", False)))
 
     @property
     def per_epoch(self) -> int:
@@ -232,29 +243,35 @@ class WindowSpec:
         order = epoch_order(self.samples, self.seed, epoch, self.shuffle, self.sample_order, self.block)
         order = order[:kept(self.samples, self.drop_last)]  # the dropped tail: the order's last samples
         size = self.micro_batch * self.accumulation * self.processes
-        held = even_batch_windows(order, size, *self.even_batches) if self.even_batches else None
+        held = even_batch_shares(order, size, *self.even_batches) if self.even_batches else None
         for w in range(first, self.per_epoch):
-            samples = held[w] if held else order[w * size:(w + 1) * size]
-            yield Window(epoch, w, tuple(samples), *self.cut(samples, rank))
+            samples = [i for share in held[w] for i in share] if held else order[w * size:(w + 1) * size]
+            shares = held[w] if held and self.process_mean else None
+            yield Window(epoch, w, tuple(samples), *self.cut(samples, rank, shares))
 
-    def cut(self, samples: list, rank: int) -> tuple:
+    def cut(self, samples: list, rank: int, shares: Optional[list] = None) -> tuple:
         """(process ``rank``'s micro-batches, whether each is real, all real micro-batches, their token counts when
-        packed) of a window of ``samples``.
+        packed, the baseline process each holds and how many there were — with ``shares``) of a window of
+        ``samples``.
 
         ``sort_key`` (sample index → length), when given, orders the window's samples by length before they are cut
         into micro-batches: membership is unchanged, padding shrinks. ``max_tokens`` (with ``length_of``) cuts
         micro-batches of varying size, each at most that many padded tokens (``samples × longest``) — a sample
         longer than the budget goes alone. ``pack_capacity`` (with ``length_of``) packs the window's samples into
-        rows of at most that many tokens and cuts micro-batches of ``micro_batch`` rows (or by ``max_tokens``)."""
+        rows of at most that many tokens and cuts micro-batches of ``micro_batch`` rows (or by ``max_tokens``).
+        ``shares`` (``training.process_mean``): the samples each baseline process held, cut one share at a time, so
+        that no micro-batch mixes two."""
         b, world = self.micro_batch, self.processes
+        owners = None
         if self.pack_capacity:
             chunks, counts = packed_micro_batches(samples, self.length_of, self.pack_capacity, b, self.max_tokens)
             placeholder = ((samples[0],),)
-        else:
-            members = sorted(samples, key=self.sort_key) if self.sort_key is not None else samples
-            chunks = token_budget_chunks(members, self.length_of, self.max_tokens) if self.max_tokens else \
-                [tuple(members[i:i + b]) for i in range(0, len(members), b)]
+        elif shares is not None:
+            cut = [self.plain_chunks(share) for share in shares]
+            chunks, owners = [c for part in cut for c in part], [g for g, part in enumerate(cut) for _ in part]
             counts, placeholder = None, (samples[0],)
+        else:
+            chunks, counts, placeholder = self.plain_chunks(samples), None, (samples[0],)
         steps = math.ceil(len(chunks) / world)
         mine, active = [], []
         for s in range(steps):
@@ -263,7 +280,15 @@ class WindowSpec:
             active.append(j < len(chunks))
         mine_counts = tuple(counts[s * world + rank] if a else (0, 0) for s, a in enumerate(active)) \
             if counts else None
-        return tuple(mine), tuple(active), len(chunks), mine_counts
+        groups = tuple(owners[s * world + rank] if a else 0 for s, a in enumerate(active)) if owners else None
+        return tuple(mine), tuple(active), len(chunks), mine_counts, groups, len(shares) if shares else 0
+
+    def plain_chunks(self, samples) -> list[tuple]:
+        """``samples`` in micro-batches of ``micro_batch`` (or of at most ``max_tokens`` padded tokens), ordered by
+        ``sort_key`` when given."""
+        members = sorted(samples, key=self.sort_key) if self.sort_key is not None else samples
+        return token_budget_chunks(members, self.length_of, self.max_tokens) if self.max_tokens else \
+            [tuple(members[i:i + self.micro_batch]) for i in range(0, len(members), self.micro_batch)]
 
 
 def stream_windows(job, spec: WindowSpec, rank: int, epoch: int, first: int, pin_memory: bool = False,

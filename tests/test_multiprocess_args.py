@@ -248,15 +248,19 @@ def test_even_batches_windows_hold_what_accelerate_hands_each_process(tmp_path):
     assert sorted(i for w in plain.epoch(0) for i in w.samples) == list(range(n))
 
 
-@pytest.mark.parametrize("extra, field", [(["training.even_batches=[4,2]"], "does not divide the effective batch"),
-                                          (["training.even_batches=[2,2]", "training.drop_last=4"], "drop_last")])
+@pytest.mark.parametrize("extra, field", [
+    (["training.even_batches=[4,2]"], "training.even_batches: 4 processes × 2 per device does not divide"),
+    (["training.even_batches=[2,2]", "training.drop_last=4"], "training.even_batches: cannot be combined with "
+                                                              "training.drop_last"),
+    (["training.process_mean=true"], "training.process_mean: needs training.even_batches"),
+    (["training.even_batches=[2,2]", "training.process_mean=true", "training.packing=true"],
+     "training.process_mean: cannot be combined with training.packing")])
 def test_even_batches_that_cannot_be_replayed_are_refused(trainer_example_run, tmp_path, capsys, extra, field):
     sets = [x for e in extra for x in ("--set", e)]
     code, said = cli(capsys, "run", "--recipe", trainer_example_run / "recipe.yaml", "--effective-batch-size", 12,
                      "--batch-size", 2, "--output-dir", tmp_path / "r", *sets)
     assert code == 2 and not (tmp_path / "r").exists(), said
-    assert_one_error_line(said, "training.even_batches:")
-    assert field in said
+    assert_one_error_line(said, field)
 
 
 def test_a_trainer_run_with_evaluation_on_two_processes_replays_with_the_baseline_step(trainer_example_run, tmp_path,
@@ -286,6 +290,40 @@ def test_a_trainer_run_with_evaluation_on_two_processes_replays_with_the_baselin
     assert code == 0 and verdict.startswith("verdict: equivalent"), said[-3000:]
     assert "info  eval loss        not judged: the Trainer's eval loss is the mean of its 2 processes' batch means" \
         in said, said
+
+
+@pytest.mark.parametrize("micro", [2, 1])
+def test_each_process_own_token_mean_is_replayed_with_the_baseline_step(tmp_path, capsys, micro):
+    """TRL SFT on 2 processes with average_tokens_across_devices false (each process's own token mean, averaged):
+    named and "differs" as the big batch's step; with --baseline-step (training.process_mean, micro-batches cut per
+    baseline process) "equivalent" at any micro-batch."""
+    def reproduce(name, *extra):
+        code, said = cli(capsys, "reproduce", TWO.parent / "sft-process-mean", "--model", LF / "model", "--data",
+                         LF / "data" / "chat.jsonl", "--batch-size", micro, "-o", tmp_path / name, "--set",
+                         "model.generate_prompts=0", *extra)
+        return code, said, next(line for line in said.splitlines() if line.startswith("verdict:"))
+
+    code, said, verdict = reproduce("plain")
+    assert code == 1 and verdict.startswith("verdict: differs") and "average_tokens_across_devices=False" in verdict
+    code, said, verdict = reproduce("own", "--baseline-step")
+    assert "training.process_mean                 True" in said, said
+    assert code == 0 and verdict.startswith("verdict: equivalent"), said[-3000:]
+
+
+def test_process_mean_weighs_each_share_by_its_own_items():
+    """The weights training.process_mean gives: a share of 1 item beside a share of 3 weighs its item 1/2, each of
+    the other's 1/6 (the mean of the two means); without it every item 1/4."""
+    from types import SimpleNamespace
+
+    from finetune.steps import count_window
+
+    accelerator = SimpleNamespace(num_processes=1)
+    window = SimpleNamespace(active=(True, True), token_counts=((1, 1), (3, 3)), groups=(0, 1), group_count=2)
+    counts, shares, items, _, _ = count_window(accelerator, window, [[0], [1, 2, 3]], len)
+    assert counts == [1, 3] and items == 4 and [c / s for c, s in zip(counts, shares)] == [0.5, 0.5]
+    plain = SimpleNamespace(active=(True, True), token_counts=((1, 1), (3, 3)), groups=None, group_count=0)
+    counts, shares, _, _, _ = count_window(accelerator, plain, [[0], [1, 2, 3]], len)
+    assert [c / s for c, s in zip(counts, shares)] == [0.25, 0.75]
 
 
 def test_what_a_data_parallel_run_reduced_otherwise_is_named(trainer_example_run, tmp_path, capsys):

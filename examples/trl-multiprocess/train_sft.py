@@ -8,6 +8,8 @@ fp32 on the CPU (gloo), the tiny chat model and its 40 chats (tests/assets/llama
 LoRA r 8 on q and v, 2 per device × 2 accumulation × 2 processes = 8 per step, one epoch: 5 steps, every window full.
 ``--bf16``: the same under bf16 autocast with gradient checkpointing (``tests/assets/trl-2proc/sft-bf16``);
 ``--rows 38``: the first 38 chats, so that each process's last batch is short (``tests/assets/trl-2proc/sft-short``).
+``--process-mean``: with ``average_tokens_across_devices=False``, each process's own token mean averaged
+(``tests/assets/trl-2proc/sft-process-mean``).
 ``--zero 2``: under DeepSpeed ZeRO-2 (``tests/assets/trl-2proc/sft-zero2``), launched with
 the Trainer's ``deepspeed`` argument and torchrun (DeepSpeed on the CPU over gloo; the Trainer's AdamW, reduced in
 fp32):
@@ -33,6 +35,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--data", default=str(INPUTS / "data" / "chat.jsonl"))
 p.add_argument("--bf16", action="store_true", help="bf16 autocast, with gradient checkpointing")
 p.add_argument("--rows", type=int, help="train on the first ROWS rows only")
+p.add_argument("--process-mean", action="store_true", help="average_tokens_across_devices=False")
 p.add_argument("--zero", type=int, choices=(1, 2, 3), help="train under DeepSpeed ZeRO at this stage")
 opts = p.parse_args()
 # the Trainer fills each "auto" from its own arguments; with no optimizer section DeepSpeed wraps the Trainer's AdamW
@@ -47,7 +50,7 @@ args = SFTConfig(output_dir=opts.out, per_device_train_batch_size=2, gradient_ac
                  report_to=[], save_strategy="no",
                  use_cpu=not opts.zero, deepspeed=zero if opts.zero else None, disable_tqdm=True,
                  accelerator_config={"use_configured_state": bool(opts.zero)},
-                 assistant_only_loss=False)
+                 assistant_only_loss=False, average_tokens_across_devices=not opts.process_mean)
 model_dir = str(INPUTS / "model")
 rows = load_dataset("json", data_files=opts.data)["train"]
 trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,

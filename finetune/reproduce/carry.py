@@ -132,8 +132,14 @@ def _data_parallel(b: Baseline, out: Imported, baseline_step: bool) -> None:
     if baseline_step and b.process_count() > 1:
         _even_batches(b, out)
     if b.process_count() > 1 and b.get("average_tokens_across_devices") is False:
-        out.skip("average_tokens_across_devices", False, "each process divided its loss by its own tokens and the "
-                 "processes' gradients were averaged: the mean of their means, not the big batch's token mean")
+        if "training.even_batches" in out.values:  # the processes' samples known: their means are taken
+            out.set("training.process_mean", True, f"{b.args['average_tokens_across_devices'][1]}: "
+                    "average_tokens_across_devices false — each process's own token mean, averaged over the "
+                    "processes: the baseline's own step (--baseline-step)")
+        else:
+            out.skip("average_tokens_across_devices", False, "each process divided its loss by its own tokens and "
+                     "the processes' gradients were averaged: the mean of their means, not the big batch's token "
+                     "mean" + ("" if baseline_step else " (--baseline-step takes it)"))
     ds = b.get("deepspeed") if isinstance(b.get("deepspeed"), dict) else {}
     for key, value in (("communication_data_type", ds.get("communication_data_type")),
                        ("data_types.grad_accum_dtype", (ds.get("data_types") or {}).get("grad_accum_dtype"))):
