@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 import torch
 
-from finetune import loop, startup
+from finetune import flags, loop, startup
 from finetune.config import load_recipe
 from finetune.errors import ConfigError
 from finetune.memory import depth, sharded
@@ -25,6 +25,8 @@ def add_arguments(p) -> None:
     p.add_argument("--zero-stage", default="0", metavar="{" + ",".join(map(str, sharded.ZERO_STAGES)) + "}",
                    help="how the processes share the fixed part: " + "; ".join(
                        f"{stage}: {text}" for stage, text in sharded.ZERO_STAGES.items()))
+    flags.add_field_flags(p, ["training.effective_batch_size"])  # as ``finetune run`` takes them: one source
+    flags.add_data_flag(p)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--model-config", metavar="SOURCE",
                    help="plan for this architecture instead of the recipe's model (a folder with config.json, or a hub "
@@ -36,7 +38,7 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     """The command: the recipe's own model, or with ``--model-config`` an architecture from its config alone."""
 
-    cfg = load_recipe(args.recipe, args.set)
+    cfg = load_recipe(args.recipe, flags.field_overrides(args) + args.set)
     if args.processes < 1:
         raise ConfigError(f"--processes: got {args.processes}; must be >= 1")
     layout = sharded.Layout(args.processes, sharded.parse_zero_stage(args.zero_stage))
