@@ -5,6 +5,7 @@ through start-up (``startup.build_job``, ``startup.split_batch``) and hands the 
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import asdict
 
@@ -42,6 +43,7 @@ def main(args) -> int:
     if args.processes < 1:
         raise ConfigError(f"--processes: got {args.processes}; must be >= 1")
     layout = sharded.Layout(args.processes, sharded.parse_zero_stage(args.zero_stage))
+    gc.freeze()  # the planner's collections (PeakMeter) then walk what planning makes, not every module imported
     if args.model_config:
         plan = plan_from_config(cfg, args.model_config, args.gpu, layout)
     else:
