@@ -4,7 +4,8 @@
     finetune run --processes 2 --recipe R [...]       the same with 2 processes on this machine (finetune.launch)
     finetune ls                                       the recipes, one a line
     finetune validate RECIPE [--set k=v ...]          load + validate, every problem listed
-    finetune plan --recipe R --gpu 8GiB               memory plan: micro-batch, N, checkpointing
+    finetune plan --recipe R --gpu 8GiB               memory plan: micro-batch, N, checkpointing, headroom, speed
+                  [--effective-batch-size N] [--data FILE]   ... for run's effective batch and data
     finetune compare RUN_A RUN_B                      did two runs take the same optimizer steps? (exit 0 / 1 / 3)
     finetune compare BASELINE RUN                     ... BASELINE: a run another tool trained (its folder, card…)
     finetune import SOURCE [-o R.yaml] [--recipe B]   a recipe from a run another tool trained

@@ -90,9 +90,12 @@ def speed_card(spec: str, precision: str) -> tuple[Optional[str], str]:
         return (key, card.what) if card.peak(precision) else \
             (None, f"no published peak at hand for {key} (finetune/memory/cards.py)")
     size = parse_gpu(spec) / GiB
-    alike = [name for name, card in CARDS.items() if card.memory_gib == size and card.peak(precision)]
+    same = [name for name, card in CARDS.items() if card.memory_gib == size]
+    alike = [name for name in same if CARDS[name].peak(precision)]
     if not alike:
-        return None, f"no listed card has {size:g} GiB: name the card (--gpu t4, l4, a100-40gb, …)"
+        listed = f"no published peak at hand for the {size:g} GiB cards listed ({', '.join(same)})" if same else \
+            f"no listed card has {size:g} GiB"
+        return None, f"{listed}: name a card that has one (--gpu t4, l4, a100-40gb, …)"
     slowest = min(alike, key=lambda name: CARDS[name].peak(precision))
     return slowest, (f"assumed: the slowest listed {size:g} GiB card ({', '.join(sorted(alike))}); "
                      f"{CARDS[slowest].what}; name the card for its own figure")
