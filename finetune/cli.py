@@ -4,7 +4,8 @@
     finetune run --processes 2 --recipe R [...]       the same with 2 processes on this machine (finetune.launch)
     finetune ls                                       the recipes, one a line
     finetune validate RECIPE [--set k=v ...]          load + validate, every problem listed
-    finetune plan --recipe R --gpu 8GiB               memory plan: micro-batch, N, checkpointing
+    finetune plan --recipe R --gpu 8GiB               memory plan: micro-batch, N, checkpointing, headroom, speed
+                  [--effective-batch-size N] [--data FILE]   ... for run's effective batch and data
     finetune compare RUN_A RUN_B                      did two runs take the same optimizer steps? (exit 0 / 1 / 3)
     finetune compare BASELINE RUN                     ... BASELINE: a run another tool trained (its folder, card…)
     finetune import SOURCE [-o R.yaml] [--recipe B]   a recipe from a run another tool trained
@@ -14,7 +15,8 @@
 
 Bad input ends with one line ``error: <field>: <what is allowed>`` and exit code 2, before anything is written
 (with several processes, from the main one only).
-The ``run`` flags are generated from the recipe schema (``config.doc(..., flag=...)``): one source per field.
+The ``run`` flags are generated from the recipe schema (``config.doc(..., flag=...)``, ``finetune.flags``): one
+source per field, shared with ``plan``.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from finetune import distributed, outputs, plan_command, runlock, search
+from finetune import distributed, flags, outputs, plan_command, runlock, search
 from finetune.card import record_verdict
-from finetune.config import TrainingConfig, documented_fields, load_recipe
+from finetune.config import TrainingConfig, load_recipe
 from finetune.durable import disk_full
 from finetune.errors import ConfigError, WriteError
 from finetune.launch import check_processes, launch, launched_processes
@@ -49,19 +51,11 @@ class _Parser(argparse.ArgumentParser):
 # finetune run
 
 
-def _flag_fields() -> list:
-    """(flag, ``section.field``, dataclass field) for every recipe field that has a command-line flag."""
-    return [(f.metadata["flag"], name, f) for name, f in documented_fields() if f.metadata.get("flag")]
-
-
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", help="recipe name (see --list-recipes) or path to a YAML file")
     p.add_argument("--list-recipes", action="store_true", help="list the recipes, one a line, and exit")
-    for flag, name, f in _flag_fields():
-        if f.type in (bool, "bool"):
-            p.add_argument(flag, action="store_true", help=f"{f.metadata['help']} ({name})")
-        else:
-            p.add_argument(flag, help=f"{f.metadata['help']} ({name})")
+    flags.add_field_flags(p)
+    flags.add_data_flag(p)
     p.add_argument("--use-amp", action="store_true", help="mixed precision: fp16 on CUDA, bf16 otherwise")
     p.add_argument("--resume", metavar="latest|PATH",
                    help="continue a run: 'latest' checkpoint of --output-dir, or a checkpoint directory")
@@ -73,19 +67,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def overrides_from_args(args) -> list[str]:
     """The run flags as ``section.key=value`` overrides, applied before ``--set``."""
-    out = []
-    for flag, name, f in _flag_fields():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"))
-        if f.type in (bool, "bool"):
-            out += [f"{name}=true"] if value else []
-        elif value is not None:
-            out.append(f"{name}={value}")
-    if args.effective_batch_size is not None and args.grad_accum_steps is not None:
-        raise ConfigError("--effective-batch-size: give it or --grad-accum-steps, not both")
-    if args.grad_accum_steps is not None:  # an explicit N replaces the recipe's effective batch
-        out.append("training.effective_batch_size=null")
-    if args.effective_batch_size is not None:  # and an explicit effective batch the recipe's N
-        out.append("training.gradient_accumulation_steps=null")
+    out = flags.field_overrides(args)
     if args.use_amp and args.mixed_precision is None:
         out.append(f"training.mixed_precision={distributed.amp_precision()}")
     return out + list(args.set)

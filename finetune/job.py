@@ -47,6 +47,10 @@ class Job:
             ahead of its window.
         windows_in_order: the task's samples must come in their own order, a window after the other (GRPO's slots
             of a generation batch): start-up refuses ``training.shuffle`` and sorting for it, in one line.
+        model_for: ``model_for(variant)`` → the model the task builds for ``variant``, the job's recipe with other
+            model, peft or training settings, trained by this job's ``loss_fn`` and hooks: ``finetune plan`` prices
+            its levers and depth-reduced copies with it, without building the data again (None: it builds the whole
+            job of each variant).
     """
 
     model: torch.nn.Module
@@ -69,6 +73,7 @@ class Job:
     checkpointed: list = field(default_factory=list)
     stream_block: Optional[int] = None
     windows_in_order: bool = False
+    model_for: Optional[Callable] = None
     # the hook's old name, carried for a release: "checkpointing" alone now means a checkpoint to resume from
     enable_checkpointing: InitVar[Optional[Callable]] = None
 

@@ -5,12 +5,13 @@ through start-up (``startup.build_job``, ``startup.split_batch``) and hands the 
 
 from __future__ import annotations
 
+import gc
 import json
 from dataclasses import asdict
 
 import torch
 
-from finetune import loop, startup
+from finetune import flags, loop, startup
 from finetune.config import load_recipe
 from finetune.errors import ConfigError
 from finetune.memory import depth, sharded
@@ -25,6 +26,8 @@ def add_arguments(p) -> None:
     p.add_argument("--zero-stage", default="0", metavar="{" + ",".join(map(str, sharded.ZERO_STAGES)) + "}",
                    help="how the processes share the fixed part: " + "; ".join(
                        f"{stage}: {text}" for stage, text in sharded.ZERO_STAGES.items()))
+    flags.add_field_flags(p, ["training.effective_batch_size"])  # as ``finetune run`` takes them: one source
+    flags.add_data_flag(p)
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--model-config", metavar="SOURCE",
                    help="plan for this architecture instead of the recipe's model (a folder with config.json, or a hub "
@@ -36,10 +39,11 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     """The command: the recipe's own model, or with ``--model-config`` an architecture from its config alone."""
 
-    cfg = load_recipe(args.recipe, args.set)
+    cfg = load_recipe(args.recipe, flags.field_overrides(args) + args.set)
     if args.processes < 1:
         raise ConfigError(f"--processes: got {args.processes}; must be >= 1")
     layout = sharded.Layout(args.processes, sharded.parse_zero_stage(args.zero_stage))
+    gc.freeze()  # the planner's collections (PeakMeter) then walk what planning makes, not every module imported
     if args.model_config:
         plan = plan_from_config(cfg, args.model_config, args.gpu, layout)
     else:

@@ -156,6 +156,13 @@ BAD = [
       "training.gradient_accumulation_steps=null"],
      "training.effective_batch_size: 100000000 is larger than the 120 training samples"),
     (["plan", "--recipe", TINY, "--gpu", "0GiB"], "--gpu: got '0GiB'"),
+    # plan takes run's --effective-batch-size and --data, checked the same way
+    (["plan", "--recipe", TINY, "--gpu", "t4", "--effective-batch-size", "0"], "training.effective_batch_size: got 0"),
+    (["plan", "--recipe", TINY, "--gpu", "t4", "--effective-batch-size", "500"],
+     "training.effective_batch_size: 500 is larger than the 120 training samples"),
+    (["plan", "--recipe", TINY, "--gpu", "t4", "--data", "{tmp}/empty.csv"],
+     "data.source: file {tmp}/empty.csv is empty"),
+    (["--recipe", TINY, "--data", "{tmp}/empty.csv"], "data.source: file {tmp}/empty.csv is empty"),
     (["search", "--recipe", TINY, "--trials", "1", "--param", "lr=loguniform:1e-4:1e-3", "--metric", "f1score",
       "--output-dir", "{tmp}/out"], "--metric: the recipe reports no validation 'f1score'; it reports loss, accuracy"),
     # messages that misled

@@ -177,6 +177,7 @@ def test_plan_numbers_and_recommendation(llama_plan):
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (4, 4)
     assert plan.step_peak == pytest.approx(chunked.step_peak(4, 4), rel=0.02)
     assert "recommendation: --batch-size 4 --grad-accum-steps 4" in plan.table()
+    assert "left on the card at micro-batch 4; micro-batch 8 would not fit" in plan.table()  # the next divisor
     assert [s["setting"] for s in plan.settings] == ["plain", "chunked loss"]  # nothing dearer was needed
     assert not make_plan(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])], "0.5GiB",
                          effective=16).fits
@@ -409,3 +410,56 @@ def test_auto_micro_batch_through_the_cli(tmp_path):
     assert "out of memory at micro-batch 8: window 0 again with 4 × 2" in proc.stdout
     history = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
     assert [h["micro_batch_size"] for h in history] == [2, 2, 2] and all(h["samples"] == 8 for h in history)
+
+
+def plan_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "finetune", "plan", "--recipe", TINY, *args], capture_output=True,
+                          text=True, env=ENV, cwd=ROOT, timeout=300)
+
+
+def test_plan_flags_are_run_s_own(tmp_path):
+    """--effective-batch-size and --data mean on plan what they mean on run: the same overrides, from one place."""
+    from finetune import flags
+    from finetune.cli import build_parser, overrides_from_args
+    from finetune.config import load_recipe
+
+    (tmp_path / "rows.csv").write_text("text,label\n" + "fine,1\nbad,0\n" * 20)
+    given = ["--recipe", TINY, "--effective-batch-size", "16", "--data", str(tmp_path / "rows.csv")]
+    plan = build_parser().parse_args(["plan", "--gpu", "t4", *given])
+    run = build_parser().parse_args(["run", *given])
+    assert flags.field_overrides(plan) == overrides_from_args(run) == [
+        "training.effective_batch_size=16", "training.gradient_accumulation_steps=null",
+        f"data.source={tmp_path / 'rows.csv'}"]
+    cfg = load_recipe(TINY, flags.field_overrides(plan) + plan.set)
+    assert (cfg.training.effective_batch_size, cfg.data.source) == (16, str(tmp_path / "rows.csv"))
+
+
+def test_plan_says_headroom_and_an_estimate_of_speed_and_time():
+    """The headroom line is the card less the context less the step peak; the speed estimate's tokens/s is the
+    card's peak × the assumed utilization ÷ FLOPs a token, the FLOPs are the formula it names over the parts it
+    prints, and the run's time is its tokens at that rate; a bare size names the card it assumed."""
+    from finetune.memory.cards import CARDS
+
+    done = plan_cli("--gpu", "16GiB", "--effective-batch-size", "16", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan = json.loads(done.stdout.strip().splitlines()[-1])
+    assert plan["effective_batch_size"] == 16 and plan["micro_batch_size"] == 16  # the flag, and the cap
+    assert plan["headroom"] == int(plan["gpu_bytes"] - plan_module.CONTEXT - plan["step_peak"])
+    s = plan["speed"]
+    n, trained = s["parameters"], s["trained"]
+    assert 0 < trained <= n and s["attention"] > 0
+    assert s["flops_per_token"] == 4 * n + 2 * trained + 2 * n * s["checkpointing"] + s["attention"]
+    assert CARDS[s["card"]].memory_gib == 16 and s["card_note"].startswith("assumed: the slowest listed 16 GiB card")
+    assert s["peak_flops"] == min(CARDS[name].peak(s["precision"]) for name, card in CARDS.items()
+                                  if card.memory_gib == 16 and card.peak(s["precision"]))
+    assert s["tokens_per_second"] == pytest.approx(s["peak_flops"] * s["utilization"] / s["flops_per_token"])
+    assert s["seconds"] == pytest.approx(s["run_tokens"] / s["tokens_per_second"])
+    assert s["here_flops"] > 0 and s["here_seconds"] == pytest.approx(s["run_tokens"] / s["here_tokens_per_second"])
+    assert s["here_tokens_per_second"] == pytest.approx(s["here_flops"] / s["flops_per_token"])
+
+    table = plan_cli("--gpu", "16GiB", "--effective-batch-size", "16").stdout
+    headroom = next(line for line in table.splitlines() if line.startswith("headroom"))
+    assert "capped at the effective batch (16 a process)" in headroom
+    assert "speed (an estimate)" in table and "utilization (assumed)" in table and f"on {s['card']} (assumed" in table
+    assert "2N forward + 2N backward + 2N_t weight gradients" in table
+    assert f"{s['tokens_per_second']:.4g} tokens/s" in table and "measured on this machine" in table

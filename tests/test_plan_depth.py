@@ -164,6 +164,13 @@ def assert_depth_prediction(cfg, config, full_job, within=0.10, only=None) -> fl
     return worst
 
 
+def tiny_sft_recipe():
+    assets = tiny_chat_assets()
+    return load_recipe("sft-smollm2", [f"model.name_or_path={assets['model']}", f"data.source={assets['data']}",
+                                       "data.limit=16", "data.val_fraction=0.2", "training.effective_batch_size=8",
+                                       "model.generate_prompts=0", "peft.r=4", "peft.alpha=8"])
+
+
 def test_a_10_block_llama_from_2_blocks_within_10_percent():
     """The rows that differ most in what a block keeps: everything saved, checkpointed, and a 4-bit base under
     bf16 compute (every row of SmolLM2's table: the slow test below)."""
@@ -171,10 +178,7 @@ def test_a_10_block_llama_from_2_blocks_within_10_percent():
     from finetune.startup import build_job
 
     pytest.importorskip("bitsandbytes")
-    assets = tiny_chat_assets()
-    cfg = load_recipe("sft-smollm2", [f"model.name_or_path={assets['model']}", f"data.source={assets['data']}",
-                                      "data.limit=16", "data.val_fraction=0.2", "training.effective_batch_size=8",
-                                      "model.generate_prompts=0", "peft.r=4", "peft.alpha=8"])
+    cfg = tiny_sft_recipe()
     config = tiny_llama_config(layers=10)
     config.hidden_size, config.intermediate_size = 64, 256
     assert max(DEPTHS) <= 4 < config.num_hidden_layers
@@ -185,6 +189,43 @@ def test_a_10_block_llama_from_2_blocks_within_10_percent():
 
     only = {"chunked loss", "checkpointing + chunked loss", "nf4 base + bf16 compute + checkpointing + chunked loss"}
     assert_depth_prediction(cfg, config, full_job, only=only)
+
+
+def test_alike_blocks_carried_on_within_2_percent_and_unlike_blocks_all_measured():
+    """Six alike Llama blocks priced from two agree with all six measured within 2 %. The negative control: a Qwen2
+    whose blocks take sliding and full attention in turn is not carried on from two blocks — every block is built and
+    measured, and the plan says why."""
+    from transformers import Qwen2Config
+
+    from finetune.models.hf import stand_in
+    from finetune.startup import build_job
+
+    cfg = tiny_sft_recipe()
+    config = tiny_llama_config(layers=6)
+    config.hidden_size, config.intermediate_size = 64, 256
+
+    def full_job(variant, config=config):
+        with stand_in(config):
+            return build_job(variant)
+
+    assert assert_depth_prediction(cfg, config, full_job, within=0.02, only={"checkpointing + chunked loss"}) <= 0.02
+
+    fields = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                                               "num_key_value_heads", "max_position_embeddings")}
+    mixed = Qwen2Config(**fields, num_hidden_layers=4, use_sliding_window=True, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"] * 2)
+    with stand_in(mixed, meta=True):
+        job = build_job(cfg)
+    batches, _ = longest_batches(job)
+    extrapolated = Extrapolated(cfg, mixed, batches, Layout(), 8, build_job, job.model)
+    assert "config.layer_types differs between blocks" in extrapolated.unlike
+    assert extrapolated.built_depth == 4  # every block, none carried on
+    setting = measuring_order(True, True)[1]  # the chunked head
+    whole = full_job(cfg, mixed)
+    full = Subject(whole.model, batches, cfg.training, whole.loss_fn, None, Layout(), 8).measure(setting)
+    predicted = extrapolated.measure(setting)
+    for b, n in ((1, 8), (8, 1)):
+        assert abs(predicted.step_peak(b, n) / full.step_peak(b, n) - 1) <= 0.02
 
 
 @pytest.mark.slow

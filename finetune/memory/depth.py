@@ -6,10 +6,12 @@ stand-in for its model (``finetune.models.hf.stand_in``): its own data, tokenize
 * The fixed part — weights, gradients, optimizer state — comes from a meta-device build of the whole model, counted
   per dtype, quantization and optimizer (``finetune.memory.fixed``): exact, and free.
 * What a micro-step adds — saved activations, the loss head, backward's temporaries — is measured as
-  ``finetune.memory.step`` measures it, on a depth-reduced copy: ``DEPTHS[-1]`` blocks with random weights at the
-  real width, vocabulary and sequence length, then on its first ``DEPTHS[0]`` blocks. Every block is the same, so
-  what one more block adds is the difference over the blocks between them, and the full depth's micro-step is the
-  deeper measurement plus that much per block left.
+  ``finetune.memory.step`` measures it, on a depth-reduced copy: ``DEPTHS[-1]`` blocks with constant weights at
+  the real width, vocabulary and sequence length, then on its first ``DEPTHS[0]`` blocks. Where every block is shown
+  the same (``unlike_blocks``: the same submodules, settings and tensors, and one value in each per-block list of the
+  config), what one more block adds is the difference over the blocks between them, and the full depth's micro-step
+  is the deeper measurement plus that much per block left. Blocks that differ (sliding and full attention in turn,
+  say) are all built and measured: nothing is carried on.
 
 A lever whose fixed part alone exceeds the card is not built at all: it is priced from that part.
 """
@@ -17,20 +19,22 @@ A lever whose fixed part alone exceeds the card is not built at all: it is price
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Optional
 
 import torch
 
 from finetune.config import PretrainedModelConfig
 from finetune.errors import ConfigError
-from finetune.memory import sharded
+from finetune.memory import sharded, speed
+from finetune.memory.cards import parse_gpu
 from finetune.memory.fixed import fixed_part
 from finetune.memory.plan import (
     Subject,
     checkpointing_of,
-    parse_gpu,
     plan_subjects,
     planned_window,
+    rebuilder,
     recipe_levers,
     with_lever,
 )
@@ -69,16 +73,23 @@ class Extrapolated:
         self.sizes = sharded.sizes_of(meta)
         self.parameters = sum(p.numel() for p in meta.parameters())
         self.trainable = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+        self.multiplying = speed.multiplying(meta)
         one = self.unmeasured(Setting())
         self.fixed = one.weights + one.gradients + one.optimizer_state  # what one process holds
         self.can_chunk = Subject(meta, batches, cfg.training).can_chunk
         self.can_checkpoint = True
+        # blocks priced one from another only where they are shown alike; else every block is built and measured
+        self.unlike = unlike_blocks(meta, config)
+        self.built_depth = self.depth if self.unlike else min(DEPTHS[-1], self.depth)
         self._measured: Optional[object] = None
 
     def copy(self):
-        """The depth-reduced copy, built on first use: the recipe's model with ``DEPTHS[-1]`` random blocks."""
+        """The copy measured, built on first use: the recipe's model with ``built_depth`` blocks of constant
+        weights."""
         if self._measured is None:
-            with stand_in(self.config, layers=min(DEPTHS[-1], self.depth)):
+            if self.unlike:
+                check_room_for_every_block(self.unlike, self.weights)
+            with stand_in(self.config, layers=self.built_depth, constant=True):
                 job = self.build(self.cfg)
             # measured as one process holding everything: ``with_fixed`` spreads the full model over the layout
             self._measured = Subject(job.model, self.batches, self.cfg.training, job.loss_fn, checkpointing_of(job),
@@ -90,7 +101,7 @@ class Extrapolated:
         deep = subject.measure(setting)
         if deep is None:
             return None
-        if self.depth <= DEPTHS[-1]:  # measured at full depth
+        if self.built_depth == self.depth:  # measured at full depth
             return self.with_fixed(deep)
         with first_blocks(subject.model, DEPTHS[0]):
             shallow = subject.measure(setting)
@@ -102,6 +113,7 @@ class Extrapolated:
         profile.weights, profile.gradients, profile.optimizer_state = \
             self.weights, self.gradients, self.optimizer_state
         profile.parameters, profile.trainable = self.parameters, self.trainable
+        profile.multiplying = self.multiplying  # here_flops stays the copy's: a rate, carried to the full depth
         return sharded.per_process(profile, self.layout, self.sizes)
 
     def unmeasured(self, setting: Setting) -> Profile:
@@ -110,6 +122,16 @@ class Extrapolated:
         return self.with_fixed(Profile(setting=setting, parameters=0, trainable=0, weights=0, gradients=0,
                                        optimizer_state=0, optimizer_step=self.optimizer_state, buckets=0,
                                        saved=zero, first=zero, later=zero, measured=False))
+
+
+def check_room_for_every_block(why: str, weights: int) -> None:
+    """ConfigError when a model whose blocks differ (``why``) is too large to build whole on this machine."""
+    import psutil  # lazy: only a plan whose blocks differ asks
+
+    free = psutil.virtual_memory().available
+    if weights > free:
+        raise ConfigError(f"--model-config: {why}, so every block is measured, and its {weights / 2**30:.1f} GiB of "
+                          f"weights exceed the {free / 2**30:.1f} GiB free here; plan it on a larger machine")
 
 
 def planned_fixed_part(meta_model, cfg) -> tuple[int, int, int]:
@@ -131,6 +153,33 @@ def extrapolate(shallow: Profile, deep: Profile, k1: int, k2: int, depth: int) -
     out = Profile(**{**vars(deep), "saved": carry("saved"), "first": carry("first"), "later": carry("later")})
     out.optimizer_step = int(deep.optimizer_step + per_block * (deep.optimizer_step - shallow.optimizer_step))
     return out
+
+
+def block_signature(block: torch.nn.Module) -> tuple:
+    """What sets a block's memory: each submodule's type and scalar settings (its position, ``layer_idx``, left
+    out), each tensor's name, shape, dtype and whether it trains."""
+    def settings(module):
+        return tuple(sorted((k, repr(v)) for k, v in vars(module).items()
+                            if not k.startswith("_") and k != "layer_idx"
+                            and isinstance(v, (int, float, str, bool, type(None)))))
+
+    return (tuple((name, type(m).__name__, settings(m)) for name, m in block.named_modules()),
+            tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
+                  for name, t in [*block.named_parameters(), *block.named_buffers()]))
+
+
+def unlike_blocks(model: torch.nn.Module, config) -> Optional[str]:
+    """Why ``model``'s blocks may not be priced one from another (None: they are alike — the same submodules,
+    settings and tensors, and every per-block list of ``config`` holds one value): the first difference found."""
+    depth = config.num_hidden_layers
+    for key, value in vars(config).items():
+        if isinstance(value, list) and len(value) == depth and any(v != value[0] for v in value):
+            return f"config.{key} differs between blocks ({value[0]!r}, …)"
+    holder, name = block_list(model, depth)
+    blocks = list(getattr(holder, name))
+    first = block_signature(blocks[0])
+    return next((f"block {i} differs from block 0 ({type(block).__name__})"
+                 for i, block in enumerate(blocks[1:], 1) if block_signature(block) != first), None)
 
 
 def block_list(model: torch.nn.Module, depth: int) -> tuple[torch.nn.Module, str]:
@@ -169,8 +218,13 @@ def plan_from_config(cfg, source: str, gpu: str, layout: Layout, build, effectiv
     planned_window(effective, job)
     batches, seq = longest_batches(job, sizes=(1, 2))
     per_process = effective // layout.processes
+    remake = rebuilder(job, build)  # every later build: the model alone, the data built once
+    unlike = unlike_blocks(job.model, config)
+    if unlike:
+        print(f"plan: {unlike}: every block measured, none carried on from another", file=sys.stderr, flush=True)
     levers = [(lever, lambda lever=lever: Extrapolated(with_lever(cfg, lever), config, batches, layout,
-                                                       per_process, build))
+                                                       per_process, remake))
               for lever in recipe_levers(cfg)]
-    return plan_subjects(Extrapolated(cfg, config, batches, layout, per_process, build, job.model), levers, gpu,
-                         effective, layout, cfg.training, seq)
+    return plan_subjects(Extrapolated(cfg, config, batches, layout, per_process, remake, job.model), levers, gpu,
+                         effective, layout, cfg.training, seq,
+                         work=speed.work_of(job, cfg.training, effective, job.model))

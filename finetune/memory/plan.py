@@ -11,7 +11,6 @@ micro-batches of the longest training samples rather than guessing.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -20,8 +19,10 @@ from finetune.config import PretrainedModelConfig, TrainingConfig
 from finetune.errors import ConfigError
 from finetune.items import is_causal_lm
 from finetune.memory import sharded
+from finetune.memory.cards import parse_gpu
 from finetune.memory.measure import GiB
 from finetune.memory.sharded import PERSISTENCE_THRESHOLD, REDUCE_BUCKET, Layout
+from finetune.memory.speed import Speed, Work, estimate, work_of
 from finetune.memory.step import HEADROOM, Profile, Setting, longest_batches, measure, without_saved
 from finetune.models import forward
 from finetune.models.loss_head import (
@@ -31,27 +32,7 @@ from finetune.models.loss_head import (
     unsupported_reason,
 )
 
-# memory of common cards (bytes); "8GiB" / "12GB" / "24" also work
-GPUS = {
-    "t4": 16, "v100": 16, "v100-32gb": 32, "p100": 16, "rtx2080ti": 11, "rtx3060": 12, "rtx3070": 8, "rtx3080": 10,
-    "rtx3090": 24, "rtx4060": 8, "rtx4070": 12, "rtx4070-laptop": 8, "rtx4080": 16, "rtx4090": 24, "a10": 24,
-    "a10g": 24, "l4": 24, "l40s": 48, "a100-40gb": 40, "a100-80gb": 80, "a100": 80, "h100": 80, "h100-80gb": 80,
-}
 CONTEXT = 0.6 * GiB   # CUDA context, cuBLAS workspaces and the allocator's slack, reserved before any tensor
-
-
-def parse_gpu(spec: str) -> int:
-    """``t4`` / ``a100-40gb`` / ``8GiB`` / ``12GB`` / ``24`` (GiB) → bytes."""
-    key = spec.strip().lower()
-    if key in GPUS:
-        return GPUS[key] * GiB
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(gib|gb|g)?", key)
-    if not m:
-        raise ConfigError(f"--gpu: got {spec!r}; give a size like 8GiB or one of: {', '.join(sorted(GPUS))}")
-    size = int(float(m.group(1)) * GiB)
-    if size <= 0:
-        raise ConfigError(f"--gpu: got {spec!r}; give the card's memory, more than 0")
-    return size
 
 
 def size(nbytes: float) -> str:
@@ -113,9 +94,11 @@ class Plan:
     lever_compute: str
     step_peak: int                 # predicted, at the recommendation (or at micro-batch 1 of the last setting tried)
     fits: bool
+    headroom: int                  # bytes the card has left at the recommendation: card − CUDA context − step peak
     note: str
     processes: int                 # every number above is what one of them holds (``sharded.Layout``)
     zero_stage: int
+    speed: Optional[Speed] = None            # the run's speed and wall time (None: no estimate)
     settings: list = field(default_factory=list)   # every setting tried: label, largest micro-batch, its peak
     profiles: list = field(default_factory=list, repr=False)
 
@@ -148,6 +131,7 @@ class Plan:
                   f"{'step peak':<28}{size(self.step_peak):>12}  predicted at {b} × {n}, {p.setting.label}",
                   f"{'CUDA context + slack':<28}{size(CONTEXT):>12}  reserved before any tensor",
                   f"{'total':<28}{size(self.step_peak + CONTEXT):>12}  of {size(self.gpu_bytes)} ({self.gpu})",
+                  *([self.headroom_line()] if self.fits else []),
                   "", f"{'setting':<{w}}{'largest micro-batch':>20}{'step peak there':>18}  (none: at 1)",
                   "-" * (w + 52)]
         lines += [f"{s['setting']:<{w}}{s['micro_batch'] or 'none':>20}"
@@ -160,7 +144,48 @@ class Plan:
             lines.append(f"recommendation: --batch-size {self.micro_batch_size} --grad-accum-steps "
                          f"{self.gradient_accumulation_steps} {flags} (effective batch {self.effective_batch_size})")
         lines.append(self.note)
+        if self.speed is not None:
+            lines += ["", *speed_lines(self.speed)]
         return "\n".join(lines)
+
+    def headroom_line(self) -> str:
+        """What the card has left at the recommendation, and whether the effective batch caps its micro-batch."""
+        per_process = self.effective_batch_size // self.processes
+        line = f"{'headroom':<28}{size(self.headroom):>12}  left on the card at micro-batch {self.micro_batch_size}"
+        if self.micro_batch_size == per_process:
+            return line + (f"; capped at the effective batch ({per_process} a process): a larger micro-batch is "
+                           "never used, the room stays free")
+        return line + f"; micro-batch {next_divisor(self.micro_batch_size, per_process)} would not fit"
+
+
+def next_divisor(b: int, n: int) -> int:
+    """The next micro-batch above ``b`` that divides the window ``n``."""
+    return next(d for d in range(b + 1, n + 1) if n % d == 0)
+
+
+def duration(seconds: float) -> str:
+    """Seconds for people: s, min, h or days."""
+    for unit, length in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * length:
+            return f"{seconds / length:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def speed_lines(s: Speed) -> list[str]:
+    """The speed estimate's lines: on the card (its peak, the assumed utilization, FLOPs a token and how they are
+    counted), the run's tokens and wall time, and the rate measured here."""
+    run = f"the run: {s.run_rows:,} rows, {s.run_tokens:,} tokens ({s.epochs} epoch{'s' * (s.epochs != 1)})"
+    lines = [f"speed (an estimate): {s.flops_per_token / 1e9:.4g} GFLOP a token = {s.formula}"]
+    if s.card:
+        lines += [f"  on {s.card} ({s.card_note}): {s.peak_flops / 1e12:.4g} TFLOP/s peak "
+                  f"{'fp32' if s.precision == 'no' else s.precision} × {s.utilization:.0%} utilization (assumed) "
+                  f"= {s.tokens_per_second:.4g} tokens/s; {run} → {duration(s.seconds)}"]
+    else:
+        lines += [f"  no estimate on the card: {s.card_note}; {run}"]
+    if s.here_flops:
+        lines += [f"  measured on {s.here}: {s.here_flops / 1e9:.4g} GFLOP/s in the planner's last micro-step "
+                  f"(allocator recorded) = {s.here_tokens_per_second:.4g} tokens/s → {duration(s.here_seconds)}"]
+    return lines
 
 
 def fixed_rows(p: Profile, layout: Layout) -> list:
@@ -260,8 +285,9 @@ def make_plan(model, batches: list, gpu: str, effective: int, training=None, los
 
 
 def plan_subjects(subject, levers: list, gpu: str, effective: int, layout: Layout, t, sequence_length,
-                  every_setting: bool = False) -> Plan:
-    """``make_plan`` on subjects: the recipe's (its exact settings, cheapest first) and its levers', in order."""
+                  every_setting: bool = False, work: Optional[Work] = None) -> Plan:
+    """``make_plan`` on subjects: the recipe's (its exact settings, cheapest first) and its levers', in order.
+    ``work``: what the run computes, for the speed estimate (None: none)."""
     gpu_bytes = parse_gpu(gpu)
     budget = budget_for(gpu_bytes)
     per_process = effective // layout.processes
@@ -292,7 +318,7 @@ def plan_subjects(subject, levers: list, gpu: str, effective: int, layout: Layou
             break
         profiles.append(measure_lever(build(), dataclasses.replace(lever, checkpointing=checkpointing,
                                                                     chunked_loss=can_chunk), budget))
-    return finish_plan(gpu, gpu_bytes, budget, effective, layout, t, sequence_length, profiles, pick())
+    return finish_plan(gpu, gpu_bytes, budget, effective, layout, t, sequence_length, profiles, pick(), work)
 
 
 def measure_lever(subject, setting: Setting, budget: float) -> Profile:
@@ -305,7 +331,7 @@ def measure_lever(subject, setting: Setting, budget: float) -> Profile:
 
 
 def finish_plan(gpu, gpu_bytes, budget, effective, layout: Layout, t, sequence_length, profiles,
-                chosen: Optional[Profile]) -> Plan:
+                chosen: Optional[Profile], work: Optional[Work] = None) -> Plan:
     per_process = effective // layout.processes
 
     def at_largest(p: Profile) -> tuple[int, int]:
@@ -324,10 +350,21 @@ def finish_plan(gpu, gpu_bytes, budget, effective, layout: Layout, t, sequence_l
                 gradient_checkpointing=s.checkpointing, chunked_loss=s.chunked_loss, activation_offloading=s.offload,
                 lora=s.lora, lever_optimizer=s.optimizer, lever_base=s.base, lever_compute=s.compute, step_peak=peak,
                 fits=chosen is not None, processes=layout.processes, zero_stage=layout.zero_stage,
+                headroom=int(gpu_bytes - CONTEXT - peak), speed=speed_of(chosen, gpu, t, work),
                 note=explain(chosen, profiles, gpu_bytes, budget, per_process, effective, layout),
                 settings=[{"setting": p.setting.label, "micro_batch": at_largest(p)[0], "step_peak": at_largest(p)[1],
                            "measured": p.measured, "exact": rank(p.setting) < len(COST) - len(LEVERS)}
                           for p in profiles], profiles=profiles)
+
+
+def speed_of(chosen: Optional[Profile], gpu: str, t, work: Optional[Work]) -> Optional[Speed]:
+    """The recommendation's speed on ``gpu`` (``memory.speed``); None where nothing fits or the rows have no
+    tokens."""
+    if chosen is None or work is None or not chosen.multiplying[0]:
+        return None
+    s = chosen.setting
+    return estimate(gpu, s.compute or t.mixed_precision, *chosen.multiplying, s.checkpointing, work,
+                    chosen.here_flops)
 
 
 def fixed_part(p: Profile) -> int:
@@ -370,14 +407,24 @@ def plan_recipe(cfg, gpu: str, layout: Layout, build: Callable, effective: int) 
     planned_window(effective, job)
     batches, seq = longest_batches(job, sizes=(1, 2))
     t = cfg.training
+    remake = rebuilder(job, build)
 
     def subject(variant, built=None):
-        built = built or build(variant)
+        built = built or remake(variant)
         return Subject(built.model, batches, variant.training, built.loss_fn, checkpointing_of(built),
                        layout, effective // layout.processes)
 
     levers = [(lever, lambda lever=lever: subject(with_lever(cfg, lever))) for lever in recipe_levers(cfg)]
-    return plan_subjects(subject(cfg, job), levers, gpu, effective, layout, t, seq)
+    return plan_subjects(subject(cfg, job), levers, gpu, effective, layout, t, seq,
+                         work=work_of(job, t, effective, job.model))
+
+
+def rebuilder(job, build: Callable) -> Callable:
+    """``variant`` → its job: ``job`` with the model its task builds for ``variant`` (``Job.model_for``), the data
+    built once; where the task offers no such builder, the whole ``build(variant)``."""
+    if job.model_for is None:
+        return build
+    return lambda variant: dataclasses.replace(job, model=job.model_for(variant))
 
 
 def planned_window(effective: int, job) -> None:

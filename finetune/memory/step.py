@@ -17,12 +17,14 @@ and backward's temporaries.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from finetune.items import batch_len
+from finetune.memory import speed
 from finetune.memory.fixed import held_bytes, optimizer_state_bytes, state_bytes
 from finetune.memory.measure import PeakMeter, SavedTensors, fake_oom_check, free_memory, is_oom, offload_to_host
 from finetune.models.forward import compute_loss
@@ -116,6 +118,8 @@ class Profile:
     floor: Optional[dict] = None  # offloading: the same setting's first / later without it, less what it saved
     measured: bool = True       # False: priced from its fixed part alone, which already exceeds the card
     gathered: int = 0           # ZeRO-3: whole parameters gathered for forward and backward (``memory.sharded``)
+    multiplying: tuple = (0, 0)  # (N, N_t): parameters that multiply a token's activations, and those that train
+    here_flops: float = 0.0     # FLOP/s this machine sustained in the last micro-step measured (0: none)
 
     def part(self, which: list, b: int) -> int:
         return at_size(which, b)
@@ -155,19 +159,24 @@ def without_saved(profile: Profile) -> dict:
     return {mode: [[b, max(peak - saved[b], 0)] for b, peak in getattr(profile, mode)] for mode in ("first", "later")}
 
 
-def micro_step(model, batch, loss_fn, autocast_dtype, offload: bool, device) -> tuple[int, int]:
-    """(peak bytes above the start, bytes saved for backward) of one forward and backward of ``batch``; gradients
-    accumulate into whatever ``.grad`` holds."""
+def micro_step(model, batch, loss_fn, autocast_dtype, offload: bool, device) -> tuple[int, int, float]:
+    """(peak bytes above the start, bytes saved for backward, seconds its forward and backward took with the
+    allocator recorded) of one forward and backward of ``batch``; gradients accumulate into whatever ``.grad``
+    holds."""
     fake_oom_check(batch_len(batch))  # a probe meets the injected limit as the loop's micro-steps do
     autocast = torch.autocast(torch.device(device).type, dtype=autocast_dtype) if autocast_dtype is not None \
         else contextlib.nullcontext()
     with PeakMeter(device) as meter:
+        start = time.perf_counter()
         with SavedTensors(model) as saved, (offload_to_host(device) if offload else contextlib.nullcontext()), \
                 autocast:
             loss = compute_loss(model, batch, loss_fn)[0]  # the outputs (logits) go now, as in the loop
         loss.float().backward()
         del loss
-    return meter.peak, saved.bytes
+        if meter.cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return meter.peak, saved.bytes, seconds
 
 
 def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None, offload: bool = False,
@@ -181,17 +190,18 @@ def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None,
     is restored afterwards (dropout draws here must not shift the run's); gradients are cleared."""
     device = next(model.parameters()).device
     model.train()
-    first, later, saved = [], [], []
+    first, later, saved, timed = [], [], [], []
     chunk = chunk_size(model)
 
     def at(batch):
         b = batch_len(batch)
         model.zero_grad(set_to_none=True)
-        peak, kept = micro_step(model, batch, loss_fn, autocast_dtype, offload, device)
-        later_peak = micro_step(model, batch, loss_fn, autocast_dtype, offload, device)[0]
+        peak, kept, _ = micro_step(model, batch, loss_fn, autocast_dtype, offload, device)
+        later_peak, _, seconds = micro_step(model, batch, loss_fn, autocast_dtype, offload, device)
         first.append([b, peak])
         saved.append([b, kept])
         later.append([b, later_peak])  # recorded once both steps ran: a probe that runs out of memory leaves nothing
+        timed[:] = [b, row_tokens(batch), seconds]  # the second step: warm, as a window's later micro-steps are
         return tokens_in(batch)
 
     def slope(points):
@@ -211,7 +221,7 @@ def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None,
                 free_memory()
                 for points in (first, later, saved):
                     points.append([2 * points[-1][0], 2 * points[-1][1]])
-                return {"first": first, "later": later, "saved": saved}
+                return {"first": first, "later": later, "saved": saved, "timed": timed}
         batch = batches[-1]
         while (slope(later) < 0.9 * slope(saved) or tokens <= chunk) and 2 * later[-1][0] <= up_to:
             batch = doubled(batch)
@@ -228,13 +238,19 @@ def profile_micro_steps(model, batches: list, loss_fn=None, autocast_dtype=None,
                 free_memory()
                 break
     model.zero_grad(set_to_none=True)
-    return {"first": first, "later": later, "saved": saved}
+    return {"first": first, "later": later, "saved": saved, "timed": timed}
 
 
 def tokens_in(batch) -> int:
     """Tokens of a causal LM's micro-batch (its input_ids), 0 for other batches."""
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
     return ids.numel() if isinstance(ids, torch.Tensor) else 0
+
+
+def row_tokens(batch) -> int:
+    """Tokens a row of ``batch`` (the width of its input_ids; a BatchEncoding too), 0 without them."""
+    ids = batch.get("input_ids") if hasattr(batch, "get") else None
+    return ids.shape[-1] if isinstance(ids, torch.Tensor) and ids.dim() else 0
 
 
 def doubled(batch):
@@ -279,10 +295,13 @@ def measure(model, batches, setting: Setting, t, loss_fn=None, up_to: int = 0) -
     gradients = tensor_bytes(trainable)
     state, step = optimizer_step_bytes(model, t)
     micro = profile_micro_steps(model, batches, loss_fn, autocast_dtype(t.mixed_precision), setting.offload, up_to)
+    rows, tokens, seconds = micro.pop("timed") or (0, 0, 0.0)
     return Profile(setting=setting, parameters=sum(p.numel() for p in model.parameters()),
                    trainable=sum(p.numel() for p in trainable),
                    weights=held_bytes(model),
-                   gradients=gradients, optimizer_state=state, optimizer_step=step, buckets=0, **micro)
+                   gradients=gradients, optimizer_state=state, optimizer_step=step, buckets=0, **micro,
+                   multiplying=speed.multiplying(model),
+                   here_flops=speed.measured_rate(model, (rows, tokens), seconds, setting.checkpointing))
 
 
 def autocast_dtype(precision: str):
@@ -303,6 +322,7 @@ def auto_profile(model, batches: list, t, loss_fn=None, up_to: int = 0) -> Profi
     count ``finetune plan`` uses too)."""
     micro = profile_micro_steps(model, batches, loss_fn, autocast_dtype(t.mixed_precision), t.activation_offloading,
                                 up_to)
+    micro.pop("timed")
     trainable = [p for p in model.parameters() if p.requires_grad]
     state = optimizer_state_bytes([p.numel() for p in trainable], t.optimizer, t.momentum)
     return Profile(setting=Setting(), parameters=0, trainable=0, weights=tensor_bytes(model.parameters()),

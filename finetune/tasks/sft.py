@@ -524,4 +524,5 @@ def build(cfg, ctx: TaskContext) -> Job:
         val_loss_metrics=lambda loss: {"perplexity": math.exp(min(loss, 50.0))},
         summarize=summarize,
         save=peft_save_hook(cfg, tokenizer),
+        model_for=lambda variant: tuned_model(variant, tokenizer)[0],
     )
