@@ -16,7 +16,7 @@ from tests.helpers import ROOT, assert_one_error_line
 from tests.helpers import cli_in_process as cli
 
 
-def saved_on(path, device, processes: int, **fields) -> None:
+def saved_on(path, device, processes: int, kind: str = "MULTI_GPU", **fields) -> None:
     """``torch.save`` of real TrainingArguments as a process of a ``processes``-process run on ``device`` saves them
     (accelerate's shared state set so while they are saved, then put back)."""
     from accelerate.state import PartialState
@@ -28,7 +28,7 @@ def saved_on(path, device, processes: int, **fields) -> None:
     _ = args.device  # the state the arguments pickle
     shared = PartialState._shared_state
     before = dict(shared)
-    shared.update(device=device, num_processes=processes, process_index=1, distributed_type="MULTI_GPU")
+    shared.update(device=device, num_processes=processes, process_index=1, distributed_type=kind)
     try:
         torch.save(args, path)
     finally:
@@ -324,6 +324,18 @@ def test_process_mean_weighs_each_share_by_its_own_items():
     plain = SimpleNamespace(active=(True, True), token_counts=((1, 1), (3, 3)), groups=None, group_count=0)
     counts, shares, _, _, _ = count_window(accelerator, plain, [[0], [1, 2, 3]], len)
     assert [c / s for c, s in zip(counts, shares)] == [0.25, 0.75]
+
+
+def test_an_engine_from_accelerate_s_launch_config_is_said(trainer_example_run, tmp_path, capsys):
+    """A run launched with accelerate's DeepSpeed config leaves no deepspeed argument, only its state: the engine is
+    still said beside the batch; a plain data-parallel run says none (the control)."""
+    for kind, said_of in (("DEEPSPEED", "under DeepSpeed (accelerate's launch config"), ("MULTI_GPU", None)):
+        saved_on(tmp_path / f"{kind}.bin", torch.device("cuda", 1), 4, kind)
+        code, said = cli(capsys, "import", tmp_path / f"{kind}.bin", "--recipe", trainer_example_run / "recipe.yaml",
+                         "-o", tmp_path / f"{kind}.yaml")
+        row = next(line for line in said.splitlines() if line.startswith("training.effective_batch_size"))
+        assert code == 0 and "× 4 processes" in row, said
+        assert (said_of in row) if said_of else ("under " not in row), row
 
 
 def test_what_a_data_parallel_run_reduced_otherwise_is_named(trainer_example_run, tmp_path, capsys):

@@ -159,8 +159,11 @@ def _engine(b: Baseline) -> str:
     ds = b.get("deepspeed") if isinstance(b.get("deepspeed"), dict) else {}
     stage = (ds.get("zero_optimization") or {}).get("stage") if isinstance(ds.get("zero_optimization"), dict) \
         else None
+    state = b.get("distributed_state") if isinstance(b.get("distributed_state"), dict) else {}
+    launched = {"DEEPSPEED": "DeepSpeed (accelerate's launch config, not in the arguments)",
+                "FSDP": "FSDP (accelerate's launch config)"}.get(str(state.get("distributed_type")))
     engine = f"DeepSpeed ZeRO-{stage}" if stage is not None else f"DeepSpeed ({b.get('deepspeed')})" if \
-        isinstance(b.get("deepspeed"), str) else "FSDP" if b.get("fsdp") else None
+        isinstance(b.get("deepspeed"), str) else "FSDP" if b.get("fsdp") else launched
     return f"; under {engine}: the data-parallel step" if engine and b.process_count() > 1 else ""
 
 
