@@ -127,15 +127,19 @@ RUNS = {  # fixture → (its rows, the micro-batch reproducing it, the answer of
                   lambda r: next(m for m in r["messages"] if m["role"] == "assistant"),
                   "× 2 processes (training_args.bin: distributed_state.num_processes); under DeepSpeed ZeRO-2: "
                   "the data-parallel step"),
+    "sft-zero3": (LF / "data" / "chat.jsonl", 2,
+                  lambda r: next(m for m in r["messages"] if m["role"] == "assistant"),
+                  "; under DeepSpeed ZeRO-3: the data-parallel step"),
     "dpo": (TWO.parent / "pairs.jsonl", 1, lambda r: r["chosen"][0], "× 2 processes"),
 }
 
 
-@pytest.mark.parametrize("run", list(RUNS), ids=["fp32", "bf16-checkpointing", "deepspeed-zero2", "dpo"])
+@pytest.mark.parametrize("run", list(RUNS), ids=["fp32", "bf16-checkpointing", "deepspeed-zero2", "deepspeed-zero3",
+                                                    "dpo"])
 def test_a_two_process_trl_run_is_reproduced_on_one_and_its_one_word_twin_differs(tmp_path, capsys, run):
     """fp32 against fp32's tolerances; bf16 autocast (with gradient checkpointing) against the floor reproduce
-    measures on its twin; DeepSpeed ZeRO-2 (gradients reduced in fp32) and DPO (each micro-batch's mean, every one
-    full) as the big batch's step."""
+    measures on its twin; DeepSpeed ZeRO-2 and ZeRO-3 (gradients reduced in fp32) and DPO (each micro-batch's mean,
+    every one full) as the big batch's step."""
     rows, micro, answer_of, said_of_processes = RUNS[run]
 
     def reproduce(out, data):

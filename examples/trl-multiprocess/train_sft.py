@@ -10,9 +10,9 @@ LoRA r 8 on q and v, 2 per device × 2 accumulation × 2 processes = 8 per step,
 ``--rows 38``: the first 38 chats, so that each process's last batch is short (``tests/assets/trl-2proc/sft-short``).
 ``--process-mean``: with ``average_tokens_across_devices=False``, each process's own token mean averaged
 (``tests/assets/trl-2proc/sft-process-mean``).
-``--zero 2``: under DeepSpeed ZeRO-2 (``tests/assets/trl-2proc/sft-zero2``), launched with
-the Trainer's ``deepspeed`` argument and torchrun (DeepSpeed on the CPU over gloo; the Trainer's AdamW, reduced in
-fp32):
+``--zero 2`` / ``--zero 3``: under DeepSpeed ZeRO-2 / ZeRO-3 (``tests/assets/trl-2proc/sft-zero2``, ``sft-zero3``),
+launched with the Trainer's ``deepspeed`` argument and torchrun (DeepSpeed on the CPU over gloo; the Trainer's
+AdamW, reduced in fp32):
 
     torchrun --nproc_per_node 2 examples/trl-multiprocess/train_sft.py --zero 2 --out tests/assets/trl-2proc/sft-zero2
 """
