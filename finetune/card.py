@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from finetune.config import gguf_hub_id, parse_yaml, read_yaml
+from finetune.config import gguf_hub_id, names_gguf, parse_yaml, read_yaml
 from finetune.errors import ConfigError
 
 RECIPE_START, RECIPE_END = "<!-- finetune recipe -->", "<!-- end of finetune recipe -->"
@@ -44,7 +44,7 @@ def base_model_id(name) -> str | None:
     None."""
     if hub_id(name):
         return name
-    if gguf_hub_id(name):
+    if names_gguf(name):
         return gguf_hub_id(name)
     config = Path(str(name)).expanduser() / "config.json"
     if config.is_file():
@@ -244,10 +244,10 @@ def intro(settings: dict, base: str | None, what: str) -> str:
             ".gguf") else ""
         model += f" (trained from `{portable(name)}`{rounded})"
     source, recipe = (settings.get("data") or {}).get("source"), settings.get("name")
-    own = recipe is not None and recipe_data(recipe) == source
-    settings_from = (f"Settings from finetune's recipe `{recipe}`" + (f": {settings['description']}" if own and
-                     settings.get("description") else "; its data replaced by this run's" if recipe_data(recipe)
-                     is not None else "") + ".") if recipe else ""
+    default = recipe_data(recipe) if recipe else None
+    settings_from = (f"Settings from finetune's recipe `{recipe}`" + (f": {settings['description']}" if
+                     default == source and settings.get("description") else "; its data replaced by this run's" if
+                     default is not None else "") + ".") if recipe else ""
     return (f"{model}, fine-tuned with finetune (task `{settings.get('task')}`, {what}) on `{portable(source)}`. "
             f"{settings_from}").strip()
 
@@ -265,13 +265,13 @@ def reproducible(settings: dict, effective: int | None) -> dict:
 def write_cards(out_dir: Path, settings: dict, metrics: dict, history: list) -> list[Path]:
     """The card in the run's ``model/`` and ``model-merged/`` (those that exist), replacing peft's template card;
     the adapters' base named as the card names it (``name_adapters_base``)."""
-    written = []
+    written, base = [], base_model_id((settings.get("model") or {}).get("name_or_path"))
     for folder, merged in (("model", False), ("model-merged", True)):
         if (out_dir / folder).is_dir():
             path = out_dir / folder / "README.md"
             path.write_text(card_text(settings, metrics, history, merged))
             written.append(path)
-            name_adapters_base(out_dir / folder, base_model_id((settings.get("model") or {}).get("name_or_path")))
+            name_adapters_base(out_dir / folder, base)
     return written
 
 

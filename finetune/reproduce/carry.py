@@ -140,26 +140,31 @@ def _data_parallel(b: Baseline, out: Imported, baseline_step: bool) -> None:
             out.skip("average_tokens_across_devices", False, "each process divided its loss by its own tokens and "
                      "the processes' gradients were averaged: the mean of their means, not the big batch's token "
                      "mean" + ("" if baseline_step else " (--baseline-step takes it)"))
-    ds = b.get("deepspeed") if isinstance(b.get("deepspeed"), dict) else {}
+    ds = _record(b, "deepspeed")
     for key, value in (("communication_data_type", ds.get("communication_data_type")),
                        ("data_types.grad_accum_dtype", (ds.get("data_types") or {}).get("grad_accum_dtype"))):
         if str(value) in LOW:
             out.skip(f"deepspeed {key}", value, "DeepSpeed reduced or accumulated the gradients in it; finetune "
                      "sums them in fp32")
-    fsdp = b.get("fsdp_config") if isinstance(b.get("fsdp_config"), dict) else {}
+    fsdp = _record(b, "fsdp_config")
     reduce = (fsdp.get("mixed_precision_policy") or {}).get("reduce_dtype") if isinstance(
         fsdp.get("mixed_precision_policy"), dict) else None
     if str(reduce) in LOW:
         out.skip("fsdp reduce_dtype", reduce, "FSDP reduced the gradients in it; finetune sums them in fp32")
 
 
+def _record(b: Baseline, name: str) -> dict:
+    """The argument ``name`` where it is a record (DeepSpeed's config, accelerate's state, …), else {}."""
+    value = b.get(name)
+    return value if isinstance(value, dict) else {}
+
+
 def _engine(b: Baseline) -> str:
     """The sharding engine a run on several processes trained under, said beside its batch: its step is the
     data-parallel one (what it reduced below fp32 is named by ``_data_parallel``)."""
-    ds = b.get("deepspeed") if isinstance(b.get("deepspeed"), dict) else {}
-    stage = (ds.get("zero_optimization") or {}).get("stage") if isinstance(ds.get("zero_optimization"), dict) \
-        else None
-    state = b.get("distributed_state") if isinstance(b.get("distributed_state"), dict) else {}
+    zero = _record(b, "deepspeed").get("zero_optimization")
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    state = _record(b, "distributed_state")
     launched = {"DEEPSPEED": "DeepSpeed (accelerate's launch config, not in the arguments)",
                 "FSDP": "FSDP (accelerate's launch config)"}.get(str(state.get("distributed_type")))
     engine = f"DeepSpeed ZeRO-{stage}" if stage is not None else f"DeepSpeed ({b.get('deepspeed')})" if \
@@ -171,7 +176,7 @@ def _even_batches(b: Baseline, out: Imported) -> None:
     """``training.even_batches``: the baseline's processes and per-device batch, where accelerate completed each
     process's short last batch with the epoch's first samples (its ``even_batches``, true unless the arguments'
     ``accelerator_config`` says otherwise; nothing is short when the last micro-batch is dropped)."""
-    config = b.get("accelerator_config") if isinstance(b.get("accelerator_config"), dict) else {}
+    config = _record(b, "accelerator_config")
     per_device = b.get("per_device_train_batch_size")
     if config.get("even_batches", True) is False or b.get("dataloader_drop_last") or b.get("drop_last") or \
             not per_device:

@@ -31,7 +31,7 @@ from finetune.registry import recipe_path, resolve_task, section_class, task_mod
 from finetune.reproduce.architecture import model_config_of, model_difference
 from finetune.reproduce.carry import carry
 from finetune.reproduce.record import Baseline, Imported
-from finetune.reproduce.rows import row_change, training_file
+from finetune.reproduce.rows import row_change, row_count, training_file
 from finetune.reproduce.sources import accepted, names, read_baseline
 
 
@@ -186,22 +186,6 @@ def processes_from_steps(b: Baseline, data) -> None:
     if len(fits) > 1:
         raise ConfigError(f"import: {where} fit {', '.join(map(str, fits))} processes; give --processes P")
     b.processes = (fits[0], where)
-
-
-def row_count(data) -> int | None:
-    """The rows of a local jsonl, json, parquet or csv file; None for anything else."""
-    path = Path(str(data))
-    kind = path.suffix.lower().lstrip(".")
-    if not path.is_file() or kind not in ("jsonl", "json", "parquet", "csv"):
-        return None
-    if kind == "jsonl":
-        return sum(1 for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip())
-    import datasets  # lazy: 0.6 s on every command
-
-    try:
-        return len(datasets.load_dataset(kind, data_files=str(path), split="train"))
-    except Exception:  # the run reads the file again and says what is wrong with it
-        return None
 
 
 def write_import(baseline: Baseline, request: Request, out: Path) -> int:

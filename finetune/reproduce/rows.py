@@ -70,23 +70,43 @@ def row_change(b: Baseline | None) -> tuple | None:
     return None
 
 
-def rows_in_order(data, order_of, recipe: Path) -> Path | None:
-    """The rows of the local file ``data`` that ``order_of(row count)`` lists, in that order, written beside
-    ``recipe`` (``RECIPE-rows.jsonl``; a jsonl's lines kept as they are, a parquet or csv file's format kept). None
-    when ``data`` is not a local jsonl, json, parquet or csv file."""
-    import datasets  # lazy: 0.6 s on every command (this module is on each one's path)
-
-    path = Path(data)
+def local_rows(data):
+    """The rows of the local file ``data``: a jsonl's non-blank lines as they are, a json, parquet or csv file's
+    table (``datasets``); None when ``data`` is not such a file."""
+    path = Path(str(data))
     kind = path.suffix.lower().lstrip(".")
     if not path.is_file() or kind not in ("jsonl", "json", "parquet", "csv"):
         return None
     if kind == "jsonl":
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    import datasets  # lazy: 0.6 s on every command (this module is on each one's path)
+
+    return datasets.load_dataset(kind, data_files=str(path), split="train")
+
+
+def row_count(data) -> int | None:
+    """How many rows the local file ``data`` holds (:func:`local_rows`); None for anything else, or a file that
+    does not read (the run reads it again and says what is wrong with it)."""
+    try:
+        rows = local_rows(data)
+    except Exception:
+        return None
+    return None if rows is None else len(rows)
+
+
+def rows_in_order(data, order_of, recipe: Path) -> Path | None:
+    """The rows of the local file ``data`` that ``order_of(row count)`` lists, in that order, written beside
+    ``recipe`` (``RECIPE-rows.jsonl``; a jsonl's lines kept as they are, a parquet or csv file's format kept). None
+    when ``data`` is not a local jsonl, json, parquet or csv file."""
+    rows = local_rows(data)
+    if rows is None:
+        return None
+    if isinstance(rows, list):  # jsonl lines
         out = recipe.with_name(f"{recipe.stem}-rows.jsonl")
-        out.write_text("".join(lines[i] + "\n" for i in order_of(len(lines))), encoding="utf-8")
+        out.write_text("".join(rows[i] + "\n" for i in order_of(len(rows))), encoding="utf-8")
         return out
-    table = datasets.load_dataset(kind, data_files=str(path), split="train")
-    table = table.select(order_of(len(table)))
+    kind = Path(str(data)).suffix.lower().lstrip(".")
+    table = rows.select(order_of(len(rows)))
     out = recipe.with_name(f"{recipe.stem}-rows.{'jsonl' if kind == 'json' else kind}")
     {"json": table.to_json, "parquet": table.to_parquet, "csv": table.to_csv}[kind](str(out))
     return out
