@@ -4,15 +4,15 @@ depth, and the plan of Llama-3.1-8B from its config alone."""
 
 import dataclasses
 import json
-import resource
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
+from torch.utils._pytree import tree_map
 
 from finetune.config import TrainingConfig, load_recipe
+from finetune.memory.allocations import AllocationsOnly
 from finetune.memory.depth import DEPTHS, Extrapolated, first_blocks, load_architecture
 from finetune.memory.fixed import fixed_part, held_bytes, planned_weight_bytes, state_bytes
 from finetune.memory.plan import Subject, measuring_order, rank, recipe_levers, with_lever
@@ -139,10 +139,7 @@ def assert_depth_prediction(cfg, config, full_job, within=0.10, only=None) -> fl
     with stand_in(config, meta=True):
         batches, _ = longest_batches(build_job(cfg))
     shapes = ((1, 8), (4, 2), (8, 1))
-    rows = [(cfg, s) for s in measuring_order(True, True)] + \
-        [(with_lever(cfg, lever), dataclasses.replace(lever, checkpointing=True, chunked_loss=True))
-         for lever in recipe_levers(cfg)]
-    rows = [(v, s) for v, s in rows if only is None or s.label in only]
+    rows = [(v, s) for v, s in planner_rows(cfg) if only is None or s.label in only]
     assert rows
     worst = naive = 0.0
     for variant, setting in rows:
@@ -169,6 +166,77 @@ def tiny_sft_recipe():
     return load_recipe("sft-smollm2", [f"model.name_or_path={assets['model']}", f"data.source={assets['data']}",
                                        "data.limit=16", "data.val_fraction=0.2", "training.effective_batch_size=8",
                                        "model.generate_prompts=0", "peft.r=4", "peft.alpha=8"])
+
+
+def planner_rows(cfg) -> list:
+    """(the recipe's variant, the setting) of every row of ``cfg``'s planner table: its exact settings, and its levers
+    with checkpointing and the chunked head."""
+    return [(cfg, s) for s in measuring_order(True, True)] + \
+        [(with_lever(cfg, lever), dataclasses.replace(lever, checkpointing=True, chunked_loss=True))
+         for lever in recipe_levers(cfg)]
+
+
+class AliasesAllocated(AllocationsOnly):
+    """A bug the allow-list keeps out: an op whose output shares its input's storage though its schema does not say
+    so (``_unsafe_view``, after every 3-D linear layer) taken for one that allocates."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ == "_unsafe_view" and args[0].is_floating_point():
+            return self.allocated(func, args, kwargs or {})
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class ProductsUnallocated(AllocationsOnly):
+    """The other way to be wrong: the products' outputs stand in as one element broadcast, holding no bytes (every
+    in-place write on floats skipped, as such a stand-in cannot take one)."""
+
+    def writes_values(self, name: str, args) -> bool:
+        return name.endswith("_") and bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
+
+    @staticmethod
+    def allocated(func, args, kwargs):
+        outputs = AllocationsOnly.allocated(func, args, kwargs)
+        return tree_map(lambda t: t.new_empty(()).expand(t.shape) if isinstance(t, torch.Tensor) else t, outputs)
+
+
+def test_allocations_only_records_the_step_the_computed_one_does():
+    """The micro-steps of every row of the sft recipe's table, on the same 2-block Llama, measured computed and
+    allocation-only (``finetune.memory.allocations``): the same step peak at every shape, within 0.01 % in fp32. Under
+    bf16 compute the allocation-only step is lower, by the scratch this CPU's bf16 products take inside their kernels
+    (6.5 % at this width of 64, 3 % at 256, 0.13 % for Llama-3.1-8B: docs/memory.md), never higher. The negative
+    controls: an aliasing op taken for an allocating one is caught in fp32, products that allocate nothing in bf16."""
+    from finetune.memory.plan import checkpointing_of
+    from finetune.models.hf import stand_in
+    from finetune.startup import build_job
+
+    pytest.importorskip("bitsandbytes")
+    cfg = tiny_sft_recipe()
+    config = tiny_llama_config(layers=2)
+    config.hidden_size, config.intermediate_size = 64, 256
+    shapes = ((1, 8), (4, 2), (8, 1))
+
+    def errors(variant, setting, mode=AllocationsOnly) -> list:
+        with stand_in(config):
+            job = build_job(variant)
+        batches, _ = longest_batches(job)
+        subject = Subject(job.model, batches, variant.training, job.loss_fn, checkpointing_of(job), Layout(), 8)
+        computed = subject.measure(setting)
+        with mode() as allocating:
+            only = subject.measure(setting)
+        assert allocating.skipped > 0
+        return [only.step_peak(b, n) / computed.step_peak(b, n) - 1 for b, n in shapes]
+
+    def bf16(variant, setting) -> bool:
+        return (setting.compute or variant.training.mixed_precision) == "bf16"
+
+    rows = planner_rows(cfg)
+    for variant, setting in rows:
+        low, high = (-0.10, 0.0) if bf16(variant, setting) else (-1e-4, 1e-4)
+        assert all(low <= e <= high for e in errors(variant, setting)), setting.label
+    variant, setting = next(row for row in rows if row[1].base == "bf16")  # fp32 compute
+    assert max(map(abs, errors(variant, setting, AliasesAllocated))) > 1e-4
+    variant, setting = next(row for row in rows if bf16(*row))
+    assert min(errors(variant, setting, ProductsUnallocated)) < -0.10
 
 
 def test_a_10_block_llama_from_2_blocks_within_10_percent():
@@ -247,25 +315,57 @@ PLAN_8B = [sys.executable, "-m", "finetune", "plan", "--recipe", "sft-smollm2", 
            "--json"]
 
 
+# runs a command as its only child and prints that child's peak resident memory (KiB) on stderr's last line
+WITH_PEAK = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); sys.exit(code)")
+
+
 def run_measured(args: list) -> tuple:
-    """(CompletedProcess, seconds, the child's peak resident memory in bytes)."""
-    start = time.time()
-    done = subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=600)
-    return done, time.time() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    """(CompletedProcess, the command's peak resident memory in bytes)."""
+    done = subprocess.run([sys.executable, "-c", WITH_PEAK, *args], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                          timeout=600)
+    return done, int(done.stderr.strip().splitlines()[-1]) * 1024
 
 
-@pytest.mark.slow
 def test_llama_8b_plan_from_its_config_on_8_and_4_gib():
+    """Llama-3.1-8B planned from its config.json: QLoRA with bf16 compute fits 8 GiB, in under 3 GB of this machine's
+    memory (its 2-block copy is allocated, never paged in); on 4 GiB nothing fits, and nothing is built."""
     pytest.importorskip("bitsandbytes")
-    done, seconds, rss = run_measured(PLAN_8B + ["--gpu", "8GiB"])
+    done, rss = run_measured(PLAN_8B + ["--gpu", "8GiB"])
     assert done.returncode == 0, done.stderr[-2000:]
     plan = json.loads(done.stdout.strip().splitlines()[-1])
     assert plan["fits"] and plan["parameters"] > 8.0e9 and plan["step_peak"] <= (8 - 0.6) * 0.9 * 2**30
     assert "nf4 base" in " + ".join(s["setting"] for s in plan["settings"] if s["measured"])
-    assert seconds < 300 and rss < 8e9, (seconds, rss)
-    small, _, _ = run_measured(PLAN_8B[:-1] + ["--gpu", "4GiB"])
+    assert plan["speed"]["here_flops"] == 0  # nothing computed, so nothing timed
+    assert rss < 3e9, rss
+    small, _ = run_measured(PLAN_8B[:-1] + ["--gpu", "4GiB"])
     assert small.returncode == 1
     assert "does not fit" in small.stdout and "weights, gradients and optimizer state alone" in small.stdout
+
+
+@pytest.mark.slow
+def test_llama_8b_micro_step_allocated_within_2_percent_of_computed(monkeypatch):
+    """The 8 B plan's recommendation (nf4 base, bf16 compute, checkpointing, the chunked head) with its copy's
+    micro-steps computed for real (4 min, 7 GB here) and allocation-only: the same step peak within 2 %."""
+    import contextlib
+
+    from finetune.memory import depth
+    from finetune.models.hf import stand_in
+    from finetune.startup import build_job
+
+    pytest.importorskip("bitsandbytes")
+    cfg = load_recipe("sft-smollm2", [])
+    config = load_architecture(str(LLAMA_8B))
+    lever = recipe_levers(cfg)[-1]
+    variant = with_lever(cfg, lever)
+    setting = dataclasses.replace(lever, checkpointing=True, chunked_loss=True)
+    with stand_in(config, meta=True):
+        batches, _ = longest_batches(build_job(variant))
+    only = Extrapolated(variant, config, batches, Layout(), 8, build_job).measure(setting)
+    monkeypatch.setattr(depth, "AllocationsOnly", contextlib.nullcontext)
+    computed = Extrapolated(variant, config, batches, Layout(), 8, build_job).measure(setting)
+    for b, n in ((1, 8), (8, 1)):
+        assert abs(only.step_peak(b, n) / computed.step_peak(b, n) - 1) <= 0.02, (b, n)
 
 
 def test_architecture_from_a_folder_or_one_line_error(tmp_path):

@@ -6,8 +6,11 @@ stand-in for its model (``finetune.models.hf.stand_in``): its own data, tokenize
 * The fixed part — weights, gradients, optimizer state — comes from a meta-device build of the whole model, counted
   per dtype, quantization and optimizer (``finetune.memory.fixed``): exact, and free.
 * What a micro-step adds — saved activations, the loss head, backward's temporaries — is measured as
-  ``finetune.memory.step`` measures it, on a depth-reduced copy: ``DEPTHS[-1]`` blocks with constant weights at
-  the real width, vocabulary and sequence length, then on its first ``DEPTHS[0]`` blocks. Where every block is shown
+  ``finetune.memory.step`` measures it, on a depth-reduced copy: ``DEPTHS[-1]`` blocks at the real width,
+  vocabulary and sequence length, then on its first ``DEPTHS[0]`` blocks. The copy is built and run under
+  ``finetune.memory.allocations.AllocationsOnly``: every tensor is allocated and freed as in a real step, and the
+  matrix products, casts and quantization are not computed (an 8 B model's micro-step takes a second, and its
+  untouched weights take no room here). Where every block is shown
   the same (``unlike_blocks``: the same submodules, settings and tensors, and one value in each per-block list of the
   config), what one more block adds is the difference over the blocks between them, and the full depth's micro-step
   is the deeper measurement plus that much per block left. Blocks that differ (sliding and full attention in turn,
@@ -27,6 +30,7 @@ import torch
 from finetune.config import PretrainedModelConfig
 from finetune.errors import ConfigError
 from finetune.memory import sharded, speed
+from finetune.memory.allocations import AllocationsOnly
 from finetune.memory.cards import parse_gpu
 from finetune.memory.fixed import fixed_part
 from finetune.memory.plan import (
@@ -84,12 +88,12 @@ class Extrapolated:
         self._measured: Optional[object] = None
 
     def copy(self):
-        """The copy measured, built on first use: the recipe's model with ``built_depth`` blocks of constant
-        weights."""
+        """The copy measured, built on first use: the recipe's model with ``built_depth`` blocks, allocated and never
+        written."""
         if self._measured is None:
             if self.unlike:
                 check_room_for_every_block(self.unlike, self.weights)
-            with stand_in(self.config, layers=self.built_depth, constant=True):
+            with stand_in(self.config, layers=self.built_depth, unwritten=True), AllocationsOnly():
                 job = self.build(self.cfg)
             # measured as one process holding everything: ``with_fixed`` spreads the full model over the layout
             self._measured = Subject(job.model, self.batches, self.cfg.training, job.loss_fn, checkpointing_of(job),
@@ -98,13 +102,14 @@ class Extrapolated:
 
     def measure(self, setting: Setting) -> Optional[Profile]:
         subject = self.copy()
-        deep = subject.measure(setting)
-        if deep is None:
-            return None
-        if self.built_depth == self.depth:  # measured at full depth
-            return self.with_fixed(deep)
-        with first_blocks(subject.model, DEPTHS[0]):
-            shallow = subject.measure(setting)
+        with AllocationsOnly():
+            deep = subject.measure(setting)
+            if deep is None:
+                return None
+            if self.built_depth == self.depth:  # measured at full depth
+                return self.with_fixed(deep)
+            with first_blocks(subject.model, DEPTHS[0]):
+                shallow = subject.measure(setting)
         return self.with_fixed(extrapolate(shallow, deep, DEPTHS[0], DEPTHS[-1], self.depth))
 
     def with_fixed(self, profile: Profile) -> Profile:
@@ -113,7 +118,8 @@ class Extrapolated:
         profile.weights, profile.gradients, profile.optimizer_state = \
             self.weights, self.gradients, self.optimizer_state
         profile.parameters, profile.trainable = self.parameters, self.trainable
-        profile.multiplying = self.multiplying  # here_flops stays the copy's: a rate, carried to the full depth
+        profile.multiplying = self.multiplying
+        profile.here_flops = 0.0  # the copy's products were not computed: nothing was timed
         return sharded.per_process(profile, self.layout, self.sizes)
 
     def unmeasured(self, setting: Setting) -> Profile:

@@ -185,6 +185,9 @@ def speed_lines(s: Speed) -> list[str]:
     if s.here_flops:
         lines += [f"  measured on {s.here}: {s.here_flops / 1e9:.4g} GFLOP/s in the planner's last micro-step "
                   f"(allocator recorded) = {s.here_tokens_per_second:.4g} tokens/s → {duration(s.here_seconds)}"]
+    else:
+        lines += ["  not timed on this machine: the planner's micro-steps allocated their tensors without computing "
+                  "them (a model larger than this machine, --model-config)"]
     return lines
 
 

@@ -43,7 +43,8 @@ class Work:
 @dataclass
 class Speed:
     """The estimate on a card, and the same figures at the rate measured here. Rates in tokens a second, times in
-    seconds; 0 where there is no figure (``card_note`` / ``here_note`` say why)."""
+    seconds; 0 where there is no figure (``card_note`` says why on the card; ``here_flops`` is 0 where the planner's
+    micro-steps were not computed: ``--model-config``)."""
 
     card: str                   # the card whose peak prices it ("" none)
     card_note: str

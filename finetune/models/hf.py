@@ -149,12 +149,13 @@ def from_pretrained(cls, path: str, field: str = "model.name_or_path", **kwargs)
 
 class StandIn:
     """The architecture of ``config`` built in place of the model a task loads: ``layers`` of its blocks (None:
-    all) with random weights (``constant``: every one 0.02, for measuring bytes fast), on the meta device (``meta``:
-    no storage, for counting bytes) or for real, in the loading keywords' dtype and quantization. Only
-    ``finetune plan`` and the GPU kit set one, around a recipe's build."""
+    all) with random weights (``unwritten``: none initialized, for a build whose values nobody reads:
+    ``finetune.memory.allocations.AllocationsOnly``), on the meta device (``meta``: no storage, for counting bytes)
+    or for real, in the loading keywords' dtype and quantization. Only ``finetune plan`` and the GPU kit set one,
+    around a recipe's build."""
 
-    def __init__(self, config, layers: Optional[int] = None, meta: bool = False, constant: bool = False):
-        self.config, self.layers, self.meta, self.constant = config, layers, meta, constant
+    def __init__(self, config, layers: Optional[int] = None, meta: bool = False, unwritten: bool = False):
+        self.config, self.layers, self.meta, self.unwritten = config, layers, meta, unwritten
 
     def architecture(self):
         """``config`` with ``layers`` blocks (per-layer lists, such as ``layer_types``, cut to match)."""
@@ -181,8 +182,8 @@ class StandIn:
         if self.meta:  # quantization only changes the bytes counted (finetune.memory.fixed), not the structure
             with init_empty_weights(include_buffers=True):
                 return cls.from_config(config, dtype=dtype, trust_remote_code=remote)
-        if self.constant:
-            model = constant_weights(cls, config, dtype, remote)
+        if self.unwritten:
+            model = unwritten_weights(cls, config, dtype, remote)
         else:
             torch.manual_seed(0)
             model = cls.from_config(config, dtype=dtype, trust_remote_code=remote)
@@ -194,19 +195,14 @@ class StandIn:
         return architecture.from_pretrained(None, config=config, state_dict=weights, **kwargs)
 
 
-def constant_weights(cls, config, dtype, remote: bool):
-    """``cls.from_config(config)`` with every floating weight 0.02 instead of random: the planner measures bytes,
-    which no value changes, and drawing an 8 B model's 1.5 B stand-in weights at random took half a minute on the
-    2-core CPU (a constant, not ``torch.empty``'s leftovers: NaN would reach bitsandbytes' quantization)."""
+def unwritten_weights(cls, config, dtype, remote: bool):
+    """``cls.from_config(config)`` without initializing a weight: under ``AllocationsOnly`` its storage is allocated
+    and never written, so an 8 B copy's gigabytes are never paged in (drawing its 1.5 B random weights took half a
+    minute on the 2-core CPU, and the bytes measured depend on no value)."""
     from transformers.initialization import no_init_weights
 
     with no_init_weights():
-        model = cls.from_config(config, dtype=dtype, trust_remote_code=remote)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point():
-                p.fill_(0.02)
-    return model
+        return cls.from_config(config, dtype=dtype, trust_remote_code=remote)
 
 
 LOADING_KEYWORDS = {"dtype", "quantization_config", "device_map", "trust_remote_code"}
@@ -214,11 +210,11 @@ _stand_in: Optional[StandIn] = None  # set by stand_in() only
 
 
 @contextlib.contextmanager
-def stand_in(config, layers: Optional[int] = None, meta: bool = False, constant: bool = False):
-    """While inside, every model a task loads (``pretrained``) is ``StandIn(config, layers, meta, constant)``
+def stand_in(config, layers: Optional[int] = None, meta: bool = False, unwritten: bool = False):
+    """While inside, every model a task loads (``pretrained``) is ``StandIn(config, layers, meta, unwritten)``
     instead."""
     global _stand_in
-    before, _stand_in = _stand_in, StandIn(config, layers, meta, constant)
+    before, _stand_in = _stand_in, StandIn(config, layers, meta, unwritten)
     try:
         yield _stand_in
     finally:
