@@ -51,6 +51,8 @@ class Job:
             model, peft or training settings, trained by this job's ``loss_fn`` and hooks: ``finetune plan`` prices
             its levers and depth-reduced copies with it, without building the data again (None: it builds the whole
             job of each variant).
+        unplannable: why ``finetune plan`` cannot measure this task's micro-steps before a run (GRPO's are made of
+            the rollouts the run generates); the plan refuses in one line. Empty: it can.
     """
 
     model: torch.nn.Module
@@ -74,6 +76,7 @@ class Job:
     stream_block: Optional[int] = None
     windows_in_order: bool = False
     model_for: Optional[Callable] = None
+    unplannable: str = ""
     # the hook's old name, carried for a release: "checkpointing" alone now means a checkpoint to resume from
     enable_checkpointing: InitVar[Optional[Callable]] = None
 

@@ -454,11 +454,15 @@ STREAM_UNPACKED = "off (a stream's longest sample is not known ahead: training.p
 
 def check_model(accelerator: Accelerator, model, job: Job, t: TrainingConfig, pack_length_of,
                 reporting: loop.Reporting) -> None:
-    """The refusals that need the model: token budgets without sample lengths, checkpoints of a model the task
+    """The refusals that need the model: token budgets without sample lengths, ``batch_size: auto`` for a task whose
+    micro-steps cannot be measured ahead (``Job.unplannable``), checkpoints of a model the task
     sharded itself, and what DeepSpeed would run differently with the job's optimizers (its config as Accelerate
     prepares it)."""
     if t.max_tokens_per_micro_batch and not (job.length_of or pack_length_of):
         raise ConfigError("training.max_tokens_per_micro_batch: this task gives no sample lengths (Job.length_of)")
+    if t.batch_size == "auto" and job.unplannable:
+        raise ConfigError(f"training.batch_size: auto measures micro-steps before the run, and {job.unplannable}; "
+                          "give a number of samples")
     if distributed.is_fsdp2(model) and accelerator.distributed_type != DistributedType.FSDP and reporting.save_every:
         raise ConfigError("output.save_every: checkpoints of a model the task sharded itself (fully_shard) are not "
                           "written; set output.save_every=null, or launch with accelerate_configs/fsdp.yaml (GPUs)")

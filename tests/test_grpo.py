@@ -153,6 +153,9 @@ def bad_reward_module(tmp_path, body):
     (lambda p: "training.sort_within_window=true", "training.sort_within_window: this task's samples must come in "
                                                    "order", "set-up"),
     (lambda p: "data.max_operand=0", "data.max_operand: got 0; must be an integer >= 1", "set-up"),
+    # its micro-batches are rollouts generated in the run: nothing to measure a micro-step on before it (Job.unplannable)
+    (lambda p: "training.batch_size=auto", "training.batch_size: auto measures micro-steps before the run, and the "
+                                           "grpo task trains on the rollouts it generates", "set-up"),
 ])
 def test_bad_input_is_one_line(capsys, tmp_path, setting, message, when):
     tiny_chat_assets()
@@ -231,6 +234,19 @@ def test_a_run_replayed_from_its_rollouts_takes_its_steps_and_compare_says_so(tm
                     f"model.rollouts={tampered}")
     c = compare_runs(recorded, other)
     assert c.first_difference is not None and c.first_difference.startswith("rollouts")
+
+
+def test_plan_refuses_a_task_whose_micro_steps_are_made_in_the_run(capsys):
+    """``finetune plan`` of the grpo recipe: one line naming why (its rollouts), exit 2, with or without
+    ``--model-config``."""
+    from tests.helpers import ROOT, assert_one_error_line, cli_in_process
+
+    tiny_chat_assets()
+    tiny = [x for s in SMALL["grpo-smollm2"] for x in ("--set", s)]
+    for extra in ([], ["--model-config", str(ROOT / "tests" / "assets" / "llama-3.1-8b")]):
+        code, said = cli_in_process(capsys, "plan", "--recipe", "grpo-smollm2", *tiny, "--gpu", "8GiB", *extra)
+        assert code == 2, said[-2000:]
+        assert_one_error_line(said, "plan: the grpo task trains on the rollouts it generates during the run")
 
 
 def test_rollouts_that_do_not_fit_the_run_are_refused(capsys, tmp_path):

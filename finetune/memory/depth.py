@@ -37,6 +37,7 @@ from finetune.memory.plan import (
     Subject,
     checkpointing_of,
     plan_subjects,
+    plannable,
     planned_window,
     rebuilder,
     recipe_levers,
@@ -221,6 +222,7 @@ def plan_from_config(cfg, source: str, gpu: str, layout: Layout, build, effectiv
     config = load_architecture(source)
     with stand_in(config, meta=True):  # the recipe's data, tokenizer and collation; its model on the meta device
         job = build(cfg)
+    plannable(job)
     planned_window(effective, job)
     batches, seq = longest_batches(job, sizes=(1, 2))
     per_process = effective // layout.processes

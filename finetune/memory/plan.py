@@ -407,6 +407,7 @@ def plan_recipe(cfg, gpu: str, layout: Layout, build: Callable, effective: int) 
     ``build(cfg)``: the recipe's job (start-up's, given by the command); ``effective``: the batch planned for."""
     parse_gpu(gpu)  # before building the model
     job = build(cfg)
+    plannable(job)
     planned_window(effective, job)
     batches, seq = longest_batches(job, sizes=(1, 2))
     t = cfg.training
@@ -428,6 +429,12 @@ def rebuilder(job, build: Callable) -> Callable:
     if job.model_for is None:
         return build
     return lambda variant: dataclasses.replace(job, model=job.model_for(variant))
+
+
+def plannable(job) -> None:
+    """ConfigError when the task's micro-steps cannot be measured before a run (``Job.unplannable``)."""
+    if job.unplannable:
+        raise ConfigError(f"plan: {job.unplannable}; nothing is planned for it")
 
 
 def planned_window(effective: int, job) -> None:

@@ -701,5 +701,7 @@ def build(cfg, ctx: TaskContext) -> Job:
                loss_fn=make_loss_fn(m, rollouts, schedule, make_reward_eval(m, tokenizer, funcs)),
                count_items=make_count(m, rollouts, schedule), eval_step=eval_step, compute_metrics=held_out_metrics,
                before_window=generator.before_window, save=peft_save_hook(cfg, tokenizer), summarize=summarize,
-               checkpointed=[rollouts], windows_in_order=True)  # the slots follow the generation batches
+               checkpointed=[rollouts], windows_in_order=True,  # the slots follow the generation batches
+               unplannable="the grpo task trains on the rollouts it generates during the run: its micro-steps "
+                           "cannot be measured before it")
 
