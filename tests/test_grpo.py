@@ -153,7 +153,7 @@ def bad_reward_module(tmp_path, body):
     (lambda p: "training.sort_within_window=true", "training.sort_within_window: this task's samples must come in "
                                                    "order", "set-up"),
     (lambda p: "data.max_operand=0", "data.max_operand: got 0; must be an integer >= 1", "set-up"),
-    # its micro-batches are rollouts generated in the run: nothing to measure a micro-step on before it (Job.unplannable)
+    # its micro-batches are rollouts generated in the run: no micro-step to measure before it (Job.unplannable)
     (lambda p: "training.batch_size=auto", "training.batch_size: auto measures micro-steps before the run, and the "
                                            "grpo task trains on the rollouts it generates", "set-up"),
 ])
