@@ -21,7 +21,7 @@ from finetune.memory.step import longest_batches
 from finetune.models import hf as hf_models
 from finetune.optim import make_optimizer
 from finetune.optimizers import OPTIMIZERS
-from tests.helpers import ENV, ROOT, tiny_chat_assets
+from tests.helpers import ENV, ROOT, assert_one_error_line, tiny_chat_assets
 
 pytestmark = pytest.mark.usefixtures("frozen_heap")  # the planner's gc passes walk only this module's objects
 
@@ -374,3 +374,16 @@ def test_architecture_from_a_folder_or_one_line_error(tmp_path):
 
     with pytest.raises(ConfigError, match="--model-config"):
         load_architecture(str(tmp_path / "nothing-here"))
+
+
+def test_a_vocabulary_smaller_than_the_recipes_tokenizer_is_one_line(tmp_path):
+    """A config whose embedding has fewer rows than the recipe's tokenizer has ids: one line, exit 2, naming both
+    (the recipe's own vocabulary passes the same check)."""
+    config = json.loads((LLAMA_8B / "config.json").read_text())
+    config.update(vocab_size=1000, num_hidden_layers=2, hidden_size=64, intermediate_size=128)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    done = subprocess.run(PLAN_8B[:7] + [str(tmp_path), "--gpu", "8GiB"], capture_output=True, text=True, env=ENV,
+                          cwd=ROOT, timeout=600)
+    assert done.returncode == 2
+    assert_one_error_line(done.stderr, f"--model-config: {tmp_path} has vocab_size 1000, and the recipe's tokenizer "
+                                       "makes ids up to 49151")

@@ -131,6 +131,14 @@ class Extrapolated:
                                        saved=zero, first=zero, later=zero, measured=False))
 
 
+def check_vocabulary(config, tokenizer, source: str) -> None:
+    """ConfigError when the recipe's tokenizer makes ids that ``config``'s embedding has no row for."""
+    vocabulary = getattr(config, "vocab_size", None)
+    if tokenizer is not None and isinstance(vocabulary, int) and len(tokenizer) > vocabulary:
+        raise ConfigError(f"--model-config: {source} has vocab_size {vocabulary}, and the recipe's tokenizer makes "
+                          f"ids up to {len(tokenizer) - 1}; give a config whose vocabulary holds them")
+
+
 def check_room_for_every_block(why: str, weights: int) -> None:
     """ConfigError when a model whose blocks differ (``why``) is too large to build whole on this machine."""
     import psutil  # lazy: only a plan whose blocks differ asks
@@ -223,6 +231,7 @@ def plan_from_config(cfg, source: str, gpu: str, layout: Layout, build, effectiv
     with stand_in(config, meta=True):  # the recipe's data, tokenizer and collation; its model on the meta device
         job = build(cfg)
     plannable(job)
+    check_vocabulary(config, job.tokenizer, source)
     planned_window(effective, job)
     batches, seq = longest_batches(job, sizes=(1, 2))
     per_process = effective // layout.processes
