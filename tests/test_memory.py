@@ -463,3 +463,9 @@ def test_plan_says_headroom_and_an_estimate_of_speed_and_time():
     assert "speed (an estimate)" in table and "utilization (assumed)" in table and f"on {s['card']} (assumed" in table
     assert "2N forward + 2N backward + 2N_t weight gradients" in table
     assert f"{s['tokens_per_second']:.4g} tokens/s" in table and "measured on this machine" in table
+
+
+def test_a_run_shorter_than_a_second_says_so():
+    """The plan's wall times for people: a run under half a second is not printed as "0 s"."""
+    assert [plan_module.duration(s) for s in (0.2, 0.6, 90, 150, 7300)] == \
+        ["under 1 s", "1 s", "90 s", "2.5 min", "2.0 h"]

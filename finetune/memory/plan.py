@@ -168,7 +168,7 @@ def duration(seconds: float) -> str:
     for unit, length in (("days", 86400), ("h", 3600), ("min", 60)):
         if seconds >= 2 * length:
             return f"{seconds / length:.1f} {unit}"
-    return f"{seconds:.0f} s"
+    return f"{seconds:.0f} s" if seconds >= 0.5 else "under 1 s"
 
 
 def speed_lines(s: Speed) -> list[str]:
