@@ -118,6 +118,20 @@ def test_adding_adapters_says_nothing_of_transformers_deprecated_property():
         assert any("is_gradient_checkpointing" in str(w.message) for w in caught)
 
 
+def test_target_modules_of_another_architecture_are_one_line_naming_its_layers():
+    """A recipe's Llama targets (q_proj, …) on a GPT-2: ConfigError naming the field and GPT-2's own linear layers
+    (its Conv1D ones included); the same config with c_attn trains (the control)."""
+    from finetune.config import PeftConfig
+    from finetune.errors import ConfigError
+    from finetune.models.hf import apply_peft
+
+    with pytest.raises(ConfigError, match=r"^peft.target_modules: q_proj, v_proj match no layer of GPT2LMHeadModel; "
+                                          r"its linear layers: c_attn, c_fc, c_proj"):
+        apply_peft(tiny_gpt2(), PeftConfig(enabled=True, r=4, target_modules=["q_proj", "v_proj"]), "CAUSAL_LM")
+    model = apply_peft(tiny_gpt2(), PeftConfig(enabled=True, r=4, target_modules=["c_attn"]), "CAUSAL_LM")
+    assert any("lora_" in name for name, _ in model.named_parameters())
+
+
 def test_lora_windows_are_exact():
     model, data = _lora_gpt2(), token_data(21)
     small = test_fine_tuning(copy_model(model), train_data=data, batch_size=2, gradient_accumulation_steps=3,

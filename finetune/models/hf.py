@@ -287,7 +287,7 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
     and what trains is fp32 (``finetune.models.precision``)."""
     if peft_cfg is not None and peft_cfg.enabled:
         # missing: refused on load (peft.enabled's needs); the planner tries LoRA only where peft is installed
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
 
         targets = peft_cfg.target_modules
         targets = "all-linear" if targets == ["all-linear"] else targets  # peft takes its shorthand as a string
@@ -299,7 +299,7 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
             # with a FutureWarning on every read: peft's to heed, not the user's; only that warning, only here
             warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated",
                                     category=FutureWarning)
-            model = get_peft_model(model, lora)
+            model = with_lora(model, lora)
         if getattr(peft_cfg, "init_from", None):  # a stand-in section (the planner's) may not have it
             load_initial_adapter(model, peft_cfg.init_file)
     precision.keep_trainable_in(model, trained_dtype)
@@ -307,6 +307,22 @@ def apply_peft(model: torch.nn.Module, peft_cfg, task_type: str, mixed_precision
         precision.compute_in_fp32(model)
     precision.prepare_quantized(model)
     return model
+
+
+def with_lora(model: torch.nn.Module, lora) -> torch.nn.Module:
+    """peft's ``get_peft_model``; ConfigError naming the model's linear layers when ``peft.target_modules`` match
+    none of them (another architecture than the recipe's: GPT-2's ``c_attn``, not ``q_proj``)."""
+    from peft import get_peft_model
+    from peft.tuners.tuners_utils import NoMatchingPeftModuleError
+
+    try:
+        return get_peft_model(model, lora)
+    except NoMatchingPeftModuleError:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})  # GPT-2's linear layers
+        raise ConfigError(f"peft.target_modules: {', '.join(sorted(lora.target_modules))} match no layer of "
+                          f"{type(model).__name__}; its linear layers: {', '.join(names[:12])} (or all-linear)"
+                          ) from None
 
 
 def load_initial_adapter(model, path: Path) -> None:
