@@ -190,8 +190,8 @@ class ProductsUnallocated(AllocationsOnly):
     """The other way to be wrong: the products' outputs stand in as one element broadcast, holding no bytes (every
     in-place write on floats skipped, as such a stand-in cannot take one)."""
 
-    def writes_values(self, name: str, args) -> bool:
-        return name.endswith("_") and bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
+    def writes_values(self, name: str, target) -> bool:
+        return name.endswith("_") and isinstance(target, torch.Tensor) and target.is_floating_point()
 
     @staticmethod
     def allocated(func, args, kwargs):

@@ -56,6 +56,12 @@ def _casts_floats(name: str, args, kwargs) -> bool:
     return (dtype is None or dtype.is_floating_point) and (device is None or torch.device(device) == args[0].device)
 
 
+def _written(func, args, kwargs) -> list:
+    """The arguments ``func`` writes into, by its schema: ``self`` of an in-place op, ``out`` of an out= one."""
+    return [args[i] if i < len(args) else kwargs.get(a.name)
+            for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
 class AllocationsOnly(TorchDispatchMode):
     """While inside, the costly ops allocate their outputs without computing them (the module's docstring says
     which); ``skipped`` counts them. Values are left unwritten: use it only where bytes are measured."""
@@ -69,17 +75,20 @@ class AllocationsOnly(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if self.writes_values(name, args):
-            self.skipped += 1
-            return args[0] if func._schema.returns else None  # the foreach and fused updates return nothing
-        if name in self.products or _casts_floats(name, args, kwargs):
+        written = _written(func, args, kwargs)
+        if written and (name in self.products or self.writes_values(name, written[0])):
+            self.skipped += 1  # nothing allocated: the op writes into tensors that exist (in place, or out=)
+            returns = len(func._schema.returns)
+            return None if not returns else written[0] if returns == 1 else tuple(written[:returns])
+        if not written and (name in self.products or _casts_floats(name, args, kwargs)):
             self.skipped += 1
             return self.allocated(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def writes_values(self, name: str, args) -> bool:
+    def writes_values(self, name: str, target) -> bool:
+        """Whether an op writing into ``target`` writes floating-point values only."""
         in_place = name in self.value_writes or (name.startswith(("_foreach_", "_fused_")) and name.endswith("_"))
-        return in_place and bool(args) and _floating(args[0])
+        return in_place and _floating(target)
 
     @staticmethod
     def allocated(func, args, kwargs):
