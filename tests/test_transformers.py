@@ -118,6 +118,7 @@ def test_adding_adapters_says_nothing_of_transformers_deprecated_property():
         assert any("is_gradient_checkpointing" in str(w.message) for w in caught)
 
 
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False")  # peft on GPT-2's Conv1D: it sets it
 def test_target_modules_of_another_architecture_are_one_line_naming_its_layers():
     """A recipe's Llama targets (q_proj, …) on a GPT-2: ConfigError naming the field and GPT-2's own linear layers
     (its Conv1D ones included); the same config with c_attn trains (the control)."""
