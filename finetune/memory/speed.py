@@ -92,10 +92,15 @@ def shape_of(model) -> tuple[int, int]:
     return (layers, width) if isinstance(layers, int) and isinstance(width, int) else (0, 0)
 
 
+def attention_flops(layers: int, width: int, tokens: int, checkpointing: bool) -> int:
+    """The attention term of FLOPs a token: 12·L·d·s, 16·L·d·s with checkpointing (the module's docstring)."""
+    return (16 if checkpointing else 12) * layers * width * tokens
+
+
 def flops_per_token(n: int, trained: int, layers: int, width: int, tokens: int, checkpointing: bool) -> tuple:
     """(FLOPs a step computes per token, the formula with its terms valued) — see the module's docstring."""
     again = 2 * n if checkpointing else 0
-    attention = (16 if checkpointing else 12) * layers * width * tokens
+    attention = attention_flops(layers, width, tokens, checkpointing)
     total = 4 * n + 2 * trained + again + attention
     formula = ("2N forward + 2N backward + 2N_t weight gradients"
                + (" + 2N recompute (checkpointing)" if checkpointing else "")
@@ -150,7 +155,7 @@ def estimate(gpu: str, precision: str, n: int, trained: int, checkpointing: bool
     """The ``Speed`` of a run of ``work`` computing in ``precision`` (training.mixed_precision) with ``n`` / ``trained``
     multiplying / trained parameters, on ``gpu`` and at ``here_flops`` (FLOP/s measured here; 0: none)."""
     per_token, formula = flops_per_token(n, trained, work.layers, work.width, work.longest, checkpointing)
-    attention = (16 if checkpointing else 12) * work.layers * work.width * work.longest
+    attention = attention_flops(work.layers, work.width, work.longest, checkpointing)
     card, note = speed_card(gpu, precision)
     peak = CARDS[card].peak(precision) if card else 0.0
     rate = peak * UTILIZATION / per_token if peak else 0.0
