@@ -158,8 +158,8 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                 if job.before_window is not None:  # e.g. a KL weight or an R1 interval keyed on optimizer steps
                     job.before_window(state)
                 rng = torch.get_rng_state()  # an out-of-memory retry rewinds to it: the same dropout masks
-                if run.pad_to_window:  # bf16: every sample at the big batch's padded length
-                    micro_batches = pad_to_window(run.accelerator, micro_batches)
+                if run.pad_to_window:  # bf16: every sample at the big batch's (or its baseline's) padded length
+                    micro_batches = pad_to_window(run.accelerator, micro_batches, window.pad_lengths)
                 try:
                     result = accumulate_window(run.accelerator, run.model, run.forward_model, job.loss_fn, window,
                                                micro_batches, run.counter, offload=t.activation_offloading,

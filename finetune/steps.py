@@ -56,22 +56,29 @@ class WindowResult:
     extras: dict = field(default_factory=dict)  # other loss terms, weighted the same way
 
 
-def pad_to_window(accelerator, micro_batches: list) -> list:
+def pad_to_window(accelerator, micro_batches: list, targets=None) -> list:
     """Each text micro-batch (a mapping with a 2-D ``attention_mask``) right-padded to the window's longest sample,
     over every process: its ``attention_mask`` and every other tensor as long as it along dim 1 (``labels`` with
     -100, the rest with 0; the padding is masked out). Under bf16 a sample's numbers depend on the padded length it
     runs at (up to 5e-3 in its loss), and the big batch runs every sample at the window's longest; other batches
-    are returned as they are."""
+    are returned as they are. ``targets`` (``Window.pad_lengths``, ``training.replay_padding``): each micro-batch's
+    own length instead, the one its baseline micro-batch was padded to."""
     lengths = [b["attention_mask"].shape[1] if isinstance(b, Mapping) and isinstance(b.get("attention_mask"),
                                                                                     torch.Tensor)
                and b["attention_mask"].dim() == 2 else None for b in micro_batches]
     if any(n is None for n in lengths):
         return micro_batches
-    longest = max(lengths)
-    if accelerator.num_processes > 1:
-        longest = int(accelerator.reduce(torch.tensor(longest, device=accelerator.device), "max"))
-    return [{k: _right_pad(v, n, longest, -100 if k == "labels" else 0) for k, v in b.items()}
-            for b, n in zip(micro_batches, lengths)]
+    if targets is None:
+        longest = max(lengths)
+        if accelerator.num_processes > 1:
+            longest = int(accelerator.reduce(torch.tensor(longest, device=accelerator.device), "max"))
+        targets = [longest] * len(lengths)
+    if any(n > t for n, t in zip(lengths, targets)):
+        # the lengths the task gave (Job.length_of) are not its collated rows': the baseline's padding is unknown
+        raise RuntimeError(f"training.replay_padding: a micro-batch of {max(lengths)} tokens is longer than the "
+                           f"{min(targets)} its baseline micro-batch was padded to (the task's sample lengths)")
+    return [{k: _right_pad(v, n, t, -100 if k == "labels" else 0) for k, v in b.items()}
+            for b, n, t in zip(micro_batches, lengths, targets)]
 
 
 def _right_pad(value, length: int, longest: int, fill: int):
