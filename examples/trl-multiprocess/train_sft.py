@@ -41,6 +41,7 @@ INPUTS = Path(__file__).resolve().parents[2] / "tests" / "assets" / "llamafactor
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--data", default=str(INPUTS / "data" / "chat.jsonl"))
+p.add_argument("--model", default=str(INPUTS / "model"), help="the base model's folder")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast, with gradient checkpointing")
 p.add_argument("--rows", type=int, help="train on the first ROWS rows only")
 p.add_argument("--process-mean", action="store_true", help="average_tokens_across_devices=False")
@@ -64,7 +65,7 @@ args = SFTConfig(output_dir=opts.out, per_device_train_batch_size=opts.per_devic
                  accelerator_config={"use_configured_state": bool(opts.zero)},
                  assistant_only_loss=False, average_tokens_across_devices=not opts.process_mean,
                  **({"pad_to_multiple_of": opts.pad_to_multiple_of} if opts.pad_to_multiple_of else {}))
-model_dir = str(INPUTS / "model")
+model_dir = opts.model
 rows = load_dataset("json", data_files=opts.data)["train"]
 trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
                      train_dataset=rows.select(range(opts.rows)) if opts.rows else rows,
