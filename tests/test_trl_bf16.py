@@ -88,10 +88,11 @@ def test_a_two_process_bf16_trl_run_on_varied_lengths_is_equivalent_and_one_word
     """TRL SFTTrainer on 2 processes, bf16 autocast + gradient checkpointing, 4 per device × 2 accumulation × 2 =
     16, 48 chats of 32–138 tokens (``tests/assets/trl-2proc/sft-bf16-varied``, made by
     examples/trl-multiprocess/train_sft.py; the command is in its docstring), reproduced on one process at
-    micro-batch 2: each micro-batch padded as its baseline micro-batch was, the twin too. Both directions: the
-    reproduction reads equivalent; the same with one word of one answer changed, the lr 2 % higher, or no warm-up,
-    reads differs — and by a layer the rounding band judges (the loss, grad norm or weights), not only the settings
-    or the lr logged."""
+    micro-batch 2: each micro-batch padded as its baseline micro-batch was; the twin replays the baseline's rounding
+    whole (its micro-batch of 4, its padding, weight-gradient sums rounded to bf16 per micro-batch). Both
+    directions: the reproduction reads equivalent; the same with one word of one answer changed, the lr 2 % higher,
+    or no warm-up, reads differs — and by a layer the rounding band judges (the loss, grad norm or weights), not
+    only the settings or the lr logged."""
     def reproduce(name, *sets, data=VARIED):
         return cli(capsys, "reproduce", TWO / "sft-bf16-varied", "--model", tiny_chat_assets()["model"], "--data",
                    data, "--batch-size", 2, "-o", tmp_path / name, "--set", "model.generate_prompts=0", "--set",
@@ -100,7 +101,9 @@ def test_a_two_process_bf16_trl_run_on_varied_lengths_is_equivalent_and_one_word
     code, said = reproduce("same")
     assert code == 0 and verdict(said).startswith("verdict: equivalent"), said
     assert "training.replay_padding" in said and "[4, 1]" in said, said  # import said it
-    assert "floor measured on twin at micro-batch 1, padded as the baseline's micro-batches of 4" in said, said
+    # the twin replays the baseline's rounding whole: its micro-batch, its padding, its bf16-rounded gradient sums
+    assert "floor measured on twin at micro-batch 4, padded as the baseline's micro-batches of 4, weight-gradient " \
+           "sums rounded per micro-batch" in said, said
     assert all(layers(said)[k] == "ok" for k in NUMBERS), said
 
     rows = [json.loads(line) for line in open(VARIED)]
@@ -125,4 +128,4 @@ def test_a_baseline_padded_to_a_multiple_is_replayed_at_that_multiple(tmp_path, 
                      "--set", "output.plots=false")
     assert code == 0 and verdict(said).startswith("verdict: equivalent"), said
     assert "[4, 16]" in said and "a multiple of 16 (pad_to_multiple_of)" in said, said
-    assert "padded as the baseline's micro-batches of 4, to a multiple of 16" in said, said
+    assert "padded as the baseline's micro-batches of 4, to a multiple of 16, weight-gradient sums" in said, said

@@ -25,6 +25,7 @@ from finetune.reproduce.baseline_check import compare_with_baseline
 from finetune.reproduce.compare import compare_runs
 from finetune.reproduce.record import Baseline
 from finetune.reproduce.sources import names, read_baseline
+from finetune.reproduce.update_settings import setting
 
 
 def base_recipe(b: Baseline) -> str | None:
@@ -64,13 +65,13 @@ def main(args, finetune) -> int:
     twin = None
     if _below_fp32(run_dir):  # an assumed floor errs both ways: measure it on this machine
         twin = out / "twin"
-        other = twin_batch_size(run_dir)
+        other, rounding = twin_layout(run_dir, args.batch_size is not None)
         if other is None:
             print("reproduce: no other micro-batch divides the effective batch; the floor stays assumed",
                   file=sys.stderr)
             twin = None
         else:
-            commands.append(train[:4] + [str(other), "--output-dir", str(twin)] + train[7:])
+            commands.append(train[:4] + [str(other), "--output-dir", str(twin)] + train[7:] + rounding)
             code = finetune(commands[-1])
             if code:
                 return code
@@ -105,6 +106,23 @@ def _below_fp32(run_dir: Path) -> bool:
     config = read_config(run_dir) or {}
     return (config.get("training") or {}).get("mixed_precision") not in (None, "no") or \
         (config.get("model") or {}).get("master_weights") is False
+
+
+def twin_layout(run_dir: Path, chosen: bool) -> tuple[int | None, list]:
+    """The twin's micro-batch and the settings it adds. A run replaying its baseline's padding
+    (``training.replay_padding``) gets a twin that replays the baseline's rounding whole: at the baseline's own
+    micro-batch (its shapes in backward too: a micro-batch of one sample runs other kernels, 1e-3 apart in the
+    gradients of a hidden-size-384 Llama where 2 and 4 agree to 2e-7) — or at the run's where that is smaller and the
+    run's was sized to fit (``chosen``: given by the user) — with each micro-batch's weight-gradient sums rounded to
+    bf16 as the baseline's autocast rounded them. The floor is then the rounding the two tools differ by. Else
+    another micro-batch (:func:`twin_batch_size`)."""
+    replay = setting(read_config(run_dir), "training.replay_padding")
+    if not replay:
+        return twin_batch_size(run_dir), []
+    m = read_metrics(run_dir)
+    micro = m["effective_batch_size"] // m["gradient_accumulation_steps"]
+    own = replay[0] if chosen or replay[0] <= micro else micro
+    return own, ["--set", "training.fp32_grad_sums=false"]
 
 
 def twin_batch_size(run_dir: Path) -> int | None:

@@ -333,13 +333,15 @@ def layout_of(run: dict) -> str:
     total, n = m.get("effective_batch_size"), m.get("gradient_accumulation_steps")
     micro = f"micro-batch {total // n}" if total and n else "micro-batch unknown"
     replay = setting(config, "training.replay_padding")
+    mixed = setting(config, "training.mixed_precision") not in (None, "no")
+    sums = ", weight-gradient sums rounded per micro-batch" if mixed and setting(
+        config, "training.fp32_grad_sums") is False else ""
     if replay:
         per_device, multiple = replay
         return f"{micro}, padded as the baseline's micro-batches of {per_device}" + (
-            f", to a multiple of {multiple}" if multiple > 1 else "")
-    mixed = setting(config, "training.mixed_precision") not in (None, "no")
+            f", to a multiple of {multiple}" if multiple > 1 else "") + sums
     return f"{micro}, padded to " + ("the window's longest" if mixed and setting(config, "training.pad_to_window")
-                                     is not False else "each micro-batch's longest")
+                                     is not False else "each micro-batch's longest") + sums
 
 
 def trained(c: Comparison, ha: list, hb: list, tolerance: float, assumed: bool = False) -> None:
