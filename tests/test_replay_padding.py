@@ -126,3 +126,36 @@ def test_what_would_regroup_the_baseline_micro_batches_is_refused_naming_it(sett
     check_replay_padding(SimpleNamespace(length_of=len), TrainingConfig(replay_padding=[4, 1]))  # alone: fine
     with pytest.raises(ConfigError, match="this task gives no sample lengths"):
         check_replay_padding(SimpleNamespace(length_of=None), TrainingConfig(replay_padding=[4, 1]))
+
+
+TWO = ROOT / "tests" / "assets" / "trl-2proc"
+
+
+def imported(capsys, tmp_path, source, *extra):
+    import yaml
+
+    from tests.helpers import cli_in_process
+
+    recipe = tmp_path / "r.yaml"
+    code, said = cli_in_process(capsys, "import", source, "-o", recipe, "--force", *extra)
+    assert code == 0, said
+    return yaml.safe_load(recipe.read_text())["training"].get("replay_padding"), said
+
+
+def test_import_carries_each_tools_micro_batch_padding_in_half_precision_only(tmp_path, capsys, monkeypatch):
+    """TRL's per-device batch and its pad_to_multiple_of; LLaMA-Factory's collator, which pads to a multiple of 8;
+    an fp32 baseline (negative control) gets none: its rounding does not depend on the padded length."""
+    import yaml
+
+    lf = ["--recipe", "sft-smollm2", "--data", VARIED, "--model", tiny_chat_assets()["model"]]
+    assert imported(capsys, tmp_path, TWO / "sft-bf16-varied", *lf)[0] == [4, 1]
+    replay, said = imported(capsys, tmp_path, TWO / "sft-bf16-varied-pad16", *lf)
+    assert replay == [4, 16] and "rounded up to a multiple of 16 (pad_to_multiple_of)" in said, said
+    assert imported(capsys, tmp_path, TWO / "sft", *lf)[0] is None  # fp32
+    monkeypatch.chdir(ROOT)  # the YAML names its model and data from the repository's root
+    raw = yaml.safe_load((ROOT / "examples" / "llamafactory" / "sft-lora.yaml").read_text())
+    for bf16, expected in ((True, [raw["per_device_train_batch_size"], 8]), (False, None)):
+        source = tmp_path / f"lf-{bf16}.yaml"
+        source.write_text(yaml.safe_dump({**raw, "bf16": bf16}))
+        replay, said = imported(capsys, tmp_path, source)
+        assert replay == expected, said

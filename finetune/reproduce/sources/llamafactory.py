@@ -324,6 +324,11 @@ def carry_own(b, out, model_fields, data_fields: set, baseline_step: bool) -> No
         out.not_carried.append("adapters' start: replayed — LLaMA-Factory draws them after set_seed(seed), as "
                                "finetune does before building the model (checked with LLaMA-Factory 0.9.5, peft 0.18)")
     value = lambda key, default=None: own[key][0] if key in own else default  # noqa: E731
+    replayed = out.values.get("training.replay_padding")
+    if replayed and replayed[1] == 1:  # its SFT collator rounds each micro-batch's padding up, on the right
+        out.set("training.replay_padding", [replayed[0], 8], "LLaMA-Factory's SFT collator pads each micro-batch "
+                "to a multiple of 8 when training (pad_to_multiple_of=8 if do_train), on the right; per-device "
+                f"batch {replayed[0]}")
     template = value("template")
     if template is not None:
         where = own["template"][1]
