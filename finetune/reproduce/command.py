@@ -6,7 +6,8 @@ machine (``--batch-size auto`` unless given: the planner's pick, shrunk on an ou
 kept), compared with the source's own logs (``finetune compare``) and written up in ``DIR/report.md`` — the verdict,
 each layer, the curves side by side (``DIR/curves.png``) and the commands that did it. In mixed precision the
 rounding floor is measured, not assumed: a twin run (the same recipe at another micro-batch) is trained too and
-passed to compare as its floor. The three commands stay for those who want each step; this one runs them.
+passed to compare as its floor — for a baseline whose padding the run replays (``training.replay_padding``), a twin
+that replays the baseline's rounding whole (:func:`twin_layout`). The three commands stay for those who want each step; this one runs them.
 
     finetune reproduce runs/llamafactory-sft --model path/to/base -o reproduced
 """
@@ -65,7 +66,7 @@ def main(args, finetune) -> int:
     twin = None
     if _below_fp32(run_dir):  # an assumed floor errs both ways: measure it on this machine
         twin = out / "twin"
-        other, rounding = twin_layout(run_dir, args.batch_size is not None)
+        other, rounding = twin_layout(run_dir, args.batch_size not in (None, "auto"))
         if other is None:
             print("reproduce: no other micro-batch divides the effective batch; the floor stays assumed",
                   file=sys.stderr)
@@ -117,9 +118,9 @@ def twin_layout(run_dir: Path, chosen: bool) -> tuple[int | None, list]:
     bf16 as the baseline's autocast rounded them. The floor is then the rounding the two tools differ by. Else
     another micro-batch (:func:`twin_batch_size`)."""
     replay = setting(read_config(run_dir), "training.replay_padding")
-    if not replay:
-        return twin_batch_size(run_dir), []
     m = read_metrics(run_dir)
+    if not replay or not m.get("effective_batch_size") or not m.get("gradient_accumulation_steps"):
+        return twin_batch_size(run_dir), []
     micro = m["effective_batch_size"] // m["gradient_accumulation_steps"]
     own = replay[0] if chosen or replay[0] <= micro else micro
     return own, ["--set", "training.fp32_grad_sums=false"]
