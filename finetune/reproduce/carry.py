@@ -117,8 +117,8 @@ def trained_precision(b: Baseline) -> tuple | None:
     engine = str(_record(b, "distributed_state").get("distributed_type"))
     if which == "fp16" and device is not None and device[0] == "cpu" and engine not in OWN_CASTING and \
             not b.get("deepspeed"):
-        return "no", (f"{b.args['fp16'][1]}: fp16 true, on a CPU ({device[1]}): accelerate trains fp16 as fp32 there "
-                      "(no autocast, no GradScaler)")
+        return "no", f"{_true(b, 'fp16')}, on a CPU ({device[1]}): accelerate trains fp16 as fp32 there (no " \
+                     "autocast, no GradScaler)"
     return which, b.args[which][1]
 
 
@@ -133,11 +133,14 @@ def trained_device(b: Baseline) -> tuple | None:
         if value:
             kind = str(value).split(":")[0]
             return kind, f"{Where(file_of(b.args[name][1]), key)} {value}"
-    for name in ("use_cpu", "no_cuda"):
-        if b.get(name) is True:
-            where = b.args[name][1]
-            return "cpu", f"{where if isinstance(where, Where) and where.key else Where(file_of(where), name)} true"
-    return None
+    name = next((name for name in ("use_cpu", "no_cuda") if b.get(name) is True), None)
+    return ("cpu", _true(b, name)) if name else None
+
+
+def _true(b: Baseline, name: str) -> str:
+    """``file: key true``: where the argument ``name`` is said true (by its own key in that file, else by name)."""
+    where = b.args[name][1]
+    return f"{Where(file_of(where), where.key if isinstance(where, Where) and where.key else name)} true"
 
 
 # HF Trainer divided a window's summed loss by its labels counted before a causal LM's shift (num_items_in_batch)
