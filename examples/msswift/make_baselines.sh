@@ -11,7 +11,7 @@ set -euo pipefail
 SWIFT_VENV=${SWIFT_VENV:-/work/swift-venv}
 OUT=tests/assets/msswift
 INPUTS=tests/assets/llamafactory
-RUNS=("${@:-sft-lora sft-lora-defaults}")
+RUNS=${*:-sft-lora sft-lora-defaults}
 if [ ! -x "$SWIFT_VENV/bin/swift" ]; then
   python3 -m venv "$SWIFT_VENV"
   "$SWIFT_VENV/bin/pip" install -q "torch==2.13.0+cpu"
@@ -38,7 +38,7 @@ swift_sft() {  # swift_sft NAME ARGS…: one run into $OUT/NAME, without the cop
   rm -rf "$OUT/$1/last-checkpoint"  # a copy of the last checkpoint-*/
 }
 
-for run in ${RUNS[*]}; do
+for run in $RUNS; do
   case "$run" in
     sft-lora)
       # fp32 said outright: --torch_dtype float32 --fp16 false --bf16 false (with torch_dtype float32 swift turns
