@@ -23,9 +23,9 @@ LF = ROOT / "tests" / "assets" / "llamafactory"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def reproduce(capsys, out, data, run=RUN) -> tuple[int, str]:
+def reproduce(capsys, out, data, *sets, run=RUN) -> tuple[int, str]:
     code, said = cli(capsys, "reproduce", run, "--model", LF / "model", "--data", data, "--batch-size", 1, "-o", out,
-                     "--set", "model.generate_prompts=0")
+                     "--set", "model.generate_prompts=0", *[x for s in sets for x in ("--set", s)])
     return code, said
 
 
@@ -71,6 +71,12 @@ def test_a_run_at_swifts_default_precision_trained_fp32_on_the_cpu_and_is_reprod
     assert re.search(r"training\.mixed_precision +no +training_args\.bin: fp16 true, on a CPU \(training_args\.bin: "
                      r"distributed_state\.device cpu\): accelerate trains fp16 as fp32 there", said), said[:4000]
     assert "mixed precision (" not in said  # held to the fp32 band, not the assumed band of an fp16 baseline
+    # negative control: what the arguments asked, fp16 autocast (finetune runs it on a CPU), is another run
+    code, said = reproduce(capsys, tmp_path / "fp16", LF / "data" / "chat.jsonl", "training.mixed_precision=fp16",
+                           run=DEFAULTS)
+    verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
+    assert code == 1 and verdict.startswith("verdict: differs — settings: training.mixed_precision no in the "
+                                            "baseline vs fp16"), verdict
 
 
 def test_its_fp16_is_kept_where_the_files_do_not_say_the_device(tmp_path, capsys):
