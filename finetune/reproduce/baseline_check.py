@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from finetune.errors import ConfigError
 from finetune.reproduce.architecture import model_difference
-from finetune.reproduce.carry import carry
+from finetune.reproduce.carry import carry, trained_precision
 from finetune.reproduce.compare import (
     FP32_LOSS_RTOL,
     UNKNOWN,
@@ -58,7 +58,8 @@ def _mine(run: Path) -> dict:
 def loss_band(b, mine: dict) -> tuple[float, str | None]:
     """The relative tolerance of the training loss, and why it is wider than an exact replay's (None: exact)."""
     t = mine["config"].get("training") or {}
-    precision = "bf16" if b.get("bf16") else "fp16" if b.get("fp16") else None
+    trained = trained_precision(b)  # what it trained with, not what its arguments asked (fp16 on a CPU is fp32)
+    precision = trained[0] if trained and trained[0] != "no" else None
     ours = t.get("mixed_precision")
     if (mine["config"].get("model") or {}).get("master_weights") is False:
         return MIXED_PRECISION_BAND, ("the weights train in their own low precision (no fp32 master weights) and "
