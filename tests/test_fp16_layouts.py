@@ -135,3 +135,26 @@ def test_fp32_grad_sums_of_a_convolution_keep_autocast_forward_and_input_gradien
     rel = lambda a, b: float((a - b).abs().max() / b.abs().max())  # noqa: E731
     assert rel(split, whole) < 1e-5
     assert rel(grads(False, 2)[2], autocast_w) > 100 * rel(split, whole)
+
+
+def test_a_step_the_baseline_skipped_is_named(tmp_path, capsys):
+    """Against another tool's run: a step whose logged grad norm is inf (an fp16 overflow the Trainer skipped) and
+    that this run took is named; the baseline as it was trained names none (the control)."""
+    from finetune.cli import main
+    from tests.test_multiprocess_args import LF, TWO
+
+    rows = LF / "data" / "chat.jsonl"
+    assert main(["reproduce", str(TWO), "--model", str(LF / "model"), "--data", str(rows), "--batch-size", "2",
+                 "-o", str(tmp_path / "same"), "--set", "model.generate_prompts=0"]) == 0
+    skipped = tmp_path / "skipped"
+    shutil.copytree(TWO, skipped)
+    state = json.loads((skipped / "trainer_state.json").read_text())
+    state["log_history"][1]["grad_norm"] = float("inf")
+    (skipped / "trainer_state.json").write_text(json.dumps(state))
+    capsys.readouterr()
+    assert main(["compare", str(skipped), str(tmp_path / "same" / "run")]) == 1
+    report = capsys.readouterr().out
+    assert "skipped steps" in report and "step 2 skipped in the baseline only" in report, report
+    assert report.strip().splitlines()[-1].startswith("verdict: differs"), report
+    assert main(["compare", str(TWO), str(tmp_path / "same" / "run")]) == 0
+    assert "skipped steps" not in capsys.readouterr().out
