@@ -60,10 +60,11 @@ def test_fp16_layouts_of_the_same_run_are_equivalent(request, recipe):
 
 
 def test_the_fixes_take_fp16_layout_noise_toward_fp32_rounding(sft):
-    """(8, 1) against (2, 4): closer with the fp32 sums and window padding than without (the control)."""
+    """(8, 1) against (2, 4): closer with the fp32 sums and window padding than without (the control). Measured:
+    weights 2.0e-7 apart (relative L2) with them, 2.8e-6 without."""
     fixed = compare_runs(sft("b8", 8), sft("b2", 2)).measured
     unfixed = compare_runs(sft("unfixed-8", 8, *UNFIXED), sft("unfixed-2", 2, *UNFIXED)).measured
-    assert unfixed["grad norm"] > 3 * fixed["grad norm"], (unfixed, fixed)
+    assert unfixed["weights L2"] > 5 * fixed["weights L2"], (unfixed, fixed)
 
 
 def test_one_word_in_one_answer_differs_in_fp16(sft, tmp_path):
@@ -89,6 +90,8 @@ def test_overflowing_steps_are_skipped_alike_at_every_layout(request, recipe):
     assert first[len(skipped[0])]["lr"] == first[0]["lr"]  # the schedule starts at the first step taken
     c = compare_runs(layouts[0], layouts[1], twin=layouts[2])
     assert c.equivalent and "skipped steps" in c.report(), c.report()
+    # the skipped steps' inf / NaN norms are no rounding: the floor measured on the twin stays a number
+    assert "tolerance nan" not in c.report() and "≤ nan" not in c.report(), c.report()
 
 
 def test_a_step_skipped_on_one_side_only_is_named(sft, tmp_path):

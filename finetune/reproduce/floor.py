@@ -20,6 +20,7 @@ that does not train passes a loose tolerance.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Megatron-LM's golden values use 1.5–3× the largest deviation among repeated runs of one layout. Across layouts
@@ -107,8 +108,10 @@ def measured(a_history: list, twin_history: list, weights: dict, twin_name: str)
 
 
 def rel(x, y) -> float:
-    """|x − y| relative to the larger magnitude (0 for a pair not logged on both sides)."""
-    if not isinstance(x, (int, float)) or not isinstance(y, (int, float)):
+    """|x − y| relative to the larger magnitude (0 for a pair not logged on both sides as finite numbers: a skipped
+    fp16 step's inf or NaN grad norm is no rounding to take a floor from; the skipped-steps layer judges it)."""
+    if not isinstance(x, (int, float)) or not isinstance(y, (int, float)) or not math.isfinite(x) or \
+            not math.isfinite(y):
         return 0.0
     return abs(x - y) / max(abs(x), abs(y), 1e-12)
 
