@@ -3,6 +3,7 @@
     python benchmarks/floor.py                    # LoRA and full at 8 steps, LoRA at 32, 64 and 128 (about an hour)
     python benchmarks/floor.py --steps 8 --quick  # LoRA at 8 steps, (8,1) vs (4,2) only
     python benchmarks/floor.py --precision bf16 --steps 8 --control            # bf16 layouts, and the one-word control
+    python benchmarks/floor.py --precision fp16 --steps 8 --control            # the same in fp16 (its loss scale)
     python benchmarks/floor.py --precision bf16 --steps 8 --control --unfixed  # the same without fp32_grad_sums and
                                                                                 # pad_to_window (before they existed)
     python benchmarks/floor.py --precision bf16 --steps 8 --set training.packing=false   # any recipe override
@@ -74,13 +75,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, nargs="*", help="only these run lengths")
     p.add_argument("--quick", action="store_true", help="two layouts per case")
     p.add_argument("--kind", choices=["LoRA", "full"], help="only this kind of run")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast (CPU or GPU)")
-    p.add_argument("--unfixed", action="store_true", help="bf16 without fp32_grad_sums and pad_to_window")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="bf16 / fp16: autocast (CPU or GPU; fp16 with its loss scale)")
+    p.add_argument("--unfixed", action="store_true", help="bf16 / fp16 without fp32_grad_sums and pad_to_window")
     p.add_argument("--control", action="store_true", help="also (4,2) on data with one answer changed by one word")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another recipe override")
     p.add_argument("--keep", type=Path, metavar="DIR", help="write the runs here (kept), not to a temporary folder")
     args = p.parse_args()
-    extra = (["training.mixed_precision=bf16"] if args.precision == "bf16" else []) + \
+    extra = ([f"training.mixed_precision={args.precision}"] if args.precision != "fp32" else []) + \
         (["training.fp32_grad_sums=false", "training.pad_to_window=false"] if args.unfixed else []) + args.set
     print("| run | layouts | loss | grad norm | weights, relative L2 | weights, largest element | verdict |\n"
           "|---|---|---|---|---|---|---|")

@@ -249,8 +249,16 @@ class TrainingConfig:
     ] = doc("transformers.get_scheduler name; stepped once per optimizer step", "linear")
     warmup_steps: int = doc("warm-up length in optimizer steps", 0, at_least=0)
     max_grad_norm: Optional[float] = doc("clip the total L2 grad norm to this (null: no clipping)", 1.0, above=0)
-    mixed_precision: Literal["no", "fp16", "bf16"] = doc("autocast precision through Accelerate", "no",
-                                                         flag="--mixed-precision")
+    mixed_precision: Literal["no", "fp16", "bf16"] = doc(
+        "autocast precision through Accelerate; fp16 with a dynamic loss scale (torch's GradScaler, on the CPU too)",
+        "no", flag="--mixed-precision")
+    initial_loss_scale: float = doc(
+        "fp16: the loss scale's first value (the Trainer's and Accelerate's GradScaler start at 2^16); a window whose "
+        "scaled gradient overflows skips its update (history: skipped, the scale) and halves the scale", 65536.0,
+        above=0)
+    loss_scale_growth_interval: int = doc(
+        "fp16: optimizer steps without an overflow after which the loss scale doubles (GradScaler's default)", 2000,
+        at_least=1)
     fp32_grad_sums: bool = doc(
         "under bf16 / fp16: each trainable linear layer's weight gradient is summed in fp32 from autocast's "
         "products, not rounded to bf16 per micro-batch, so that N micro-batches add what the big batch sums "

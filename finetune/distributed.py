@@ -13,12 +13,13 @@ import atexit
 import contextlib
 import os
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import DeepSpeedPlugin, DistributedType, InitProcessGroupKwargs, gather_object
+from accelerate.utils import DeepSpeedPlugin, DistributedType, GradScalerKwargs, InitProcessGroupKwargs, gather_object
 
 from finetune.errors import ConfigError, WriteError
 
@@ -35,7 +36,7 @@ if not has_device():  # said, DeepSpeed (whoever imports it) does not warn on ev
 
 def amp_precision() -> str:
     """What ``use_amp`` (``test_fine_tuning``, ``finetune run --use-amp``) means on this machine: fp16 on CUDA (with
-    loss scaling), bf16 elsewhere (CPU autocast has no fp16; ``check_environment`` refuses it)."""
+    loss scaling), bf16 elsewhere (a CPU runs fp16 too, but slowly: bf16 is its fast half precision)."""
     return "fp16" if torch.cuda.is_available() else "bf16"
 
 
@@ -156,14 +157,30 @@ def shutdown() -> None:
         time.sleep(GLOO_GRACE_SECONDS)
 
 
-def make_accelerator(mixed_precision: str = "no", log_with=None, project_dir=None) -> Accelerator:
-    """An Accelerator for this run: ``mixed_precision`` (training.mixed_precision), N = 1 (finetune places the
-    window's sync itself). What this machine cannot run is refused before, once, by ``check_environment`` (at
-    set-up)."""
+@dataclass(frozen=True)
+class LossScale:
+    """fp16's dynamic loss scale (``training.initial_loss_scale``, ``training.loss_scale_growth_interval``); the
+    rest as torch's GradScaler (and so the Trainer) has it: halved on an overflow, doubled after ``growth_interval``
+    steps without one."""
+
+    initial: float = 2.0 ** 16
+    growth_interval: int = 2000
+
+    def kwargs(self) -> dict:
+        return {"init_scale": self.initial, "growth_interval": self.growth_interval}
+
+
+def make_accelerator(mixed_precision: str = "no", log_with=None, project_dir=None,
+                     loss_scale: LossScale = LossScale()) -> Accelerator:
+    """An Accelerator for this run: ``mixed_precision`` (training.mixed_precision; fp16 with ``loss_scale``), N = 1
+    (finetune places the window's sync itself). What this machine cannot run is refused before, once, by
+    ``check_environment`` (at set-up)."""
     state = _state_kwargs()
-    handlers = [InitProcessGroupKwargs(backend=state["backend"])] if "backend" in state else None
+    handlers = [InitProcessGroupKwargs(backend=state["backend"])] if "backend" in state else []
+    if mixed_precision == "fp16":
+        handlers.append(GradScalerKwargs(**loss_scale.kwargs()))
     kwargs = dict(mixed_precision=mixed_precision, log_with=log_with, project_dir=project_dir, cpu=state["cpu"],
-                  kwargs_handlers=handlers)
+                  kwargs_handlers=handlers or None)
     try:
         accelerator = Accelerator(**kwargs)
     except ValueError as error:
@@ -173,7 +190,20 @@ def make_accelerator(mixed_precision: str = "no", log_with=None, project_dir=Non
     if accelerator is None or not accelerator.sync_gradients:
         restart_accelerate_state()
         accelerator = Accelerator(**kwargs)
+    if mixed_precision == "fp16" and accelerator.scaler is None and accelerator.device.type == "cpu" and \
+            accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU):
+        cpu_fp16(accelerator, loss_scale)
     return accelerator
+
+
+def cpu_fp16(accelerator: Accelerator, loss_scale: LossScale) -> None:
+    """fp16 autocast with a dynamic loss scale on the CPU, as Accelerate runs it on CUDA. Accelerate trains fp16 on a
+    CPU silently as fp32 (no autocast, no scaler), though torch runs both there (``torch.autocast("cpu",
+    torch.float16)``, ``torch.amp.GradScaler("cpu")``); a card without bf16 (T4, V100) trains fp16, and its steps can
+    only be certified here if they run here. Set before ``prepare``: the model's forward is wrapped in autocast and
+    each optimizer handed the scaler there, and ``backward`` / ``clip_grad_norm_`` scale and unscale through it."""
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu", **loss_scale.kwargs())
 
 
 def restart_accelerate_state() -> None:

@@ -37,6 +37,7 @@ from finetune.shape import Shape
 from finetune.state import TrainState
 from finetune.steps import (  # noqa: F401
     NonFiniteError,
+    Update,
     WindowResult,
     accumulate_window,
     optimizer_step,
@@ -172,9 +173,9 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                                               window_spec=run.window_spec.with_micro_batch(smaller))
                     stream = open_stream(run, state)
                     continue
-                norms, skipped, lrs = optimizer_step(run.accelerator, run.optims, t.on_nonfinite,
-                                                     state.optimizer_step + 1, window)
-                record = step_record(run, state, window, result, norms, skipped, lrs, held)
+                update = optimizer_step(run.accelerator, run.optims, t.on_nonfinite, state.optimizer_step + 1,
+                                        window)
+                record = step_record(run, state, window, result, update, held)
                 val = evaluate_if_due(run, record, last_of_epoch=window.index == epoch_windows - 1)
                 record = {**record, **val_columns(val), "seconds": log.lap()}  # whole before it is stored
                 advance(state, record, val, window, epoch_windows, result.micro_steps, t.ema_beta)
@@ -208,7 +209,7 @@ def open_stream(run: Run, state: TrainState):
 # per window
 
 
-def step_record(run: Run, state: TrainState, window, result: WindowResult, norms, skipped, lrs, held) -> dict:
+def step_record(run: Run, state: TrainState, window, result: WindowResult, update: Update, held) -> dict:
     """The history line of one optimizer step. The logged loss and its terms are summed over processes with one
     all-reduce and read with one host sync; so is what each process's part of the window held (``held``)."""
     logged = torch.stack([result.loss, *result.extras.values()])
@@ -219,10 +220,11 @@ def step_record(run: Run, state: TrainState, window, result: WindowResult, norms
         "step": state.optimizer_step + 1, "epoch": window.epoch, "window": window.index,
         "items": result.items, "samples": len(window.samples), "micro_batches": window.total_micro_batches,
         **({"tokens": result.real_tokens, "padded_tokens": result.padded_tokens} if result.padded_tokens else {}),
-        "loss": logged[0], "lr": lrs[0], "grad_norm": norms[0], "skipped": skipped,
+        "loss": logged[0], "lr": update.lrs[0], "grad_norm": update.norms[0], "skipped": update.skipped,
+        **({"loss_scale": update.loss_scale} if update.loss_scale is not None else {}),
         "window_hash": window.sample_hash, "content_hash": content_hash(held), **dict(zip(result.extras, logged[1:])),
         **{f"{key}_{o.name}": v[i] for i, o in enumerate(run.optims) if i
-           for key, v in (("lr", lrs), ("grad_norm", norms))},
+           for key, v in (("lr", update.lrs), ("grad_norm", update.norms))},
         "micro_batch_size": run.shape.micro_batch, **run.monitor.sample(),
     }
 

@@ -195,8 +195,10 @@ def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
     if tracker not in (None, "none") and not installed(tracker):
         raise ConfigError(f"output.tracker: {tracker} is not installed (pip install {tracker}); "
                           "or set output.tracker=none")
-    if t.mixed_precision == "fp16" and not torch.cuda.is_available():  # Accelerate would silently train in fp32
-        raise ConfigError("training.mixed_precision: fp16 needs a CUDA device; use bf16 or no on this machine")
+    if t.mixed_precision == "fp16" and not torch.cuda.is_available() and distributed.engine() in ("deepspeed", "fsdp"):
+        # finetune's CPU loss scale is for one process or DDP; the engines scale their own, on a GPU
+        raise ConfigError(f"training.mixed_precision: fp16 under {distributed.engine()} needs a CUDA device; on this "
+                          "machine use bf16, or fp16 without the engine")
     if t.activation_offloading and not torch.cuda.is_available():
         raise ConfigError("training.activation_offloading: moves activations from GPU to host memory and needs CUDA; "
                           "on this machine there is no device memory to save")
@@ -409,8 +411,9 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
 
 def accelerator_for(t: TrainingConfig, reporting: loop.Reporting) -> Accelerator:
     """The run's Accelerator: its mixed precision, and the tracker writing into the run's folder."""
+    scale = distributed.LossScale(t.initial_loss_scale, t.loss_scale_growth_interval)
     return distributed.make_accelerator(t.mixed_precision, log_with=reporting.tracker,
-                                        project_dir=str(reporting.dir) if reporting.dir else None)
+                                        project_dir=str(reporting.dir) if reporting.dir else None, loss_scale=scale)
 
 
 def ready_model(job: Job, t: TrainingConfig) -> tuple:

@@ -146,17 +146,25 @@ def whole(norm):
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def optimizer_step(accelerator, optims: list, on_nonfinite: str, step: int, window) -> tuple[list, bool, list]:
-    """Unscale → grad norm → clip → step → scheduler → zero_grad, for each optimizer. ``step`` is the number of
-    the update being taken (for messages); ``on_nonfinite``: ``training.on_nonfinite``.
+@dataclass(frozen=True)
+class Update:
+    """What one optimizer step did: the total grad norm before clipping and the lr, per optimizer; whether the update
+    was skipped (a non-finite gradient, or fp16's overflow); fp16's loss scale the window was backpropagated at."""
 
-    Returns (total grad norm before clipping per optimizer, whether the update was skipped, lr per optimizer).
-    """
+    norms: list
+    skipped: bool
+    lrs: list
+    loss_scale: float | None = None
+
+
+def optimizer_step(accelerator, optims: list, on_nonfinite: str, step: int, window) -> Update:
+    """Unscale → grad norm → clip → step → scheduler → zero_grad, for each optimizer. ``step`` is the number of
+    the update being taken (for messages); ``on_nonfinite``: ``training.on_nonfinite``."""
     norms = []
     for i, o in enumerate(optims):
-        # clip_grad_norm_ unscales fp16 gradients first (GradScaler.unscale_, for every optimizer at once), so the
-        # norm and the clip are in true units; with clipping off, max_norm=inf still returns the total norm and
-        # leaves the gradients untouched.
+        # clip_grad_norm_ unscales fp16 gradients first (GradScaler.unscale_, for every optimizer at once, once per
+        # window: the accumulated gradient), so the norm and the clip are in true units; with clipping off,
+        # max_norm=inf still returns the total norm and leaves the gradients untouched.
         max_norm = o.max_grad_norm if o.max_grad_norm is not None else math.inf
         clip = accelerator.clip_grad_norm_ if i == 0 else torch.nn.utils.clip_grad_norm_
         norms.append(clip(o.params, max_norm))
@@ -165,10 +173,9 @@ def optimizer_step(accelerator, optims: list, on_nonfinite: str, step: int, wind
     norms = torch.stack([torch.as_tensor(whole(n) if k else math.nan, dtype=torch.float32).cpu()
                          for n, k in zip(norms, known)]).tolist()  # one host sync
     lrs = [o.optimizer.param_groups[0]["lr"] for o in optims]
+    scale = None
     if accelerator.scaler is not None:
-        for o in optims:
-            o.optimizer.step()  # GradScaler skips the update on inf/NaN gradients and lowers the scale
-        skipped = any(bool(o.optimizer.step_was_skipped) for o in optims)
+        scale, skipped = scaled_step(accelerator.scaler, optims)
     elif all(math.isfinite(n) for n, k in zip(norms, known) if k):
         for o in optims:
             o.optimizer.step()
@@ -182,7 +189,20 @@ def optimizer_step(accelerator, optims: list, on_nonfinite: str, step: int, wind
             f"{step} (epoch {window.epoch}, window {window.index}); set "
             "training.on_nonfinite=skip to drop such windows")
     for o in optims:
-        if not skipped:  # a skipped update is not a step of the schedule
+        if not skipped:  # a skipped update is not a step of the schedule (the Trainer's fp16 loop neither)
             o.scheduler.step()
         o.optimizer.zero_grad(set_to_none=True)
-    return norms, skipped, lrs
+    return Update(norms, skipped, lrs, scale)
+
+
+def scaled_step(scaler, optims: list) -> tuple[float, bool]:
+    """fp16: each optimizer stepped through the GradScaler (which skips an update whose unscaled gradient holds an
+    inf or NaN), then the scale updated once for the step — halved after an overflow, else grown on schedule.
+    Returns (the scale the window was backpropagated at, whether the step was skipped). Not Accelerate's optimizer
+    step: it updates the scale after each optimizer, so a second optimizer would see a scale its gradients were not
+    scaled by."""
+    scale = scaler.get_scale()
+    for o in optims:
+        scaler.step(getattr(o.optimizer, "optimizer", o.optimizer))  # the torch optimizer inside Accelerate's
+    scaler.update()
+    return scale, scaler.get_scale() < scale  # the scale falls only on an overflow

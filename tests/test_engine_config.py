@@ -12,9 +12,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from finetune.cli import main
+from finetune.errors import ConfigError
 from tests.helpers import ACCELERATE, ENV, ROOT, TINY, assert_one_error_line
 
 DS = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}
@@ -165,3 +167,19 @@ def test_only_start_up_refuses_engine_configs(tmp_path):
     planted = copy / "distributed.py"
     planted.write_text(planted.read_text() + "\n\ndef check():\n    raise ConfigError('deepspeed config: no')\n")
     assert engine_refusals(copy) == [f"finetune/distributed.py:{len(planted.read_text().splitlines())}"]
+
+
+@pytest.mark.parametrize("name", ["deepspeed", "fsdp"])
+def test_fp16_under_an_engine_on_the_cpu_is_one_line(monkeypatch, name):
+    """finetune's CPU loss scale serves one process or DDP; under DeepSpeed or FSDP on a CPU, fp16 is refused naming
+    the engine (bf16 is not: the control)."""
+    from finetune.config import TrainingConfig
+    from finetune.startup import check_environment
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setenv(f"ACCELERATE_USE_{name.upper()}", "true")
+    monkeypatch.setattr("finetune.startup.check_engine_config", lambda *a: None)  # the engine's own config: not here
+    with pytest.raises(ConfigError, match=f"training.mixed_precision: fp16 under {name} needs a CUDA device"):
+        check_environment(TrainingConfig(mixed_precision="fp16"))
+    check_environment(TrainingConfig(mixed_precision="bf16"))

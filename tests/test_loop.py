@@ -107,11 +107,30 @@ def test_two_precisions_in_one_process():
         assert result["optimizer_steps"] == 2
 
 
-def test_fp16_refused_without_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    with pytest.raises(ConfigError, match="training.mixed_precision: fp16 needs a CUDA device"):
-        test_fine_tuning(MLP(), train_data=regression_data(8), mixed_precision="fp16")
+def test_fp16_runs_on_the_cpu_with_a_loss_scale():
+    """fp16 autocast and a dynamic loss scale on the CPU (Accelerate alone would train fp32 there): the products run
+    in fp16, each step records the scale it was backpropagated at, and the run trains."""
+    seen = []
+
+    class Probe(MLP):
+        def forward(self, x, y):
+            seen.append(self.net[0](x).dtype)
+            return super().forward(x, y)
+
+    torch.manual_seed(0)
+    model = Probe()
+    start = copy_model(model)
+    result = test_fine_tuning(model, train_data=regression_data(16), batch_size=4, gradient_accumulation_steps=2,
+                              mixed_precision="fp16", learning_rate=1e-2)
+    assert set(seen) == {torch.float16}
+    assert result["accelerator"].scaler is not None
+    assert [h["loss_scale"] for h in result["history"]] == [2.0 ** 16] * 2
+    assert not any(h["skipped"] for h in result["history"])
+    assert rel_diff(result["model"], start) > 1e-3  # both updates were taken
+    plain = test_fine_tuning(copy_model(start), train_data=regression_data(16), batch_size=4,
+                             gradient_accumulation_steps=2, learning_rate=1e-2)
+    assert "loss_scale" not in plain["history"][0]  # the control: fp32 has no scale
+    assert result["loss_history"] == pytest.approx(plain["loss_history"], rel=1e-2)  # fp16 rounding, not another loss
 
 
 def _fp16_accelerator(init_scale):
@@ -134,9 +153,9 @@ def _one_step(acc, model, max_norm, poison=False):
     acc.backward(model(**batch)["loss"])
     if poison:
         next(model.parameters()).grad[0, 0] = float("inf")
-    norms, skipped, lrs = optimizer_step(acc, [Optim("model", opt, sched, params, max_norm)], "stop", 1,
-                                         Window(0, 0, (0,), ((0,),), (True,), 1))
-    return model, opt, sched, norms[0], skipped, lrs[0]
+    update = optimizer_step(acc, [Optim("model", opt, sched, params, max_norm)], "stop", 1,
+                            Window(0, 0, (0,), ((0,),), (True,), 1))
+    return model, opt, sched, update.norms[0], update.skipped, update.lrs[0]
 
 
 def test_fp16_unscales_before_norm_and_clip():
@@ -198,8 +217,8 @@ def test_an_unknown_grad_norm_is_not_non_finite():
     optim = Optim("model", opt, sched, list(model.parameters()), None)
     before = [p.detach().clone() for p in model.parameters()]
     unknown = SimpleNamespace(clip_grad_norm_=lambda params, max_norm: None, scaler=None)
-    norms, skipped, _ = optimizer_step(unknown, [optim], "stop", 1, window)
-    assert math.isnan(norms[0]) and not skipped
+    update = optimizer_step(unknown, [optim], "stop", 1, window)
+    assert math.isnan(update.norms[0]) and not update.skipped
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the update was taken
     model(**{"x": torch.ones(4, 6), "y": torch.zeros(4)})["loss"].backward()
     nan = SimpleNamespace(clip_grad_norm_=lambda params, max_norm: torch.tensor(float("nan")), scaler=None)

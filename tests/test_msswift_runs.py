@@ -1,10 +1,12 @@
 """An ms-swift run (``swift sft`` 4.6.0, LoRA, fp32, on the tiny chat model; examples/msswift/make_baselines.sh),
 reproduced through ``finetune reproduce`` at micro-batch 1: equivalent, and its one-word twin differs; swift's own
-settings are carried or named."""
+settings are carried or named. Its twin at swift's defaults for precision (``fp16: true``, trained in fp32 on the
+CPU) is imported as what it trained: fp32, said why."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -15,14 +17,15 @@ from tests.helpers import (
 from tests.helpers import cli_in_process as cli
 
 RUN = ROOT / "tests" / "assets" / "msswift" / "sft-lora"
+DEFAULTS = ROOT / "tests" / "assets" / "msswift" / "sft-lora-defaults"  # the same run at swift's default precision
 LF = ROOT / "tests" / "assets" / "llamafactory"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def reproduce(capsys, out, data) -> tuple[int, str]:
-    code, said = cli(capsys, "reproduce", RUN, "--model", LF / "model", "--data", data, "--batch-size", 1, "-o", out,
-                     "--set", "model.generate_prompts=0")
+def reproduce(capsys, out, data, *sets, run=RUN) -> tuple[int, str]:
+    code, said = cli(capsys, "reproduce", run, "--model", LF / "model", "--data", data, "--batch-size", 1, "-o", out,
+                     "--set", "model.generate_prompts=0", *[x for s in sets for x in ("--set", s)])
     return code, said
 
 
@@ -53,3 +56,39 @@ def test_what_it_does_that_finetune_does_not_is_named(tmp_path, capsys):
     assert code == 0, said
     assert "not carried: dataset_shuffle=True — ms-swift shuffles the rows once" in said, said
     assert "not carried: truncation_strategy=split" in said, said
+
+
+def test_a_run_at_swifts_default_precision_trained_fp32_on_the_cpu_and_is_reproduced_so(tmp_path, capsys):
+    """swift's defaults record fp16: true; on the CPU accelerate trained that in fp32 (the run's adapters are the fp32
+    run's bit for bit): the recipe trains fp32 (``mixed_precision: no``), its row says why, and it is equivalent."""
+    args = json.loads((DEFAULTS / "args.json").read_text())
+    assert args["fp16"] is True and args["use_cpu"] is False  # what swift records: its use_cpu says nothing
+    assert (DEFAULTS / "checkpoint-5" / "adapter_model.safetensors").read_bytes() == \
+        (RUN / "checkpoint-5" / "adapter_model.safetensors").read_bytes()
+    code, said = reproduce(capsys, tmp_path / "same", LF / "data" / "chat.jsonl", run=DEFAULTS)
+    verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
+    assert code == 0 and verdict.startswith("verdict: equivalent"), said[-3000:]
+    assert re.search(r"training\.mixed_precision +no +training_args\.bin: fp16 true, on a CPU \(training_args\.bin: "
+                     r"distributed_state\.device cpu\): accelerate trains fp16 as fp32 there", said), said[:4000]
+    assert "mixed precision (" not in said  # held to the fp32 band, not the assumed band of an fp16 baseline
+    # negative control: what the arguments asked, fp16 autocast (finetune runs it on a CPU), is another run
+    code, said = reproduce(capsys, tmp_path / "fp16", LF / "data" / "chat.jsonl", "training.mixed_precision=fp16",
+                           run=DEFAULTS)
+    verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
+    assert code == 1 and verdict.startswith("verdict: differs — settings: training.mixed_precision no in the "
+                                            "baseline vs fp16"), verdict
+
+
+def test_its_fp16_is_kept_where_the_files_do_not_say_the_device(tmp_path, capsys):
+    """Negative control: the same run with its Trainer arguments as JSON (``to_json_string`` holds no accelerate state,
+    and swift's use_cpu false names no device) keeps the arguments' fp16."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for name in ("args.json", "logging.jsonl"):
+        (folder / name).write_text((DEFAULTS / name).read_text())
+    trainer_args = json.loads((DEFAULTS / "args.json").read_text())
+    (folder / "training_args.json").write_text(json.dumps({k: trainer_args[k] for k in ("fp16", "bf16", "use_cpu")}))
+    (folder / "trainer_state.json").write_text((DEFAULTS / "checkpoint-5" / "trainer_state.json").read_text())
+    code, said = cli(capsys, "import", folder, "--model", LF / "model", "-o", tmp_path / "r.yaml")
+    assert code == 0, said
+    assert re.search(r"training\.mixed_precision +fp16 +training_args\.json\n", said), said

@@ -251,17 +251,75 @@ def sum_weight_grads_in_fp32(model: torch.nn.Module) -> int:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         # an fp32 master weight only: a weight trained in bf16 (model.master_weights: false) keeps bf16 gradients
-        if type(module) in (torch.nn.Linear, Conv1D) and isinstance(weight, torch.nn.Parameter) and \
-                weight.requires_grad and weight.dtype == torch.float32 and "forward" not in vars(module):
+        if not (isinstance(weight, torch.nn.Parameter) and weight.requires_grad and weight.dtype == torch.float32):
+            continue
+        if type(module) in (torch.nn.Linear, Conv1D) and "forward" not in vars(module):
             module.forward = MethodType(_fp32_grad_forward, module)
+            switched += 1
+        elif type(module) in CONVOLUTIONS and "_conv_forward" not in vars(module):
+            module._conv_forward = MethodType(_fp32_grad_conv_forward, module)
             switched += 1
     return switched
 
 
+# Convolutions sum their weight gradient over the batch and every position (an ODE's or a VAE's layers): the same
+# rounding of a partial sum per micro-batch, and under fp16 an overflow that a big batch's sum meets and a small one's
+# does not. (Transposed convolutions keep autocast's.)
+CONVOLUTIONS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
 def sums_weight_grads_in_fp32(module: torch.nn.Module) -> bool:
     """Whether ``sum_weight_grads_in_fp32`` switched ``module``."""
-    forward = vars(module).get("forward")
-    return getattr(forward, "__func__", None) is _fp32_grad_forward
+    forward = vars(module).get("forward") or vars(module).get("_conv_forward")
+    return getattr(forward, "__func__", None) in (_fp32_grad_forward, _fp32_grad_conv_forward)
+
+
+def _fp32_grad_conv_forward(self, x, weight, bias):
+    """``nn.Conv*d._conv_forward`` (its padding mode included) with ``_Fp32GradConv`` under autocast."""
+    device = x.device.type
+    if not (torch.is_grad_enabled() and torch.is_autocast_enabled(device)):
+        return type(self)._conv_forward(self, x, weight, bias)
+    padding = self.padding
+    if self.padding_mode != "zeros":  # the module's own non-zero padding, then a convolution without any
+        x = torch.nn.functional.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+        padding = (0,) * len(self.kernel_size)
+    if isinstance(padding, str):  # "same" / "valid": the numbers the functional form works out
+        return type(self)._conv_forward(self, x, weight, bias)
+    shape = (tuple(self.stride), tuple(padding), tuple(self.dilation), self.groups)
+    return _Fp32GradConv.apply(x, weight, bias, torch.get_autocast_dtype(device), shape)
+
+
+class _Fp32GradConv(torch.autograd.Function):
+    """A convolution in ``dtype`` as autocast computes it (``shape``: stride, padding, dilation, groups); its backward
+    gives the input autocast's gradient and the weight and bias their fp32 sums (``sum_weight_grads_in_fp32``):
+    products of low-precision numbers are exact in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype, shape):
+        stride, padding, dilation, groups = shape
+        with torch.autocast(x.device.type, enabled=False):
+            low_x, low_w = x.to(dtype), weight.to(dtype)
+            out = torch.convolution(low_x, low_w, None if bias is None else bias.to(dtype), stride, padding, dilation,
+                                    False, [0] * len(stride), groups)
+        ctx.save_for_backward(low_x, low_w)
+        ctx.shape, ctx.x_dtype, ctx.has_bias = shape, x.dtype, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        low_x, low_w = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.shape
+        conv = (stride, padding, dilation, False, [0] * len(stride), groups)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.convolution_backward(grad, low_x, low_w, None, *conv,
+                                                         [True, False, False])[0].to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.ops.aten.convolution_backward(grad.float(), low_x.float(), low_w.float(), None, *conv,
+                                                         [False, True, False])[1]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.float().sum([d for d in range(grad.dim()) if d != 1])
+        return grad_x, grad_w, grad_b, None, None
 
 
 def _fp32_grad_forward(self, x):

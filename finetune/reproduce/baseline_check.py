@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from finetune.errors import ConfigError
 from finetune.reproduce.architecture import model_difference
-from finetune.reproduce.carry import carry
+from finetune.reproduce.carry import carry, trained_precision
 from finetune.reproduce.compare import (
     FP32_LOSS_RTOL,
     UNKNOWN,
@@ -58,7 +58,8 @@ def _mine(run: Path) -> dict:
 def loss_band(b, mine: dict) -> tuple[float, str | None]:
     """The relative tolerance of the training loss, and why it is wider than an exact replay's (None: exact)."""
     t = mine["config"].get("training") or {}
-    precision = "bf16" if b.get("bf16") else "fp16" if b.get("fp16") else None
+    trained = trained_precision(b)  # what it trained with, not what its arguments asked (fp16 on a CPU is fp32)
+    precision = trained[0] if trained and trained[0] != "no" else None
     ours = t.get("mixed_precision")
     if (mine["config"].get("model") or {}).get("master_weights") is False:
         return MIXED_PRECISION_BAND, ("the weights train in their own low precision (no fp32 master weights) and "
@@ -111,6 +112,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     if b.logs:
         _check_logged_loss(c, b, history, judged)
         _check_logged_norms(c, b, mine, judged, unchecked)
+        _check_skipped(c, b, history)
     elif b.card_losses:
         unchecked.append("training loss")
         c.add("loss curve", None, "not checkable: the card's Training Loss is the mean over logging_steps, which "
@@ -228,6 +230,24 @@ def _check_logged_norms(c: Comparison, b: Baseline, mine: dict, judged: Judgemen
     limit = (b.get("max_grad_norm") or None) if "max_grad_norm" in b.args else UNKNOWN
     clipping(c, (steps, ours, theirs), (setting(mine["config"], "training.max_grad_norm") if mine["config"] else
                                         UNKNOWN, limit), norms)
+
+
+def _check_skipped(c: Comparison, b: Baseline, history: list) -> None:
+    """fp16's skipped steps: a step whose scaled gradient overflowed is not taken (the Trainer then logs its grad
+    norm as inf or NaN and does not step its schedule), and must be skipped on both sides, at the steps the baseline
+    logged a norm. Said only where either side skipped one."""
+    by_step = {h["step"]: h for h in history}
+    logged = [e for e in b.logs if e["step"] in by_step and isinstance(e.get("grad_norm"), (int, float))]
+    theirs = {e["step"] for e in logged if not math.isfinite(e["grad_norm"])}
+    ours = {s for s, h in by_step.items() if h.get("skipped")}
+    if not theirs and not ours:
+        return
+    only = sorted((s, "the baseline" if s in theirs else "this run") for s in (theirs ^ ours) & {e["step"] for e in
+                                                                                               logged})
+    c.add("skipped steps", not only, "; ".join(f"step {s} skipped in {who} only" for s, who in only[:3]) if only else
+          f"the same {len(theirs)} skipped (step{'s' if len(theirs) > 1 else ''} {', '.join(map(str, sorted(theirs)))})"
+          f" at the {len(logged)} steps with a logged grad norm", step=only[0][0] if only else None,
+          basis="the same skipped steps")
 
 
 def carried(b: Baseline, mine: dict) -> Imported:

@@ -10,7 +10,7 @@ import typing
 
 from finetune.config import TrainingConfig
 from finetune.optimizers import OPTIMIZERS
-from finetune.reproduce.record import Baseline, Imported, file_of
+from finetune.reproduce.record import Baseline, Imported, Where, file_of
 from finetune.reproduce.task_settings import data_settings, grpo_settings, task_model_settings
 
 # the schedules finetune takes: the recipe schema's (training.lr_scheduler), by transformers.get_scheduler's names
@@ -66,11 +66,9 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
     if "max_grad_norm" in b.args:
         norm = get("max_grad_norm")
         out.set("training.max_grad_norm", float(norm) if norm else None, src("max_grad_norm"))
-    if get("bf16") or get("fp16"):
-        which = "bf16" if get("bf16") else "fp16"
-        out.set("training.mixed_precision", which, src(which))
-    elif "bf16" in b.args or "fp16" in b.args:
-        out.set("training.mixed_precision", "no", src("bf16" if "bf16" in b.args else "fp16"))
+    precision = trained_precision(b)
+    if precision is not None:
+        out.set("training.mixed_precision", *precision)
     if get("gradient_checkpointing"):
         out.set("training.gradient_checkpointing", True, src("gradient_checkpointing"))
     _eval(b, out)
@@ -102,6 +100,49 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
     if b.source is not None:  # a tool's own settings (LLaMA-Factory's template, stage), last
         b.source.carry_own(b, out, model_fields, data_fields, baseline_step)
     return out
+
+
+# where accelerate leaves the casting to the engine (Accelerator.__init__ sets up no autocast under them)
+OWN_CASTING = {"DEEPSPEED", "MEGATRON_LM"}
+
+
+def trained_precision(b: Baseline) -> tuple | None:
+    """(``training.mixed_precision`` as the baseline trained: bf16 / fp16 / no, where that is said), None where its
+    arguments name neither bf16 nor fp16. accelerate (1.15, ``Accelerator.__init__``) turns fp16 autocast and its
+    GradScaler on only off the CPU (``native_amp`` false there): the arguments' fp16 on a CPU trained in fp32. bf16
+    autocast it runs on a CPU too: bf16 stays bf16. Where the files do not say the device, the arguments' word."""
+    which = "bf16" if b.get("bf16") else "fp16" if b.get("fp16") else None
+    if which is None:
+        named = next((name for name in ("bf16", "fp16") if name in b.args), None)
+        return ("no", b.args[named][1]) if named else None
+    device = trained_device(b)
+    engine = str(_record(b, "distributed_state").get("distributed_type"))
+    if which == "fp16" and device is not None and device[0] == "cpu" and engine not in OWN_CASTING and \
+            not b.get("deepspeed"):
+        return "no", f"{_true(b, 'fp16')}, on a CPU ({device[1]}): accelerate trains fp16 as fp32 there (no " \
+                     "autocast, no GradScaler)"
+    return which, b.args[which][1]
+
+
+def trained_device(b: Baseline) -> tuple | None:
+    """(the type of the device the baseline trained on — cpu, cuda, mps, … —, where its files say it), None where
+    they do not: accelerate's state pickled in ``training_args.bin`` (``distributed_state.device``), the Trainer's
+    device there (``_setup_devices``), else ``use_cpu`` / ``no_cuda`` true. Their false says nothing: ms-swift's
+    runs on a CPU record ``use_cpu`` false."""
+    state = _record(b, "distributed_state")
+    for value, name, key in ((state.get("device"), "distributed_state", "distributed_state.device"),
+                             (b.get("_setup_devices"), "_setup_devices", "_setup_devices")):
+        if value:
+            kind = str(value).split(":")[0]
+            return kind, f"{Where(file_of(b.args[name][1]), key)} {value}"
+    name = next((name for name in ("use_cpu", "no_cuda") if b.get(name) is True), None)
+    return ("cpu", _true(b, name)) if name else None
+
+
+def _true(b: Baseline, name: str) -> str:
+    """``file: key true``: where the argument ``name`` is said true (by its own key in that file, else by name)."""
+    where = b.args[name][1]
+    return f"{Where(file_of(where), where.key if isinstance(where, Where) and where.key else name)} true"
 
 
 # HF Trainer divided a window's summed loss by its labels counted before a causal LM's shift (num_items_in_batch)

@@ -7,7 +7,8 @@ kept), compared with the source's own logs (``finetune compare``) and written up
 each layer, the curves side by side (``DIR/curves.png``) and the commands that did it. In mixed precision the
 rounding floor is measured, not assumed: a twin run (the same recipe at another micro-batch) is trained too and
 passed to compare as its floor — for a baseline whose padding the run replays (``training.replay_padding``), a twin
-that replays the baseline's rounding whole (:func:`twin_layout`). The three commands stay for those who want each step; this one runs them.
+that replays the baseline's rounding whole (:func:`twin_layout`). The three commands stay for those who want each
+step; this one runs them.
 
     finetune reproduce runs/llamafactory-sft --model path/to/base -o reproduced
 """

@@ -230,6 +230,7 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     c.add("optimizer steps", len(ha) == len(hb), f"{len(ha)} vs {len(hb)}")
     n = min(len(ha), len(hb))
     same_windows(c, ha, hb, n)
+    skipped_steps(c, ha[:n], hb[:n])
     steps = [h["step"] for h in ha[:n]]
     grad_tol = per_step_losses(c, (a, b), fl, steps, loss_rtol)
     th = fl.twin["history"][:n] if fl.twin else None  # the second reference of a measured floor
@@ -299,6 +300,27 @@ def same_content(c: Comparison, ha: list, hb: list, n: int) -> None:
           f"step {ha[bad]['step']} (epoch {ha[bad]['epoch']}, window {ha[bad]['window']}): the window held other "
           "tokens (another sample's content: the data, its tokenization or truncation differ)",
           step=None if bad is None else ha[bad]["step"], basis=f"the content of all {n} windows")
+
+
+def skipped_steps(c: Comparison, ha: list, hb: list) -> None:
+    """The same steps skipped (fp16's overflow, or ``on_nonfinite: skip``) at the same loss scale: a step taken on
+    one side only is another update, whatever its loss. Said only where a run skipped a step or scaled its loss."""
+    if not any(h.get("skipped") or "loss_scale" in h for h in (*ha, *hb)):
+        return
+    only = [(x["step"], "RUN_A" if x.get("skipped") else "RUN_B") for x, y in zip(ha, hb)
+            if bool(x.get("skipped")) != bool(y.get("skipped"))]
+    scale = next(((x, y) for x, y in zip(ha, hb) if x.get("loss_scale") != y.get("loss_scale")), None)
+    skipped = [x["step"] for x in ha if x.get("skipped")]
+    if only:
+        detail = "; ".join(f"step {s} skipped in {who} only" for s, who in only[:3])
+    elif scale is not None:
+        detail = f"step {scale[0]['step']}: loss scale {scale[0].get('loss_scale')} vs {scale[1].get('loss_scale')}"
+    else:
+        detail = (f"the same {len(skipped)} skipped (step{'s' if len(skipped) > 1 else ''} "
+                  f"{', '.join(map(str, skipped))})" if skipped else "none skipped") + \
+            (" at the same loss scales" if any("loss_scale" in h for h in ha) else "")
+    c.add("skipped steps", not only and scale is None, detail,
+          step=only[0][0] if only else scale[0]["step"] if scale else None, basis="the same skipped steps")
 
 
 def twin_floor(a: dict, twin: Path, optimizer: str | None) -> floors.Floor:

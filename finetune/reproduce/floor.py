@@ -20,6 +20,7 @@ that does not train passes a loose tolerance.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Megatron-LM's golden values use 1.5–3× the largest deviation among repeated runs of one layout. Across layouts
@@ -65,19 +66,28 @@ def assumed(precision: str | None, arithmetics=()) -> Floor:
     arithmetic (16-bit autocast, or fp32 matrix products in TF32) on the runs' kind of device (``arithmetics``: each
     run's record, :func:`arithmetic`; a run without one is taken as a CPU run in IEEE fp32), the wider of the two."""
     tf32 = any((x or {}).get("tf32") for x in arithmetics)
-    kind = "tf32" if precision in ("no", None, "fp32") and tf32 else "bf16" if precision not in ("no", None, "fp32") \
-        else None
+    full = precision in ("no", None, "fp32")
+    kind = ("tf32" if tf32 else None) if full else precision
     if kind is None:
         return Floor("fp32", dict(FP32))
     devices = sorted({(x or {}).get("device", "cpu") for x in arithmetics} or {"cpu"})
-    tables = [ASSUMED.get((kind, d)) or ASSUMED[(kind, "cuda")] for d in devices]
-    name = precision if kind == "bf16" else "tf32"
-    where = " and ".join(MEASURED_ON.get(d, d) for d in devices)
-    caveat = "; ".join(WITHIN_FLOOR[(kind, d)] for d in devices if (kind, d) in WITHIN_FLOOR)
-    return Floor(f"assumed {name}", {k: max(TWIN_FACTOR * max(t[k] for t in tables), FP32[k]) for k in FP32},
-                 note=f"rests on an assumed {name} floor ({TWIN_FACTOR:g} × the layout noise measured on {where}, "
+    keys = [assumed_key(kind, d) for d in devices]
+    tables = [ASSUMED[k] for k in keys]
+    where = " and ".join(MEASURED_ON.get(d, d) + ("" if k[0] == kind else f" (in {k[0]}: {kind} is not measured "
+                                                  "there, and bf16's coarser rounding bounds it)")
+                         for d, k in zip(devices, keys))
+    caveat = "; ".join(WITHIN_FLOOR[k] for k in keys if k in WITHIN_FLOOR)
+    return Floor(f"assumed {kind}", {k: max(TWIN_FACTOR * max(t[k] for t in tables), FP32[k]) for k in FP32},
+                 note=f"rests on an assumed {kind} floor ({TWIN_FACTOR:g} × the layout noise measured on {where}, "
                       f"docs/exact-steps.md#bf16){'; ' + caveat if caveat else ''}; measure it on this hardware: "
                       "finetune compare A B --floor TWIN")
+
+
+def assumed_key(kind: str, device: str) -> tuple:
+    """The entry of ``ASSUMED`` for ``kind``'s arithmetic on ``device``: its own, else CUDA's; fp16 where it was not
+    measured takes bf16's, whose 8-bit significand rounds more coarsely than fp16's 11."""
+    tried = [(kind, device), *([("bf16", device)] if kind == "fp16" else []), (kind, "cuda"), ("bf16", "cuda")]
+    return next(key for key in tried if key in ASSUMED)
 
 
 def measured(a_history: list, twin_history: list, weights: dict, twin_name: str) -> Floor:
@@ -98,8 +108,10 @@ def measured(a_history: list, twin_history: list, weights: dict, twin_name: str)
 
 
 def rel(x, y) -> float:
-    """|x − y| relative to the larger magnitude (0 for a pair not logged on both sides)."""
-    if not isinstance(x, (int, float)) or not isinstance(y, (int, float)):
+    """|x − y| relative to the larger magnitude (0 for a pair not logged on both sides as finite numbers: a skipped
+    fp16 step's inf or NaN grad norm is no rounding to take a floor from; the skipped-steps layer judges it)."""
+    if not isinstance(x, (int, float)) or not isinstance(y, (int, float)) or not math.isfinite(x) or \
+            not math.isfinite(y):
         return 0.0
     return abs(x - y) / max(abs(x), abs(y), 1e-12)
 

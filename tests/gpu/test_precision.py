@@ -25,10 +25,10 @@ import math
 import pytest
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradScalerKwargs, set_seed
+from accelerate.utils import set_seed
 
 from finetune.config import TrainingConfig
-from finetune.distributed import make_accelerator, restart_accelerate_state
+from finetune.distributed import LossScale, make_accelerator
 from finetune.job import Job
 from tests.gpu.common import GPU, flat, rel_diff, update_share
 from tests.helpers import MLP, pad_collate, regression_data, tiny_gpt2, token_data, train_quietly
@@ -40,12 +40,9 @@ TOLERANCE = {"no": 1e-5, "fp16": 1e-2, "bf16": 5e-2}
 
 
 def accelerator_for(precision: str) -> Accelerator:
-    """fp32 and bf16: the Accelerator finetune makes. fp16: the same through Accelerate's API, with a GradScaler
-    starting at ``INIT_SCALE`` rather than 65 536, so that which windows overflow is decided by the test alone."""
-    if precision != "fp16":
-        return make_accelerator(precision)
-    restart_accelerate_state()
-    return Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=INIT_SCALE)])
+    """The Accelerator finetune makes; fp16's GradScaler starting at ``INIT_SCALE`` rather than 65 536, so that which
+    windows overflow is decided by the test alone."""
+    return make_accelerator(precision, loss_scale=LossScale(INIT_SCALE))
 
 
 def train(model, data, b: int, n: int, precision: str, collate=None, count_items=None, before_window=None,

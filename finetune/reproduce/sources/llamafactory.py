@@ -40,7 +40,7 @@ TRAINER_KEYS = {
     "bf16": None, "fp16": None, "pure_bf16": None, "optim": None, "adam_beta1": None, "adam_beta2": None,
     "adam_epsilon": None, "logging_steps": None, "lr_scheduler_kwargs": None, "label_smoothing_factor": None,
     "group_by_length": None, "neftune_noise_alpha": None, "eval_steps": None, "eval_strategy": None,
-    "cutoff_len": "max_length", "tf32": None,
+    "cutoff_len": "max_length", "tf32": None, "use_cpu": None,
 }
 # LLaMA-Factory's own keys that change the steps and that finetune cannot take: key → (its default, why)
 NOT_CARRIED = {
@@ -74,7 +74,7 @@ PLACES = {
     "preprocessing_batch_size", "dataloader_num_workers", "output_dir", "save_steps", "save_strategy",
     "save_total_limit", "save_only_model", "plot_loss", "overwrite_output_dir", "report_to", "run_name",
     "logging_dir", "ddp_timeout", "resume_from_checkpoint", "per_device_eval_batch_size", "flash_attn",
-    "deepspeed", "use_cpu", "disable_tqdm", "export_dir", "infer_backend", "hub_model_id", "push_to_hub",
+    "deepspeed", "disable_tqdm", "export_dir", "infer_backend", "hub_model_id", "push_to_hub",
     "disable_gradient_checkpointing", "gradient_checkpointing", "enable_thinking", "tokenized_path",
     "create_new_adapter", "print_param_status", "include_num_input_tokens_seen", "include_tokens_per_second",
     "stage", "finetuning_type", "lora_rank", "lora_alpha", "lora_target", "template", "packing", "pref_beta",
