@@ -235,7 +235,8 @@ def _replay_padding(b: Baseline, out: Imported) -> None:
     run pads every sample to the length the baseline ran it at: a sample's bf16 numbers depend on that length, not
     on the micro-batch around it. Not for packed or padding-free rows, which have no padding to replay."""
     per_device = b.get("per_device_train_batch_size")
-    if not (b.get("bf16") or b.get("fp16")) or not per_device:
+    # what the baseline trained in (fp16 asked on a CPU trained fp32: nothing rounds by length there)
+    if out.values.get("training.mixed_precision") not in ("bf16", "fp16") or not per_device:
         return
     if "data.pack" in out.values or b.get("packing") or b.get("padding_free"):
         out.not_carried.append("note: micro-batch padding not replayed — the baseline packed its rows or trained "
