@@ -86,6 +86,7 @@ class Run:
     head_note: str                    # what the banner says about the loss head
     pad_to_window: bool = False       # pad each micro-batch to its window's longest sample (bf16 / fp16)
     divisor: Optional[Callable] = None  # micro-batch → its part of what the window's loss is divided by (None: items)
+    scaler: Optional[object] = None   # fp16's loss scale: Accelerate's GradScaler, or finetune's on a CPU
 
     @property
     def schedulers(self) -> dict:
@@ -164,7 +165,7 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                 try:
                     result = accumulate_window(run.accelerator, run.model, run.forward_model, job.loss_fn, window,
                                                micro_batches, run.counter, offload=t.activation_offloading,
-                                               divisor=run.divisor)
+                                               divisor=run.divisor, scaler=run.scaler)
                 except Exception as error:  # batch_size: auto out of memory → the same window, smaller micro-batches
                     if run.auto is None or not is_oom(error):
                         raise
@@ -174,7 +175,7 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                     stream = open_stream(run, state)
                     continue
                 update = optimizer_step(run.accelerator, run.optims, t.on_nonfinite, state.optimizer_step + 1,
-                                        window)
+                                        window, run.scaler)
                 record = step_record(run, state, window, result, update, held)
                 val = evaluate_if_due(run, record, last_of_epoch=window.index == epoch_windows - 1)
                 record = {**record, **val_columns(val), "seconds": log.lap()}  # whole before it is stored

@@ -384,6 +384,7 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
     reporting = reporting or loop.Reporting()
     accelerator = accelerator if accelerator is not None else accelerator_for(t, reporting)
     model, head_note = ready_model(job, t)
+    scaler = scaler_for(accelerator, model, t)
     pack_length_of, packing_note = packing_for(job, t, model)
     distributed.agree(lambda: check_model(accelerator, model, job, t, pack_length_of, reporting))  # all refuse alike
     model, optims = with_optimizers(accelerator, model, job, t, shape)
@@ -402,7 +403,7 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
                    and not pack_length_of and not t.max_tokens_per_micro_batch,
                    # a job counting its own items (a preference pair, a rollout) is divided by them
                    divisor=(lambda b: count_items(b, "tokens")) if t.loss_divisor == "labels" and job.count_items is
-                   None else None)
+                   None else None, scaler=scaler)
     if reporting.banner and distributed.is_main_process():
         print(banner(run), flush=True)
     start_trackers(run)
@@ -411,9 +412,22 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
 
 def accelerator_for(t: TrainingConfig, reporting: loop.Reporting) -> Accelerator:
     """The run's Accelerator: its mixed precision, and the tracker writing into the run's folder."""
-    scale = distributed.LossScale(t.initial_loss_scale, t.loss_scale_growth_interval)
     return distributed.make_accelerator(t.mixed_precision, log_with=reporting.tracker,
-                                        project_dir=str(reporting.dir) if reporting.dir else None, loss_scale=scale)
+                                        project_dir=str(reporting.dir) if reporting.dir else None,
+                                        loss_scale=loss_scale(t))
+
+
+def loss_scale(t: TrainingConfig) -> distributed.LossScale:
+    return distributed.LossScale(t.initial_loss_scale, t.loss_scale_growth_interval)
+
+
+def scaler_for(accelerator: Accelerator, model, t: TrainingConfig):
+    """fp16's loss scaler (``distributed.loss_scaler``); where it is finetune's own (a CPU), the model's forward
+    runs under fp16 autocast (before ``prepare``), as Accelerate's prepare makes it run where it scales itself."""
+    scaler = distributed.loss_scaler(accelerator, t.mixed_precision, loss_scale(t))
+    if distributed.own_scaler(accelerator, scaler):
+        precision.autocast_forward(model, torch.float16)
+    return scaler
 
 
 def ready_model(job: Job, t: TrainingConfig) -> tuple:

@@ -112,10 +112,11 @@ def count_window(accelerator, window, micro_batches, counter, divisor=None) -> t
 
 
 def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_batches, counter,
-                      offload: bool = False, divisor=None) -> WindowResult:
+                      offload: bool = False, divisor=None, scaler=None) -> WindowResult:
     """Forward and backward every micro-batch of one window, each weighted by its share of the window's items (of
     the window's ``divisor`` count, when given); gradients are all-reduced once, on the last micro-batch.
-    ``offload``: activations saved for backward wait in host memory."""
+    ``offload``: activations saved for backward wait in host memory; ``scaler``: fp16's loss scale
+    (``distributed.loss_scaler``), the same for every micro-batch."""
     counts, shares, window_items, real, padded = count_window(accelerator, window, micro_batches, counter, divisor)
     device, last = accelerator.device, len(micro_batches) - 1
     window_loss, window_extras = torch.zeros((), device=device), {}
@@ -129,7 +130,7 @@ def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_
             # A weight-0 placeholder (or an item-less micro-batch) must add exact zeros, not 0 × NaN.
             weighted = loss * loss_weight(items, share, accelerator.num_processes) if items \
                 else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0
-            distributed.backward(accelerator, weighted, sync=i == last)
+            distributed.backward(accelerator, weighted, sync=i == last, scaler=scaler)
         # The logged loss: the same item-weighted mean, without the process factor. Every term is entered even from
         # a placeholder (as 0), so that each process sums the same terms over processes.
         for k in extras:
@@ -157,14 +158,19 @@ class Update:
     loss_scale: float | None = None
 
 
-def optimizer_step(accelerator, optims: list, on_nonfinite: str, step: int, window) -> Update:
+def optimizer_step(accelerator, optims: list, on_nonfinite: str, step: int, window, scaler=None) -> Update:
     """Unscale → grad norm → clip → step → scheduler → zero_grad, for each optimizer. ``step`` is the number of
-    the update being taken (for messages); ``on_nonfinite``: ``training.on_nonfinite``."""
+    the update being taken (for messages); ``on_nonfinite``: ``training.on_nonfinite``; ``scaler``: fp16's loss
+    scale (``distributed.loss_scaler``; default Accelerate's, if any)."""
+    scaler = accelerator.scaler if scaler is None else scaler
+    if distributed.own_scaler(accelerator, scaler):  # Accelerate's clip_grad_norm_ unscales only its own
+        for o in optims:
+            scaler.unscale_(torch_optimizer(o))
     norms = []
     for i, o in enumerate(optims):
-        # clip_grad_norm_ unscales fp16 gradients first (GradScaler.unscale_, for every optimizer at once, once per
-        # window: the accumulated gradient), so the norm and the clip are in true units; with clipping off,
-        # max_norm=inf still returns the total norm and leaves the gradients untouched.
+        # the gradients are unscaled first (GradScaler.unscale_, for every optimizer at once, once per window: the
+        # accumulated gradient; Accelerate's clip_grad_norm_ does it with its own), so the norm and the clip are in
+        # true units; with clipping off, max_norm=inf still returns the total norm and leaves the gradients as they are.
         max_norm = o.max_grad_norm if o.max_grad_norm is not None else math.inf
         clip = accelerator.clip_grad_norm_ if i == 0 else torch.nn.utils.clip_grad_norm_
         norms.append(clip(o.params, max_norm))
@@ -174,8 +180,8 @@ def optimizer_step(accelerator, optims: list, on_nonfinite: str, step: int, wind
                          for n, k in zip(norms, known)]).tolist()  # one host sync
     lrs = [o.optimizer.param_groups[0]["lr"] for o in optims]
     scale = None
-    if accelerator.scaler is not None:
-        scale, skipped = scaled_step(accelerator.scaler, optims)
+    if scaler is not None:
+        scale, skipped = scaled_step(scaler, optims)
     elif all(math.isfinite(n) for n, k in zip(norms, known) if k):
         for o in optims:
             o.optimizer.step()
@@ -203,6 +209,11 @@ def scaled_step(scaler, optims: list) -> tuple[float, bool]:
     scaled by."""
     scale = scaler.get_scale()
     for o in optims:
-        scaler.step(getattr(o.optimizer, "optimizer", o.optimizer))  # the torch optimizer inside Accelerate's
+        scaler.step(torch_optimizer(o))
     scaler.update()
     return scale, scaler.get_scale() < scale  # the scale falls only on an overflow
+
+
+def torch_optimizer(o):
+    """The torch optimizer of ``o`` (an ``Optim``), inside Accelerate's wrapper when it is prepared."""
+    return getattr(o.optimizer, "optimizer", o.optimizer)
