@@ -166,6 +166,9 @@ def read_front(text: str, path: Path, b: Baseline) -> None:
     if front:
         base = re.search(r"^base_model:\s*(?:\n\s*-\s*)?(\S+)", front.group(1), re.M)
         b.base_model = base.group(1).strip("'\"") if base else b.base_model
+        library = re.search(r"^library_name:\s*(\S+)", front.group(1), re.M)
+        if library:  # peft: the card of a run that trained adapters (peft writes it)
+            b.args["library_name"] = (library.group(1).strip("'\""), Where(path.name, "library_name"))
     version = re.search(r"^- Transformers:? v?(\d+\.\d+(?:\.\d+)?)", text, re.M)  # its Framework versions
     if version:
         b.args["transformers_version"] = (version.group(1), f"{path.name}: Framework versions")

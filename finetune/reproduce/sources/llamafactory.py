@@ -106,7 +106,7 @@ class LlamaFactory(Reader):
         if path.is_dir():
             return (path / LOG).is_file() or (path / SAVED_YAML).is_file()
         raw = yaml_mapping(path)
-        return raw is not None and "stage" in raw and ("template" in raw or "finetuning_type" in raw)
+        return raw is not None and (is_v0(raw) or is_v1(raw))
 
     def read(self, path: Path, what: str) -> Baseline:
         return read(path, what)
@@ -129,6 +129,10 @@ def read(path: Path, what: str) -> Baseline:
     when it is unreadable, or names a stage no task trains (ppo, rm, kto, pt)."""
     folder, yaml_file = (path, path / SAVED_YAML) if path.is_dir() else (None, path)
     raw = load_yaml(yaml_file, what) if yaml_file.is_file() else None
+    if isinstance(raw, dict):
+        refuse_non_training(raw, yaml_file, what)
+        if is_v1(raw):
+            return read_v1(raw, path, what)
     if folder is None:
         out = Path(str(raw.get("output_dir") or ""))
         folder = next((f for f in (out, path.parent / out) if str(out) and (f / "trainer_state.json").is_file()
@@ -137,10 +141,17 @@ def read(path: Path, what: str) -> Baseline:
         b = files.read_folder(folder, what)
     else:
         b = Baseline(KIND, path)
+        if folder is not None:  # no trainer_state.json: its card and adapters still say what they say
+            read_beside(folder, b, what)
     b.kind, b.path = KIND, path
     if folder is not None and (folder / LOG).is_file():
         read_log(folder / LOG, b, what)
+    if folder is not None:
+        speed_batch(folder, b, what)
     if raw is None:  # trained from the command line: the web UI's saved YAML is not there
+        if "gradient_accumulation_steps" not in b.args:
+            b.assumed["gradient_accumulation_steps"] = (f"no {SAVED_YAML} nor training_args.bin in {path.name} says "
+                                                        "the accumulation; give the YAML you trained with")
         b.unknown.append(f"{SAVED_YAML} (not in {path}: LLaMA-Factory's own settings — template, cutoff_len, "
                          "packing — are unknown; give the YAML you trained with)")
         if folder is not None:
@@ -153,6 +164,173 @@ def read(path: Path, what: str) -> Baseline:
         raise ConfigError(f"{what}: stage: {raw.get('stage')} in {yaml_file} is not supported (supported: "
                           f"{', '.join(stages())})")
     return b
+
+
+# keys only LLaMA-Factory's YAMLs hold (beside model_name_or_path): its training, chat, eval and export configs
+V0_MARKS = ("stage", "template", "finetuning_type", "export_dir", "infer_backend", "adapter_name_or_path")
+# keys of its v1 format (llamafactory.v1: ``model`` and plug-in sections), which no other tool's YAML holds
+V1_MARKS = ("model_class", "peft_config", "dist_config", "kernel_config", "train_dataset", "quant_config")
+# what a file that trains nothing is for, by the key that says so (the first that a file holds names it)
+NOT_TRAINING = (
+    ("export_dir", "export config (llamafactory-cli export: it merges adapters into the model or quantizes it)"),
+    ("infer_backend", "inference config (llamafactory-cli chat / api / webchat)"),
+    ("n_shot", "benchmark config (llamafactory-cli eval: MMLU, C-Eval, CMMLU)"),
+    ("do_predict", "predict config (do_predict: it generates on eval_dataset)"),
+    ("do_eval", "eval config (do_eval: it scores eval_dataset)"),
+)
+
+
+def is_v0(raw: dict) -> bool:
+    """LLaMA-Factory's YAML (0.x, the ``llamafactory-cli train|chat|export|eval`` configs): the base model as
+    ``model_name_or_path`` and one of its own keys; axolotl names its model ``base_model``, TRL has no template."""
+    return "model_name_or_path" in raw and "base_model" not in raw and any(k in raw for k in V0_MARKS) and \
+        ("stage" in raw or "template" in raw or "finetuning_type" in raw or "export_dir" in raw)
+
+
+def is_v1(raw: dict) -> bool:
+    """LLaMA-Factory's v1 YAML (``llamafactory-cli v1 sft|dpo``): the model as ``model`` and its plug-in keys."""
+    return isinstance(raw.get("model"), str) and "base_model" not in raw and any(k in raw for k in V1_MARKS)
+
+
+def refuse_non_training(raw: dict, path: Path, what: str) -> None:
+    """ConfigError (one line) for a LLaMA-Factory file that trains nothing: an export, chat, benchmark, predict or
+    eval config (``do_train`` not true beside them), or a v1 export (``peft_config.export_dir``, no data)."""
+    peft = raw.get("peft_config") if isinstance(raw.get("peft_config"), dict) else {}
+    v1_export = is_v1(raw) and "export_dir" in peft and "train_dataset" not in raw
+    does = next((why for key, why in NOT_TRAINING if raw.get(key) not in (None, False)), None)
+    if v1_export:
+        does = "v1 export config (peft_config.export_dir: it merges adapters into the model)"
+    if does is None or (raw.get("do_train") is True and not v1_export):
+        return
+    raise ConfigError(f"{what}: {path} is a LLaMA-Factory {does}: it trains nothing; finetune imports a training "
+                      f"config (llamafactory-cli train, do_train: true; stages {', '.join(stages())}) or its output "
+                      "folder")
+
+
+# LLaMA-Factory v1's TrainingArguments defaults (llamafactory/v1/config/training_args.py) for what decides the steps
+V1_DEFAULTS = {"learning_rate": 1e-4, "num_train_epochs": 3, "max_grad_norm": 1.0, "bf16": True, "seed": 42,
+               "cutoff_len": 2048}
+# v1 keys read below, or that change no step
+V1_READ = {"model", "model_class", "peft_config", "train_dataset", "output_dir", "micro_batch_size",
+           "global_batch_size", "cutoff_len", "learning_rate", "num_train_epochs", "max_steps", "max_grad_norm",
+           "bf16", "seed", "optim_config", "lr_scheduler_config", "kernel_config", "dist_config", "quant_config",
+           "save_steps", "save_epochs", "save_total_limit", "save_ckpt_as_hf", "logging_steps", "sample_backend",
+           "max_new_tokens", "trust_remote_code", "flash_attn", "resume_from_checkpoint", "batching_workers",
+           "enable_activation_checkpointing", "dist_timeout", "init_config", "pref_beta", "pref_loss",
+           "batching_strategy", "dp_size", "cp_size", "cp_mode", "mp_replicate_size", "mp_shard_size"}
+
+
+def read_v1(raw: dict, path: Path, what: str) -> Baseline:
+    """LLaMA-Factory's v1 YAML: its own trainer (no HF Trainer), torch's AdamW and a constant learning rate unless a
+    plug-in says otherwise, ``micro_batch_size`` per process and ``global_batch_size`` a step (unset: one
+    micro-batch a step on each process)."""
+    b = Baseline(KIND, path)
+    src = lambda key: Where(path.name, key)  # noqa: E731
+    default = lambda key: Where(path.name, f"{key} (LLaMA-Factory v1's default)")  # noqa: E731
+    b.base_model = raw.get("model")
+    b.own["format"] = ("v1", src("model"))
+    for key, name in (("learning_rate", "learning_rate"), ("num_train_epochs", "num_train_epochs"),
+                      ("max_grad_norm", "max_grad_norm"), ("bf16", "bf16"), ("seed", "seed"),
+                      ("cutoff_len", "max_length")):
+        b.args[name] = (raw[key], src(key)) if key in raw else (V1_DEFAULTS[key], default(key))
+    if raw.get("max_steps"):
+        b.args["max_steps"] = (int(raw["max_steps"]), src("max_steps"))
+    b.args["per_device_train_batch_size"] = (int(raw.get("micro_batch_size", 1)), src("micro_batch_size") if
+                                             "micro_batch_size" in raw else default("micro_batch_size"))
+    if raw.get("global_batch_size"):
+        b.args["total_train_batch_size"] = (int(raw["global_batch_size"]), src("global_batch_size"))
+    else:
+        b.args["gradient_accumulation_steps"] = (1, Where(path.name, "global_batch_size unset: one micro-batch a "
+                                                                     "step on each process"))
+    if raw.get("optim_config") is None:
+        b.args["optim"] = ("adamw_torch", Where(path.name, "optim_config unset: torch.optim.AdamW"))
+        b.args["weight_decay"] = (0.01, Where(path.name, "optim_config unset: torch AdamW's weight_decay"))
+    else:
+        b.uncarried.append(("optim_config", raw["optim_config"], "finetune does not read LLaMA-Factory v1's "
+                                                                "optimizer plug-ins"))
+    if raw.get("lr_scheduler_config") is None:
+        b.args["lr_scheduler_type"] = ("constant", Where(path.name, "lr_scheduler_config unset: a constant rate"))
+    else:
+        b.uncarried.append(("lr_scheduler_config", raw["lr_scheduler_config"], "finetune does not read LLaMA-Factory "
+                                                                              "v1's scheduler plug-ins"))
+    b.args["train_sampling_strategy"] = ("llamafactory-v1", src("batching_strategy"))
+    b.uncarried.append(("sample order", "LLaMA-Factory v1's", "its data engine draws its own order, not the HF "
+                                                            "Trainer's; finetune's order differs"))
+    _v1_peft(raw, b, src)
+    if raw.get("quant_config"):
+        b.uncarried.append(("quant_config", raw["quant_config"], "finetune does not read LLaMA-Factory v1's "
+                                                                "quantization plug-ins"))
+    b.task = stage_task("dpo" if v1_pairs(raw, path) else "sft")
+    b.own["stage"] = (b.task and ("dpo" if v1_pairs(raw, path) else "sft"),
+                      Where(path.name, "train_dataset (its converter: pair → dpo, else sft)"))
+    b.unknown.extend(k for k in raw if k not in V1_READ)
+    return b
+
+
+def _v1_peft(raw: dict, b, src) -> None:
+    """v1's ``peft_config``: LoRA (its r, alpha, dropout, target modules), freeze tuning (not carried), or none
+    (every weight trained)."""
+    peft = raw.get("peft_config")
+    if not isinstance(peft, dict):
+        b.args["adapter"] = (None, Where(src("peft_config").file, "no peft_config: every weight trained"))
+        return
+    if str(peft.get("name")) != "lora":
+        b.args["adapter"] = (None, Where(src("peft_config").file, f"peft_config.name: {peft.get('name')}, no adapters"))
+        b.uncarried.append(("peft_config.name", peft.get("name"), "finetune trains every weight or LoRA adapters"))
+        return
+    where = src("peft_config")
+    b.args["adapter"] = ("lora", where)
+    for key, name in (("r", "lora_r"), ("lora_alpha", "lora_alpha"), ("lora_dropout", "lora_dropout")):
+        if key in peft:
+            b.args[name] = (peft[key], where.said(f".{key}"))
+    target = peft.get("target_modules", "all")
+    b.args["lora_target_modules"] = ("all-linear" if target == "all" else
+                                     [t.strip() for t in str(target).split(",")] if isinstance(target, str) else
+                                     list(target), where.said(".target_modules"))
+
+
+def v1_pairs(raw: dict, path: Path) -> bool:
+    """Whether a v1 YAML trains preference pairs: its DPO keys, or its ``train_dataset`` YAML (where it is here)
+    converts each data set with ``converter: pair``."""
+    if "pref_beta" in raw or "pref_loss" in raw:
+        return True
+    name = raw.get("train_dataset")
+    if not isinstance(name, str):
+        return False
+    found = next((f for f in (Path(name), path.parent / name, path.parent.parent / name,
+                              path.parent.parent / Path(name).name) if f.is_file()), None)
+    data = yaml_mapping(found) if found is not None else None
+    return bool(data) and all(isinstance(v, dict) and v.get("converter") == "pair" for v in data.values())
+
+
+def read_beside(folder: Path, b, what: str) -> None:
+    """An output folder without trainer_state.json: its card (base model, ``library_name``) and its model files
+    (``adapter_config.json``: LoRA and its settings), as the Trainer's folder reader reads them."""
+    if (folder / "README.md").is_file():
+        files.read_card(folder / "README.md", b, what, required=False)
+    files.read_model_files(b, [folder], what)
+
+
+def speed_batch(folder: Path, b, what: str) -> None:
+    """The samples a step, from the Trainer's speed metrics (``all_results.json`` / ``train_results.json``:
+    train_samples_per_second × train_runtime = the samples it trained, ÷ its optimizer steps), where no file says the
+    accumulation: ``Baseline.args['speed_batch']``. Taken only when it is a whole number to the metrics' rounding (a
+    short last step of an epoch makes it less)."""
+    if "gradient_accumulation_steps" in b.args or b.get("total_train_batch_size"):
+        return
+    found = next((folder / n for n in ("all_results.json", "train_results.json") if (folder / n).is_file()), None)
+    steps = b.get("schedule_steps") or b.max_steps
+    if found is None or not steps:
+        return
+    metrics = files.json_object(found, what)
+    rate, runtime = metrics.get("train_samples_per_second"), metrics.get("train_runtime")
+    if not rate or not runtime:
+        return
+    batch = float(rate) * float(runtime) / int(steps)
+    slack = 0.0005 * float(runtime) / int(steps) + 0.01 * batch  # the rate's 3 decimals; a short last step
+    if round(batch) >= 1 and abs(batch - round(batch)) <= slack:
+        b.args["speed_batch"] = (round(batch), Where(found.name, f"train_samples_per_second {rate} × train_runtime "
+                                                                 f"{runtime} s ÷ {steps} steps"))
 
 
 def has_yaml(b) -> bool:
@@ -182,7 +360,7 @@ def read_log(path: Path, b, what: str) -> None:
     """``trainer_log.jsonl``: one line per logged step (``current_steps``, ``total_steps``, ``loss``, ``lr``,
     ``epoch``). Where trainer_state.json gave no log (a run stopped early keeps only this file), its entries are the
     baseline's log; else it must agree with trainer_state's at every step it logs (the same run)."""
-    entries = []
+    entries, last = [], None
     for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
@@ -192,17 +370,19 @@ def read_log(path: Path, b, what: str) -> None:
             raise ConfigError(f"{what}: {path} line {n} is not JSON") from None
         if not isinstance(e, dict) or "current_steps" not in e:
             raise ConfigError(f"{what}: {path} line {n} has no current_steps (LLaMA-Factory writes it on every line)")
-        if "loss" in e:
+        last = int(e["current_steps"])
+        lr = e.get("lr", e.get("learning_rate"))  # "learning_rate" until 0.6, "lr" after
+        if e.get("loss") is not None:  # logs of 2023 write every key on every line, null where not logged
             entries.append({"step": int(e["current_steps"]), "loss": float(e["loss"]),
-                            **({"learning_rate": float(e["lr"])} if "lr" in e else {}),
-                            **({"epoch": e["epoch"]} if "epoch" in e else {})})
-        if "eval_loss" in e:
+                            **({"learning_rate": float(lr)} if lr is not None else {}),
+                            **({"epoch": e["epoch"]} if e.get("epoch") is not None else {})})
+        if e.get("eval_loss") is not None:
             b.evals.append((int(e["current_steps"]), float(e["eval_loss"])))
         if e.get("total_steps"):
             b.args.setdefault("schedule_steps", (int(e["total_steps"]), f"{path.name}: total_steps"))
     if not b.logs:
         b.logs = entries
-        b.max_steps = b.max_steps or (entries[-1]["step"] if entries else None)
+        b.max_steps = b.max_steps or last  # its last line is the last step, with no loss logged
         return
     state = {e["step"]: e for e in b.logs}
     bad = next((e for e in entries if e["step"] in state and abs(state[e["step"]]["loss"] - e["loss"]) >
@@ -251,6 +431,7 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
     elif raw.get("finetuning_type") == "full" and b.adapter_config is None:
         b.args["adapter"] = (None, f"{src('finetuning_type')}: full, every weight trained")
     elif raw.get("finetuning_type") not in (None, "lora", "full"):
+        b.args["adapter"] = (None, f"{src('finetuning_type')}: {raw['finetuning_type']}, no adapters")
         b.uncarried.append(("finetuning_type", raw["finetuning_type"], "LLaMA-Factory trains only some layers "
                             "(freeze tuning); finetune trains every weight or LoRA adapters"))
 
@@ -319,6 +500,10 @@ def carry_own(b, out, model_fields, data_fields: set, baseline_step: bool) -> No
     preference loss and what it trains on; its packing (:func:`packing`); every other setting of
     :data:`NOT_CARRIED` that is not at its default, as not carried."""
     own = b.own
+    if "format" in own:  # v1: its own trainer, none of 0.x's templates, packing or turn cutting
+        return
+    if "stage" in own and not has_yaml(b):  # a folder without its YAML: the stage its log shows, or the default
+        out.assumed.append(("task", f"stage {own['stage'][0]} — {own['stage'][1]}"))
     out.drop("the adapters' start")
     if b.adapter_config or b.get("adapter"):
         out.not_carried.append("adapters' start: replayed — LLaMA-Factory draws them after set_seed(seed), as "
@@ -367,8 +552,13 @@ def carry_own(b, out, model_fields, data_fields: set, baseline_step: bool) -> No
     if value("pure_bf16"):
         pure_precision(out, own["pure_bf16"], "bf16", "LLaMA-Factory", baseline_step, model_fields,
                        autocast=own["autocast"][0])
+    if stage_has(b, "data", "concatenate") and "concatenate" in data_fields:
+        out.set("data.concatenate", True, f"{own['stage'][1] if 'stage' in own else 'LLaMA-Factory'}: its pt stage "
+                "joins every text (each ending in the end-of-text token) and cuts blocks of cutoff_len")
     # its turn-by-turn cut, found by the labels: not when every token trains
-    if "cutoff_len" in own and "too_long" in data_fields and stage_allows(b, "data", "too_long", "turns") and \
+    if stage_has(b, "data", "concatenate"):
+        pass  # its blocks are cut, not dropped
+    elif "cutoff_len" in own and "too_long" in data_fields and stage_allows(b, "data", "too_long", "turns") and \
             not value("train_on_prompt"):
         out.set("data.too_long", "turns", f"{own['cutoff_len'][1]}: LLaMA-Factory cuts a longer conversation turn by "
                                           "turn (infer_seqlen)")
@@ -409,9 +599,9 @@ def packing(b, out, data_fields: set, baseline_step: bool) -> None:
                 "packs conversations of at most cutoff_len − 1 tokens into rows of cutoff_len")
 
 
-def dataset_file(b) -> Path | None:
-    """The training file the YAML names (``dataset`` in ``dataset_dir``'s ``dataset_info.json``), when it is one
-    local file; None otherwise."""
+def dataset_entry(b) -> tuple | None:
+    """(the training file, its ``dataset_info.json`` entry) the YAML names (``dataset`` in ``dataset_dir``), when it
+    is one local file; None otherwise."""
     if "dataset" not in b.own:
         return None
     names = [n.strip() for n in str(b.own["dataset"][0]).split(",")]
@@ -419,34 +609,168 @@ def dataset_file(b) -> Path | None:
     for base in (Path.cwd(), b.path.parent):
         info = base / root / "dataset_info.json"
         if len(names) == 1 and info.is_file():
-            try:
-                entry = json.loads(info.read_text(encoding="utf-8")).get(names[0]) or {}
-            except (ValueError, AttributeError):
-                raise ConfigError(f"data: {info} is not a JSON object of data sets") from None
+            entry = dataset_info(info).get(names[0]) or {}
             if entry.get("file_name") and (base / root / entry["file_name"]).is_file():
-                return base / root / entry["file_name"]
+                return base / root / entry["file_name"], entry
     return None
+
+
+def dataset_info(info: Path) -> dict:
+    """``dataset_info.json``: data set name → its entry (file, formatting, columns, tags, ranking)."""
+    try:
+        table = json.loads(info.read_text(encoding="utf-8"))
+    except ValueError:
+        table = None
+    if not isinstance(table, dict):
+        raise ConfigError(f"data: {info} is not a JSON object of data sets (LLaMA-Factory's dataset_info.json)")
+    return table
+
+
+def dataset_file(b) -> Path | None:
+    """The training file the YAML names, when it is one local file; None otherwise."""
+    found = dataset_entry(b)
+    return found[0] if found else None
+
+
+def entry_of(b, path: Path) -> dict | None:
+    """The ``dataset_info.json`` entry of a file given as ``--data``: the YAML's data set when it names this file,
+    else the entry of that name in a ``dataset_info.json`` beside the file; None when no entry names it."""
+    found = dataset_entry(b)
+    if found and found[0].resolve() == path.resolve():
+        return found[1]
+    info = path.parent / "dataset_info.json"
+    if info.is_file():
+        return next((e for e in dataset_info(info).values() if isinstance(e, dict) and
+                     e.get("file_name") == path.name), None)
+    return None
+
+
+# LLaMA-Factory's defaults (its DatasetAttr): the columns of an alpaca row, the columns and tags of a sharegpt one
+ALPACA = {"prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None,
+          "chosen": "chosen", "rejected": "rejected"}
+SHAREGPT = {"messages": "conversations", "system": None, "tools": None, "chosen": "chosen", "rejected": "rejected"}
+TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+        "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
+
+
+def row_format(entry: dict | None, rows: list) -> str | None:
+    """``alpaca`` or ``sharegpt``: the entry's ``formatting`` (alpaca when it names none), else what the rows hold
+    (sharegpt's ``conversations``, alpaca's ``instruction`` and ``output``); None: rows finetune reads as they are."""
+    if entry is not None:
+        return str(entry.get("formatting", "alpaca"))
+    first = rows[0] if rows and isinstance(rows[0], dict) else {}
+    if isinstance(first.get("conversations"), list):
+        return "sharegpt"
+    if "instruction" in first and "output" in first:
+        return "alpaca"
+    if isinstance(first.get("chosen"), dict) and "messages" in first:  # sharegpt pairs with role/content tags
+        return "sharegpt"
+    return None
+
+
+def read_rows(path: Path) -> list:
+    """A data file's rows: a JSON list (LLaMA-Factory's .json) or JSON lines."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        rows = json.loads(text) if path.suffix.lower() == ".json" else \
+            [json.loads(line) for line in text.splitlines() if line.strip()]
+    except ValueError as e:
+        raise ConfigError(f"data: {path} is not JSON ({e})") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ConfigError(f"data: {path} holds no list of rows (LLaMA-Factory reads a JSON list or JSON lines)")
+    return rows
+
+
+def sharegpt_turns(row: dict, n: int, path: Path, entry: dict) -> list:
+    """A sharegpt row's messages as role/content turns (its system turn or column first), as LLaMA-Factory's
+    converter reads them: by its tags, user (or observation) and assistant (or function call) alternating."""
+    columns, tags = {**SHAREGPT, **(entry.get("columns") or {})}, {**TAGS, **(entry.get("tags") or {})}
+    if "messages" not in (entry.get("columns") or {}) and "conversations" not in row and "messages" in row:
+        columns["messages"] = "messages"
+        tags = {**tags, "role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
+    turns = row.get(columns["messages"])
+    if not isinstance(turns, list):
+        raise ConfigError(f"data: {path} row {n} has no {columns['messages']} list (sharegpt rows)")
+    roles = {tags["user_tag"]: "user", tags["assistant_tag"]: "assistant", tags["system_tag"]: "system"}
+    out = [{"role": "system", "content": row[columns["system"]]}] if columns["system"] and \
+        row.get(columns["system"]) else []
+    for turn in turns:
+        role = turn.get(tags["role_tag"]) if isinstance(turn, dict) else None
+        if role not in roles:
+            raise ConfigError(f"data: {path} row {n}: a {role} turn; finetune trains {tags['user_tag']}, "
+                              f"{tags['assistant_tag']} and {tags['system_tag']} turns (no tool calls)")
+        out.append({"role": roles[role], "content": turn.get(tags["content_tag"])})
+    if columns["tools"] and row.get(columns["tools"]) not in (None, "", "[]", []):
+        raise ConfigError(f"data: {path} row {n} names tools ({columns['tools']}); LLaMA-Factory renders them into "
+                          "the system turn, finetune does not")
+    return out
+
+
+def alpaca_turns(row: dict, n: int, path: Path, entry: dict) -> list:
+    """An alpaca row as role/content turns: its system, its history's pairs, then the instruction (its input after a
+    newline) and, for sft, the output — as LLaMA-Factory's converter joins them."""
+    columns = {**ALPACA, **(entry.get("columns") or {})}
+    if columns["prompt"] not in row:
+        raise ConfigError(f"data: {path} row {n} has no {columns['prompt']} (alpaca rows)")
+    out = [{"role": "system", "content": row[columns["system"]]}] if columns["system"] and \
+        row.get(columns["system"]) else []
+    for query, answer in (row.get(columns["history"]) or []) if columns["history"] else []:
+        out += [{"role": "user", "content": query}, {"role": "assistant", "content": answer}]
+    prompt = "\n".join(x for x in (row[columns["prompt"]], row.get(columns["query"]) or "") if x)
+    return out + [{"role": "user", "content": prompt}]
+
+
+def converted(rows: list, fmt: str, entry: dict, path: Path, pairs: bool) -> list:
+    """LLaMA-Factory's rows as finetune's: ``messages`` (sft), or TRL's conversational ``prompt`` / ``chosen`` /
+    ``rejected`` (a ranking data set: dpo)."""
+    columns = {**(ALPACA if fmt == "alpaca" else SHAREGPT), **(entry.get("columns") or {})}
+    out = []
+    for n, row in enumerate(rows, 1):
+        if fmt == "alpaca":
+            turns = alpaca_turns(row, n, path, entry)
+            answer = lambda key: [{"role": "assistant", "content": row.get(key)}]  # noqa: E731
+        else:
+            turns = sharegpt_turns(row, n, path, entry)
+            answer = lambda key: sharegpt_turns({columns["messages"]: [row.get(key)]}, n, path,  # noqa: E731
+                                                {**entry, "columns": {**(entry.get("columns") or {}),
+                                                                      "system": None, "tools": None}})
+        if pairs:
+            if row.get(columns["chosen"]) is None or row.get(columns["rejected"]) is None:
+                raise ConfigError(f"data: {path} row {n} has no {columns['chosen']} / {columns['rejected']} (a "
+                                  "ranking data set: the dpo stage trains pairs)")
+            out.append({"prompt": turns, "chosen": answer(columns["chosen"]), "rejected": answer(columns["rejected"])})
+        elif fmt == "alpaca":
+            out.append({"messages": turns + [{"role": "assistant", "content": row.get(columns["response"])}]})
+        else:
+            out.append({"messages": turns})
+    return out
 
 
 def training_rows(b: Baseline, data, recipe: Path):
     """``finetune import``'s ``--data`` for a LLaMA-Factory run: the file given (else the one its YAML names in
-    ``dataset_info.json``), as rows finetune reads. Its preference rows (sharegpt ``ranking``: the prompt's
-    ``messages``, then one ``chosen`` and one ``rejected`` message) are written, in their order, as TRL's
-    conversational pairs beside the recipe (``RECIPE-rows.jsonl``); rows of messages are read as they are."""
+    ``dataset_info.json``), as rows finetune reads. Rows in LLaMA-Factory's own formats — alpaca (instruction, input,
+    output, history, system) and sharegpt (conversations of from/value turns), by the columns and tags of their
+    ``dataset_info.json`` entry — are written, in their order, beside the recipe (``RECIPE-rows.jsonl``): as
+    ``messages`` for sft, as TRL's conversational pairs for dpo. Other rows are read as they are."""
     if data is None:
-        data = dataset_file(b)
-        if data is None:
+        found = dataset_entry(b)
+        if found is None:
             return None
-    path = Path(data)
-    if path.suffix.lower() != ".jsonl" or not path.is_file():
-        return data
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not rows or not all(isinstance(r, dict) and isinstance(r.get("chosen"), dict) and "messages" in r
-                           for r in rows):
+        path, entry = found
+    else:
+        path = Path(data)
+        entry = entry_of(b, path) if path.is_file() else None
+    if path.suffix.lower() not in (".json", ".jsonl") or not path.is_file():
         return str(path)
+    rows = read_rows(path)
+    fmt = row_format(entry, rows)
+    # a chat stage's rows (sft's messages; a preference stage's pairs, its task has a beta): pt reads its text
+    if fmt not in ("alpaca", "sharegpt") or not stage_has(b, "model", "chat_template") or not rows:
+        return str(path)
+    pairs = stage_has(b, "model", "beta")
     out = recipe.with_name(f"{recipe.stem}-rows.jsonl")
-    out.write_text("".join(json.dumps({"prompt": r["messages"], "chosen": [r["chosen"]], "rejected": [r["rejected"]]})
-                           + "\n" for r in rows))
-    print(f"{path}: LLaMA-Factory's preference rows written as TRL's conversational pairs to {out} (the same turns, "
-          "in their order)")
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n"
+                           for r in converted(rows, fmt, entry or {}, path, pairs)), encoding="utf-8")
+    shape = "TRL's conversational pairs" if pairs else "messages"
+    print(f"{path}: LLaMA-Factory's {fmt} rows written as {shape} to {out} (the same turns, in their order)")
     return str(out)
