@@ -36,11 +36,12 @@ def base_recipe(b: Baseline) -> str | None:
 
 
 def refuse_assumed(b: Baseline, args) -> None:
-    """ConfigError (one line) where the baseline's files do not say its model or its effective batch: a
-    reproduction of an assumed model or batch would compare another run."""
-    if not b.base_model and args.model is None:
-        raise ConfigError(f"reproduce: {args.source}: the baseline's files do not name the model it fine-tuned; give "
-                          "--model MODEL")
+    """ConfigError (one line) where the baseline's files do not say its model (and the user names none) or its
+    effective batch: a reproduction of an assumed model or batch would compare another run."""
+    # --recipe BASE names the model the user means; finetune's own run carries its recipe
+    if not b.base_model and args.model is None and args.recipe is None and b.source.run_folder(b) is None:
+        raise ConfigError(f"reproduce: {args.source}: the baseline's files do not name the model it fine-tuned (the "
+                          f"task's default recipe would train its own); give --model MODEL or --recipe BASE")
     if "gradient_accumulation_steps" in b.assumed and b.effective_batch() is not None and not \
             b.get("total_train_batch_size") and not b.get("speed_batch"):
         raise ConfigError(f"reproduce: {args.source}: the effective batch is unknown — "

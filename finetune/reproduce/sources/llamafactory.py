@@ -25,6 +25,9 @@ import finetune.reproduce.sources.files as files
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints, section_class, task_module
 from finetune.reproduce.record import Baseline, Where, load_yaml, pure_precision
+from finetune.reproduce.sources import llamafactory_kinds as kinds
+from finetune.reproduce.sources import llamafactory_rows as rows
+from finetune.reproduce.sources import llamafactory_v1 as v1
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 KIND = "LLaMA-Factory run"
@@ -106,7 +109,7 @@ class LlamaFactory(Reader):
         if path.is_dir():
             return (path / LOG).is_file() or (path / SAVED_YAML).is_file()
         raw = yaml_mapping(path)
-        return raw is not None and (is_v0(raw) or is_v1(raw))
+        return raw is not None and (kinds.is_v0(raw) or v1.is_v1(raw))
 
     def read(self, path: Path, what: str) -> Baseline:
         return read(path, what)
@@ -118,7 +121,7 @@ class LlamaFactory(Reader):
         return training_rows(b, data, recipe)
 
     def named_data(self, b: Baseline) -> Path | None:
-        return dataset_file(b)
+        return rows.dataset_file(b)
 
 
 SOURCE = LlamaFactory()
@@ -130,9 +133,9 @@ def read(path: Path, what: str) -> Baseline:
     folder, yaml_file = (path, path / SAVED_YAML) if path.is_dir() else (None, path)
     raw = load_yaml(yaml_file, what) if yaml_file.is_file() else None
     if isinstance(raw, dict):
-        refuse_non_training(raw, yaml_file, what)
-        if is_v1(raw):
-            return read_v1(raw, path, what)
+        kinds.refuse_non_training(raw, yaml_file, what, stages())
+        if v1.is_v1(raw):
+            return read_v1(raw, path)
     if folder is None:
         out = Path(str(raw.get("output_dir") or ""))
         folder = next((f for f in (out, path.parent / out) if str(out) and (f / "trainer_state.json").is_file()
@@ -147,7 +150,7 @@ def read(path: Path, what: str) -> Baseline:
     if folder is not None and (folder / LOG).is_file():
         read_log(folder / LOG, b, what)
     if folder is not None:
-        speed_batch(folder, b, what)
+        files.speed_batch(folder, b, what)
     if raw is None:  # trained from the command line: the web UI's saved YAML is not there
         if "gradient_accumulation_steps" not in b.args:
             b.assumed["gradient_accumulation_steps"] = (f"no {SAVED_YAML} nor training_args.bin in {path.name} says "
@@ -166,141 +169,14 @@ def read(path: Path, what: str) -> Baseline:
     return b
 
 
-# keys only LLaMA-Factory's YAMLs hold (beside model_name_or_path): its training, chat, eval and export configs
-V0_MARKS = ("stage", "template", "finetuning_type", "export_dir", "infer_backend", "adapter_name_or_path")
-# keys of its v1 format (llamafactory.v1: ``model`` and plug-in sections), which no other tool's YAML holds
-V1_MARKS = ("model_class", "peft_config", "dist_config", "kernel_config", "train_dataset", "quant_config")
-# what a file that trains nothing is for, by the key that says so (the first that a file holds names it)
-NOT_TRAINING = (
-    ("export_dir", "export config (llamafactory-cli export: it merges adapters into the model or quantizes it)"),
-    ("infer_backend", "inference config (llamafactory-cli chat / api / webchat)"),
-    ("n_shot", "benchmark config (llamafactory-cli eval: MMLU, C-Eval, CMMLU)"),
-    ("do_predict", "predict config (do_predict: it generates on eval_dataset)"),
-    ("do_eval", "eval config (do_eval: it scores eval_dataset)"),
-)
-
-
-def is_v0(raw: dict) -> bool:
-    """LLaMA-Factory's YAML (0.x, the ``llamafactory-cli train|chat|export|eval`` configs): the base model as
-    ``model_name_or_path`` and one of its own keys; axolotl names its model ``base_model``, TRL has no template."""
-    return "model_name_or_path" in raw and "base_model" not in raw and any(k in raw for k in V0_MARKS) and \
-        ("stage" in raw or "template" in raw or "finetuning_type" in raw or "export_dir" in raw)
-
-
-def is_v1(raw: dict) -> bool:
-    """LLaMA-Factory's v1 YAML (``llamafactory-cli v1 sft|dpo``): the model as ``model`` and its plug-in keys."""
-    return isinstance(raw.get("model"), str) and "base_model" not in raw and any(k in raw for k in V1_MARKS)
-
-
-def refuse_non_training(raw: dict, path: Path, what: str) -> None:
-    """ConfigError (one line) for a LLaMA-Factory file that trains nothing: an export, chat, benchmark, predict or
-    eval config (``do_train`` not true beside them), or a v1 export (``peft_config.export_dir``, no data)."""
-    peft = raw.get("peft_config") if isinstance(raw.get("peft_config"), dict) else {}
-    v1_export = is_v1(raw) and "export_dir" in peft and "train_dataset" not in raw
-    does = next((why for key, why in NOT_TRAINING if raw.get(key) not in (None, False)), None)
-    if v1_export:
-        does = "v1 export config (peft_config.export_dir: it merges adapters into the model)"
-    if does is None or (raw.get("do_train") is True and not v1_export):
-        return
-    raise ConfigError(f"{what}: {path} is a LLaMA-Factory {does}: it trains nothing; finetune imports a training "
-                      f"config (llamafactory-cli train, do_train: true; stages {', '.join(stages())}) or its output "
-                      "folder")
-
-
-# LLaMA-Factory v1's TrainingArguments defaults (llamafactory/v1/config/training_args.py) for what decides the steps
-V1_DEFAULTS = {"learning_rate": 1e-4, "num_train_epochs": 3, "max_grad_norm": 1.0, "bf16": True, "seed": 42,
-               "cutoff_len": 2048}
-# v1 keys read below, or that change no step
-V1_READ = {"model", "model_class", "peft_config", "train_dataset", "output_dir", "micro_batch_size",
-           "global_batch_size", "cutoff_len", "learning_rate", "num_train_epochs", "max_steps", "max_grad_norm",
-           "bf16", "seed", "optim_config", "lr_scheduler_config", "kernel_config", "dist_config", "quant_config",
-           "save_steps", "save_epochs", "save_total_limit", "save_ckpt_as_hf", "logging_steps", "sample_backend",
-           "max_new_tokens", "trust_remote_code", "flash_attn", "resume_from_checkpoint", "batching_workers",
-           "enable_activation_checkpointing", "dist_timeout", "init_config", "pref_beta", "pref_loss",
-           "batching_strategy", "dp_size", "cp_size", "cp_mode", "mp_replicate_size", "mp_shard_size"}
-
-
-def read_v1(raw: dict, path: Path, what: str) -> Baseline:
-    """LLaMA-Factory's v1 YAML: its own trainer (no HF Trainer), torch's AdamW and a constant learning rate unless a
-    plug-in says otherwise, ``micro_batch_size`` per process and ``global_batch_size`` a step (unset: one
-    micro-batch a step on each process)."""
-    b = Baseline(KIND, path)
-    src = lambda key: Where(path.name, key)  # noqa: E731
-    default = lambda key: Where(path.name, f"{key} (LLaMA-Factory v1's default)")  # noqa: E731
-    b.base_model = raw.get("model")
-    b.own["format"] = ("v1", src("model"))
-    for key, name in (("learning_rate", "learning_rate"), ("num_train_epochs", "num_train_epochs"),
-                      ("max_grad_norm", "max_grad_norm"), ("bf16", "bf16"), ("seed", "seed"),
-                      ("cutoff_len", "max_length")):
-        b.args[name] = (raw[key], src(key)) if key in raw else (V1_DEFAULTS[key], default(key))
-    if raw.get("max_steps"):
-        b.args["max_steps"] = (int(raw["max_steps"]), src("max_steps"))
-    b.args["per_device_train_batch_size"] = (int(raw.get("micro_batch_size", 1)), src("micro_batch_size") if
-                                             "micro_batch_size" in raw else default("micro_batch_size"))
-    if raw.get("global_batch_size"):
-        b.args["total_train_batch_size"] = (int(raw["global_batch_size"]), src("global_batch_size"))
-    else:
-        b.args["gradient_accumulation_steps"] = (1, Where(path.name, "global_batch_size unset: one micro-batch a "
-                                                                     "step on each process"))
-    if raw.get("optim_config") is None:
-        b.args["optim"] = ("adamw_torch", Where(path.name, "optim_config unset: torch.optim.AdamW"))
-        b.args["weight_decay"] = (0.01, Where(path.name, "optim_config unset: torch AdamW's weight_decay"))
-    else:
-        b.uncarried.append(("optim_config", raw["optim_config"], "finetune does not read LLaMA-Factory v1's "
-                                                                "optimizer plug-ins"))
-    if raw.get("lr_scheduler_config") is None:
-        b.args["lr_scheduler_type"] = ("constant", Where(path.name, "lr_scheduler_config unset: a constant rate"))
-    else:
-        b.uncarried.append(("lr_scheduler_config", raw["lr_scheduler_config"], "finetune does not read LLaMA-Factory "
-                                                                              "v1's scheduler plug-ins"))
-    b.args["train_sampling_strategy"] = ("llamafactory-v1", src("batching_strategy"))
-    b.uncarried.append(("sample order", "LLaMA-Factory v1's", "its data engine draws its own order, not the HF "
-                                                            "Trainer's; finetune's order differs"))
-    _v1_peft(raw, b, src)
-    if raw.get("quant_config"):
-        b.uncarried.append(("quant_config", raw["quant_config"], "finetune does not read LLaMA-Factory v1's "
-                                                                "quantization plug-ins"))
-    b.task = stage_task("dpo" if v1_pairs(raw, path) else "sft")
-    b.own["stage"] = (b.task and ("dpo" if v1_pairs(raw, path) else "sft"),
-                      Where(path.name, "train_dataset (its converter: pair → dpo, else sft)"))
-    b.unknown.extend(k for k in raw if k not in V1_READ)
+def read_v1(raw: dict, path: Path) -> Baseline:
+    """A v1 YAML (:mod:`llamafactory_v1`), trained by the stage its data shows."""
+    b = v1.read_v1(raw, path, KIND)
+    stage = pair_stage() if v1.trains_pairs(raw, path) else stage_of(None)
+    b.task = stage_task(stage)
+    b.own["stage"] = (stage, Where(path.name, f"train_dataset (its converter: pair → {pair_stage()}, else "
+                                              f"{stage_of(None)}; the command, llamafactory-cli v1 STAGE, decides)"))
     return b
-
-
-def _v1_peft(raw: dict, b, src) -> None:
-    """v1's ``peft_config``: LoRA (its r, alpha, dropout, target modules), freeze tuning (not carried), or none
-    (every weight trained)."""
-    peft = raw.get("peft_config")
-    if not isinstance(peft, dict):
-        b.args["adapter"] = (None, Where(src("peft_config").file, "no peft_config: every weight trained"))
-        return
-    if str(peft.get("name")) != "lora":
-        b.args["adapter"] = (None, Where(src("peft_config").file, f"peft_config.name: {peft.get('name')}, no adapters"))
-        b.uncarried.append(("peft_config.name", peft.get("name"), "finetune trains every weight or LoRA adapters"))
-        return
-    where = src("peft_config")
-    b.args["adapter"] = ("lora", where)
-    for key, name in (("r", "lora_r"), ("lora_alpha", "lora_alpha"), ("lora_dropout", "lora_dropout")):
-        if key in peft:
-            b.args[name] = (peft[key], where.said(f".{key}"))
-    target = peft.get("target_modules", "all")
-    b.args["lora_target_modules"] = ("all-linear" if target == "all" else
-                                     [t.strip() for t in str(target).split(",")] if isinstance(target, str) else
-                                     list(target), where.said(".target_modules"))
-
-
-def v1_pairs(raw: dict, path: Path) -> bool:
-    """Whether a v1 YAML trains preference pairs: its DPO keys, or its ``train_dataset`` YAML (where it is here)
-    converts each data set with ``converter: pair``."""
-    if "pref_beta" in raw or "pref_loss" in raw:
-        return True
-    name = raw.get("train_dataset")
-    if not isinstance(name, str):
-        return False
-    found = next((f for f in (Path(name), path.parent / name, path.parent.parent / name,
-                              path.parent.parent / Path(name).name) if f.is_file()), None)
-    data = yaml_mapping(found) if found is not None else None
-    return bool(data) and all(isinstance(v, dict) and v.get("converter") == "pair" for v in data.values())
 
 
 def read_beside(folder: Path, b, what: str) -> None:
@@ -309,28 +185,6 @@ def read_beside(folder: Path, b, what: str) -> None:
     if (folder / "README.md").is_file():
         files.read_card(folder / "README.md", b, what, required=False)
     files.read_model_files(b, [folder], what)
-
-
-def speed_batch(folder: Path, b, what: str) -> None:
-    """The samples a step, from the Trainer's speed metrics (``all_results.json`` / ``train_results.json``:
-    train_samples_per_second × train_runtime = the samples it trained, ÷ its optimizer steps), where no file says the
-    accumulation: ``Baseline.args['speed_batch']``. Taken only when it is a whole number to the metrics' rounding (a
-    short last step of an epoch makes it less)."""
-    if "gradient_accumulation_steps" in b.args or b.get("total_train_batch_size"):
-        return
-    found = next((folder / n for n in ("all_results.json", "train_results.json") if (folder / n).is_file()), None)
-    steps = b.get("schedule_steps") or b.max_steps
-    if found is None or not steps:
-        return
-    metrics = files.json_object(found, what)
-    rate, runtime = metrics.get("train_samples_per_second"), metrics.get("train_runtime")
-    if not rate or not runtime:
-        return
-    batch = float(rate) * float(runtime) / int(steps)
-    slack = 0.0005 * float(runtime) / int(steps) + 0.01 * batch  # the rate's 3 decimals; a short last step
-    if round(batch) >= 1 and abs(batch - round(batch)) <= slack:
-        b.args["speed_batch"] = (round(batch), Where(found.name, f"train_samples_per_second {rate} × train_runtime "
-                                                                 f"{runtime} s ÷ {steps} steps"))
 
 
 def has_yaml(b) -> bool:
@@ -473,6 +327,19 @@ def stage_task(stage) -> str | None:
     return None
 
 
+def stage_of(task) -> str:
+    """LLaMA-Factory's name for a task's stage (None: its default stage's)."""
+    hints = built_in_hints()
+    return next(h.peer_names[TOOL] for name, h in hints.items() if TOOL in h.peer_names and
+                (name == task if task is not None else TOOL in h.peer_default))
+
+
+def pair_stage() -> str:
+    """LLaMA-Factory's stage that trains preference pairs: that of the task whose step depends on a beta."""
+    return next(h.peer_names[TOOL] for h in built_in_hints().values() if TOOL in h.peer_names and
+                "model.beta" in h.step_settings)
+
+
 def stages() -> list:
     """The stages of LLaMA-Factory that finetune trains."""
     return [h.peer_names[TOOL] for h in built_in_hints().values() if TOOL in h.peer_names]
@@ -599,178 +466,8 @@ def packing(b, out, data_fields: set, baseline_step: bool) -> None:
                 "packs conversations of at most cutoff_len − 1 tokens into rows of cutoff_len")
 
 
-def dataset_entry(b) -> tuple | None:
-    """(the training file, its ``dataset_info.json`` entry) the YAML names (``dataset`` in ``dataset_dir``), when it
-    is one local file; None otherwise."""
-    if "dataset" not in b.own:
-        return None
-    names = [n.strip() for n in str(b.own["dataset"][0]).split(",")]
-    root = Path(str(b.own.get("dataset_dir", ("data", ""))[0]))
-    for base in (Path.cwd(), b.path.parent):
-        info = base / root / "dataset_info.json"
-        if len(names) == 1 and info.is_file():
-            entry = dataset_info(info).get(names[0]) or {}
-            if entry.get("file_name") and (base / root / entry["file_name"]).is_file():
-                return base / root / entry["file_name"], entry
-    return None
-
-
-def dataset_info(info: Path) -> dict:
-    """``dataset_info.json``: data set name → its entry (file, formatting, columns, tags, ranking)."""
-    try:
-        table = json.loads(info.read_text(encoding="utf-8"))
-    except ValueError:
-        table = None
-    if not isinstance(table, dict):
-        raise ConfigError(f"data: {info} is not a JSON object of data sets (LLaMA-Factory's dataset_info.json)")
-    return table
-
-
-def dataset_file(b) -> Path | None:
-    """The training file the YAML names, when it is one local file; None otherwise."""
-    found = dataset_entry(b)
-    return found[0] if found else None
-
-
-def entry_of(b, path: Path) -> dict | None:
-    """The ``dataset_info.json`` entry of a file given as ``--data``: the YAML's data set when it names this file,
-    else the entry of that name in a ``dataset_info.json`` beside the file; None when no entry names it."""
-    found = dataset_entry(b)
-    if found and found[0].resolve() == path.resolve():
-        return found[1]
-    info = path.parent / "dataset_info.json"
-    if info.is_file():
-        return next((e for e in dataset_info(info).values() if isinstance(e, dict) and
-                     e.get("file_name") == path.name), None)
-    return None
-
-
-# LLaMA-Factory's defaults (its DatasetAttr): the columns of an alpaca row, the columns and tags of a sharegpt one
-ALPACA = {"prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None,
-          "chosen": "chosen", "rejected": "rejected"}
-SHAREGPT = {"messages": "conversations", "system": None, "tools": None, "chosen": "chosen", "rejected": "rejected"}
-TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
-        "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
-
-
-def row_format(entry: dict | None, rows: list) -> str | None:
-    """``alpaca`` or ``sharegpt``: the entry's ``formatting`` (alpaca when it names none), else what the rows hold
-    (sharegpt's ``conversations``, alpaca's ``instruction`` and ``output``); None: rows finetune reads as they are."""
-    if entry is not None:
-        return str(entry.get("formatting", "alpaca"))
-    first = rows[0] if rows and isinstance(rows[0], dict) else {}
-    if isinstance(first.get("conversations"), list):
-        return "sharegpt"
-    if "instruction" in first and "output" in first:
-        return "alpaca"
-    if isinstance(first.get("chosen"), dict) and "messages" in first:  # sharegpt pairs with role/content tags
-        return "sharegpt"
-    return None
-
-
-def read_rows(path: Path) -> list:
-    """A data file's rows: a JSON list (LLaMA-Factory's .json) or JSON lines."""
-    text = path.read_text(encoding="utf-8")
-    try:
-        rows = json.loads(text) if path.suffix.lower() == ".json" else \
-            [json.loads(line) for line in text.splitlines() if line.strip()]
-    except ValueError as e:
-        raise ConfigError(f"data: {path} is not JSON ({e})") from None
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise ConfigError(f"data: {path} holds no list of rows (LLaMA-Factory reads a JSON list or JSON lines)")
-    return rows
-
-
-def sharegpt_turns(row: dict, n: int, path: Path, entry: dict) -> list:
-    """A sharegpt row's messages as role/content turns (its system turn or column first), as LLaMA-Factory's
-    converter reads them: by its tags, user (or observation) and assistant (or function call) alternating."""
-    columns, tags = {**SHAREGPT, **(entry.get("columns") or {})}, {**TAGS, **(entry.get("tags") or {})}
-    if "messages" not in (entry.get("columns") or {}) and "conversations" not in row and "messages" in row:
-        columns["messages"] = "messages"
-        tags = {**tags, "role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}
-    turns = row.get(columns["messages"])
-    if not isinstance(turns, list):
-        raise ConfigError(f"data: {path} row {n} has no {columns['messages']} list (sharegpt rows)")
-    roles = {tags["user_tag"]: "user", tags["assistant_tag"]: "assistant", tags["system_tag"]: "system"}
-    out = [{"role": "system", "content": row[columns["system"]]}] if columns["system"] and \
-        row.get(columns["system"]) else []
-    for turn in turns:
-        role = turn.get(tags["role_tag"]) if isinstance(turn, dict) else None
-        if role not in roles:
-            raise ConfigError(f"data: {path} row {n}: a {role} turn; finetune trains {tags['user_tag']}, "
-                              f"{tags['assistant_tag']} and {tags['system_tag']} turns (no tool calls)")
-        out.append({"role": roles[role], "content": turn.get(tags["content_tag"])})
-    if columns["tools"] and row.get(columns["tools"]) not in (None, "", "[]", []):
-        raise ConfigError(f"data: {path} row {n} names tools ({columns['tools']}); LLaMA-Factory renders them into "
-                          "the system turn, finetune does not")
-    return out
-
-
-def alpaca_turns(row: dict, n: int, path: Path, entry: dict) -> list:
-    """An alpaca row as role/content turns: its system, its history's pairs, then the instruction (its input after a
-    newline) and, for sft, the output — as LLaMA-Factory's converter joins them."""
-    columns = {**ALPACA, **(entry.get("columns") or {})}
-    if columns["prompt"] not in row:
-        raise ConfigError(f"data: {path} row {n} has no {columns['prompt']} (alpaca rows)")
-    out = [{"role": "system", "content": row[columns["system"]]}] if columns["system"] and \
-        row.get(columns["system"]) else []
-    for query, answer in (row.get(columns["history"]) or []) if columns["history"] else []:
-        out += [{"role": "user", "content": query}, {"role": "assistant", "content": answer}]
-    prompt = "\n".join(x for x in (row[columns["prompt"]], row.get(columns["query"]) or "") if x)
-    return out + [{"role": "user", "content": prompt}]
-
-
-def converted(rows: list, fmt: str, entry: dict, path: Path, pairs: bool) -> list:
-    """LLaMA-Factory's rows as finetune's: ``messages`` (sft), or TRL's conversational ``prompt`` / ``chosen`` /
-    ``rejected`` (a ranking data set: dpo)."""
-    columns = {**(ALPACA if fmt == "alpaca" else SHAREGPT), **(entry.get("columns") or {})}
-    out = []
-    for n, row in enumerate(rows, 1):
-        if fmt == "alpaca":
-            turns = alpaca_turns(row, n, path, entry)
-            answer = lambda key: [{"role": "assistant", "content": row.get(key)}]  # noqa: E731
-        else:
-            turns = sharegpt_turns(row, n, path, entry)
-            answer = lambda key: sharegpt_turns({columns["messages"]: [row.get(key)]}, n, path,  # noqa: E731
-                                                {**entry, "columns": {**(entry.get("columns") or {}),
-                                                                      "system": None, "tools": None}})
-        if pairs:
-            if row.get(columns["chosen"]) is None or row.get(columns["rejected"]) is None:
-                raise ConfigError(f"data: {path} row {n} has no {columns['chosen']} / {columns['rejected']} (a "
-                                  "ranking data set: the dpo stage trains pairs)")
-            out.append({"prompt": turns, "chosen": answer(columns["chosen"]), "rejected": answer(columns["rejected"])})
-        elif fmt == "alpaca":
-            out.append({"messages": turns + [{"role": "assistant", "content": row.get(columns["response"])}]})
-        else:
-            out.append({"messages": turns})
-    return out
-
-
 def training_rows(b: Baseline, data, recipe: Path):
-    """``finetune import``'s ``--data`` for a LLaMA-Factory run: the file given (else the one its YAML names in
-    ``dataset_info.json``), as rows finetune reads. Rows in LLaMA-Factory's own formats — alpaca (instruction, input,
-    output, history, system) and sharegpt (conversations of from/value turns), by the columns and tags of their
-    ``dataset_info.json`` entry — are written, in their order, beside the recipe (``RECIPE-rows.jsonl``): as
-    ``messages`` for sft, as TRL's conversational pairs for dpo. Other rows are read as they are."""
-    if data is None:
-        found = dataset_entry(b)
-        if found is None:
-            return None
-        path, entry = found
-    else:
-        path = Path(data)
-        entry = entry_of(b, path) if path.is_file() else None
-    if path.suffix.lower() not in (".json", ".jsonl") or not path.is_file():
-        return str(path)
-    rows = read_rows(path)
-    fmt = row_format(entry, rows)
-    # a chat stage's rows (sft's messages; a preference stage's pairs, its task has a beta): pt reads its text
-    if fmt not in ("alpaca", "sharegpt") or not stage_has(b, "model", "chat_template") or not rows:
-        return str(path)
-    pairs = stage_has(b, "model", "beta")
-    out = recipe.with_name(f"{recipe.stem}-rows.jsonl")
-    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n"
-                           for r in converted(rows, fmt, entry or {}, path, pairs)), encoding="utf-8")
-    shape = "TRL's conversational pairs" if pairs else "messages"
-    print(f"{path}: LLaMA-Factory's {fmt} rows written as {shape} to {out} (the same turns, in their order)")
-    return str(out)
+    """``finetune import``'s ``--data`` for a LLaMA-Factory run (:func:`llamafactory_rows.training_rows`): a chat
+    stage's rows (its task has a chat template) as messages, a preference stage's (its task has a beta) as pairs."""
+    return rows.training_rows(b, data, recipe, chat=stage_has(b, "model", "chat_template"),
+                              pairs=stage_has(b, "model", "beta"))
