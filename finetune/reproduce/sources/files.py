@@ -184,7 +184,8 @@ CARD_KEYS = {  # the card's hyperparameter names → TrainingArguments'
 
 def read_front(text: str, path: Path, b: Baseline) -> None:
     """What a card says before its hyperparameters: its base model (front matter) and transformers' version."""
-    front = re.match(r"---\n(.*?)\n---", text, re.S)
+    # front matter opens the card, or follows a line or two that its author put above it (a note, a badge)
+    front = re.match(r"(?:[^\n]*\n){0,4}?---\n(.*?)\n---", text, re.S)
     if front:
         base = re.search(r"^base_model:\s*(?:\n\s*-\s*)?(\S+)", front.group(1), re.M)
         b.base_model = base.group(1).strip("'\"") if base else b.base_model

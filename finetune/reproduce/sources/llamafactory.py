@@ -45,6 +45,9 @@ TRAINER_KEYS = {
     "group_by_length": None, "neftune_noise_alpha": None, "eval_steps": None, "eval_strategy": None,
     "cutoff_len": "max_length", "tf32": None, "use_cpu": None,
 }
+# TrainingArguments' defaults (transformers 4.x, which LLaMA-Factory 0.x trains with) for what a YAML may leave out
+TRAINER_DEFAULTS = {"learning_rate": 5e-05, "lr_scheduler_type": "linear", "per_device_train_batch_size": 8,
+                    "gradient_accumulation_steps": 1, "seed": 42}
 # LLaMA-Factory's own keys that change the steps and that finetune cannot take: key → (its default, why)
 NOT_CARRIED = {
     "mask_history": (False, "finetune's sft trains on every assistant turn, not only the last"),
@@ -250,6 +253,11 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
     """The YAML's keys onto ``b``: TrainingArguments names, LLaMA-Factory's own (``b.own``), not carried, unknown."""
     src = lambda key: Where(name, key)  # noqa: E731
     b.base_model = b.base_model or raw.get("model_name_or_path")
+    for key, value in TRAINER_DEFAULTS.items():  # what the Trainer took where the YAML (and no other file) says
+        if key not in raw:
+            b.args.setdefault(key, (value, Where(name, f"{key} (not in it: the Trainer's default)")))
+    if "num_train_epochs" not in raw and not raw.get("max_steps"):
+        b.args.setdefault("num_train_epochs", (3.0, Where(name, "num_train_epochs (not in it: the Trainer's default)")))
     for key, value in raw.items():
         if key in TRAINER_KEYS:
             b.args[TRAINER_KEYS[key] or key] = (value, src(key))

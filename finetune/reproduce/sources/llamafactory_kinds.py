@@ -35,7 +35,7 @@ def refuse_non_training(raw: dict, path: Path, what: str, stages: list) -> None:
     v1_export = is_v1(raw) and "export_dir" in peft and "train_dataset" not in raw
     does = next((why for key, why in NOT_TRAINING if raw.get(key) not in (None, False)), None)
     if v1_export:
-        does = "v1 export config (peft_config.export_dir: it merges adapters into the model)"
+        does = "export config (v1, peft_config.export_dir: it merges adapters into the model)"
     if does is None or (raw.get("do_train") is True and not v1_export):
         return
     raise ConfigError(f"{what}: {path} is a LLaMA-Factory {does}: it trains nothing; finetune imports a training "
