@@ -36,6 +36,13 @@ TASKS = {"sft": "sft", "dpo": "dpo", "pt": "clm"}
 REFUSED_STAGES = {"kto", "rm", "ppo"}
 
 
+def _v1_pairs(raw: dict) -> bool:
+    """Whether a v1 YAML's data sets (its train_dataset YAML, here under data/) are all converted as pairs."""
+    data = CORPUS / "data" / Path(str(raw.get("train_dataset"))).name
+    sets = yaml.safe_load(data.read_text()) if data.is_file() else {}
+    return bool(sets) and all(v.get("converter") == "pair" for v in sets.values())
+
+
 def expected(raw: dict) -> dict:
     """What a LLaMA-Factory YAML says, read here: 0.x keys (TrainingArguments' defaults where absent), or v1's."""
     if "model" in raw:  # v1: its TrainingArguments' defaults, a constant rate, one micro-batch a step
@@ -45,7 +52,7 @@ def expected(raw: dict) -> dict:
                 raw.get("micro_batch_size", 1), "max_steps": raw.get("max_steps"),
                 "epochs": None if raw.get("max_steps") else raw.get("num_train_epochs", 3),
                 "scheduler": "constant", "lora": (peft.get("r"), peft.get("lora_alpha")) if lora else None,
-                "task": "sft", "model": raw["model"]}
+                "task": "dpo" if _v1_pairs(raw) else "sft", "model": raw["model"]}
     lora = raw.get("finetuning_type", "lora") == "lora"
     rank = raw.get("lora_rank", 8)
     return {"lr": raw.get("learning_rate", 5e-5), "batch": raw.get("per_device_train_batch_size", 8) *
@@ -132,7 +139,7 @@ def test_the_same_file_with_do_train_imports(tmp_path, capsys):
 
 
 def test_every_file_is_llamafactorys_and_no_other_tools_is():
-    files = [*CORPUS.glob("*/*.yaml"), *(p for p in (CORPUS / "runs").iterdir())]
+    files = [*(p for d in ("main", "v0.9.3", "v1") for p in (CORPUS / d).glob("*.yaml")), *(CORPUS / "runs").iterdir()]
     assert len(files) > 25
     wrong = [str(p) for p in files if [s.name for s in recognised_by(p)][:1] != ["LLaMA-Factory"]]
     assert not wrong, wrong

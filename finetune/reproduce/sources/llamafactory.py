@@ -103,8 +103,9 @@ PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo"}
 
 class LlamaFactory(Reader):
     name = "LLaMA-Factory"
-    reads = ("its YAML (llamafactory-cli train) or its output folder (trainer_log.jsonl, training_args.yaml, the "
-             "Trainer's files)")
+    reads = ("its YAML (llamafactory-cli train, 0.x or v1; its eval, predict, chat and export configs refused as "
+             "such) or its output folder (trainer_log.jsonl, training_args.yaml, the Trainer's files, the card, "
+             "adapter_config.json, all_results.json's speed metrics)")
 
     def recognises(self, path: Path) -> bool:
         """A YAML with a ``stage`` and its template or fine-tuning type, or an output folder with its own log or the
