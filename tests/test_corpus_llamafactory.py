@@ -174,7 +174,7 @@ def test_the_effective_batch_is_the_speed_metrics_where_no_file_says_the_accumul
     want = round(metrics["train_samples_per_second"] * metrics["train_runtime"] / steps)
     code, recipe, said = imported(capsys, folder, tmp_path)
     assert code == 0 and recipe["training"]["effective_batch_size"] == want, said
-    assert "speed metrics" in said and "assumed: task" in said and "assumed: model.name_or_path" in said
+    assert "speed metrics" in said and "assumed: task" in said and "missing: model.name_or_path" in said
 
 
 def test_without_speed_metrics_the_accumulation_is_said_as_assumed_and_reproduce_refuses(tmp_path, capsys):

@@ -108,7 +108,6 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     if not base:
         raw.setdefault("name", baseline.path.stem)
     if not baseline.base_model and not base and model is None:
-        imported.assumed.append(("model.name_or_path", "the baseline does not name the model it fine-tuned"))
         imported.missing.append("model.name_or_path: the baseline does not name the model it fine-tuned; add it "
                                 "(--set model.name_or_path=MODEL when you run) or give --recipe BASE")
         return raw, imported, baseline

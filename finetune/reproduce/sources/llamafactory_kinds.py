@@ -24,6 +24,8 @@ NOT_TRAINING = (
 def is_v0(raw: dict) -> bool:
     """LLaMA-Factory's YAML (0.x, the ``llamafactory-cli train|chat|export|eval`` configs): the base model as
     ``model_name_or_path`` and one of its own keys; axolotl names its model ``base_model``, TRL has no template."""
+    if "stage" in raw and ("template" in raw or "finetuning_type" in raw):  # a training config, whatever else
+        return True
     return "model_name_or_path" in raw and "base_model" not in raw and any(k in raw for k in V0_MARKS) and \
         ("stage" in raw or "template" in raw or "finetuning_type" in raw or "export_dir" in raw)
 
