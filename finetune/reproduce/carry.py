@@ -51,6 +51,11 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
         if get("total_train_batch_size"):
             where = f"{src('total_train_batch_size')}: total_train_batch_size" + (
                 f", {b.processes[0]} processes ({b.processes[1]})" if b.processes else "")
+        elif get("speed_batch") and "gradient_accumulation_steps" not in b.args:
+            where = f"{src('speed_batch')}: the Trainer's speed metrics"
+        elif "gradient_accumulation_steps" in b.assumed:
+            where = f"{src('per_device_train_batch_size')} × accumulation 1 ASSUMED"
+            out.assumed.append(("training.effective_batch_size", b.assumed["gradient_accumulation_steps"]))
         else:
             where = f"{src('per_device_train_batch_size')} × accumulation × " + (
                 f"{b.processes[0]} processes ({b.processes[1]})" if b.processes else
@@ -393,6 +398,11 @@ def _lora(b: Baseline, out: Imported) -> bool:
         if get("lora_target_linear"):
             out.skip("lora_target_linear", True, "finetune names the adapted modules; list the model's linear "
                      "layers in peft.target_modules")
+    elif get("library_name") == "peft":  # the card says adapters were trained, not their settings
+        out.set("peft.enabled", True, f"{b.args['library_name'][1]}: peft (the card of an adapters' run)")
+        out.skip("LoRA r and alpha", "unknown", "the card does not list them; the recipe's are kept (give the "
+                 "folder with its adapter_config.json)")
+        return True
     elif "adapter" in b.args and get("adapter") is None:  # the source says so (torchtune's model component)
         out.set("peft.enabled", False, b.args["adapter"][1])
         return False
@@ -401,6 +411,8 @@ def _lora(b: Baseline, out: Imported) -> bool:
         return False
     else:
         out.skip("LoRA or not", "unknown", f"the {b.kind} does not say; the recipe's peft section is kept")
+        out.assumed.append(("peft", f"the {b.kind} does not say whether it trained LoRA adapters (no "
+                                    "adapter_config.json, no card's library_name): the recipe's peft section"))
         return False
     out.set("peft.enabled", True, where)
     for key, value in values.items():

@@ -38,6 +38,19 @@ def base_recipe(b: Baseline) -> str | None:
     return task_hints(task).base_recipe if task else None
 
 
+def refuse_assumed(b: Baseline, args) -> None:
+    """ConfigError (one line) where the baseline's files do not say its model (and the user names none) or its
+    effective batch: a reproduction of an assumed model or batch would compare another run."""
+    # --recipe BASE names the model the user means; finetune's own run carries its recipe
+    if not b.base_model and args.model is None and args.recipe is None and b.source.run_folder(b) is None:
+        raise ConfigError(f"reproduce: {args.source}: the baseline's files do not name the model it fine-tuned (the "
+                          f"task's default recipe would train its own); give --model MODEL or --recipe BASE")
+    if "gradient_accumulation_steps" in b.assumed and b.effective_batch() is not None and not \
+            b.get("total_train_batch_size") and not b.get("speed_batch"):
+        raise ConfigError(f"reproduce: {args.source}: the effective batch is unknown — "
+                          f"{b.assumed['gradient_accumulation_steps']}")
+
+
 def main(args, finetune) -> int:
     """Run ``finetune reproduce``; ``finetune``: the command line's ``main`` (a list of arguments → exit code). The
     source is read once, here, and handed to import and compare."""
@@ -50,6 +63,7 @@ def main(args, finetune) -> int:
         raise ConfigError(f"reproduce: {args.source}: the baseline's training data is unknown (its files name no "
                           "local training file); give --data FILE, the file it trained on (or --recipe BASE whose "
                           "data it is)")
+    refuse_assumed(baseline, args)
     out.mkdir(parents=True, exist_ok=True)
     recipe = out / "recipe.yaml"
     args.recipe = args.recipe or base_recipe(baseline)
