@@ -55,6 +55,7 @@ STATE = "trainer_state.json"
 SCHEDULER = "scheduler.json"
 CONFIG = "config.yaml"
 TASK_STATE = "task_state.safetensors"
+LOSS_SCALE = "loss_scale.json"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -91,11 +92,13 @@ class Held:
     hooks: Optional[tuple] = None                       # Accelerate (save, load) state pre-hooks it needs
 
 
-def contents(job) -> dict[str, Held]:
+def contents(job, scaler=None) -> dict[str, Held]:
     """The registry of what a checkpoint of ``job``'s run holds, by name: the one list that the ``Checkpointer``
     saves and loads, and that stage 2 checks a checkpoint against (``check_holds``). Loaded in this order: the
-    random states last, over those Accelerate's ``load_state`` set."""
+    random states last, over those Accelerate's ``load_state`` set. ``scaler``: fp16's loss scale where finetune
+    owns it (``distributed.loss_scaler``; Accelerate saves its own, scaler.pt)."""
     return {
+        "loss_scale": scaler_held(scaler),
         "accelerate": Held(save_accelerate, load_accelerate, each_process=True,
                            hooks=(leave_quantized_out, load_quantized_aside)),
         "train_state": Held(save_train_state, read_in_stage_1),
@@ -175,6 +178,21 @@ def schedulers_held(names: list) -> Held:
         return f"the scheduler state of optimizer {', '.join(map(repr, missing))} ({SCHEDULER})" if missing else None
 
     return Held(save, load, lacks)
+
+
+def scaler_held(scaler) -> Held:
+    """fp16's loss scale and its growth count as JSON (no pickle), where finetune owns the GradScaler; a checkpoint
+    of a run in another precision holds none (the resume warned that the result changes): the scale starts anew."""
+
+    def save(folder: Path, live: Live) -> None:
+        if scaler is not None:
+            (folder / LOSS_SCALE).write_text(json.dumps(scaler.state_dict()))
+
+    def load(saved: Saved, live: Live) -> None:
+        if scaler is not None and (saved.path / LOSS_SCALE).is_file():
+            scaler.load_state_dict(json.loads((saved.path / LOSS_SCALE).read_text()))
+
+    return Held(save, load)
 
 
 def task_held(objects) -> Held:

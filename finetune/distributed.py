@@ -198,8 +198,8 @@ def loss_scaler(accelerator: Accelerator, mixed_precision: str, loss_scale: Loss
     backward and unscales in ``clip_grad_norm_``), else finetune's own on a CPU (one process or DDP), where Accelerate
     trains fp16 silently as fp32 though torch runs fp16 autocast and a GradScaler there: a card without bf16 (T4,
     V100) trains fp16, and its steps can only be certified here if they run here. finetune's own is saved with the
-    checkpoint (``register_for_checkpointing``) and used with ``models.precision.autocast_forward``. None without
-    fp16, or where an engine scales (DeepSpeed)."""
+    checkpoint (``checkpoint.scaler_held``) and used with ``models.precision.autocast_forward``. None without fp16,
+    or where an engine scales (DeepSpeed)."""
     if mixed_precision != "fp16":
         return None
     if accelerator.scaler is not None:
@@ -207,9 +207,7 @@ def loss_scaler(accelerator: Accelerator, mixed_precision: str, loss_scale: Loss
     if accelerator.device.type != "cpu" or accelerator.distributed_type not in (DistributedType.NO,
                                                                               DistributedType.MULTI_CPU):
         return None
-    scaler = torch.amp.GradScaler("cpu", **loss_scale.kwargs())
-    accelerator.register_for_checkpointing(scaler)
-    return scaler
+    return torch.amp.GradScaler("cpu", **loss_scale.kwargs())
 
 
 def own_scaler(accelerator: Accelerator, scaler) -> bool:

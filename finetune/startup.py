@@ -397,7 +397,8 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
                    monitor=MemoryMonitor(accelerator.device), auto=auto,
                    window_spec=WindowSpec.of(t, shape, len(job.train_data), job.length_of, pack_length_of,
                                              pack_capacity(job, t.pack_length, pack_length_of), job.stream_block),
-                   checkpointer=checkpointer_for(job, shape, reporting),
+                   checkpointer=checkpointer_for(job, shape, reporting,
+                                                 scaler if distributed.own_scaler(accelerator, scaler) else None),
                    packing_note=packing_note, head_note=head_note,
                    pad_to_window=bool(t.replay_padding or t.mixed_precision != "no" and t.pad_to_window)
                    and not pack_length_of and not t.max_tokens_per_micro_batch,
@@ -479,9 +480,10 @@ def pack_capacity(job: Job, pack_length: Optional[int], pack_length_of) -> Optio
     return (pack_length or max(map(pack_length_of, range(len(job.train_data))))) if pack_length_of else None
 
 
-def checkpointer_for(job: Job, shape: Shape, reporting: loop.Reporting) -> checkpoint.Checkpointer:
-    """The checkpointer of what the job's checkpoints hold, where and how often the run saves them."""
-    return checkpoint.Checkpointer(checkpoint.contents(job), reporting.dir, reporting.save_every,
+def checkpointer_for(job: Job, shape: Shape, reporting: loop.Reporting, scaler=None) -> checkpoint.Checkpointer:
+    """The checkpointer of what the job's checkpoints hold (``scaler``: fp16's loss scale where finetune owns it),
+    where and how often the run saves them."""
+    return checkpoint.Checkpointer(checkpoint.contents(job, scaler), reporting.dir, reporting.save_every,
                                    reporting.keep_checkpoints, reporting.settings,
                                    {"effective_batch_size": shape.effective, "engine": distributed.launch_engine()})
 

@@ -161,3 +161,26 @@ def test_a_step_the_baseline_skipped_is_named(tmp_path, capsys):
     assert report.strip().splitlines()[-1].startswith("verdict: differs"), report
     assert main(["compare", str(TWO), str(tmp_path / "same" / "run")]) == 0
     assert "skipped steps" not in capsys.readouterr().out
+
+
+def test_an_fp16_run_resumed_from_a_checkpoint_is_bit_identical(tmp_path):
+    """The loss scale is saved with the checkpoint (JSON, no pickle) and restored: a run started at an overflowing
+    scale and resumed after its skipped steps takes the uninterrupted run's steps to the bit, scales included."""
+    import copy
+
+    from finetune.api import test_fine_tuning
+    from tests.helpers import MLP, regression_data
+
+    torch.manual_seed(0)
+    start = MLP()
+    kw = dict(train_data=regression_data(48), batch_size=4, gradient_accumulation_steps=2, learning_rate=0.05,
+              mixed_precision="fp16", initial_loss_scale=2.0 ** 20, save_every=2, output_dir=str(tmp_path / "run"))
+    full = test_fine_tuning(copy.deepcopy(start), **kw)  # 6 steps: the first 3 overflow, checkpoints 4 and 6 kept
+    scales = [h["loss_scale"] for h in full.history]
+    assert full.history[0]["skipped"] and not full.history[4]["skipped"] and scales[4] < scales[0]
+    saved = tmp_path / "run" / "checkpoints" / "step-000004"
+    assert json.loads((saved / "loss_scale.json").read_text())["scale"] == scales[4]  # the scale step 5 runs at
+    resumed = test_fine_tuning(copy.deepcopy(start), resume=str(saved), **kw)
+    assert [h["loss_scale"] for h in resumed.history] == scales
+    assert [h["skipped"] for h in resumed.history] == [h["skipped"] for h in full.history]
+    assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), full.model.parameters()))

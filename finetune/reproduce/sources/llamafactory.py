@@ -22,12 +22,12 @@ import typing
 from pathlib import Path
 
 import finetune.reproduce.sources.files as files
+import finetune.reproduce.sources.llamafactory_kinds as kinds
+import finetune.reproduce.sources.llamafactory_rows as rows
+import finetune.reproduce.sources.llamafactory_v1 as v1
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints, section_class, task_module
 from finetune.reproduce.record import Baseline, Where, load_yaml, pure_precision
-from finetune.reproduce.sources import llamafactory_kinds as kinds
-from finetune.reproduce.sources import llamafactory_rows as rows
-from finetune.reproduce.sources import llamafactory_v1 as v1
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 KIND = "LLaMA-Factory run"
