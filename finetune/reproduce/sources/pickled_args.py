@@ -59,6 +59,13 @@ class _Record:
         self.items[key] = value
 
 
+class _Member(_Record):
+    """An enum member named by its class (``SchedulerType.COSINE``): a value, never called."""
+
+    def __new__(cls, *args, **kwargs):
+        raise _Refused(f"a call of {_name(cls)}, an enum member")
+
+
 def _fields(state, cls) -> dict:
     """A BUILD state as the object's fields: a ``__dict__``, a ``(dict, slots)`` pair, or slots alone."""
     if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
@@ -120,7 +127,7 @@ def _plain_args(*args):
 def _member_by_getattr(owner, member):
     """``getattr(EnumClass, 'MEMBER')`` as pickle writes an enum member by name: resolved to the member without
     importing its class. Only a stand-in class and a public name; any other target or name is refused."""
-    if not (isinstance(owner, type) and issubclass(owner, _Record)):
+    if not (isinstance(owner, type) and issubclass(owner, _Record)) or issubclass(owner, _Member):
         raise _Refused(f"getattr on {type(owner).__name__}, not on a class of the arguments")
     if not isinstance(member, str) or not member.isidentifier() or member.startswith("_"):
         raise _Refused(f"getattr of {member!r} on {_name(owner)}")
@@ -146,8 +153,9 @@ def _stand_in(module: str, qualname: str, classes: dict) -> type:
     see the same one). A dotted qualname is a member of the class before the dot (an enum member by name)."""
     key = (module, qualname)
     if key not in classes:
-        cls = type(qualname.rsplit(".", 1)[-1], (_Record,), {"__module__": module, "__qualname__": qualname,
-                                                             "_classes": classes})
+        base = _Member if "." in qualname else _Record
+        cls = type(qualname.rsplit(".", 1)[-1], (base,), {"__module__": module, "__qualname__": qualname,
+                                                          "_classes": classes})
         classes[key] = cls
     return classes[key]
 
@@ -234,9 +242,9 @@ def plain(value):
         if not value.args:
             return {}
         raise _Refused(f"a {_name(type(value))} object built from {len(value.args)} arguments, not from its fields")
+    if isinstance(value, type) and issubclass(value, _Member):
+        return _member_value(value)
     if isinstance(value, type) and issubclass(value, _Record):
-        if "." in value.__qualname__:
-            return _member_value(value)
         raise _Refused(f"the class {_name(value)} as a value")
     if isinstance(value, _Constructor):
         raise _Refused(f"the callable {value.name} as a value")
