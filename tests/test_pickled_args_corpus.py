@@ -106,6 +106,31 @@ def test_trl_configs_of_the_installed_library_are_read(config, tmp_path):
     assert plain_data(read)
 
 
+def test_the_data_types_a_pickle_builds_are_read_as_plain_values(tmp_path):
+    """numpy scalars (a learning rate computed with numpy), bytes (protocol 2: ``_codecs.encode``), dates, paths,
+    sets and ordered dicts: built by the reader, as the values they hold."""
+    import collections
+    import datetime
+
+    import numpy as np
+    import torch
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True)
+    args.learning_rate, args.num_train_epochs, args.fp16 = np.float64(2e-4), np.int64(3), np.bool_(False)
+    args.extra = {"when": datetime.datetime(2024, 5, 1, 12, 30), "day": datetime.date(2024, 5, 1),
+                  "timeout": datetime.timedelta(minutes=30), "where": Path("/data/run"), "tags": {"a"},
+                  "order": collections.OrderedDict(b=1, a=2), "raw": b"\x00\xff", "f32": np.float32(0.5)}
+    torch.save(args, tmp_path / "training_args.bin")
+    assert "numpy._core.multiarray scalar" in globals_named(tmp_path / "training_args.bin")
+    read = read_training_args_bin(tmp_path / "training_args.bin")
+    assert (read["learning_rate"], read["num_train_epochs"], read["fp16"]) == (2e-4, 3, False)
+    assert read["extra"] == {"when": "2024-05-01T12:30:00", "day": "2024-05-01", "timeout": 1800.0,
+                             "where": "/data/run", "tags": ["a"], "order": {"b": 1, "a": 2}, "raw": b"\x00\xff",
+                             "f32": 0.5}
+    assert plain_data(read)
+
+
 @pytest.mark.parametrize("folder, expected", [
     ("unsloth-sft", {"effective_batch_size": 8, "learning_rate": 5e-05, "lr_scheduler": "linear", "max_steps": 60,
                      "warmup_steps": 10, "r": 16, "alpha": 16}),

@@ -11,7 +11,8 @@ What the pickle may hold, and what each becomes:
   ``Class.MEMBER``, and ``enum.pickle_by_enum_name``) or the dotted global ``SchedulerType.COSINE`` (protocol 4): its
   value, read from the enum's source where that library is installed (parsed as text, never run), else its name;
 * ``torch.device`` (``cuda:3``), a torch dtype (``torch.bfloat16``), ``collections.OrderedDict``, ``set``,
-  ``frozenset``, ``pathlib`` paths, ``datetime``'s date, datetime and timedelta: plain values built here.
+  ``frozenset``, ``pathlib`` paths, ``datetime``'s date, datetime and timedelta, bytes (protocol 2 writes them as
+  ``_codecs.encode(text, 'latin1')``), a numpy scalar of a number (``numpy.float64``): plain values built here.
 
 Anything else is refused in one line naming it: a function (``os.system``, ``builtins.eval``), any other name of the
 standard library, ``getattr`` on anything but a stand-in class or to a private name, a state that sets an object
@@ -25,6 +26,7 @@ import functools
 import importlib.util
 import io
 import pickle
+import struct
 import sys
 import zipfile
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -124,6 +126,37 @@ def _plain_args(*args):
     return args
 
 
+def _latin1(text, encoding=None):
+    """``_codecs.encode(text, 'latin1')``: how protocol 2 writes a bytes object."""
+    if not isinstance(text, str) or encoding != "latin1":
+        raise _Refused("_codecs.encode of anything but text as latin1")
+    return text.encode("latin1")
+
+
+NUMPY_CODES = {"f8": "d", "f4": "f", "f2": "e", "i8": "q", "i4": "i", "i2": "h", "i1": "b", "u8": "Q", "u4": "I",
+               "u2": "H", "u1": "B", "b1": "?"}  # numpy's dtype codes of scalars → struct's formats
+
+
+class _NumpyDtype:
+    """``numpy.dtype('f8', False, True)`` and the byte order its BUILD state gives: enough to read one scalar."""
+
+    def __init__(self, code, align=False, copy=True):
+        if code not in NUMPY_CODES:
+            raise _Refused(f"a numpy dtype {code!r}, not a number's")
+        self.code, self.order = code, "<"
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">", "|", "="):
+            self.order = "<" if state[1] in ("|", "=") and sys.byteorder == "little" else state[1]
+
+
+def _numpy_scalar(dtype, raw):
+    """A numpy scalar (``np.float64(2e-4)`` given as a learning rate) as the Python number it holds."""
+    if not isinstance(dtype, _NumpyDtype) or not isinstance(raw, bytes):
+        raise _Refused("a numpy scalar of something but a number's dtype and bytes")
+    return struct.unpack(dtype.order + NUMPY_CODES[dtype.code], raw)[0]
+
+
 def _member_by_getattr(owner, member):
     """``getattr(EnumClass, 'MEMBER')`` as pickle writes an enum member by name: resolved to the member without
     importing its class. Only a stand-in class and a public name; any other target or name is refused."""
@@ -142,6 +175,9 @@ CONSTRUCTORS = {
     ("builtins", "getattr"): _member_by_getattr, ("__builtin__", "getattr"): _member_by_getattr,
     ("pathlib", "PosixPath"): _path, ("pathlib", "PurePosixPath"): _path, ("pathlib", "Path"): _path,
     ("pathlib", "WindowsPath"): _windows_path, ("pathlib", "PureWindowsPath"): _windows_path,
+    ("_codecs", "encode"): _latin1,
+    ("numpy", "dtype"): _NumpyDtype,
+    ("numpy.core.multiarray", "scalar"): _numpy_scalar, ("numpy._core.multiarray", "scalar"): _numpy_scalar,
     ("datetime", "datetime"): lambda *a: datetime.datetime(*_plain_args(*a)).isoformat(),
     ("datetime", "date"): lambda *a: datetime.date(*_plain_args(*a)).isoformat(),
     ("datetime", "timedelta"): lambda *a: datetime.timedelta(*_plain_args(*a)).total_seconds(),
