@@ -53,6 +53,10 @@ def plain_data(value) -> bool:
 
 FOREIGN = {  # folder → (the class its pickle names, fields only that class has)
     "unsloth-sft": ("UnslothSFTTrainer UnslothSFTConfig", {"unsloth_num_chunks": -1, "max_seq_length": 512}),
+    "unsloth-grpo": ("UnslothGRPOTrainer UnslothGRPOConfig", {
+        "num_generations": 8,  # vLLM's SamplingParams, a struct pickled as its fields' values in order: those values
+        "vllm_sampling_params": [1, None, None, 0.0, 0.0, 1.0, 0.9, 0.95, -1, 0.1, 3407, ["<|im_end|>"], [], False,
+                                 16, 0]}),
     "axolotl-lora": ("axolotl.core.training_args AxolotlTrainingArguments",
                      {"sample_packing": False, "image_resize_algorithm": 2}),  # PIL's Resampling.BILINEAR
     "axolotl-trainer-builder": ("axolotl.core.trainer_builder AxolotlTrainingArguments", {"max_seq_length": 512}),
@@ -70,8 +74,9 @@ def test_a_foreign_arguments_class_is_read_as_plain_fields_with_nothing_imported
                                                                                                         **k))
     args = read_training_args_bin(path)
     monkeypatch.undo()
-    assert not [m for m in imported if m.split(".")[0] in ("axolotl", "UnslothSFTTrainer", "PIL", "transformers",
-                                                           "trl", "accelerate")], imported
+    named_tools = {"axolotl", "UnslothSFTTrainer", "UnslothGRPOTrainer", "vllm", "PIL", "transformers", "trl",
+                   "accelerate"}
+    assert not [m for m in imported if m.split(".")[0] in named_tools], imported
     assert {k: args[k] for k in own} == own
     assert plain_data(args), args  # no stand-in or callable left: every value is data
     assert args["distributed_state"]["device"] == "cuda" and args["accelerator_config"]["even_batches"] is True

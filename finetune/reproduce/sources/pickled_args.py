@@ -5,8 +5,9 @@ an unpickler that builds nothing of the file's: every class it names is an inert
 What the pickle may hold, and what each becomes:
 
 * a class of a tool (any module outside Python's standard library; a name that is a class, ``CapWords``): a stand-in
-  that records what pickle hands it — its state (a dataclass's fields: a plain dict) or the one value it was called
-  with (an enum member pickled by value, ``IntervalStrategy('steps')``: ``'steps'``);
+  that records what pickle hands it — its state (a dataclass's fields: a plain dict), the one value it was called
+  with (an enum member pickled by value, ``IntervalStrategy('steps')``: ``'steps'``), or the values it was called
+  with, as a list (vLLM's ``SamplingParams`` in Unsloth's GRPO config);
 * an enum member pickled by name — ``getattr(SchedulerType, 'COSINE')`` (protocol 2's way to reach
   ``Class.MEMBER``, and ``enum.pickle_by_enum_name``) or the dotted global ``SchedulerType.COSINE`` (protocol 4): its
   value, read from the enum's source where that library is installed (parsed as text, never run), else its name;
@@ -205,6 +206,8 @@ def _is_class_name(qualname: str) -> bool:
 
 def _refuse_global(module: str, name: str) -> str | None:
     """Why ``module.name`` is not a class of training arguments, or None when it may stand in as one."""
+    if not all(p.isidentifier() for p in module.split(".")):
+        return "not a module's name"
     top = module.split(".")[0]
     if top in sys.stdlib_module_names or top == "__builtin__":
         return "a name of Python's standard library"
@@ -275,9 +278,9 @@ def plain(value):
             return {plain(k): plain(v) for k, v in {**value.items, **(value.state or {})}.items()}
         if len(value.args) == 1 and isinstance(value.args[0], (str, int, float, bool)):
             return value.args[0]  # an enum member pickled by value: EnumClass(value)
-        if not value.args:
-            return {}
-        raise _Refused(f"a {_name(type(value))} object built from {len(value.args)} arguments, not from its fields")
+        # built from its arguments alone (vLLM's SamplingParams, a msgspec struct, reduces to its fields' values in
+        # order): those values, as a list — their names are in a class this reader never imports
+        return [plain(a) for a in value.args]
     if isinstance(value, type) and issubclass(value, _Member):
         return _member_value(value)
     if isinstance(value, type) and issubclass(value, _Record):

@@ -105,6 +105,41 @@ def unsloth_sft(path: Path) -> None:
     save(args, path, "UnslothSFTTrainer")
 
 
+class RequestOutputKind(enum.IntEnum):  # vllm.sampling_params.RequestOutputKind, as vLLM declares it
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class SamplingParams:
+    """vLLM's ``SamplingParams``: a msgspec struct, which pickles as its class called with its fields' values in
+    order (``__reduce__``); the values below are the first ones of the published GRPO run's (PROVENANCE.md)."""
+
+    def __init__(self, *values):
+        self.values = values
+
+    def __reduce__(self):
+        return type(self), self.values
+
+
+def unsloth_grpo(path: Path) -> None:
+    """Unsloth's ``UnslothGRPOConfig`` (module ``UnslothGRPOTrainer``) holding vLLM's sampling parameters."""
+    from trl import GRPOConfig
+
+    cls = stand_in("UnslothGRPOTrainer", "UnslothGRPOConfig", GRPOConfig, [
+        ("vllm_sampling_params", Optional[Any], None), ("unsloth_num_chunks", Optional[int], -1),
+        ("unsloth_logit_chunk_multiplier", Optional[int], None), ("unsloth_grpo_mini_batch", Optional[int], None),
+        ("max_seq_length", Optional[int], None)])
+    args = cls(output_dir="outputs", per_device_train_batch_size=8, gradient_accumulation_steps=1,
+               num_generations=8, learning_rate=5e-6, lr_scheduler_type="cosine", optim="adamw_8bit",
+               warmup_steps=0.1, seed=3407, report_to="none", use_cpu=True, num_train_epochs=1)
+    with registered("vllm.sampling_params", RequestOutputKind), registered("vllm.sampling_params", SamplingParams):
+        RequestOutputKind.__module__ = SamplingParams.__module__ = "vllm.sampling_params"
+        args.vllm_sampling_params = SamplingParams(1, None, None, 0.0, 0.0, 1.0, 0.9, 0.95, -1, 0.1, 3407,
+                                                   ["<|im_end|>"], set(), False, 16, RequestOutputKind.CUMULATIVE)
+        save(args, path, "UnslothGRPOTrainer")
+
+
 def axolotl_lora(path: Path, module: str = "axolotl.core.training_args") -> None:
     """axolotl's ``AxolotlTrainingArguments(AxolotlTrainingMixins, TrainingArguments)`` with the mixin's fields,
     as axolotl 0.21.0 built them for tests/assets/axolotl-lora (4 × 2, lr 0.001, cosine, 2 warm-up steps)."""
@@ -156,6 +191,7 @@ def by_qualified_name(member, proto):
 
 def make_all() -> None:
     unsloth_sft(HERE / "unsloth-sft" / "training_args.bin")
+    unsloth_grpo(HERE / "unsloth-grpo" / "training_args.bin")
     axolotl_lora(HERE / "axolotl-lora" / "training_args.bin")
     axolotl_lora(HERE / "axolotl-trainer-builder" / "training_args.bin", "axolotl.core.trainer_builder")
     by_name(HERE / "enums-by-getattr" / "training_args.bin", enum.pickle_by_enum_name, 2)
