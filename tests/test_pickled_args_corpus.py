@@ -232,6 +232,13 @@ def test_a_pickle_that_would_run_code_is_refused_in_one_line(case, tmp_path):
         assert marker.exists()
 
 
+def test_a_git_lfs_pointer_is_said_to_be_one(tmp_path):
+    path = tmp_path / "training_args.bin"  # what a clone without `git lfs pull` holds
+    path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 6289\n")
+    with pytest.raises(ConfigError, match="is a Git LFS pointer, not the file: fetch it"):
+        read_training_args_bin(path)
+
+
 def test_a_refused_pickle_is_one_error_line_through_import(tmp_path, capsys):
     folder = tmp_path / "run"
     folder.mkdir()

@@ -309,6 +309,9 @@ def read_training_args_bin(path: Path, what: str = "baseline") -> dict:
                 raise ConfigError(f"{what}: {path} is not a torch.save file of training arguments")
             data = z.read(names[0])
     except zipfile.BadZipFile:
+        if path.read_bytes()[:40].startswith(b"version https://git-lfs"):  # a clone without `git lfs pull`
+            raise ConfigError(f"{what}: {path} is a Git LFS pointer, not the file: fetch it (git lfs pull) or give "
+                              "training_args.json or the model card") from None
         raise ConfigError(f"{what}: {path} is not a torch.save zip file (training arguments are saved as one since "
                           "torch 1.6); give training_args.json or the model card") from None
     try:
