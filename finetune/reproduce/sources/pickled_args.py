@@ -148,7 +148,7 @@ class _NumpyDtype:
 
     def __setstate__(self, state):
         if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">", "|", "="):
-            self.order = "<" if state[1] in ("|", "=") and sys.byteorder == "little" else state[1]
+            self.order = {"|": "="}.get(state[1], state[1])  # "|": one byte, no order; "=": this machine's
 
 
 def _numpy_scalar(dtype, raw):
@@ -278,6 +278,8 @@ def plain(value):
             return {plain(k): plain(v) for k, v in {**value.items, **(value.state or {})}.items()}
         if len(value.args) == 1 and isinstance(value.args[0], (str, int, float, bool)):
             return value.args[0]  # an enum member pickled by value: EnumClass(value)
+        if not value.args:
+            return {}  # an object with no fields
         # built from its arguments alone (vLLM's SamplingParams, a msgspec struct, reduces to its fields' values in
         # order): those values, as a list — their names are in a class this reader never imports
         return [plain(a) for a in value.args]
