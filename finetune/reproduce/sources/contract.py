@@ -12,6 +12,7 @@ from typing import Optional
 from finetune.config import parse_yaml
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints
+from finetune.reproduce.objective import task_of
 from finetune.reproduce.record import Baseline, Where, file_of
 
 
@@ -27,7 +28,7 @@ class Reader:
         return None
 
     def task(self, b: Baseline) -> Optional[str]:
-        return b.task or trl_task(b)
+        return task_of(b)
 
     def processes(self, b: Baseline) -> Optional[tuple]:
         """Where the Trainer's files say it: accelerate's state pickled in ``training_args.bin``
@@ -47,11 +48,6 @@ class Reader:
 
     def run_folder(self, b: Baseline) -> Optional[Path]:
         return None
-
-
-def trl_task(b: Baseline) -> Optional[str]:
-    """The built-in task a TRL run trained (:func:`task_by_marks`); None for a run TRL did not train."""
-    return task_by_marks(b) if b.trl else None
 
 
 def task_by_marks(b: Baseline) -> Optional[str]:
