@@ -30,7 +30,8 @@ def run(name, args, config, logged: dict) -> None:
                                                            "train_batch_size": 4, "log_history": history}, indent=2))
 
 
-common = {"output_dir": "out", "learning_rate": 5e-6, "per_device_train_batch_size": 4, "report_to": "none", "bf16": False}
+common = {"output_dir": "out", "learning_rate": 5e-6, "per_device_train_batch_size": 4, "report_to": "none",
+          "bf16": False}
 run("dpo-config-run", trl.DPOConfig(**common), LLAMA, {"rewards/chosen": 0.1, "rewards/margins": 0.2})
 run("grpo-config-run", trl.GRPOConfig(**common, num_generations=4), LLAMA, {"reward": 0.5, "reward_std": 0.1})
 run("sft-config-run", trl.SFTConfig(**common), LLAMA, {"mean_token_accuracy": 0.4})
