@@ -69,11 +69,11 @@ def _skeleton(b: Baseline, task: Optional[str]) -> dict:
             "model": {"name_or_path": b.base_model} if b.base_model else {}}
 
 
-def objective_row(b: Baseline, imported: Imported, task: Optional[str], base: Optional[str], ours) -> None:
+def objective_row(b: Baseline, imported: Imported, task: Optional[str], base_recipe: Optional[str], ours) -> None:
     """The objective, first in the table, with where it is said: the recipe's ``task`` (a ``--recipe BASE`` of
     another task keeps its own, said), or that no file says it."""
     objective = said_objective(b)
-    if base is None:
+    if base_recipe is None:
         imported.set("task", task or "clm", objective.where if objective else
                      f"not said by the {b.kind} (no trainer's key, log column or tag): a causal LM's loss on every "
                      "token; give --recipe BASE of the task it trained if it is another")
@@ -82,7 +82,7 @@ def objective_row(b: Baseline, imported: Imported, task: Optional[str], base: Op
             imported.skip("the objective", "unknown", f"the {b.kind} does not say what it trained; this recipe "
                           "trains clm")
     elif objective is not None and ours != objective.name:
-        imported.skip("the objective", objective.name, f"{objective.where}; --recipe {base} trains {ours}")
+        imported.skip("the objective", objective.name, f"{objective.where}; --recipe {base_recipe} trains {ours}")
 
 
 def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported, Baseline]:
