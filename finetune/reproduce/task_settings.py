@@ -165,8 +165,9 @@ def _reward_funcs(b: Baseline, out: Imported) -> None:
     """The baseline's reward functions are its script's (open-r1's ``reward_funcs: [accuracy, format]`` names its
     own), never carried; their weights go with them: a recipe's functions with another count of weights would not
     validate."""
-    weights = out.values.pop("model.reward_weights", None)
+    weights = out.values.get("model.reward_weights")
     if weights is not None:
+        del out.values["model.reward_weights"]
         out.rows = [r for r in out.rows if r[0] != "model.reward_weights"]
         out.skip("reward_weights", weights, "the weights of the baseline's reward functions, which are not carried: "
                  "set them with model.reward_funcs")
