@@ -125,7 +125,7 @@ def check(objective: Objective, b: Baseline, what: str) -> None:
     if objective.name not in trained_tasks():
         what_it_is = NOT_TRAINED.get(objective.name, objective.name)
         raise ConfigError(f"{what}: {b.path} trains {what_it_is} ({objective.where}), which finetune does not; "
-                          f"finetune trains {', '.join(trained_tasks())} (sft with its loss mask)")
+                          f"finetune trains {', '.join(trained_tasks())} ({instruction_task()} with its loss mask)")
 
 
 def _where(b: Baseline, key: str) -> str:
