@@ -218,3 +218,8 @@ def test_a_task_said_nowhere_is_said_so(tmp_path, capsys):
     shutil.copy(CORPUS / "trl" / "trainer-clm-run" / "trainer_state.json", folder)
     code, said = _import(capsys, folder, tmp_path / "r.yaml")
     assert code == 0 and "not carried: the objective=unknown" in said, said[-1500:]
+
+
+def test_reproduce_refuses_before_it_makes_its_folder(tmp_path, capsys):
+    code, said = cli(capsys, "reproduce", CORPUS / "axolotl" / "llama-3__qlora-1b-kto.yaml", "-o", tmp_path / "rp")
+    assert code == 2 and "trains KTO" in said and not (tmp_path / "rp").exists(), said[-1500:]
