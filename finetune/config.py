@@ -267,6 +267,13 @@ class TrainingConfig:
         "under bf16 / fp16: every micro-batch is right-padded to its window's longest sample (the big batch's "
         "shape), so that a sample rounds the same at any micro-batch; costs the extra padding (not with packing "
         "or max_tokens_per_micro_batch)", True)
+    replay_padding: Optional[list] = doc(
+        "[per-device batch, pad multiple] of a baseline's micro-batches (consecutive samples of each window in its "
+        "sampler order, as many as its per-device batch; 1: padded to their longest row only): under bf16 / fp16 "
+        "each micro-batch here is cut from one of them, unsorted, and right-padded to the length the baseline padded "
+        "it to, so that every sample rounds as the baseline's did (in place of pad_to_window's window longest; not "
+        "with packing, max_tokens_per_micro_batch or sort_within_window). finetune import sets it for a "
+        "mixed-precision baseline (null: off)", None, at_least=1, length=2)
     gradient_checkpointing: bool = doc("recompute activations in backward (HF models or the task's hook)", False,
                                        flag="--gradient-checkpointing", affects_result=False)
     compile: bool = doc("torch.compile the model", False, flag="--compile")

@@ -190,20 +190,32 @@ def make_accelerator(mixed_precision: str = "no", log_with=None, project_dir=Non
     if accelerator is None or not accelerator.sync_gradients:
         restart_accelerate_state()
         accelerator = Accelerator(**kwargs)
-    if mixed_precision == "fp16" and accelerator.scaler is None and accelerator.device.type == "cpu" and \
-            accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU):
-        cpu_fp16(accelerator, loss_scale)
     return accelerator
 
 
-def cpu_fp16(accelerator: Accelerator, loss_scale: LossScale) -> None:
-    """fp16 autocast with a dynamic loss scale on the CPU, as Accelerate runs it on CUDA. Accelerate trains fp16 on a
-    CPU silently as fp32 (no autocast, no scaler), though torch runs both there (``torch.autocast("cpu",
-    torch.float16)``, ``torch.amp.GradScaler("cpu")``); a card without bf16 (T4, V100) trains fp16, and its steps can
-    only be certified here if they run here. Set before ``prepare``: the model's forward is wrapped in autocast and
-    each optimizer handed the scaler there, and ``backward`` / ``clip_grad_norm_`` scale and unscale through it."""
-    accelerator.native_amp = True
-    accelerator.scaler = torch.amp.GradScaler("cpu", **loss_scale.kwargs())
+def loss_scaler(accelerator: Accelerator, mixed_precision: str, loss_scale: LossScale = LossScale()):
+    """fp16's dynamic loss scale for the run: Accelerate's GradScaler where it runs one (CUDA: it scales every
+    backward and unscales in ``clip_grad_norm_``), else finetune's own on a CPU (one process or DDP), where Accelerate
+    trains fp16 silently as fp32 though torch runs fp16 autocast and a GradScaler there: a card without bf16 (T4,
+    V100) trains fp16, and its steps can only be certified here if they run here. finetune's own is saved with the
+    checkpoint (``register_for_checkpointing``) and used with ``models.precision.autocast_forward``. None without
+    fp16, or where an engine scales (DeepSpeed)."""
+    if mixed_precision != "fp16":
+        return None
+    if accelerator.scaler is not None:
+        return accelerator.scaler
+    if accelerator.device.type != "cpu" or accelerator.distributed_type not in (DistributedType.NO,
+                                                                              DistributedType.MULTI_CPU):
+        return None
+    scaler = torch.amp.GradScaler("cpu", **loss_scale.kwargs())
+    accelerator.register_for_checkpointing(scaler)
+    return scaler
+
+
+def own_scaler(accelerator: Accelerator, scaler) -> bool:
+    """Whether ``scaler`` is finetune's (:func:`loss_scaler`): then finetune scales the loss and unscales the
+    gradients itself, which Accelerate does with its own."""
+    return scaler is not None and scaler is not accelerator.scaler
 
 
 def restart_accelerate_state() -> None:
@@ -323,10 +335,12 @@ def whole_model(model):
             m.set_reshard_after_forward(True, recurse=False)
 
 
-def backward(accelerator: Accelerator, loss: torch.Tensor, sync: bool) -> None:
-    """``accelerator.backward`` (loss scaling for fp16). DeepSpeed's engine keeps its own accumulation boundary and
-    steps inside backward, so it is told explicitly whether this micro-batch ends the window (with N = 1 in its
-    config it does not rescale the loss)."""
+def backward(accelerator: Accelerator, loss: torch.Tensor, sync: bool, scaler=None) -> None:
+    """``accelerator.backward`` (loss scaling for fp16: Accelerate's, or finetune's own ``scaler`` on a CPU).
+    DeepSpeed's engine keeps its own accumulation boundary and steps inside backward, so it is told explicitly
+    whether this micro-batch ends the window (with N = 1 in its config it does not rescale the loss)."""
+    if own_scaler(accelerator, scaler):
+        loss = scaler.scale(loss)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         accelerator.deepspeed_engine_wrapped.backward(loss, sync_gradients=sync)
     else:

@@ -86,6 +86,7 @@ class Run:
     head_note: str                    # what the banner says about the loss head
     pad_to_window: bool = False       # pad each micro-batch to its window's longest sample (bf16 / fp16)
     divisor: Optional[Callable] = None  # micro-batch → its part of what the window's loss is divided by (None: items)
+    scaler: Optional[object] = None   # fp16's loss scale: Accelerate's GradScaler, or finetune's on a CPU
 
     @property
     def schedulers(self) -> dict:
@@ -159,12 +160,12 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                 if job.before_window is not None:  # e.g. a KL weight or an R1 interval keyed on optimizer steps
                     job.before_window(state)
                 rng = torch.get_rng_state()  # an out-of-memory retry rewinds to it: the same dropout masks
-                if run.pad_to_window:  # bf16: every sample at the big batch's padded length
-                    micro_batches = pad_to_window(run.accelerator, micro_batches)
+                if run.pad_to_window:  # bf16: every sample at the big batch's (or its baseline's) padded length
+                    micro_batches = pad_to_window(run.accelerator, micro_batches, window.pad_lengths)
                 try:
                     result = accumulate_window(run.accelerator, run.model, run.forward_model, job.loss_fn, window,
                                                micro_batches, run.counter, offload=t.activation_offloading,
-                                               divisor=run.divisor)
+                                               divisor=run.divisor, scaler=run.scaler)
                 except Exception as error:  # batch_size: auto out of memory → the same window, smaller micro-batches
                     if run.auto is None or not is_oom(error):
                         raise
@@ -174,7 +175,7 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                     stream = open_stream(run, state)
                     continue
                 update = optimizer_step(run.accelerator, run.optims, t.on_nonfinite, state.optimizer_step + 1,
-                                        window)
+                                        window, run.scaler)
                 record = step_record(run, state, window, result, update, held)
                 val = evaluate_if_due(run, record, last_of_epoch=window.index == epoch_windows - 1)
                 record = {**record, **val_columns(val), "seconds": log.lap()}  # whole before it is stored

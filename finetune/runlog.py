@@ -100,7 +100,9 @@ def banner(run) -> str:
         *([f"Packing: {run.packing_note}" + (f", rows of {windows.pack_capacity} tokens" if windows.pack_capacity
                                               else "")] if run.packing_note else []),
         *([f"Padding: {padding_share(windows):.1%} of the tokens of epoch 0"
-           + (f"'s first {PLANNED_WINDOWS} windows" if windows.per_epoch > PLANNED_WINDOWS else "")]
+           + (f"'s first {PLANNED_WINDOWS} windows" if windows.per_epoch > PLANNED_WINDOWS else "")
+           + (f", each micro-batch as its baseline micro-batch of {windows.replay[0]} was padded (training."
+              "replay_padding)" if windows.replay else "")]
           if windows.length_of and windows.block is None else []),  # a stream is not read ahead
         f"Mixed precision: {t.mixed_precision}, device: {accelerator.device}",
         *([f"Weights: {weights}"] if (weights := precision.describe(accelerator.unwrap_model(run.model))) else []),
@@ -118,11 +120,12 @@ def padding_share(windows) -> float:
     real = padded = 0
     for rank in range(windows.processes):
         for w in itertools.islice(windows.windows(0, rank), PLANNED_WINDOWS):
-            for mb, active, counts in zip(w.micro_batches, w.active, w.token_counts or [None] * len(w.active)):
+            pads = w.pad_lengths or [None] * len(w.active)  # training.replay_padding: the baseline's lengths
+            for mb, active, counts, pad in zip(w.micro_batches, w.active, w.token_counts or pads, pads):
                 if not active:
                     continue
-                if counts is None:
+                if counts is None or pad is not None:
                     lengths = [windows.length_of(i) for i in mb]
-                    counts = (sum(lengths), len(lengths) * max(lengths))
+                    counts = (sum(lengths), len(lengths) * (pad or max(lengths)))
                 real, padded = real + counts[0], padded + counts[1]
     return 1 - real / padded if padded else 0.0

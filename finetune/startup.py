@@ -328,8 +328,26 @@ def check_data(job: Job, t: TrainingConfig, shape: Shape) -> None:
                           f"training.{key}=false")
     if t.sort_within_window and job.length_of is None:
         raise ConfigError("training.sort_within_window: this task gives no sample lengths (Job.length_of)")
+    check_replay_padding(job, t)
     if job.stream_block is not None:
         check_stream(t)
+
+
+def check_replay_padding(job: Job, t: TrainingConfig) -> None:
+    """``training.replay_padding`` cuts each window into the baseline's micro-batches, in its sampler order, and pads
+    each to the length the baseline padded it to: it needs the samples' lengths, and nothing may regroup, pack or
+    re-cut them."""
+    if not t.replay_padding:
+        return
+    clash = next((f"training.{k}" for k, on in (("sort_within_window", t.sort_within_window), ("packing", t.packing),
+                                                 ("max_tokens_per_micro_batch", t.max_tokens_per_micro_batch))
+                  if on), None)
+    if clash:
+        raise ConfigError(f"{clash}: cannot be combined with training.replay_padding (it regroups the baseline's "
+                          "micro-batches, whose padding is replayed); set one of them off")
+    if job.length_of is None:
+        raise ConfigError("training.replay_padding: this task gives no sample lengths (Job.length_of), so the "
+                          "baseline's padded lengths are unknown; set training.replay_padding=null")
 
 
 def check_stream(t: TrainingConfig) -> None:
@@ -366,6 +384,7 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
     reporting = reporting or loop.Reporting()
     accelerator = accelerator if accelerator is not None else accelerator_for(t, reporting)
     model, head_note = ready_model(job, t)
+    scaler = scaler_for(accelerator, model, t)
     pack_length_of, packing_note = packing_for(job, t, model)
     distributed.agree(lambda: check_model(accelerator, model, job, t, pack_length_of, reporting))  # all refuse alike
     model, optims = with_optimizers(accelerator, model, job, t, shape)
@@ -380,11 +399,11 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
                                              pack_capacity(job, t.pack_length, pack_length_of), job.stream_block),
                    checkpointer=checkpointer_for(job, shape, reporting),
                    packing_note=packing_note, head_note=head_note,
-                   pad_to_window=t.mixed_precision != "no" and t.pad_to_window and not pack_length_of
-                   and not t.max_tokens_per_micro_batch,
+                   pad_to_window=bool(t.replay_padding or t.mixed_precision != "no" and t.pad_to_window)
+                   and not pack_length_of and not t.max_tokens_per_micro_batch,
                    # a job counting its own items (a preference pair, a rollout) is divided by them
                    divisor=(lambda b: count_items(b, "tokens")) if t.loss_divisor == "labels" and job.count_items is
-                   None else None)
+                   None else None, scaler=scaler)
     if reporting.banner and distributed.is_main_process():
         print(banner(run), flush=True)
     start_trackers(run)
@@ -393,9 +412,22 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
 
 def accelerator_for(t: TrainingConfig, reporting: loop.Reporting) -> Accelerator:
     """The run's Accelerator: its mixed precision, and the tracker writing into the run's folder."""
-    scale = distributed.LossScale(t.initial_loss_scale, t.loss_scale_growth_interval)
     return distributed.make_accelerator(t.mixed_precision, log_with=reporting.tracker,
-                                        project_dir=str(reporting.dir) if reporting.dir else None, loss_scale=scale)
+                                        project_dir=str(reporting.dir) if reporting.dir else None,
+                                        loss_scale=loss_scale(t))
+
+
+def loss_scale(t: TrainingConfig) -> distributed.LossScale:
+    return distributed.LossScale(t.initial_loss_scale, t.loss_scale_growth_interval)
+
+
+def scaler_for(accelerator: Accelerator, model, t: TrainingConfig):
+    """fp16's loss scaler (``distributed.loss_scaler``); where it is finetune's own (a CPU), the model's forward
+    runs under fp16 autocast (before ``prepare``), as Accelerate's prepare makes it run where it scales itself."""
+    scaler = distributed.loss_scaler(accelerator, t.mixed_precision, loss_scale(t))
+    if distributed.own_scaler(accelerator, scaler):
+        precision.autocast_forward(model, torch.float16)
+    return scaler
 
 
 def ready_model(job: Job, t: TrainingConfig) -> tuple:
@@ -421,6 +453,8 @@ def packing_for(job: Job, t: TrainingConfig, model) -> tuple:
         return None, "off (training.loss_divisor=labels counts each sample's first label); sorted windows instead"
     if t.process_mean:  # each micro-batch holds one baseline process's samples: a packed row would mix them
         return None, "off (training.process_mean: each micro-batch holds one baseline process's samples)"
+    if t.replay_padding:  # a packed row has no baseline micro-batch whose padding it could replay
+        return None, "off (training.replay_padding: each micro-batch padded as its baseline micro-batch was)"
     pack_length_of, packing_note = decide_packing(t.packing, model, job.train_data, job.length_of, job.loss_fn)
     if job.stream_block is not None and pack_length_of and not t.pack_length:  # rows as long as the longest sample:
         return None, STREAM_UNPACKED  # a stream's is not known ahead

@@ -56,22 +56,29 @@ class WindowResult:
     extras: dict = field(default_factory=dict)  # other loss terms, weighted the same way
 
 
-def pad_to_window(accelerator, micro_batches: list) -> list:
+def pad_to_window(accelerator, micro_batches: list, targets=None) -> list:
     """Each text micro-batch (a mapping with a 2-D ``attention_mask``) right-padded to the window's longest sample,
     over every process: its ``attention_mask`` and every other tensor as long as it along dim 1 (``labels`` with
     -100, the rest with 0; the padding is masked out). Under bf16 a sample's numbers depend on the padded length it
     runs at (up to 5e-3 in its loss), and the big batch runs every sample at the window's longest; other batches
-    are returned as they are."""
+    are returned as they are. ``targets`` (``Window.pad_lengths``, ``training.replay_padding``): each micro-batch's
+    own length instead, the one its baseline micro-batch was padded to."""
     lengths = [b["attention_mask"].shape[1] if isinstance(b, Mapping) and isinstance(b.get("attention_mask"),
                                                                                     torch.Tensor)
                and b["attention_mask"].dim() == 2 else None for b in micro_batches]
     if any(n is None for n in lengths):
         return micro_batches
-    longest = max(lengths)
-    if accelerator.num_processes > 1:
-        longest = int(accelerator.reduce(torch.tensor(longest, device=accelerator.device), "max"))
-    return [{k: _right_pad(v, n, longest, -100 if k == "labels" else 0) for k, v in b.items()}
-            for b, n in zip(micro_batches, lengths)]
+    if targets is None:
+        longest = max(lengths)
+        if accelerator.num_processes > 1:
+            longest = int(accelerator.reduce(torch.tensor(longest, device=accelerator.device), "max"))
+        targets = [longest] * len(lengths)
+    if any(n > t for n, t in zip(lengths, targets)):
+        # the lengths the task gave (Job.length_of) are not its collated rows': the baseline's padding is unknown
+        raise RuntimeError(f"training.replay_padding: a micro-batch of {max(lengths)} tokens is longer than the "
+                           f"{min(targets)} its baseline micro-batch was padded to (the task's sample lengths)")
+    return [{k: _right_pad(v, n, t, -100 if k == "labels" else 0) for k, v in b.items()}
+            for b, n, t in zip(micro_batches, lengths, targets)]
 
 
 def _right_pad(value, length: int, longest: int, fill: int):
@@ -105,10 +112,11 @@ def count_window(accelerator, window, micro_batches, counter, divisor=None) -> t
 
 
 def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_batches, counter,
-                      offload: bool = False, divisor=None) -> WindowResult:
+                      offload: bool = False, divisor=None, scaler=None) -> WindowResult:
     """Forward and backward every micro-batch of one window, each weighted by its share of the window's items (of
     the window's ``divisor`` count, when given); gradients are all-reduced once, on the last micro-batch.
-    ``offload``: activations saved for backward wait in host memory."""
+    ``offload``: activations saved for backward wait in host memory; ``scaler``: fp16's loss scale
+    (``distributed.loss_scaler``), the same for every micro-batch."""
     counts, shares, window_items, real, padded = count_window(accelerator, window, micro_batches, counter, divisor)
     device, last = accelerator.device, len(micro_batches) - 1
     window_loss, window_extras = torch.zeros((), device=device), {}
@@ -122,7 +130,7 @@ def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_
             # A weight-0 placeholder (or an item-less micro-batch) must add exact zeros, not 0 × NaN.
             weighted = loss * loss_weight(items, share, accelerator.num_processes) if items \
                 else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0
-            distributed.backward(accelerator, weighted, sync=i == last)
+            distributed.backward(accelerator, weighted, sync=i == last, scaler=scaler)
         # The logged loss: the same item-weighted mean, without the process factor. Every term is entered even from
         # a placeholder (as 0), so that each process sums the same terms over processes.
         for k in extras:
@@ -150,14 +158,19 @@ class Update:
     loss_scale: float | None = None
 
 
-def optimizer_step(accelerator, optims: list, on_nonfinite: str, step: int, window) -> Update:
+def optimizer_step(accelerator, optims: list, on_nonfinite: str, step: int, window, scaler=None) -> Update:
     """Unscale → grad norm → clip → step → scheduler → zero_grad, for each optimizer. ``step`` is the number of
-    the update being taken (for messages); ``on_nonfinite``: ``training.on_nonfinite``."""
+    the update being taken (for messages); ``on_nonfinite``: ``training.on_nonfinite``; ``scaler``: fp16's loss
+    scale (``distributed.loss_scaler``; default Accelerate's, if any)."""
+    scaler = accelerator.scaler if scaler is None else scaler
+    if distributed.own_scaler(accelerator, scaler):  # Accelerate's clip_grad_norm_ unscales only its own
+        for o in optims:
+            scaler.unscale_(torch_optimizer(o))
     norms = []
     for i, o in enumerate(optims):
-        # clip_grad_norm_ unscales fp16 gradients first (GradScaler.unscale_, for every optimizer at once, once per
-        # window: the accumulated gradient), so the norm and the clip are in true units; with clipping off,
-        # max_norm=inf still returns the total norm and leaves the gradients untouched.
+        # the gradients are unscaled first (GradScaler.unscale_, for every optimizer at once, once per window: the
+        # accumulated gradient; Accelerate's clip_grad_norm_ does it with its own), so the norm and the clip are in
+        # true units; with clipping off, max_norm=inf still returns the total norm and leaves the gradients as they are.
         max_norm = o.max_grad_norm if o.max_grad_norm is not None else math.inf
         clip = accelerator.clip_grad_norm_ if i == 0 else torch.nn.utils.clip_grad_norm_
         norms.append(clip(o.params, max_norm))
@@ -167,8 +180,8 @@ def optimizer_step(accelerator, optims: list, on_nonfinite: str, step: int, wind
                          for n, k in zip(norms, known)]).tolist()  # one host sync
     lrs = [o.optimizer.param_groups[0]["lr"] for o in optims]
     scale = None
-    if accelerator.scaler is not None:
-        scale, skipped = scaled_step(accelerator.scaler, optims)
+    if scaler is not None:
+        scale, skipped = scaled_step(scaler, optims)
     elif all(math.isfinite(n) for n, k in zip(norms, known) if k):
         for o in optims:
             o.optimizer.step()
@@ -196,6 +209,11 @@ def scaled_step(scaler, optims: list) -> tuple[float, bool]:
     scaled by."""
     scale = scaler.get_scale()
     for o in optims:
-        scaler.step(getattr(o.optimizer, "optimizer", o.optimizer))  # the torch optimizer inside Accelerate's
+        scaler.step(torch_optimizer(o))
     scaler.update()
     return scale, scaler.get_scale() < scale  # the scale falls only on an overflow
+
+
+def torch_optimizer(o):
+    """The torch optimizer of ``o`` (an ``Optim``), inside Accelerate's wrapper when it is prepared."""
+    return getattr(o.optimizer, "optimizer", o.optimizer)

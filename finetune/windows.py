@@ -46,6 +46,8 @@ class Window:
     # ``group_count`` (each one's own token mean, averaged over them)
     groups: Optional[tuple] = None
     group_count: int = 0
+    # training.replay_padding: per micro-batch of this process, the length its baseline micro-batch was padded to
+    pad_lengths: Optional[tuple] = None
 
     @property
     def sample_hash(self) -> str:
@@ -209,6 +211,7 @@ class WindowSpec:
     drop_last: Optional[int] = None         # each epoch keeps the largest multiple of this many samples (kept())
     even_batches: Optional[tuple] = None    # a baseline's (processes, per-device batch): even_batch_windows()
     process_mean: bool = False              # with even_batches: micro-batches cut per baseline process (cut())
+    replay: Optional[tuple] = None          # training.replay_padding: (per-device batch, pad multiple) (cut())
 
     @classmethod
     def of(cls, t, shape, samples: int, length_of: Optional[Callable] = None,
@@ -217,13 +220,15 @@ class WindowSpec:
         """The spec of a run with settings ``t`` (a TrainingConfig) in ``shape`` over ``samples`` samples whose
         lengths the task gives as ``length_of`` (and which it streams in blocks of ``block``). Windows are sorted by
         length unless ``t.sort_within_window`` says otherwise, whenever the lengths are known."""
-        sort = t.sort_within_window if t.sort_within_window is not None else length_of is not None
+        replay = tuple(t.replay_padding) if getattr(t, "replay_padding", None) else None
+        # replayed micro-batches are the baseline's, in its sampler order: sorting would regroup them
+        sort = t.sort_within_window if t.sort_within_window is not None else length_of is not None and not replay
         return cls(samples, shape.micro_batch, shape.accumulation, shape.processes, t.seed, t.epochs, t.shuffle,
                    t.sample_order, sort_key=length_of if sort else None, length_of=pack_length_of or length_of,
                    max_tokens=t.max_tokens_per_micro_batch, pack_capacity=pack_capacity, block=block,
                    drop_last=getattr(t, "drop_last", None),
                    even_batches=tuple(t.even_batches) if getattr(t, "even_batches", None) else None,
-                   process_mean=bool(getattr(t, "process_mean", False)))
+                   process_mean=bool(getattr(t, "process_mean", False)), replay=replay)
 
     @property
     def per_epoch(self) -> int:
@@ -260,12 +265,18 @@ class WindowSpec:
         longer than the budget goes alone. ``pack_capacity`` (with ``length_of``) packs the window's samples into
         rows of at most that many tokens and cuts micro-batches of ``micro_batch`` rows (or by ``max_tokens``).
         ``shares`` (``training.process_mean``): the samples each baseline process held, cut one share at a time, so
-        that no micro-batch mixes two."""
+        that no micro-batch mixes two. ``replay`` (``training.replay_padding``): micro-batches cut from the
+        baseline's (:meth:`replayed_chunks`), each with the length its baseline micro-batch was padded to."""
         b, world = self.micro_batch, self.processes
-        owners = None
+        owners = lengths = None
         if self.pack_capacity:
             chunks, counts = packed_micro_batches(samples, self.length_of, self.pack_capacity, b, self.max_tokens)
             placeholder = ((samples[0],),)
+        elif self.replay:
+            cut = [self.replayed_chunks(share) for share in shares or [samples]]
+            chunks, owners = [c for part in cut for c, _ in part], [g for g, part in enumerate(cut) for _ in part]
+            counts, placeholder, lengths = None, (samples[0],), [n for part in cut for _, n in part]
+            owners = owners if shares is not None else None
         elif shares is not None:
             cut = [self.plain_chunks(share) for share in shares]
             chunks, owners = [c for part in cut for c in part], [g for g, part in enumerate(cut) for _ in part]
@@ -281,7 +292,29 @@ class WindowSpec:
         mine_counts = tuple(counts[s * world + rank] if a else (0, 0) for s, a in enumerate(active)) \
             if counts else None
         groups = tuple(owners[s * world + rank] if a else 0 for s, a in enumerate(active)) if owners else None
-        return tuple(mine), tuple(active), len(chunks), mine_counts, groups, len(shares) if shares else 0
+        # a placeholder runs at the padded length of the window's first micro-batch, which holds its sample
+        pads = tuple(lengths[s * world + rank] if a else lengths[0] for s, a in enumerate(active)) \
+            if lengths else None
+        return tuple(mine), tuple(active), len(chunks), mine_counts, groups, len(shares) if shares else 0, pads
+
+    def replayed_chunks(self, samples) -> list[tuple]:
+        """(micro-batch, its padded length) for ``samples`` as a baseline of ``replay = (per-device batch, pad
+        multiple)`` cut them: consecutive runs of its per-device batch in sampler order — each process took whole
+        per-device batches of a window, so these are its micro-batches on any number of processes — each padded
+        to its longest row rounded up to the multiple, and split into micro-batches of at most ``micro_batch``
+        here, unsorted, each padded to that same length.
+
+            >>> spec = WindowSpec(8, 2, 4, 1, 0, replay=(4, 8), length_of=[3, 9, 5, 1, 2, 2, 7, 4].__getitem__)
+            >>> spec.replayed_chunks(list(range(8)))
+            [((0, 1), 16), ((2, 3), 16), ((4, 5), 8), ((6, 7), 8)]
+        """
+        per_device, multiple = self.replay
+        out = []
+        for start in range(0, len(samples), per_device):
+            batch = samples[start:start + per_device]
+            padded = -(-max(self.length_of(i) for i in batch) // multiple) * multiple
+            out += [(tuple(batch[i:i + self.micro_batch]), padded) for i in range(0, len(batch), self.micro_batch)]
+        return out
 
     def plain_chunks(self, samples) -> list[tuple]:
         """``samples`` in micro-batches of ``micro_batch`` (or of at most ``max_tokens`` padded tokens), ordered by

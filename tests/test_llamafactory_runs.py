@@ -158,7 +158,7 @@ def test_a_bad_yaml_is_one_line(tmp_path, capsys):
         said
 
 
-@pytest.mark.parametrize("stage", ["ppo", "rm", "kto", "pt", "sft"])
+@pytest.mark.parametrize("stage", ["ppo", "rm", "kto", "sft"])
 def test_a_stage_no_task_trains_is_named_in_one_line(tmp_path, capsys, stage):
     """A stage finetune does not train is refused naming it and the stages it does, nothing written; sft (the
     control) imports."""
@@ -172,7 +172,7 @@ def test_a_stage_no_task_trains_is_named_in_one_line(tmp_path, capsys, stage):
         assert code == 0 and recipe.is_file(), said
         return
     assert code == 2 and said.strip().splitlines() == [f"error: import: stage: {stage} in {saved} is not supported "
-                                                       "(supported: dpo, sft)"], said
+                                                       "(supported: pt, dpo, sft)"], said
     assert not recipe.exists()
 
 

@@ -489,5 +489,8 @@ def test_import_without_a_base_recipe(baseline, tmp_path, capsys):
     assert code == 0, err
     raw = yaml.safe_load((tmp_path / "c.yaml").read_text())
     assert raw["training"]["learning_rate"] == 0.002 and "name_or_path" not in raw["model"]
-    assert err.strip() == "missing: model.name_or_path: the baseline does not name the model it fine-tuned; add it " \
-        "(--set model.name_or_path=MODEL when you run) or give --recipe BASE"
+    assert err.strip().splitlines() == [
+        "missing: model.name_or_path: the baseline does not name the model it fine-tuned; add it (--set "
+        "model.name_or_path=MODEL when you run) or give --recipe BASE",
+        "assumed: peft — the model card does not say whether it trained LoRA adapters (no adapter_config.json, no "
+        "card's library_name): the recipe's peft section"]

@@ -15,6 +15,14 @@ launched with the Trainer's ``deepspeed`` argument and torchrun (DeepSpeed on th
 AdamW, reduced in fp32):
 
     torchrun --nproc_per_node 2 examples/trl-multiprocess/train_sft.py --zero 2 --out tests/assets/trl-2proc/sft-zero2
+
+Rows of varied length (``examples/trl-multiprocess/varied_chats.py``), bf16 with checkpointing, 4 per device × 2
+accumulation × 2 processes = 16 per step, 3 steps: ``tests/assets/trl-2proc/sft-bf16-varied``, and the same with
+TRL's collator padding each micro-batch to a multiple of 16 (``sft-bf16-varied-pad16``):
+
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/trl-multiprocess/train_sft.py \\
+        --bf16 --data tests/assets/trl-2proc/varied.jsonl --per-device 4 --accumulation 2 \\
+        --out tests/assets/trl-2proc/sft-bf16-varied  # and --pad-to-multiple-of 16 --out …-pad16
 """
 
 import argparse
@@ -33,9 +41,13 @@ INPUTS = Path(__file__).resolve().parents[2] / "tests" / "assets" / "llamafactor
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--data", default=str(INPUTS / "data" / "chat.jsonl"))
+p.add_argument("--model", default=str(INPUTS / "model"), help="the base model's folder")
 p.add_argument("--bf16", action="store_true", help="bf16 autocast, with gradient checkpointing")
 p.add_argument("--rows", type=int, help="train on the first ROWS rows only")
 p.add_argument("--process-mean", action="store_true", help="average_tokens_across_devices=False")
+p.add_argument("--per-device", type=int, default=2, help="per_device_train_batch_size")
+p.add_argument("--accumulation", type=int, default=2, help="gradient_accumulation_steps")
+p.add_argument("--pad-to-multiple-of", type=int, help="the collator pads each micro-batch to a multiple of this")
 p.add_argument("--zero", type=int, choices=(1, 2, 3), help="train under DeepSpeed ZeRO at this stage")
 opts = p.parse_args()
 # the Trainer fills each "auto" from its own arguments; with no optimizer section DeepSpeed wraps the Trainer's AdamW
@@ -44,14 +56,16 @@ if opts.zero:  # on the CPU the Trainer would start DeepSpeed with no backend (a
     PartialState(backend="gloo")
 zero = {"zero_optimization": {"stage": opts.zero}, "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto"}
-args = SFTConfig(output_dir=opts.out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+args = SFTConfig(output_dir=opts.out, per_device_train_batch_size=opts.per_device,
+                 gradient_accumulation_steps=opts.accumulation,
                  num_train_epochs=1, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=0.2,
                  max_grad_norm=0.5, logging_steps=1, seed=42, bf16=opts.bf16, gradient_checkpointing=opts.bf16,
                  report_to=[], save_strategy="no",
                  use_cpu=not opts.zero, deepspeed=zero if opts.zero else None, disable_tqdm=True,
                  accelerator_config={"use_configured_state": bool(opts.zero)},
-                 assistant_only_loss=False, average_tokens_across_devices=not opts.process_mean)
-model_dir = str(INPUTS / "model")
+                 assistant_only_loss=False, average_tokens_across_devices=not opts.process_mean,
+                 **({"pad_to_multiple_of": opts.pad_to_multiple_of} if opts.pad_to_multiple_of else {}))
+model_dir = opts.model
 rows = load_dataset("json", data_files=opts.data)["train"]
 trainer = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), args=args,
                      train_dataset=rows.select(range(opts.rows)) if opts.rows else rows,

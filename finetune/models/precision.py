@@ -375,3 +375,17 @@ def fp32_sum_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         except (RuntimeError, TypeError, NotImplementedError):  # a torch or a GPU without that kernel
             pass
     return a.float() @ b.float()
+
+
+def autocast_forward(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Run ``model``'s forward under autocast to ``dtype`` on its device, its outputs in fp32, as Accelerate's
+    ``prepare`` wraps a model where it autocasts itself (fp16 on a CPU: ``distributed.loss_scaler``). Before
+    ``prepare``: a DDP wrapper then calls the wrapped forward."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    device = next(model.parameters()).device.type
+    forward = model.forward
+    inner = getattr(forward, "__func__", None)  # a bound method, or a function set on the module before
+    autocast = torch.autocast(device_type=device, dtype=dtype)
+    model.forward = MethodType(convert_outputs_to_fp32(autocast(inner)), model) if inner else \
+        convert_outputs_to_fp32(autocast(forward))

@@ -51,6 +51,11 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
         if get("total_train_batch_size"):
             where = f"{src('total_train_batch_size')}: total_train_batch_size" + (
                 f", {b.processes[0]} processes ({b.processes[1]})" if b.processes else "")
+        elif get("speed_batch") and "gradient_accumulation_steps" not in b.args:
+            where = f"{src('speed_batch')}: the Trainer's speed metrics"
+        elif "gradient_accumulation_steps" in b.assumed:
+            where = f"{src('per_device_train_batch_size')} × accumulation 1 ASSUMED"
+            out.assumed.append(("training.effective_batch_size", b.assumed["gradient_accumulation_steps"]))
         else:
             where = f"{src('per_device_train_batch_size')} × accumulation × " + (
                 f"{b.processes[0]} processes ({b.processes[1]})" if b.processes else
@@ -91,6 +96,8 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
             out.skip(name, get(name), why)
     _drop_last(b, out)
     _data_parallel(b, out, baseline_step)
+    if "beta" not in model_fields and b.get("num_generations") is None:  # rows padded alone, not as pairs or rollouts
+        _replay_padding(b, out)
     if "beta" not in model_fields:  # a preference or policy task sums its own loss: no Trainer count divides it
         _loss_divisor(b, out)
     for setting, value, why in b.uncarried:  # what the source's own reader knows finetune lacks
@@ -225,6 +232,29 @@ def _even_batches(b: Baseline, out: Imported) -> None:
     out.set("training.even_batches", [b.process_count(), int(per_device)],
             f"{b.processes[1]}: accelerate's even_batches on "
             f"{b.process_count()} processes of {per_device} — the baseline's own step (--baseline-step)")
+
+
+def _replay_padding(b: Baseline, out: Imported) -> None:
+    """``training.replay_padding``: a mixed-precision baseline's micro-batches — its per-device batch, and the
+    multiple its collator padded them to (TRL's ``pad_to_multiple_of``; 1: each to its longest row) — so that the
+    run pads every sample to the length the baseline ran it at: a sample's bf16 numbers depend on that length, not
+    on the micro-batch around it. Not for packed or padding-free rows, which have no padding to replay."""
+    per_device = b.get("per_device_train_batch_size")
+    # what the baseline trained in (fp16 asked on a CPU trained fp32: nothing rounds by length there)
+    if out.values.get("training.mixed_precision") not in ("bf16", "fp16") or not per_device:
+        return
+    if "data.pack" in out.values or b.get("packing") or b.get("padding_free"):
+        out.not_carried.append("note: micro-batch padding not replayed — the baseline packed its rows or trained "
+                               "padding-free, and has no padding")
+        return
+    multiple = b.get("pad_to_multiple_of")
+    multiple = int(multiple) if isinstance(multiple, (int, float)) and not isinstance(multiple, bool) else 1
+    collator = "TRL's collator, right-padded" if b.trl else \
+        "the Trainer's padding collator assumed (right, to its longest row; the script's own collator is not read)"
+    out.set("training.replay_padding", [int(per_device), multiple],
+            f"{b.args['per_device_train_batch_size'][1]}: per_device_train_batch_size {per_device}, each micro-batch "
+            f"padded to its longest row" + (f" rounded up to a multiple of {multiple} (pad_to_multiple_of)"
+                                            if multiple > 1 else "") + f" — {collator}")
 
 
 def _drop_last(b: Baseline, out: Imported) -> None:
@@ -368,6 +398,11 @@ def _lora(b: Baseline, out: Imported) -> bool:
         if get("lora_target_linear"):
             out.skip("lora_target_linear", True, "finetune names the adapted modules; list the model's linear "
                      "layers in peft.target_modules")
+    elif get("library_name") == "peft":  # the card says adapters were trained, not their settings
+        out.set("peft.enabled", True, f"{b.args['library_name'][1]}: peft (the card of an adapters' run)")
+        out.skip("LoRA r and alpha", "unknown", "the card does not list them; the recipe's are kept (give the "
+                 "folder with its adapter_config.json)")
+        return True
     elif "adapter" in b.args and get("adapter") is None:  # the source says so (torchtune's model component)
         out.set("peft.enabled", False, b.args["adapter"][1])
         return False
@@ -376,6 +411,8 @@ def _lora(b: Baseline, out: Imported) -> bool:
         return False
     else:
         out.skip("LoRA or not", "unknown", f"the {b.kind} does not say; the recipe's peft section is kept")
+        out.assumed.append(("peft", f"the {b.kind} does not say whether it trained LoRA adapters (no "
+                                    "adapter_config.json, no card's library_name): the recipe's peft section"))
         return False
     out.set("peft.enabled", True, where)
     for key, value in values.items():

@@ -6,7 +6,9 @@ machine (``--batch-size auto`` unless given: the planner's pick, shrunk on an ou
 kept), compared with the source's own logs (``finetune compare``) and written up in ``DIR/report.md`` — the verdict,
 each layer, the curves side by side (``DIR/curves.png``) and the commands that did it. In mixed precision the
 rounding floor is measured, not assumed: a twin run (the same recipe at another micro-batch) is trained too and
-passed to compare as its floor. The three commands stay for those who want each step; this one runs them.
+passed to compare as its floor — for a baseline whose padding the run replays (``training.replay_padding``), a twin
+that replays the baseline's rounding whole (:func:`twin_layout`). The three commands stay for those who want each
+step; this one runs them.
 
     finetune reproduce runs/llamafactory-sft --model path/to/base -o reproduced
 """
@@ -25,6 +27,7 @@ from finetune.reproduce.baseline_check import compare_with_baseline
 from finetune.reproduce.compare import compare_runs
 from finetune.reproduce.record import Baseline
 from finetune.reproduce.sources import names, read_baseline
+from finetune.reproduce.update_settings import setting
 
 
 def base_recipe(b: Baseline) -> str | None:
@@ -33,6 +36,19 @@ def base_recipe(b: Baseline) -> str | None:
     ``CompareHints.trl_marks``), else none (a clm recipe)."""
     task = b.source.task(b)
     return task_hints(task).base_recipe if task else None
+
+
+def refuse_assumed(b: Baseline, args) -> None:
+    """ConfigError (one line) where the baseline's files do not say its model (and the user names none) or its
+    effective batch: a reproduction of an assumed model or batch would compare another run."""
+    # --recipe BASE names the model the user means; finetune's own run carries its recipe
+    if not b.base_model and args.model is None and args.recipe is None and b.source.run_folder(b) is None:
+        raise ConfigError(f"reproduce: {args.source}: the baseline's files do not name the model it fine-tuned (the "
+                          f"task's default recipe would train its own); give --model MODEL or --recipe BASE")
+    if "gradient_accumulation_steps" in b.assumed and b.effective_batch() is not None and not \
+            b.get("total_train_batch_size") and not b.get("speed_batch"):
+        raise ConfigError(f"reproduce: {args.source}: the effective batch is unknown — "
+                          f"{b.assumed['gradient_accumulation_steps']}")
 
 
 def main(args, finetune) -> int:
@@ -48,6 +64,7 @@ def main(args, finetune) -> int:
         raise ConfigError(f"reproduce: {args.source}: the baseline's training data is unknown (its files name no "
                           "local training file); give --data FILE, the file it trained on (or --recipe BASE whose "
                           "data it is)")
+    refuse_assumed(baseline, args)
     out.mkdir(parents=True, exist_ok=True)
     recipe = out / "recipe.yaml"
     args.recipe = args.recipe or default
@@ -65,13 +82,13 @@ def main(args, finetune) -> int:
     twin = None
     if _below_fp32(run_dir):  # an assumed floor errs both ways: measure it on this machine
         twin = out / "twin"
-        other = twin_batch_size(run_dir)
+        other, rounding = twin_layout(run_dir, args.batch_size not in (None, "auto"))
         if other is None:
             print("reproduce: no other micro-batch divides the effective batch; the floor stays assumed",
                   file=sys.stderr)
             twin = None
         else:
-            commands.append(train[:4] + [str(other), "--output-dir", str(twin)] + train[7:])
+            commands.append(train[:4] + [str(other), "--output-dir", str(twin)] + train[7:] + rounding)
             code = finetune(commands[-1])
             if code:
                 return code
@@ -106,6 +123,23 @@ def _below_fp32(run_dir: Path) -> bool:
     config = read_config(run_dir) or {}
     return (config.get("training") or {}).get("mixed_precision") not in (None, "no") or \
         (config.get("model") or {}).get("master_weights") is False
+
+
+def twin_layout(run_dir: Path, chosen: bool) -> tuple[int | None, list]:
+    """The twin's micro-batch and the settings it adds. A run replaying its baseline's padding
+    (``training.replay_padding``) gets a twin that replays the baseline's rounding whole: at the baseline's own
+    micro-batch (its shapes in backward too: a micro-batch of one sample runs other kernels, 1e-3 apart in the
+    gradients of a hidden-size-384 Llama where 2 and 4 agree to 2e-7) — or at the run's where that is smaller and the
+    run's was sized to fit (``chosen``: given by the user) — with each micro-batch's weight-gradient sums rounded to
+    bf16 as the baseline's autocast rounded them. The floor is then the rounding the two tools differ by. Else
+    another micro-batch (:func:`twin_batch_size`)."""
+    replay = setting(read_config(run_dir), "training.replay_padding")
+    m = read_metrics(run_dir)
+    if not replay or not m.get("effective_batch_size") or not m.get("gradient_accumulation_steps"):
+        return twin_batch_size(run_dir), []
+    micro = m["effective_batch_size"] // m["gradient_accumulation_steps"]
+    own = replay[0] if chosen or replay[0] <= micro else micro
+    return own, ["--set", "training.fp32_grad_sums=false"]
 
 
 def twin_batch_size(run_dir: Path) -> int | None:

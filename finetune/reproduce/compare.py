@@ -342,9 +342,28 @@ def twin_floor(a: dict, twin: Path, optimizer: str | None) -> floors.Floor:
         raise ConfigError(f"compare: --floor {twin} is not the same run as RUN_A in another layout "
                           f"({probe.first_difference}); make it with RUN_A's recipe and another --batch-size")
     weights(probe, (a["weights"], t["weights"]), optimizer, Judgement())
-    fl = floors.measured(a["history"], t["history"], probe.measured, twin.name)
+    fl = floors.measured(a["history"], t["history"], probe.measured, f"{twin.name} at {layout_of(t)}")
     fl.twin = t
     return fl
+
+
+def layout_of(run: dict) -> str:
+    """How a run (``read_run``'s) cut and padded its windows, for the floor's note: its micro-batch, and the
+    padding its samples ran at (``training.replay_padding``: the baseline's; else the window's longest under
+    ``training.pad_to_window`` in mixed precision, else each micro-batch's own longest)."""
+    m, config = run["metrics"] or {}, run["config"] or {}
+    total, n = m.get("effective_batch_size"), m.get("gradient_accumulation_steps")
+    micro = f"micro-batch {total // n}" if total and n else "micro-batch unknown"
+    replay = setting(config, "training.replay_padding")
+    mixed = setting(config, "training.mixed_precision") not in (None, "no")
+    sums = ", weight-gradient sums rounded per micro-batch" if mixed and setting(
+        config, "training.fp32_grad_sums") is False else ""
+    if replay:
+        per_device, multiple = replay
+        return f"{micro}, padded as the baseline's micro-batches of {per_device}" + (
+            f", to a multiple of {multiple}" if multiple > 1 else "") + sums
+    return f"{micro}, padded to " + ("the window's longest" if mixed and setting(config, "training.pad_to_window")
+                                     is not False else "each micro-batch's longest") + sums
 
 
 def trained(c: Comparison, ha: list, hb: list, tolerance: float, assumed: bool = False) -> None:

@@ -118,6 +118,7 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     elif not baseline.base_model and base:
         imported.skip("the base model", "unknown", f"the {baseline.kind} does not name it; the recipe's {ours} is "
                       "kept: give --model if the baseline fine-tuned another")
+        imported.assumed.append(("model.name_or_path", f"the {baseline.kind} does not name it: the recipe's {ours}"))
     elif baseline.base_model and base and ours and ours != baseline.base_model and not Path(str(ours)).exists():
         # the same model in another form (the recipe's packaged GGUF, the baseline's hub id) or another model: the
         # baseline's is the one it trained; the architecture check below still refuses a different one
@@ -233,6 +234,8 @@ def write_import(baseline: Baseline, request: Request, out: Path) -> int:
     write_recipe(out, raw, baseline.path, baseline.kind)
     for line in imported.missing:
         print(f"missing: {line}", file=sys.stderr)
+    for name, why in imported.assumed:
+        print(f"assumed: {name} — {why}", file=sys.stderr)
     return 0
 
 

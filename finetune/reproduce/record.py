@@ -94,6 +94,8 @@ class Baseline:
     #                                               rows (or all: None), split them before training (datasets'
     #                                               train_test_split; no split: None) and trained the train part in
     #                                               that order (LLaMA-Factory's max_samples, val_size)
+    assumed: dict = field(default_factory=dict)   # setting → why it is assumed: the source's files do not say
+    #                                               it (LLaMA-Factory's folder without its YAML: the accumulation)
     shuffled: Optional[tuple] = None              # (seed, source): the tool shuffled its training rows once before
     #                                               training, as datasets' Dataset.shuffle(seed=seed) does (axolotl)
 
@@ -106,10 +108,13 @@ class Baseline:
         return getattr(self.source, "trl", False) or any(k in self.args for k in TRL_ARGS)
 
     def effective_batch(self) -> Optional[int]:
-        """Samples per optimizer step: ``total_train_batch_size`` when the source says it, else per-device ×
-        accumulation × processes (1 when the source does not say)."""
+        """Samples per optimizer step: ``total_train_batch_size`` when the source says it, else the speed metrics'
+        (``speed_batch``) where no file says the accumulation, else per-device × accumulation × processes (1 when the
+        source does not say)."""
         if self.get("total_train_batch_size"):
             return int(self.get("total_train_batch_size"))
+        if self.get("speed_batch") and "gradient_accumulation_steps" not in self.args:
+            return int(self.get("speed_batch"))  # the Trainer's speed metrics, where no file says the accumulation
         if self.get("per_device_train_batch_size") is None:
             return None
         return int(self.get("per_device_train_batch_size")) * int(self.get("gradient_accumulation_steps") or 1) * \
@@ -178,6 +183,7 @@ class Imported:
 
     def __init__(self):
         self.rows, self.not_carried, self.values, self.missing = [], [], {}, []
+        self.assumed = []  # (field, why): values no file of the baseline says, shown as assumed
         # why the baseline's batches held other samples than the recipe's (a packing not taken): compare cannot
         # check its windows against them
         self.other_samples: str | None = None

@@ -29,11 +29,14 @@ from finetune.config import (
     refuse_precision_for_new_model,
 )
 from finetune.data import check_data_source, held_out, load_local_table, pad_collate, split
-from finetune.job import Job, TaskContext
+from finetune.job import CompareHints, Job, TaskContext
 from finetune.models import precision
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
 from finetune.models.hf import from_config as new_model
+
+# LLaMA-Factory's pt stage trains a causal LM on plain text: this task
+COMPARE_HINTS = CompareHints(peer_names={"llamafactory": "pt"})
 
 # datasets and transformers (0.6 s each) are imported in the functions that use them: `finetune validate`
 # imports this module to check a recipe and loads no data nor model.

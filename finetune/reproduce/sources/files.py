@@ -116,6 +116,28 @@ def read_model_files(b: Baseline, places: list, what: str) -> None:
         b.base_model = b.adapter_config.get("base_model_name_or_path")
 
 
+def speed_batch(folder: Path, b, what: str) -> None:
+    """The samples a step, from the Trainer's speed metrics (``all_results.json`` / ``train_results.json``:
+    train_samples_per_second × train_runtime = the samples it trained, ÷ its optimizer steps), where no file says the
+    accumulation: ``Baseline.args['speed_batch']``. Taken only when it is a whole number to the metrics' rounding (a
+    short last step of an epoch makes it less)."""
+    if "gradient_accumulation_steps" in b.args or b.get("total_train_batch_size"):
+        return
+    found = next((folder / n for n in ("all_results.json", "train_results.json") if (folder / n).is_file()), None)
+    steps = b.get("schedule_steps") or b.max_steps
+    if found is None or not steps:
+        return
+    metrics = json_object(found, what)
+    rate, runtime = metrics.get("train_samples_per_second"), metrics.get("train_runtime")
+    if not rate or not runtime:
+        return
+    batch = float(rate) * float(runtime) / int(steps)
+    slack = 0.0005 * float(runtime) / int(steps) + 0.01 * batch  # the rate's 3 decimals; a short last step
+    if round(batch) >= 1 and abs(batch - round(batch)) <= slack:
+        b.args["speed_batch"] = (round(batch), Where(found.name, f"train_samples_per_second {rate} × train_runtime "
+                                                                 f"{runtime} s ÷ {steps} steps"))
+
+
 def read_trainer_state(path: Path, b: Baseline, what: str) -> None:
     state = json_object(path, what)
     history = state.get("log_history")
@@ -163,12 +185,16 @@ CARD_KEYS = {  # the card's hyperparameter names → TrainingArguments'
 
 def read_front(text: str, path: Path, b: Baseline) -> None:
     """What a card says before its hyperparameters: its base model (front matter) and transformers' version."""
-    front = re.match(r"---\n(.*?)\n---", text, re.S)
+    # front matter opens the card, or follows a line or two that its author put above it (a note, a badge)
+    front = re.match(r"(?:[^\n]*\n){0,4}?---\n(.*?)\n---", text, re.S)
     if front:
         base = re.search(r"^base_model:\s*(?:\n\s*-\s*)?(\S+)", front.group(1), re.M)
         b.base_model = base.group(1).strip("'\"") if base else b.base_model
         tags = re.search(r"^tags:\s*\n((?:\s*-\s*.+\n?)+)", front.group(1) + "\n", re.M)
         b.tags = tuple(t.strip().strip("'\"") for t in re.findall(r"-\s*(.+)", tags.group(1))) if tags else b.tags
+        library = re.search(r"^library_name:\s*(\S+)", front.group(1), re.M)
+        if library:  # peft: the card of a run that trained adapters (peft writes it)
+            b.args["library_name"] = (library.group(1).strip("'\""), Where(path.name, "library_name"))
     version = re.search(r"^- Transformers:? v?(\d+\.\d+(?:\.\d+)?)", text, re.M)  # its Framework versions
     if version:
         b.args["transformers_version"] = (version.group(1), f"{path.name}: Framework versions")

@@ -25,6 +25,9 @@ import finetune.reproduce.sources.files as files
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints, section_class, task_module
 from finetune.reproduce.record import Baseline, Where, load_yaml, pure_precision
+from finetune.reproduce.sources import llamafactory_kinds as kinds
+from finetune.reproduce.sources import llamafactory_rows as rows
+from finetune.reproduce.sources import llamafactory_v1 as v1
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 KIND = "LLaMA-Factory run"
@@ -42,6 +45,9 @@ TRAINER_KEYS = {
     "group_by_length": None, "neftune_noise_alpha": None, "eval_steps": None, "eval_strategy": None,
     "cutoff_len": "max_length", "tf32": None, "use_cpu": None,
 }
+# TrainingArguments' defaults (transformers 4.x, which LLaMA-Factory 0.x trains with) for what a YAML may leave out
+TRAINER_DEFAULTS = {"learning_rate": 5e-05, "lr_scheduler_type": "linear", "per_device_train_batch_size": 8,
+                    "gradient_accumulation_steps": 1, "seed": 42}
 # LLaMA-Factory's own keys that change the steps and that finetune cannot take: key → (its default, why)
 NOT_CARRIED = {
     "mask_history": (False, "finetune's sft trains on every assistant turn, not only the last"),
@@ -97,8 +103,9 @@ PREF_LOSSES = {"sigmoid": "sigmoid", "hinge": "hinge", "ipo": "ipo"}
 
 class LlamaFactory(Reader):
     name = "LLaMA-Factory"
-    reads = ("its YAML (llamafactory-cli train) or its output folder (trainer_log.jsonl, training_args.yaml, the "
-             "Trainer's files)")
+    reads = ("its YAML (llamafactory-cli train, 0.x or v1; its eval, predict, chat and export configs refused as "
+             "such) or its output folder (trainer_log.jsonl, training_args.yaml, the Trainer's files, the card, "
+             "adapter_config.json, all_results.json's speed metrics)")
 
     def recognises(self, path: Path) -> bool:
         """A YAML with a ``stage`` and its template or fine-tuning type, or an output folder with its own log or the
@@ -106,7 +113,7 @@ class LlamaFactory(Reader):
         if path.is_dir():
             return (path / LOG).is_file() or (path / SAVED_YAML).is_file()
         raw = yaml_mapping(path)
-        return raw is not None and "stage" in raw and ("template" in raw or "finetuning_type" in raw)
+        return raw is not None and (kinds.is_v0(raw) or v1.is_v1(raw))
 
     def read(self, path: Path, what: str) -> Baseline:
         return read(path, what)
@@ -118,7 +125,7 @@ class LlamaFactory(Reader):
         return training_rows(b, data, recipe)
 
     def named_data(self, b: Baseline) -> Path | None:
-        return dataset_file(b)
+        return rows.dataset_file(b)
 
 
 SOURCE = LlamaFactory()
@@ -129,6 +136,10 @@ def read(path: Path, what: str) -> Baseline:
     when it is unreadable, or names a stage no task trains (ppo, rm, kto, pt)."""
     folder, yaml_file = (path, path / SAVED_YAML) if path.is_dir() else (None, path)
     raw = load_yaml(yaml_file, what) if yaml_file.is_file() else None
+    if isinstance(raw, dict):
+        kinds.refuse_non_training(raw, yaml_file, what, stages())
+        if v1.is_v1(raw):
+            return read_v1(raw, path)
     if folder is None:
         out = Path(str(raw.get("output_dir") or ""))
         folder = next((f for f in (out, path.parent / out) if str(out) and (f / "trainer_state.json").is_file()
@@ -137,10 +148,17 @@ def read(path: Path, what: str) -> Baseline:
         b = files.read_folder(folder, what)
     else:
         b = Baseline(KIND, path)
+        if folder is not None:  # no trainer_state.json: its card and adapters still say what they say
+            read_beside(folder, b, what)
     b.kind, b.path = KIND, path
     if folder is not None and (folder / LOG).is_file():
         read_log(folder / LOG, b, what)
+    if folder is not None:
+        files.speed_batch(folder, b, what)
     if raw is None:  # trained from the command line: the web UI's saved YAML is not there
+        if "gradient_accumulation_steps" not in b.args:
+            b.assumed["gradient_accumulation_steps"] = (f"no {SAVED_YAML} nor training_args.bin in {path.name} says "
+                                                        "the accumulation; give the YAML you trained with")
         b.unknown.append(f"{SAVED_YAML} (not in {path}: LLaMA-Factory's own settings — template, cutoff_len, "
                          "packing — are unknown; give the YAML you trained with)")
         if folder is not None:
@@ -153,6 +171,24 @@ def read(path: Path, what: str) -> Baseline:
         raise ConfigError(f"{what}: stage: {raw.get('stage')} in {yaml_file} is not supported (supported: "
                           f"{', '.join(stages())})")
     return b
+
+
+def read_v1(raw: dict, path: Path) -> Baseline:
+    """A v1 YAML (:mod:`llamafactory_v1`), trained by the stage its data shows."""
+    b = v1.read_v1(raw, path, KIND)
+    stage = pair_stage() if v1.trains_pairs(raw, path) else stage_of(None)
+    b.task = stage_task(stage)
+    b.own["stage"] = (stage, Where(path.name, f"train_dataset (its converter: pair → {pair_stage()}, else "
+                                              f"{stage_of(None)}; the command, llamafactory-cli v1 STAGE, decides)"))
+    return b
+
+
+def read_beside(folder: Path, b, what: str) -> None:
+    """An output folder without trainer_state.json: its card (base model, ``library_name``) and its model files
+    (``adapter_config.json``: LoRA and its settings), as the Trainer's folder reader reads them."""
+    if (folder / "README.md").is_file():
+        files.read_card(folder / "README.md", b, what, required=False)
+    files.read_model_files(b, [folder], what)
 
 
 def has_yaml(b) -> bool:
@@ -182,7 +218,7 @@ def read_log(path: Path, b, what: str) -> None:
     """``trainer_log.jsonl``: one line per logged step (``current_steps``, ``total_steps``, ``loss``, ``lr``,
     ``epoch``). Where trainer_state.json gave no log (a run stopped early keeps only this file), its entries are the
     baseline's log; else it must agree with trainer_state's at every step it logs (the same run)."""
-    entries = []
+    entries, last = [], None
     for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
         if not line.strip():
             continue
@@ -192,17 +228,19 @@ def read_log(path: Path, b, what: str) -> None:
             raise ConfigError(f"{what}: {path} line {n} is not JSON") from None
         if not isinstance(e, dict) or "current_steps" not in e:
             raise ConfigError(f"{what}: {path} line {n} has no current_steps (LLaMA-Factory writes it on every line)")
-        if "loss" in e:
+        last = int(e["current_steps"])
+        lr = e.get("lr", e.get("learning_rate"))  # "learning_rate" until 0.6, "lr" after
+        if e.get("loss") is not None:  # logs of 2023 write every key on every line, null where not logged
             entries.append({"step": int(e["current_steps"]), "loss": float(e["loss"]),
-                            **({"learning_rate": float(e["lr"])} if "lr" in e else {}),
-                            **({"epoch": e["epoch"]} if "epoch" in e else {})})
-        if "eval_loss" in e:
+                            **({"learning_rate": float(lr)} if lr is not None else {}),
+                            **({"epoch": e["epoch"]} if e.get("epoch") is not None else {})})
+        if e.get("eval_loss") is not None:
             b.evals.append((int(e["current_steps"]), float(e["eval_loss"])))
         if e.get("total_steps"):
             b.args.setdefault("schedule_steps", (int(e["total_steps"]), f"{path.name}: total_steps"))
     if not b.logs:
         b.logs = entries
-        b.max_steps = b.max_steps or (entries[-1]["step"] if entries else None)
+        b.max_steps = b.max_steps or last  # its last line is the last step, with no loss logged
         return
     state = {e["step"]: e for e in b.logs}
     bad = next((e for e in entries if e["step"] in state and abs(state[e["step"]]["loss"] - e["loss"]) >
@@ -216,6 +254,11 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
     """The YAML's keys onto ``b``: TrainingArguments names, LLaMA-Factory's own (``b.own``), not carried, unknown."""
     src = lambda key: Where(name, key)  # noqa: E731
     b.base_model = b.base_model or raw.get("model_name_or_path")
+    for key, value in TRAINER_DEFAULTS.items():  # what the Trainer took where the YAML (and no other file) says
+        if key not in raw:
+            b.args.setdefault(key, (value, Where(name, f"{key} (not in it: the Trainer's default)")))
+    if "num_train_epochs" not in raw and not raw.get("max_steps"):
+        b.args.setdefault("num_train_epochs", (3.0, Where(name, "num_train_epochs (not in it: the Trainer's default)")))
     for key, value in raw.items():
         if key in TRAINER_KEYS:
             b.args[TRAINER_KEYS[key] or key] = (value, src(key))
@@ -251,6 +294,7 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
     elif raw.get("finetuning_type") == "full" and b.adapter_config is None:
         b.args["adapter"] = (None, f"{src('finetuning_type')}: full, every weight trained")
     elif raw.get("finetuning_type") not in (None, "lora", "full"):
+        b.args["adapter"] = (None, f"{src('finetuning_type')}: {raw['finetuning_type']}, no adapters")
         b.uncarried.append(("finetuning_type", raw["finetuning_type"], "LLaMA-Factory trains only some layers "
                             "(freeze tuning); finetune trains every weight or LoRA adapters"))
 
@@ -292,6 +336,19 @@ def stage_task(stage) -> str | None:
     return None
 
 
+def stage_of(task) -> str:
+    """LLaMA-Factory's name for a task's stage (None: its default stage's)."""
+    hints = built_in_hints()
+    return next(h.peer_names[TOOL] for name, h in hints.items() if TOOL in h.peer_names and
+                (name == task if task is not None else TOOL in h.peer_default))
+
+
+def pair_stage() -> str:
+    """LLaMA-Factory's stage that trains preference pairs: that of the task whose step depends on a beta."""
+    return next(h.peer_names[TOOL] for h in built_in_hints().values() if TOOL in h.peer_names and
+                "model.beta" in h.step_settings)
+
+
 def stages() -> list:
     """The stages of LLaMA-Factory that finetune trains."""
     return [h.peer_names[TOOL] for h in built_in_hints().values() if TOOL in h.peer_names]
@@ -319,11 +376,20 @@ def carry_own(b, out, model_fields, data_fields: set, baseline_step: bool) -> No
     preference loss and what it trains on; its packing (:func:`packing`); every other setting of
     :data:`NOT_CARRIED` that is not at its default, as not carried."""
     own = b.own
+    if "format" in own:  # v1: its own trainer, none of 0.x's templates, packing or turn cutting
+        return
+    if "stage" in own and not has_yaml(b):  # a folder without its YAML: the stage its log shows, or the default
+        out.assumed.append(("task", f"stage {own['stage'][0]} — {own['stage'][1]}"))
     out.drop("the adapters' start")
     if b.adapter_config or b.get("adapter"):
         out.not_carried.append("adapters' start: replayed — LLaMA-Factory draws them after set_seed(seed), as "
                                "finetune does before building the model (checked with LLaMA-Factory 0.9.5, peft 0.18)")
     value = lambda key, default=None: own[key][0] if key in own else default  # noqa: E731
+    replayed = out.values.get("training.replay_padding")
+    if replayed and replayed[1] == 1:  # its SFT collator rounds each micro-batch's padding up, on the right
+        out.set("training.replay_padding", [replayed[0], 8], "LLaMA-Factory's SFT collator pads each micro-batch "
+                "to a multiple of 8 when training (pad_to_multiple_of=8 if do_train), on the right; per-device "
+                f"batch {replayed[0]}")
     template = value("template")
     if template is not None:
         where = own["template"][1]
@@ -367,8 +433,13 @@ def carry_own(b, out, model_fields, data_fields: set, baseline_step: bool) -> No
     if value("pure_bf16"):
         pure_precision(out, own["pure_bf16"], "bf16", "LLaMA-Factory", baseline_step, model_fields,
                        autocast=own["autocast"][0])
+    if stage_has(b, "data", "concatenate") and "concatenate" in data_fields:
+        out.set("data.concatenate", True, f"{own['stage'][1] if 'stage' in own else 'LLaMA-Factory'}: its pt stage "
+                "joins every text (each ending in the end-of-text token) and cuts blocks of cutoff_len")
     # its turn-by-turn cut, found by the labels: not when every token trains
-    if "cutoff_len" in own and "too_long" in data_fields and stage_allows(b, "data", "too_long", "turns") and \
+    if stage_has(b, "data", "concatenate"):
+        pass  # its blocks are cut, not dropped
+    elif "cutoff_len" in own and "too_long" in data_fields and stage_allows(b, "data", "too_long", "turns") and \
             not value("train_on_prompt"):
         out.set("data.too_long", "turns", f"{own['cutoff_len'][1]}: LLaMA-Factory cuts a longer conversation turn by "
                                           "turn (infer_seqlen)")
@@ -409,44 +480,8 @@ def packing(b, out, data_fields: set, baseline_step: bool) -> None:
                 "packs conversations of at most cutoff_len − 1 tokens into rows of cutoff_len")
 
 
-def dataset_file(b) -> Path | None:
-    """The training file the YAML names (``dataset`` in ``dataset_dir``'s ``dataset_info.json``), when it is one
-    local file; None otherwise."""
-    if "dataset" not in b.own:
-        return None
-    names = [n.strip() for n in str(b.own["dataset"][0]).split(",")]
-    root = Path(str(b.own.get("dataset_dir", ("data", ""))[0]))
-    for base in (Path.cwd(), b.path.parent):
-        info = base / root / "dataset_info.json"
-        if len(names) == 1 and info.is_file():
-            try:
-                entry = json.loads(info.read_text(encoding="utf-8")).get(names[0]) or {}
-            except (ValueError, AttributeError):
-                raise ConfigError(f"data: {info} is not a JSON object of data sets") from None
-            if entry.get("file_name") and (base / root / entry["file_name"]).is_file():
-                return base / root / entry["file_name"]
-    return None
-
-
 def training_rows(b: Baseline, data, recipe: Path):
-    """``finetune import``'s ``--data`` for a LLaMA-Factory run: the file given (else the one its YAML names in
-    ``dataset_info.json``), as rows finetune reads. Its preference rows (sharegpt ``ranking``: the prompt's
-    ``messages``, then one ``chosen`` and one ``rejected`` message) are written, in their order, as TRL's
-    conversational pairs beside the recipe (``RECIPE-rows.jsonl``); rows of messages are read as they are."""
-    if data is None:
-        data = dataset_file(b)
-        if data is None:
-            return None
-    path = Path(data)
-    if path.suffix.lower() != ".jsonl" or not path.is_file():
-        return data
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not rows or not all(isinstance(r, dict) and isinstance(r.get("chosen"), dict) and "messages" in r
-                           for r in rows):
-        return str(path)
-    out = recipe.with_name(f"{recipe.stem}-rows.jsonl")
-    out.write_text("".join(json.dumps({"prompt": r["messages"], "chosen": [r["chosen"]], "rejected": [r["rejected"]]})
-                           + "\n" for r in rows))
-    print(f"{path}: LLaMA-Factory's preference rows written as TRL's conversational pairs to {out} (the same turns, "
-          "in their order)")
-    return str(out)
+    """``finetune import``'s ``--data`` for a LLaMA-Factory run (:func:`llamafactory_rows.training_rows`): a chat
+    stage's rows (its task has a chat template) as messages, a preference stage's (its task has a beta) as pairs."""
+    return rows.training_rows(b, data, recipe, chat=stage_has(b, "model", "chat_template"),
+                              pairs=stage_has(b, "model", "beta"))
