@@ -134,6 +134,11 @@ class CompareHints:
         peer_default: the tools that train this task when their config names none.
         log_marks: what the Trainer's log of this task's trainer holds and no other task's does (TRL's DPOTrainer
             logs ``rewards/chosen``): how a run whose config is missing is known by its log.
+        arg_marks: keys that only this task's TRL trainer's config holds, any one of which says a run trained it (a
+            saved config holds every field, its defaults too: GRPOConfig's ``num_generations``, SFTConfig's
+            ``packing``).
+        objective_names: what other tools call this task's objective (axolotl's ``rl``, the tag TRL writes into a
+            card, torchtune's loss class and its data sets' builders): how ``import`` knows it by their word.
     """
 
     step_settings: tuple = ()
@@ -144,3 +149,5 @@ class CompareHints:
     peer_names: dict = field(default_factory=dict)
     peer_default: tuple = ()
     log_marks: tuple = ()
+    arg_marks: tuple = ()
+    objective_names: tuple = ()

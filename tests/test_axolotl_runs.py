@@ -189,7 +189,8 @@ def test_what_an_axolotl_config_does_that_finetune_does_not_is_named(tmp_path, c
         assert f"not carried: {line}" in said, said
     raw, said = imported(capsys, tmp_path, {"datasets": [{"path": "t.jsonl", "type": "alpaca"}],
                                             "chat_template": "chatml", "bf16": True})
-    assert raw["task"] == "clm" and "not carried: datasets.type=alpaca — " in said, said
+    # instruction rows train the response, the prompt masked: sft (its rows, axolotl's prompt strategy, named)
+    assert raw["task"] == "sft" and "not carried: datasets.type=alpaca — " in said, said
     assert "not carried: bf16=True — axolotl loads the model in bf16 and trains every weight in it" in said, said
 
 

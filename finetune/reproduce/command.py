@@ -58,6 +58,7 @@ def main(args, finetune) -> int:
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"reproduce: -o {out} exists and is not empty; give another folder or --force")
     baseline = read_baseline(args.source, "reproduce")
+    default = base_recipe(baseline)  # an objective finetune does not train is refused here, before any folder
     if args.data is None and args.recipe is None and baseline.source.run_folder(baseline) is None and \
             baseline.source.named_data(baseline) is None:  # a recipe's own data would reproduce nothing
         raise ConfigError(f"reproduce: {args.source}: the baseline's training data is unknown (its files name no "
@@ -66,7 +67,7 @@ def main(args, finetune) -> int:
     refuse_assumed(baseline, args)
     out.mkdir(parents=True, exist_ok=True)
     recipe = out / "recipe.yaml"
-    args.recipe = args.recipe or base_recipe(baseline)
+    args.recipe = args.recipe or default
     commands = [import_command(args, recipe)]
     code = importer.write_import(baseline, importer.request_of(args, recipe), recipe)
     if code:

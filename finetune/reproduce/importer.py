@@ -6,9 +6,11 @@ batch, learning rate, schedule and warm-up (a warm-up ratio becomes steps as tra
 ``max_grad_norm``, seed, mixed precision, LoRA, max length / completion-only loss where the task has them,
 quantization, and the Trainer's sample order (``training.sample_order: trainer``); rows the baseline's tool shuffled
 before training (axolotl) are written beside the recipe in that order. The model, data and everything else come from
-``--recipe BASE`` (else a recipe of the task the source says it trained — ``clm`` when it says none — on the
-baseline's base model). One table says each field, its value and where it came from; each setting that cannot be
-carried gets one ``not carried:`` line. The micro-batch is yours: run the recipe with ``--batch-size``.
+``--recipe BASE`` (else a recipe of the task the source says it trained — its objective, read as :mod:`objective`
+reads it; ``clm`` when no file says it, said — on the baseline's base model; an objective finetune does not train,
+or a file that trains nothing, is refused in one line). One table says each field, its value and where it came
+from; each setting that cannot be carried gets one ``not carried:`` line. The micro-batch is yours: run the recipe
+with ``--batch-size``.
 
     finetune import runs/trainer-baseline --recipe examples/trainer-baseline/recipe.yaml -o imported.yaml
 """
@@ -30,6 +32,7 @@ from finetune.errors import ConfigError
 from finetune.registry import recipe_path, resolve_task, section_class, task_module
 from finetune.reproduce.architecture import model_config_of, model_difference
 from finetune.reproduce.carry import carry
+from finetune.reproduce.objective import said_objective
 from finetune.reproduce.record import Baseline, Imported
 from finetune.reproduce.rows import row_change, row_count, training_file
 from finetune.reproduce.sources import accepted, names, read_baseline
@@ -59,11 +62,27 @@ def request_of(args, out: Path) -> Request:
                    args.baseline_step, args.processes)
 
 
-def _skeleton(b: Baseline) -> dict:
-    """A recipe of the task the baseline trained (its source's ``task``; clm when the source does not say) on its base
-    model (none when the source does not name it: said as missing)."""
-    return {"task": b.source.task(b) or "clm", "description": f"imported from {b.path}",
+def _skeleton(b: Baseline, task: Optional[str]) -> dict:
+    """A recipe of the task the baseline trained (clm when no file says it: said in the table) on its base model
+    (none when the source does not name it: said as missing)."""
+    return {"task": task or "clm", "description": f"imported from {b.path}",
             "model": {"name_or_path": b.base_model} if b.base_model else {}}
+
+
+def objective_row(b: Baseline, imported: Imported, task: Optional[str], base_recipe: Optional[str], ours) -> None:
+    """The objective, first in the table, with where it is said: the recipe's ``task`` (a ``--recipe BASE`` of
+    another task keeps its own, said), or that no file says it."""
+    objective = said_objective(b)
+    if base_recipe is None:
+        imported.set("task", task or "clm", objective.where if objective else
+                     f"not said by the {b.kind} (no trainer's key, log column or tag): a causal LM's loss on every "
+                     "token; give --recipe BASE of the task it trained if it is another")
+        imported.rows.insert(0, imported.rows.pop())
+        if objective is None:
+            imported.skip("the objective", "unknown", f"the {b.kind} does not say what it trained; this recipe "
+                          "trains clm")
+    elif objective is not None and ours != objective.name:
+        imported.skip("the objective", objective.name, f"{objective.where}; --recipe {base_recipe} trains {ours}")
 
 
 def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported, Baseline]:
@@ -75,7 +94,8 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     given_processes(baseline, request.processes)
     base, data, model = request.base_recipe, request.data, request.model
     processes_from_steps(baseline, data)
-    raw = read_yaml(recipe_path(base)) if base else _skeleton(baseline)
+    task = baseline.source.task(baseline)  # an objective finetune does not train is refused here, first
+    raw = read_yaml(recipe_path(base)) if base else _skeleton(baseline, task)
     if not isinstance(raw, dict):
         raise ConfigError(f"--recipe: {base} is not a recipe (a YAML mapping)")
     folder = recipe_path(base).parent if base else None
@@ -84,6 +104,7 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     data_fields = set(getattr(section_class(module, "DataConfig"), "__dataclass_fields__", {}))
     imported = carry(baseline, model_fields, data_fields, request.steps, request.initial_adapter,
                      request.baseline_step)
+    objective_row(baseline, imported, task, base, raw.get("task"))
     named = data is None and baseline.data_file is not None  # the file the source names, when no --data is given
     training_file(imported, baseline.data_file[0] if named else data, data_fields, baseline, request.recipe,
                   baseline.data_file[1] if named else "--data")

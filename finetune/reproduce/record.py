@@ -39,6 +39,15 @@ def key_of(source) -> str:
     return source.key if isinstance(source, Where) and source.key else str(source)
 
 
+class Objective(NamedTuple):
+    """What a run trained, as its files say it (``objective.py`` holds the names): a finetune task (``sft``, ``clm``,
+    ``dpo``, ``grpo``), an objective finetune does not train (``kto``, ``ppo``, ``reward model``, …) or what a file
+    that trains nothing does (``generation``, ``evaluation``, …); ``where``: the file and key that say it."""
+
+    name: str
+    where: str
+
+
 class Skip(NamedTuple):
     """A setting of the baseline that ``finetune import`` does not carry: its value and why."""
 
@@ -68,6 +77,10 @@ class Baseline:
     uncarried: list = field(default_factory=list)  # (setting, value, why) the source's reader knows finetune lacks
     lr_rounding: float = 1e-9                      # relative rounding of its logged lr (TensorBoard keeps fp32)
     task: Optional[str] = None                    # the finetune task the source trains (LLaMA-Factory's stage)
+    objective: Optional[Objective] = None         # what it trained, as its tool's own reader read it (its rl,
+    #                                               loss component, data sets' type); None: read from the arguments,
+    #                                               the log, the card and the model (objective.read_objective)
+    tags: tuple = ()                              # the model card's front-matter tags (TRL's: trl, sft, dpo, …)
     own: dict = field(default_factory=dict)       # the tool's own settings, name → (value, source), for its
     #                                               source's carry_own
     card_only: bool = False                       # read from a model card alone: it lists only some arguments

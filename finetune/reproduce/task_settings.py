@@ -155,8 +155,25 @@ def grpo_settings(b: Baseline, out: Imported, model_fields: dict) -> None:
             out.skip(name, get(name), why)
     if "disable_dropout" in b.args and "dropout" in model_fields and get("disable_dropout"):
         out.set("model.dropout", 0.0, f"{b.args['disable_dropout'][1]}: disable_dropout")
-    out.not_carried.append("not carried: the reward functions — a TRL folder does not name them: set "
-                           "model.reward_funcs to the baseline's")
+    _reward_funcs(b, out)
     out.not_carried.append("not carried: the sampler's draws — TRL shuffles its prompts and samples completions with "
                            "its own random state, finetune draws its own: to take the baseline's steps, replay its "
                            "completions with model.rollouts (a rollouts.jsonl)")
+
+
+def _reward_funcs(b: Baseline, out: Imported) -> None:
+    """The baseline's reward functions are its script's (open-r1's ``reward_funcs: [accuracy, format]`` names its
+    own), never carried; their weights go with them: a recipe's functions with another count of weights would not
+    validate."""
+    weights = out.values.get("model.reward_weights")
+    if weights is not None:
+        del out.values["model.reward_weights"]
+        out.rows = [r for r in out.rows if r[0] != "model.reward_weights"]
+        out.skip("reward_weights", weights, "the weights of the baseline's reward functions, which are not carried: "
+                 "set them with model.reward_funcs")
+    if b.get("reward_funcs") is not None:
+        out.skip("reward_funcs", b.get("reward_funcs"), "the names of its script's reward functions, not "
+                 "finetune's: set model.reward_funcs to their counterparts (module:function)")
+    else:
+        out.not_carried.append("not carried: the reward functions — a TRL folder does not name them: set "
+                               "model.reward_funcs to the baseline's")

@@ -52,7 +52,12 @@ PRECOMPUTE_PAIRS = 8  # pairs per forward when precomputing: fixed, so the numbe
 COMPARE_HINTS = CompareHints(step_settings=("model.beta", "model.loss_type", "model.label_smoothing", "data.too_long"),
                              mean_of_micro_batches="TRL's DPOTrainer", base_recipe="dpo-smollm2",
                              trl_marks=("beta", "loss_type"), peer_names={"llamafactory": "dpo"},
-                             log_marks=("rewards/chosen",))
+                             log_marks=("rewards/chosen",),
+                             arg_marks=("rpo_alpha", "ref_model_init_kwargs", "f_divergence_type", "use_weighting",
+                                        "ld_alpha", "reference_free", "precompute_ref_log_probs", "loss_weights",
+                                        "label_smoothing"),
+                             objective_names=("dpo", "ipo", "DPOLoss", "RSOLoss", "IPOLoss", "preference_dataset",
+                                              "stack_exchange_paired_dataset", "hh_rlhf_helpful_dataset"))
 
 
 @dataclass

@@ -62,7 +62,10 @@ COMPARE_HINTS = CompareHints(
         "beta", "loss_type", "num_generations", "num_iterations", "epsilon", "epsilon_high", "temperature", "top_p",
         "max_completion_length", "scale_rewards", "reward_weights", "use_bias_correction_kl",
         "generation_batch_size")),
-    loss_atol=1e-3, base_recipe="grpo-smollm2", trl_marks=("beta", "loss_type", "num_generations"))
+    loss_atol=1e-3, base_recipe="grpo-smollm2", trl_marks=("beta", "loss_type", "num_generations"),
+    log_marks=("reward_std",), arg_marks=("num_generations", "reward_funcs", "reward_weights", "scale_rewards",
+                                          "steps_per_generation", "epsilon_high"),
+    objective_names=("grpo", "GRPOLoss", "GRPOSimpleLoss", "GRPOCompletionLoss"))
 
 
 @dataclass

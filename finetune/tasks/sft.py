@@ -62,7 +62,10 @@ COMPARE_HINTS = CompareHints(step_settings=("data.pack", "data.pack_group", "dat
                                             "data.too_long"),
                              base_recipe="sft-smollm2", trl_marks=(),
                              peer_names={"llamafactory": "sft", "axolotl": "chat_template"},
-                             peer_default=("llamafactory",))
+                             peer_default=("llamafactory",), log_marks=("mean_token_accuracy",),
+                             arg_marks=("dataset_text_field", "packing", "completion_only_loss", "assistant_only_loss",
+                                        "dataset_kwargs", "max_seq_length", "packing_strategy", "eval_packing"),
+                             objective_names=("sft",))
 
 
 @dataclass

@@ -38,7 +38,8 @@ import finetune.reproduce.sources.files as files
 from finetune.config import parse_yaml
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints
-from finetune.reproduce.record import Baseline, Where, load_yaml, local_file
+from finetune.reproduce.objective import instruction_task, named_task
+from finetune.reproduce.record import Baseline, Objective, Where, load_yaml, local_file
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 TOOL = "axolotl"  # this tool's name in a task's CompareHints.peer_names (the type of its data sets)
@@ -69,7 +70,8 @@ DEFAULTS = {
 # chat template and precision (→ carry_own, the model's dtype), sample_packing and its companions (named, not carried)
 READ_HERE = {"batch_size", "lora_target_linear", "dataloader_drop_last", "sample_packing", "shuffle_merged_datasets",
              "shuffle_before_merging_datasets", "warmup_ratio", "warmup_steps", "chat_template",
-             "chat_template_jinja", "default_system_message"}
+             "chat_template_jinja", "default_system_message", "rl", "reward_model", "process_reward_model",
+             "pretraining_dataset", "rl_beta", "dpo_beta", "dpo_loss_type", "trl"}
 MULTIPACK = ("multipack_real_batches", "sample_packing_eff_est", "sample_packing_group_size",
              "sample_packing_bin_size", "sample_packing_sequentially", "sample_packing_drop_attention_mask",
              "eval_sample_packing", "pretrain_multipack_attn", "pretrain_multipack_buffer_size")
@@ -96,7 +98,6 @@ NOT_CARRIED = {
     "lr_div_factor": (None, "finetune passes no scheduler arguments"),
     "cosine_constant_lr_ratio": (None, "finetune passes no scheduler arguments"),
     "noisy_embedding_alpha": (None, "finetune has no NEFTune"),
-    "rl": (None, "an axolotl RL run (DPO, ORPO, KTO, GRPO): import its TRL trainer's arguments instead"),
     "tokens": (None, "axolotl adds these tokens to the vocabulary (new embeddings): finetune trains the model as "
                      "given"),
     "dataset_exact_deduplication": (False, "axolotl drops rows that repeat another exactly: give --data without "
@@ -214,7 +215,7 @@ def read_folder(folder: Path, what: str) -> Baseline:
     card_config(text, card.path, card)
     b.args = {**card.args, **b.args}  # the Trainer's arguments and list, when present, say it first hand
     b.unknown, b.uncarried, b.base_model = card.unknown, card.uncarried, card.base_model or b.base_model
-    b.task, b.own, b.shuffled, b.data_file = card.task, card.own, card.shuffled, card.data_file
+    b.objective, b.own, b.shuffled, b.data_file = card.objective, card.own, card.shuffled, card.data_file
     return b
 
 
@@ -338,9 +339,9 @@ def _datasets(raw: dict, b: Baseline, source: str, where) -> None:
     """The data sets: the task their type trains, the keys of theirs finetune cannot follow, the template they are
     rendered with, and the one shuffle of their merged rows (``Baseline.shuffled``)."""
     sets = [d for d in raw.get("datasets") or [] if isinstance(d, dict)]
-    types = {str(d.get("type")) for d in sets}
-    if not raw.get("rl"):
-        b.task = dataset_task(types)
+    b.objective = objective(raw, sets, where)
+    if raw.get("rl"):
+        preference_args(raw, b, where)
     for n, d in enumerate(sets):
         name = f"datasets[{n}]" if len(sets) > 1 else "datasets"
         if dataset_task({str(d.get("type"))}) is None:
@@ -373,6 +374,50 @@ def _datasets(raw: dict, b: Baseline, source: str, where) -> None:
     said = "shuffle_merged_datasets" + ("" if "shuffle_merged_datasets" in raw else " (axolotl's default true)")
     b.shuffled = (int(raw["seed"]) if raw.get("seed") is not None else DEFAULTS["seed"][0],
                   where(said) + (f", its {len(sets)} data sets one after another" if len(sets) > 1 else ""))
+
+
+# its data sets' prompt strategies (type, before any "." or ":") that train on the whole text, or pairs of a reward
+# model, or a process reward model's steps; every other strategy formats instructions or chats and masks the prompt
+# (train_on_inputs false, its default): sft
+TYPES = {"completion": "clm", "pretrain": "clm", "bradley_terry": "reward model",
+         "stepwise_supervised": "process reward model"}
+
+
+def objective(raw: dict, sets: list, where) -> Objective | None:
+    """What an axolotl config trains: its ``rl``, ``reward_model``, ``process_reward_model``,
+    ``pretraining_dataset``, else its data sets' type; None when they name no type (pre-tokenized rows)."""
+    if raw.get("rl"):
+        # its RLType: the task whose objective_names hold it (ipo: the dpo task's loss type), else refused by name
+        return Objective(named_task(raw["rl"]) or str(raw["rl"]), where("rl").said(f" {raw['rl']}"))
+    for key, name in (("reward_model", "reward model"), ("process_reward_model", "process reward model")):
+        if raw.get(key):
+            return Objective(name, where(key).said(" true"))
+    if raw.get("pretraining_dataset"):
+        return Objective("clm", where("pretraining_dataset"))
+    kinds = {str(d.get("type") or "") for d in sets}
+    if not kinds or "" in kinds:
+        return None
+    found = {TYPES.get(re.split(r"[.:]", k)[0]) for k in kinds}
+    if len(found) != 1:
+        return None
+    name = found.pop()
+    return Objective(name or instruction_task(), where("datasets").said(f" type {', '.join(sorted(kinds))}" + (
+        "" if name else " (instructions or chats: the prompt masked unless train_on_inputs)")))
+
+
+def preference_args(raw: dict, b: Baseline, where) -> None:
+    """An axolotl preference run's beta (``rl_beta``, ``trl.beta``, the older ``dpo_beta``) and loss type (``rl:
+    ipo``, ``dpo_loss_type``), as DPOConfig's names, which the dpo task's settings take."""
+    trl = raw.get("trl") if isinstance(raw.get("trl"), dict) else {}
+    for key, value in (("rl_beta", raw.get("rl_beta")), ("trl.beta", trl.get("beta")),
+                       ("dpo_beta", raw.get("dpo_beta"))):
+        if value is not None:
+            b.args["beta"] = (float(value), where(key))
+            break
+    if raw.get("rl") == "ipo":
+        b.args["loss_type"] = ("ipo", where("rl").said(" ipo"))
+    elif raw.get("dpo_loss_type") is not None:
+        b.args["loss_type"] = (raw["dpo_loss_type"], where("dpo_loss_type"))
 
 
 def dataset_task(types: set) -> str | None:

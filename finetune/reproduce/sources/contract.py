@@ -1,6 +1,6 @@
 """What every reader of another tool's runs shares beyond the contract it keeps (``record.Source``, beside the
 ``Baseline`` it fills): :class:`Reader` gives the answers of a tool that does as the HF Trainer does, which a source
-overrides where its tool does otherwise; the task a run trained, from the TRL marks the tasks declare. Each tool
+overrides where its tool does otherwise; the task a run trained is its objective (:mod:`objective`). Each tool
 finetune reads has one module in this package holding one ``SOURCE``, and ``sources.SOURCES`` lists them in the order
 they are tried; nothing else names a tool."""
 
@@ -11,7 +11,7 @@ from typing import Optional
 
 from finetune.config import parse_yaml
 from finetune.errors import ConfigError
-from finetune.registry import built_in_hints
+from finetune.reproduce.objective import task_of
 from finetune.reproduce.record import Baseline, Where, file_of
 
 
@@ -27,7 +27,7 @@ class Reader:
         return None
 
     def task(self, b: Baseline) -> Optional[str]:
-        return b.task or trl_task(b)
+        return task_of(b)
 
     def processes(self, b: Baseline) -> Optional[tuple]:
         """Where the Trainer's files say it: accelerate's state pickled in ``training_args.bin``
@@ -47,19 +47,6 @@ class Reader:
 
     def run_folder(self, b: Baseline) -> Optional[Path]:
         return None
-
-
-def trl_task(b: Baseline) -> Optional[str]:
-    """The built-in task a TRL run trained (:func:`task_by_marks`); None for a run TRL did not train."""
-    return task_by_marks(b) if b.trl else None
-
-
-def task_by_marks(b: Baseline) -> Optional[str]:
-    """The built-in task whose TRL marks (its trainer's own arguments) the run holds all of, the one with the most
-    marks first — a GRPOConfig holds DPOConfig's beta and loss_type too."""
-    held = [(len(h.trl_marks), name) for name, h in built_in_hints().items()
-            if h.base_recipe and h.trl_marks is not None and all(b.get(m) is not None for m in h.trl_marks)]
-    return max(held)[1] if held else None
 
 
 def yaml_mapping(path: Path) -> Optional[dict]:

@@ -84,6 +84,7 @@ def read_folder(folder: Path, what: str) -> Baseline:
         read_card(folder / "README.md", card, what, required=False)
         b.args = {**card.args, **b.args}  # the arguments files, when present, say it first hand
         b.base_model = card.base_model
+        b.tags = card.tags
         if not b.evals:
             b.evals = card.evals
     read_model_files(b, [folder, where], what)
@@ -189,6 +190,8 @@ def read_front(text: str, path: Path, b: Baseline) -> None:
     if front:
         base = re.search(r"^base_model:\s*(?:\n\s*-\s*)?(\S+)", front.group(1), re.M)
         b.base_model = base.group(1).strip("'\"") if base else b.base_model
+        tags = re.search(r"^tags:\s*\n((?:\s*-\s*.+\n?)+)", front.group(1) + "\n", re.M)
+        b.tags = tuple(t.strip().strip("'\"") for t in re.findall(r"-\s*(.+)", tags.group(1))) if tags else b.tags
         library = re.search(r"^library_name:\s*(\S+)", front.group(1), re.M)
         if library:  # peft: the card of a run that trained adapters (peft writes it)
             b.args["library_name"] = (library.group(1).strip("'\""), Where(path.name, "library_name"))

@@ -22,8 +22,9 @@ from typing import Optional
 
 import finetune.reproduce.sources.files as files
 from finetune.registry import built_in_hints
-from finetune.reproduce.record import Baseline, Where, local_file, pure_precision
-from finetune.reproduce.sources.contract import Reader, task_by_marks
+from finetune.reproduce.objective import named_task, task_of
+from finetune.reproduce.record import Baseline, Objective, Where, local_file, pure_precision
+from finetune.reproduce.sources.contract import Reader
 
 ARGS = "args.json"
 LOG = "logging.jsonl"
@@ -81,8 +82,8 @@ class MsSwift(Reader):
     def task(self, b: Baseline) -> Optional[str]:
         """``swift rlhf``: the task whose TRL trainer it runs (its marks: DPO's beta and loss type); ``swift sft``:
         the task TRL's SFTTrainer trains (no marks of its own)."""
-        if b.own.get("rlhf_type", (None,))[0]:
-            return task_by_marks(b)
+        if b.objective is not None:  # swift rlhf: its rlhf_type (read_args)
+            return task_of(b)
         return next((name for name, h in built_in_hints().items() if h.base_recipe and h.trl_marks == ()), None)
 
     def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
@@ -100,6 +101,9 @@ def read_args(args: dict, b: Baseline) -> None:
     for key in ("template", "system", "loss_scale", "truncation_strategy", "rlhf_type", "tuner_type"):
         if key in args:
             b.own[key] = (args[key], where(key))
+    if args.get("rlhf_type"):  # the trainer swift rlhf ran: the task another tool calls so, else refused naming it
+        b.objective = Objective(named_task(args["rlhf_type"]) or str(args["rlhf_type"]),
+                                where("rlhf_type").said(f" {args['rlhf_type']}"))
     if args.get("max_length"):
         b.args["max_length"] = (int(args["max_length"]), where("max_length"))
     if args.get("train_dataloader_shuffle") is False:

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import finetune.reproduce.sources.files as files
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline, Where, load_yaml, local_file, pure_precision
+from finetune.reproduce.objective import instruction_task, named_task
+from finetune.reproduce.record import Baseline, Objective, Where, load_yaml, local_file, pure_precision
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 OPTIMIZERS = {"torch.optim.AdamW": "adamw_torch", "torch.optim.SGD": "sgd", "bitsandbytes.optim.PagedAdamW8bit":
@@ -35,6 +36,17 @@ SCHEDULERS = {"torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup"
 LORA_MODULES = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
 MLP = ["gate_proj", "up_proj", "down_proj"]
 CHAT_DATASET = "torchtune.datasets.chat_dataset"  # the builder whose rows are finetune's: messages
+# torchtune's losses (the last part of loss._component_; the tasks' objective_names hold those finetune trains): the
+# preference losses' loss_type, and those of objectives finetune does not train
+LOSS_TYPES = {"DPOLoss": "sigmoid", "RSOLoss": "hinge", "IPOLoss": "ipo"}
+OTHER_LOSSES = {"SimPOLoss": "simpo", "PPOLoss": "ppo"}
+# torchtune's data set builders (torchtune/datasets, the last part of _component_) whose rows train on the whole text;
+# those of preference pairs are the preference task's objective_names; its other builders format instructions or
+# chats: the instruction task, the prompt masked (train_on_input false, their default)
+TEXT_DATASETS = {"text_completion_dataset", "cnn_dailymail_articles_dataset", "wikitext_dataset"}
+# a config with no optimizer trains nothing: the key that says what its recipe does instead, first found
+NOT_TRAINING = (("max_new_tokens", "generation"), ("prompt", "generation"), ("tasks", "evaluation"),
+                ("quantizer", "export"))
 
 
 class Torchtune(Reader):
@@ -109,9 +121,47 @@ def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
         b.args["gradient_checkpointing"] = (True, src("enable_activation_checkpointing"))
     _model(raw, b, path)
     _data(raw, b, path)
+    b.objective = _objective(raw, b, path)
     checkpointer = raw.get("checkpointer") or {}
     b.base_model = checkpointer.get("checkpoint_dir") if isinstance(checkpointer, dict) else None
     return b
+
+
+def _objective(raw: dict, b: Baseline, path: Path) -> Objective | None:
+    """What the config trains, as its recipe does: a teacher model (knowledge distillation), a value model (PPO), its
+    loss's component, else its data set's builder; nothing when it has no optimizer (generation, evaluation and
+    quantization configs). The dpo task's loss type and beta from a DPO loss's own arguments."""
+    if not isinstance(raw.get("optimizer"), dict):
+        key, name = next(((k, n) for k, n in NOT_TRAINING if k in raw), ("optimizer", "generation"))
+        return Objective(name, f"{path.name}: {key}, and no optimizer")
+    for key, name in (("teacher_model", "distillation"), ("kd_loss", "distillation"),
+                      ("reward_and_value_model", "ppo")):
+        if key in raw:
+            return Objective(name, f"{path.name}: {key}")
+    loss = raw.get("loss") if isinstance(raw.get("loss"), dict) else {}
+    stem = str(loss.get("_component_", "")).rsplit(".", 1)[-1]
+    name = named_task(stem) or OTHER_LOSSES.get(stem)
+    if name is not None:
+        if stem in LOSS_TYPES:
+            b.args["loss_type"] = (LOSS_TYPES[stem], f"{path.name}: loss._component_ {loss['_component_']}")
+        if loss.get("beta") is not None:
+            b.args["beta"] = (float(loss["beta"]), f"{path.name}: loss.beta")
+        return Objective(name, f"{path.name}: loss._component_ {loss['_component_']}")
+    datasets = raw.get("dataset")
+    builders = {str(d.get("_component_", "")).rsplit(".", 1)[-1] for d in
+                (datasets if isinstance(datasets, list) else [datasets]) if isinstance(d, dict)}
+    if not builders or "" in builders:
+        return None
+    where = f"{path.name}: dataset._component_ {', '.join(sorted(builders))}"
+    named = {named_task(builder) for builder in builders}
+    if len(named) == 1 and None not in named:
+        return Objective(named.pop(), where)
+    if builders <= TEXT_DATASETS:
+        return Objective("clm", where + " (text, every token trained)")
+    if named == {None} and not builders & TEXT_DATASETS:
+        return Objective(instruction_task(), where + " (instructions or chats: the prompt masked unless "
+                                                     "train_on_input)")
+    return None
 
 
 def _int(value, key: str, path: Path, what: str) -> int:
@@ -213,6 +263,10 @@ def _data(raw: dict, b: Baseline, path: Path) -> None:
         if "train_on_input" in ds:  # False: each assistant message whole, header and glue after its end included
             b.args["train_on"] = ("all" if ds["train_on_input"] else "assistant_turns",
                                   f"{path.name}: dataset.train_on_input={ds['train_on_input']}")
+        elif builder.rsplit(".", 1)[-1] not in TEXT_DATASETS and named_task(builder.rsplit(".", 1)[-1]) is None:
+            # an instruction or chat builder masks the prompt unless told: its train_on_input defaults to False
+            b.args["train_on"] = ("assistant_turns", f"{path.name}: dataset.train_on_input, its builder's default "
+                                                     "False")
     if isinstance(dataset, list) and len(dataset) > 1:
         b.uncarried.append(("dataset", f"{len(dataset)} data sets", "torchtune concatenates them: give --data the "
                             "rows in that order"))

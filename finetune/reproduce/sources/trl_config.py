@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune.reproduce.objective import instruction_task, said_objective
 from finetune.reproduce.record import Baseline, Where, load_yaml, pure_precision
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
@@ -69,7 +70,9 @@ def read_trl_config(path: Path, raw: dict, what: str) -> Baseline:
         elif key not in LORA and key != "use_peft":
             b.args[key] = (value, where(key))
     # TRL's configs say TRL trained it (the importer's TRL rules follow: truncation, TRL's LoRA start)
-    if "beta" not in raw:  # an SFT config: SFTConfig's default
+    b.source = SOURCE  # TRL's: with no other trainer's key, its SFTTrainer's
+    b.objective = said_objective(b)  # from its keys, before any default of one trainer's is added
+    if b.objective.name == instruction_task():  # an SFT config: SFTConfig's default
         b.args.setdefault("completion_only_loss", (None, f"{path.name}: TRL's default (SFTConfig)"))
     if not raw.get("use_peft"):  # TRL's ModelConfig: use_peft false by default, every weight trained
         b.args["adapter"] = (None, f"{where('use_peft')}: false" if "use_peft" in raw else
