@@ -250,3 +250,28 @@ def test_a_refused_pickle_is_one_error_line_through_import(tmp_path, capsys):
     assert code == 2 and not (tmp_path / "r.yaml").exists() and not marker.exists()
     assert_one_error_line(said, "holds __builtin__.__import__ (a name of Python's standard library): not training "
                                 "arguments")
+
+
+@pytest.mark.parametrize("config, objective", [("SFTConfig", "sft"), ("DPOConfig", "dpo"), ("GRPOConfig", "grpo"),
+                                               ("KTOConfig", "kto"), ("RewardConfig", "reward model"),
+                                               ("TrainingArguments", None)])
+def test_the_arguments_class_names_the_objective(config, objective, tmp_path):
+    """A ``training_args.bin`` of TRL's real config classes: the class is the trainer's, so it names the objective
+    (``training_args.bin: DPOConfig``), before any key is looked at; the Trainer's own TrainingArguments names none
+    (the control), and Unsloth's classes are TRL's with its prefix."""
+    import torch
+    import transformers
+    import trl
+
+    from finetune.reproduce.objective import said_objective
+    from finetune.reproduce.sources.files import read_file
+
+    cls = getattr(trl, config, None) or getattr(transformers, config)
+    torch.save(cls(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True), tmp_path / "training_args.bin")
+    said = said_objective(read_file(tmp_path / "training_args.bin", "import"))
+    if objective is None:
+        assert said is None or "TrainingArguments" not in said.where, said
+        return
+    assert said is not None and said.name == objective and said.where == f"training_args.bin: {config}", said
+    unsloth = read_file(CORPUS / "unsloth-grpo" / "training_args.bin", "import")
+    assert said_objective(unsloth).where == "training_args.bin: UnslothGRPOConfig"

@@ -56,6 +56,13 @@ MARKS = (
     ("cpo", ("cpo_alpha", "simpo_gamma")),
     ("rloo", ("rloo_k", "normalize_advantages", "reward_clip_range")),
 )
+# the class of a saved trainer config (training_args.bin), Unsloth's (``Unsloth…``) alike, of a trainer finetune does
+# not have → its objective (a task's own config classes are its hints' objective_names: SFTConfig, DPOConfig, …);
+# the Trainer's own TrainingArguments (and a tool's subclass of it: axolotl's) says nothing of it
+CLASSES = {"KTOConfig": "kto", "ORPOConfig": "orpo", "CPOConfig": "cpo", "BCOConfig": "bco", "PPOConfig": "ppo",
+           "RLOOConfig": "rloo",
+           "RewardConfig": "reward model", "PRMConfig": "process reward model", "GKDConfig": "distillation",
+           "OnlineDPOConfig": "online dpo", "Seq2SeqTrainingArguments": "seq2seq"}
 # keys every TRL preference trainer takes (DPO, ORPO, KTO, CPO): with no key of one trainer's own, the run's own
 # names (output_dir, hub_model_id, run_name) may say which; else DPOConfig's (the preference task's)
 PREFERENCE = ("beta", "max_prompt_length")
@@ -104,7 +111,18 @@ def said_objective(b: Baseline) -> Optional[Objective]:
     if b.task is not None:  # a source that reads its tool's task itself (LLaMA-Factory's stage)
         stage = b.own.get("stage")
         return Objective(b.task, str(stage[1]) if stage else f"{b.kind}: its task")
-    return (_architecture(b) or _marks(b) or _logged(b) or _tagged(b) or _trl(b) or _causal(b))
+    return (_argument_class(b) or _architecture(b) or _marks(b) or _logged(b) or _tagged(b) or _trl(b) or
+            _causal(b))
+
+
+def _argument_class(b: Baseline) -> Optional[Objective]:
+    """The trainer's config class a ``training_args.bin`` holds (``DPOConfig``, ``UnslothGRPOConfig``, …)."""
+    if b.args_class is None:
+        return None
+    name, where = b.args_class
+    stem = name.removeprefix("Unsloth")
+    objective = named_task(stem) or CLASSES.get(stem)
+    return Objective(objective, f"{where}: {name}") if objective else None
 
 
 def task_of(b: Baseline, what: str = "import") -> Optional[str]:

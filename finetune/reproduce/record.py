@@ -81,6 +81,7 @@ class Baseline:
     #                                               loss component, data sets' type); None: read from the arguments,
     #                                               the log, the card and the model (objective.read_objective)
     tags: tuple = ()                              # the model card's front-matter tags (TRL's: trl, sft, dpo, …)
+    args_class: Optional[tuple] = None            # (the training arguments' class, its file): a .bin names it
     own: dict = field(default_factory=dict)       # the tool's own settings, name → (value, source), for its
     #                                               source's carry_own
     card_only: bool = False                       # read from a model card alone: it lists only some arguments

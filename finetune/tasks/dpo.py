@@ -57,7 +57,7 @@ COMPARE_HINTS = CompareHints(step_settings=("model.beta", "model.loss_type", "mo
                                         "ld_alpha", "reference_free", "precompute_ref_log_probs", "loss_weights",
                                         "label_smoothing"),
                              objective_names=("dpo", "ipo", "DPOLoss", "RSOLoss", "IPOLoss", "preference_dataset",
-                                              "stack_exchange_paired_dataset", "hh_rlhf_helpful_dataset"))
+                                              "stack_exchange_paired_dataset", "hh_rlhf_helpful_dataset", "DPOConfig"))
 
 
 @dataclass

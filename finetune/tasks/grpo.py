@@ -65,7 +65,7 @@ COMPARE_HINTS = CompareHints(
     loss_atol=1e-3, base_recipe="grpo-smollm2", trl_marks=("beta", "loss_type", "num_generations"),
     log_marks=("reward_std",), arg_marks=("num_generations", "reward_funcs", "reward_weights", "scale_rewards",
                                           "steps_per_generation", "epsilon_high"),
-    objective_names=("grpo", "GRPOLoss", "GRPOSimpleLoss", "GRPOCompletionLoss"))
+    objective_names=("grpo", "GRPOLoss", "GRPOSimpleLoss", "GRPOCompletionLoss", "GRPOConfig"))
 
 
 @dataclass

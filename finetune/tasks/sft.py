@@ -65,7 +65,7 @@ COMPARE_HINTS = CompareHints(step_settings=("data.pack", "data.pack_group", "dat
                              peer_default=("llamafactory",), log_marks=("mean_token_accuracy",),
                              arg_marks=("dataset_text_field", "packing", "completion_only_loss", "assistant_only_loss",
                                         "dataset_kwargs", "max_seq_length", "packing_strategy", "eval_packing"),
-                             objective_names=("sft",))
+                             objective_names=("sft", "SFTConfig"))
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from finetune.errors import ConfigError
 from finetune.reproduce.record import Baseline, Where
-from finetune.reproduce.sources.pickled_args import read_training_args_bin
+from finetune.reproduce.sources.pickled_args import read_arguments
 
 CARD = "README.md (model card)"
 ARGS_FILES = ("training_args.json", "training_args.bin")
@@ -60,9 +60,18 @@ def read_file(path: Path, what: str) -> Baseline:
         read_card(path, b, what, required=True)
         return b
     b = Baseline("args JSON" if suffix == ".json" else "training_args.bin", path)
-    values = json_object(path, what) if suffix == ".json" else read_training_args_bin(path, what)
-    b.args.update(sourced(values, path.name))
+    if suffix == ".json":
+        b.args.update(sourced(json_object(path, what), path.name))
+    else:
+        read_bin(b, path, what)
     return b
+
+
+def read_bin(b: Baseline, path: Path, what: str) -> None:
+    """A ``training_args.bin``'s fields into ``b.args``, and its class (the trainer's config names its objective)."""
+    name, values = read_arguments(path, what)
+    b.args.update(sourced(values, path.name))
+    b.args_class = (name, path.name)
 
 
 def read_folder(folder: Path, what: str) -> Baseline:
@@ -97,7 +106,7 @@ def read_args_file(b: Baseline, places: list, what: str) -> None:
     if found is not None and found.suffix == ".json":
         b.args.update(sourced(json_object(found, what), found.name))
     elif found is not None:
-        b.args.update(sourced(read_training_args_bin(found, what), found.name))
+        read_bin(b, found, what)
 
 
 def read_model_files(b: Baseline, places: list, what: str) -> None:

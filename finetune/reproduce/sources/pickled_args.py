@@ -299,8 +299,14 @@ def plain(value):
 
 
 def read_training_args_bin(path: Path, what: str = "baseline") -> dict:
-    """The fields of a ``training_args.bin`` (``torch.save`` of training arguments of any class), read by an
-    unpickler that imports and calls nothing of the file's (see the module's docstring for what it accepts).
+    """The fields of a ``training_args.bin`` (:func:`read_arguments`)."""
+    return read_arguments(path, what)[1]
+
+
+def read_arguments(path: Path, what: str = "baseline") -> tuple[str, dict]:
+    """(the class's name, its fields) of a ``training_args.bin`` (``torch.save`` of training arguments of any class:
+    ``SFTConfig``, ``UnslothGRPOConfig``, …), read by an unpickler that imports and calls nothing of the file's (see
+    the module's docstring for what it accepts).
 
     Raises ConfigError, one line naming what was refused, for anything else or a file that is not a ``torch.save``
     zip of one object."""
@@ -320,7 +326,7 @@ def read_training_args_bin(path: Path, what: str = "baseline") -> dict:
         obj = _ArgsUnpickler(io.BytesIO(data)).load()
         if not isinstance(obj, _Record) or obj.state is None:
             raise ConfigError(f"{what}: {path} does not hold a TrainingArguments object")
-        return {k: plain(v) for k, v in obj.state.items()}
+        return type(obj).__qualname__.rsplit(".", 1)[-1], {k: plain(v) for k, v in obj.state.items()}
     except pickle.UnpicklingError as e:  # _Refused among them
         raise ConfigError(f"{what}: {path} holds {e}: not training arguments (a class's fields, its enums, plain "
                           "data); refused, nothing from it was run") from None
