@@ -27,6 +27,7 @@ from finetune.reproduce.compare import (
     clipping,
     per_step,
     read_run,
+    skipped_detail,
     twin_floor,
     weights,
 )
@@ -244,9 +245,8 @@ def _check_skipped(c: Comparison, b: Baseline, history: list) -> None:
         return
     only = sorted((s, "the baseline" if s in theirs else "this run") for s in (theirs ^ ours) & {e["step"] for e in
                                                                                                logged})
-    c.add("skipped steps", not only, "; ".join(f"step {s} skipped in {who} only" for s, who in only[:3]) if only else
-          f"the same {len(theirs)} skipped (step{'s' if len(theirs) > 1 else ''} {', '.join(map(str, sorted(theirs)))})"
-          f" at the {len(logged)} steps with a logged grad norm", step=only[0][0] if only else None,
+    c.add("skipped steps", not only, skipped_detail(only, sorted(theirs)) +
+          ("" if only else f" at the {len(logged)} steps with a logged grad norm"), step=only[0][0] if only else None,
           basis="the same skipped steps")
 
 

@@ -43,17 +43,13 @@ from finetune.reproduce.weight_diff import FLIP_SHARE, saved_weights, weight_dif
 # (finetune.reproduce.floor.FP32 holds them; a bf16 run's, or a measured floor's, are wider)
 FP32_LOSS_RTOL = FP32["loss"]                 # a step's window loss (floor: 7e-7 over 128 steps of the sft recipe)
 
-
 # a step's gradient norm before clipping, and the clipping factor applied: its floor reaches 1.2e-4 at one step of
 # 128, where AdamW's amplified rounding had moved a few weights (a changed word in one answer: 1.8e-2)
 GRAD_NORM_RTOL = FP32["grad norm"]
 
-
 FP32_WEIGHT_RTOL = FP32["weights largest"]    # the largest element's difference, stateless optimizers
 
-
 ADAPTIVE_WEIGHT_RTOL = FP32["weights L2"]     # ‖a − b‖₂ / ‖b‖₂ over every weight, adaptive optimizers
-
 
 # The loss curves of two runs of the same steps with an 8-bit optimizer (their weights drift apart, see above).
 EIGHT_BIT_LOSS_RTOL = 1e-2
@@ -311,16 +307,22 @@ def skipped_steps(c: Comparison, ha: list, hb: list) -> None:
             if bool(x.get("skipped")) != bool(y.get("skipped"))]
     scale = next(((x, y) for x, y in zip(ha, hb) if x.get("loss_scale") != y.get("loss_scale")), None)
     skipped = [x["step"] for x in ha if x.get("skipped")]
-    if only:
-        detail = "; ".join(f"step {s} skipped in {who} only" for s, who in only[:3])
-    elif scale is not None:
+    if scale is not None and not only:
         detail = f"step {scale[0]['step']}: loss scale {scale[0].get('loss_scale')} vs {scale[1].get('loss_scale')}"
     else:
-        detail = (f"the same {len(skipped)} skipped (step{'s' if len(skipped) > 1 else ''} "
-                  f"{', '.join(map(str, skipped))})" if skipped else "none skipped") + \
-            (" at the same loss scales" if any("loss_scale" in h for h in ha) else "")
+        detail = skipped_detail(only, skipped) + \
+            (" at the same loss scales" if not only and any("loss_scale" in h for h in ha) else "")
     c.add("skipped steps", not only and scale is None, detail,
           step=only[0][0] if only else scale[0]["step"] if scale else None, basis="the same skipped steps")
+
+
+def skipped_detail(only: list, skipped: list) -> str:
+    """The skipped-steps layer's words (run against run, and against a baseline): the steps skipped on one side
+    only (``only``: (step, whose)), else the steps both skipped."""
+    if only:
+        return "; ".join(f"step {s} skipped in {who} only" for s, who in only[:3])
+    return f"the same {len(skipped)} skipped (step{'s' if len(skipped) > 1 else ''} {', '.join(map(str, skipped))})" \
+        if skipped else "none skipped"
 
 
 def twin_floor(a: dict, twin: Path, optimizer: str | None) -> floors.Floor:
