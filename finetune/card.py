@@ -166,7 +166,7 @@ def card_text(settings: dict, metrics: dict, history: list, merged: bool = False
     meta = ModelCardData(base_model=base, library_name="peft" if peft and not merged else "transformers",
                          tags=[TAG, settings.get("task") or "custom", *(["lora"] if peft else [])],
                          pipeline_tag=None)
-    recipe = yaml.safe_dump(portable(reproducible(settings, effective), base), sort_keys=False)
+    recipe = yaml.safe_dump(portable(reproducible(described(settings), effective), base), sort_keys=False)
     what = "LoRA adapters" if peft and not merged else "LoRA merged into the base" if peft else "every weight"
     body = f"""
 # {title(settings, base)}
@@ -234,6 +234,19 @@ def title(settings: dict, base: str | None) -> str:
     return f"{model} fine-tuned on {portable(data)}" if data else f"{model}, {settings.get('name') or 'a finetune run'}"
 
 
+def data_replaced(settings: dict) -> bool:
+    """Whether the run trained on other data than its built-in recipe's own (whose description then describes
+    data the run never saw)."""
+    default = recipe_data(settings.get("name")) if settings.get("name") else None
+    return default is not None and default != (settings.get("data") or {}).get("source")
+
+
+def described(settings: dict) -> dict:
+    """The settings the card embeds: the recipe's description dropped where it describes data the run did not
+    train on (``data_replaced``), so that a recipe imported from the card does not carry it either."""
+    return {k: v for k, v in settings.items() if k != "description"} if data_replaced(settings) else settings
+
+
 def intro(settings: dict, base: str | None, what: str) -> str:
     """What was trained from which base on which data, and where the settings came from: the recipe's own
     description only when the run trained on the recipe's own data."""
@@ -244,10 +257,10 @@ def intro(settings: dict, base: str | None, what: str) -> str:
             ".gguf") else ""
         model += f" (trained from `{portable(name)}`{rounded})"
     source, recipe = (settings.get("data") or {}).get("source"), settings.get("name")
-    default = recipe_data(recipe) if recipe else None
-    settings_from = (f"Settings from finetune's recipe `{recipe}`" + (f": {settings['description']}" if
-                     default == source and settings.get("description") else "; its data replaced by this run's" if
-                     default is not None else "") + ".") if recipe else ""
+    own = described(settings).get("description")
+    settings_from = (f"Settings from finetune's recipe `{recipe}`" + (
+        "; its data replaced by this run's" if data_replaced(settings) else f": {own}" if own else "") + ".") \
+        if recipe else ""
     return (f"{model}, fine-tuned with finetune (task `{settings.get('task')}`, {what}) on `{portable(source)}`. "
             f"{settings_from}").strip()
 

@@ -132,3 +132,38 @@ def test_other_data_is_said_at_import_and_differs_at_its_window(original, tmp_pa
     capsys.readouterr()
     assert main(["compare", str(original), str(word)]) == 1
     assert "verdict: differs — window content: step" in capsys.readouterr().out
+
+
+def _embedded(settings: dict, tmp_path: Path) -> dict:
+    card = tmp_path / "README.md"
+    card.write_text(cards.card_text(settings, {"effective_batch_size": 4, "gradient_accumulation_steps": 1}, []))
+    return cards.read_recipe(card)
+
+
+def test_a_recipe_description_stays_only_on_the_recipe_own_data(tmp_path):
+    """The built-in recipe's description describes its own data: a run on other data carries none of it, in the
+    card's words or in the recipe it embeds (which import reads back); a run on the recipe's data keeps it."""
+    from finetune.config import read_yaml
+    from finetune.registry import recipe_path
+
+    raw = read_yaml(recipe_path("sft-smollm2"))
+    own = {**raw, "name": "sft-smollm2"}
+    assert _embedded(own, tmp_path)["description"] == raw["description"]  # negative control: its own data
+    assert raw["description"] in cards.intro(own, None, "LoRA adapters")
+    other = {**own, "data": {**raw["data"], "source": str(tmp_path / "mine.jsonl")}}
+    assert "description" not in _embedded(other, tmp_path)
+    assert raw["description"] not in cards.intro(other, None, "LoRA adapters")
+    assert "its data replaced by this run's" in cards.intro(other, None, "LoRA adapters")
+
+
+def test_data_without_the_task_columns_is_refused_at_import_of_a_run(original, tmp_path, capsys):
+    """``--data`` for a finetune run is read as its task reads it, as every other source's is: a CSV without the
+    task's columns is one line, exit 2, no recipe written."""
+    bad = tmp_path / "rows.csv"
+    bad.write_text("a,b\n1,2\n")
+    out = tmp_path / "r.yaml"
+    capsys.readouterr()
+    assert main(["import", str(original), "-o", str(out), "--data", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 1 and "Traceback" not in err and str(bad.name) in err, err
+    assert not out.exists()

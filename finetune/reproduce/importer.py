@@ -125,7 +125,7 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
         imported.set("model.name_or_path", baseline.base_model, f"the baseline's base model (the recipe's {ours} "
                      "replaced; its task and data kept)")
     raw = apply_overrides(raw, [(name.split("."), value) for name, value in imported.values.items()])
-    check_training_file(module, raw, imported)
+    check_training_file(module, raw, "data.source" in imported.values)
     if not base:
         raw.setdefault("name", baseline.path.stem)
     if not baseline.base_model and not base and model is None:
@@ -140,11 +140,12 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     return raw, imported, baseline
 
 
-def check_training_file(module, raw: dict, imported: Imported) -> None:
+def check_training_file(module, raw: dict, named: bool) -> None:
     """The training file import hands the recipe, read as ``finetune run`` reads it (the task module's
     ``load_rows``, which refuses rows that lack the columns the task needs): one line before any recipe is written,
-    not a recipe that fails when run. Nothing to read when import named no file or the task reads none."""
-    if "data.source" not in imported.values or not hasattr(module, "load_rows"):
+    not a recipe that fails when run. Nothing to read when import named no file (``named``) or the task reads
+    none."""
+    if not named or not hasattr(module, "load_rows"):
         return
     problems = []
     data = build_section(section_class(module, "DataConfig"), raw.get("data"), "data", problems)
@@ -216,6 +217,8 @@ def write_import(baseline: Baseline, request: Request, out: Path) -> int:
     whole = baseline.source.whole_recipe(baseline, request.data, request.model)
     if whole is not None:  # a run that carries its recipe: that recipe, whole
         raw, said = whole
+        # --data for a run's own recipe: read as its task reads it, as every other source's is
+        check_training_file(task_module(resolve_task(raw.get("task"))), raw, request.data is not None)
         for line in said:
             print(line, file=sys.stderr if line.startswith(("missing:", "not carried:")) else sys.stdout)
         return write_recipe(out, raw, baseline.path, baseline.kind)
