@@ -193,6 +193,24 @@ def test_without_speed_metrics_the_accumulation_is_said_as_assumed_and_reproduce
     assert not (tmp_path / "out").exists()
 
 
+def test_a_stage_no_file_says_is_said_as_assumed(tmp_path, capsys):
+    """No YAML and no stage's marks in the log: LLaMA-Factory's default stage, said as assumed (the command line may
+    have named another; compare's verdict shows one that differs); a log with DPO's columns (control) says its
+    stage, assumed by nothing."""
+    folder = tmp_path / "run"
+    shutil.copytree(CORPUS / "runs" / "nsllm-pt-2025", folder)
+    code, recipe, said = imported(capsys, folder, tmp_path / "sft")
+    assert code == 0 and "assumed: task" in said and "command line may have named another" in said, said
+    state = json.loads((folder / "trainer_state.json").read_text())
+    for entry in state["log_history"]:
+        if "loss" in entry:
+            entry.update({"rewards/chosen": 0.1, "rewards/rejected": -0.1, "rewards/accuracies": 0.5,
+                          "rewards/margins": 0.2, "logps/chosen": -1.0, "logps/rejected": -2.0})
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+    code, recipe, said = imported(capsys, folder, tmp_path / "dpo")
+    assert code == 0 and "assumed: task" not in said and "rewards/chosen" in said, said
+
+
 def test_reproduce_refuses_a_run_that_names_no_model(tmp_path, capsys):
     folder = CORPUS / "runs" / "nsllm-pt-2025"
     code, said = cli(capsys, "reproduce", folder, "--data", CORPUS / "data" / "alpaca_en_demo.json",

@@ -78,6 +78,8 @@ def objective_row(b: Baseline, imported: Imported, task: Optional[str], base_rec
                      f"not said by the {b.kind} (no trainer's key, log column or tag): a causal LM's loss on every "
                      "token; give --recipe BASE of the task it trained if it is another")
         imported.rows.insert(0, imported.rows.pop())
+        if "objective" in b.assumed:
+            imported.assumed.append(("task", f"{task} — {b.assumed['objective']}"))
         if objective is None:
             imported.skip("the objective", "unknown", f"the {b.kind} does not say what it trained; this recipe "
                           "trains clm")

@@ -162,9 +162,11 @@ def read(path: Path, what: str) -> Baseline:
         b.unknown.append(f"{SAVED_YAML} (not in {path}: LLaMA-Factory's own settings — template, cutoff_len, "
                          "packing — are unknown; give the YAML you trained with)")
         if folder is not None:
-            stage, said = logged_stage(folder)
+            stage, said, logged = logged_stage(folder)
             b.task = stage_task(stage)
             b.own["stage"] = (stage, said)
+            if not logged:  # the default of a command line that may have named another stage
+                b.assumed["objective"] = said
         return b
     read_yaml_keys(raw, yaml_file.name, b)
     if b.task is None:  # refused here, naming the stage: a recipe of no task would fail on the stage's own keys
@@ -197,9 +199,9 @@ def has_yaml(b) -> bool:
 
 
 def logged_stage(folder: Path) -> tuple:
-    """(the stage an output folder's log shows, how it is known): the stage of the task whose log marks
-    (``CompareHints.log_marks``: DPO's ``rewards/chosen``) trainer_state's log holds, else LLaMA-Factory's default
-    stage."""
+    """(the stage an output folder's log shows, how it is known, whether the log shows it): the stage of the task
+    whose log marks (``CompareHints.log_marks``: DPO's ``rewards/chosen``) trainer_state's log holds, else
+    LLaMA-Factory's default stage (assumed: ``llamafactory-cli train --stage`` may have named another)."""
     try:
         history = json.loads((folder / "trainer_state.json").read_text()).get("log_history") or []
     except (OSError, ValueError):
@@ -208,10 +210,10 @@ def logged_stage(folder: Path) -> tuple:
     for hints in built_in_hints().values():
         if TOOL in hints.peer_names and hints.log_marks and set(hints.log_marks) <= logged:
             return hints.peer_names[TOOL], (f"trainer_state.json: its log holds {', '.join(hints.log_marks)}, a "
-                                            f"{hints.peer_names[TOOL]} stage")
+                                            f"{hints.peer_names[TOOL]} stage"), True
     default = next(h.peer_names[TOOL] for h in built_in_hints().values() if TOOL in h.peer_default)
     return default, (f"no YAML: LLaMA-Factory's default stage, {default} (its log holds none of another stage's "
-                     "marks)")
+                     "marks; the command line may have named another)"), False
 
 
 def read_log(path: Path, b, what: str) -> None:
@@ -378,8 +380,6 @@ def carry_own(b, out, model_fields, data_fields: set, baseline_step: bool) -> No
     own = b.own
     if "format" in own:  # v1: its own trainer, none of 0.x's templates, packing or turn cutting
         return
-    if "stage" in own and not has_yaml(b):  # a folder without its YAML: the stage its log shows, or the default
-        out.assumed.append(("task", f"stage {own['stage'][0]} — {own['stage'][1]}"))
     out.drop("the adapters' start")
     if b.adapter_config or b.get("adapter"):
         out.not_carried.append("adapters' start: replayed — LLaMA-Factory draws them after set_seed(seed), as "
