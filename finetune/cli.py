@@ -34,7 +34,7 @@ from finetune.launch import check_processes, launch, launched_processes
 from finetune.registry import list_recipes
 from finetune.reproduce import command, importer
 from finetune.reproduce.baseline_check import compare_with_baseline
-from finetune.reproduce.compare import compare_runs, is_finetune_run
+from finetune.reproduce.compare import compare_runs
 from finetune.reproduce.plots import plot_against_baseline, plot_comparison
 from finetune.reproduce.sources import names, read_baseline
 from finetune.startup import check, run_recipe
@@ -117,9 +117,10 @@ def cmd_validate(args) -> int:
 
 def cmd_compare(args) -> int:
     # RUN_A may be a run another tool trained (any the sources read): checked against its logs, read once
-    runs = is_finetune_run(args.run_a)
+    baseline = read_baseline(args.run_a, "compare")
+    runs = baseline.run is not None  # finetune's own run (or its card's run here): run against run
     compare, plot = (compare_runs, plot_comparison) if runs else (compare_with_baseline, plot_against_baseline)
-    first = args.run_a if runs else read_baseline(args.run_a, "compare")
+    first = baseline.run if runs else baseline
     result = compare(first, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol, twin=args.floor)
     print(result.report())
     for card in record_verdict(args.run_b, result.report().splitlines()[-1], args.run_a):

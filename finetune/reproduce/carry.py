@@ -426,17 +426,16 @@ def _lora(b: Baseline, out: Imported) -> bool:
 
 
 def _lora_start(b: Baseline, out: Imported, initial_adapter) -> None:
-    """Where the adapters start: the baseline's saved initial adapters, TRL's draw replayed from the seed, or
-    unknown (said)."""
+    """Where the adapters start: the baseline's saved initial adapters, else its tool's draw replayed from the seed,
+    or unknown (its source's ``adapters_start`` says which, and how)."""
     if initial_adapter is not None:
         out.set("peft.init_from", str(initial_adapter), "--initial-adapter: the adapters before the first step")
-    elif b.trl:
-        out.not_carried.append("adapters' start: replayed — TRL draws them right after set_seed(seed) and finetune "
-                               "seeds the same way before building the model (checked with TRL 1.16, peft 0.21)")
-    else:  # a tool that draws them otherwise says how (its source's carry_own)
-        out.skip("the adapters' start", "unknown", "a Trainer baseline drew them in its own script: the same only if "
-                 "it called set_seed(seed) right before get_peft_model; else give --initial-adapter DIR (its adapters "
-                 "saved before the first step)")
+        return
+    replayed, how = b.source.adapters_start(b)  # each tool draws them its own way
+    if replayed:
+        out.not_carried.append(f"adapters' start: replayed — {how}")
+    else:
+        out.skip("the adapters' start", "unknown", how)
 
 
 def _quantization(b: Baseline, out: Imported, model_fields: set) -> None:

@@ -42,7 +42,7 @@ def refuse_assumed(b: Baseline, args) -> None:
     """ConfigError (one line) where the baseline's files do not say its model (and the user names none) or its
     effective batch: a reproduction of an assumed model or batch would compare another run."""
     # --recipe BASE names the model the user means; finetune's own run carries its recipe
-    if not b.base_model and args.model is None and args.recipe is None and b.source.run_folder(b) is None:
+    if not b.base_model and args.model is None and args.recipe is None and b.run is None:
         raise ConfigError(f"reproduce: {args.source}: the baseline's files do not name the model it fine-tuned (the "
                           f"task's default recipe would train its own); give --model MODEL or --recipe BASE")
     if "gradient_accumulation_steps" in b.assumed and b.effective_batch() is not None and not \
@@ -57,10 +57,10 @@ def main(args, finetune) -> int:
     out = Path(args.output or f"reproduce-{Path(args.source).stem}")
     if out.exists() and any(out.iterdir()) and not args.force:
         raise ConfigError(f"reproduce: -o {out} exists and is not empty; give another folder or --force")
-    baseline = read_baseline(args.source, "reproduce")
+    baseline = read_baseline(args.source, "reproduce", args.processes, args.data)
     default = base_recipe(baseline)  # an objective finetune does not train is refused here, before any folder
-    if args.data is None and args.recipe is None and baseline.source.run_folder(baseline) is None and \
-            baseline.source.named_data(baseline) is None:  # a recipe's own data would reproduce nothing
+    if args.data is None and args.recipe is None and baseline.run is None and \
+            baseline.data_file is None:  # a recipe's own data would reproduce nothing
         raise ConfigError(f"reproduce: {args.source}: the baseline's training data is unknown (its files name no "
                           "local training file); give --data FILE, the file it trained on (or --recipe BASE whose "
                           "data it is)")
@@ -92,7 +92,7 @@ def main(args, finetune) -> int:
             code = finetune(commands[-1])
             if code:
                 return code
-    own = baseline.source.run_folder(baseline)
+    own = baseline.run
     if own is not None:  # finetune's own run: run against run
         result = compare_runs(own, run_dir, twin=twin)
         curves = plots.plot_comparison(own, run_dir, out / "curves.png")

@@ -491,7 +491,3 @@ def weights(c: Comparison, pair: tuple, optimizer: str | None, judged: Judgement
     # the weights are where every step ends: a per-step layer that differs names the cause first
     c.add("weights", value <= rtol, f"{measure} {value:.2e}{against} (tolerance {rtol:g}; {why})", step=math.inf,
           basis=f"weights {'L2' if adaptive else 'max'} {value:.1e} ≤ {rtol:.0e}", assumed=judged.assumed)
-
-
-def is_finetune_run(path) -> bool:
-    return (Path(path) / "history.jsonl").is_file()

@@ -18,7 +18,6 @@ with ``--batch-size``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import typing
 from dataclasses import dataclass
@@ -27,14 +26,15 @@ from typing import Optional
 
 import yaml
 
+from finetune.card import file_sha256
 from finetune.config import apply_overrides, build_section, config_from_dict, read_yaml
 from finetune.errors import ConfigError
 from finetune.registry import recipe_path, resolve_task, section_class, task_module
 from finetune.reproduce.architecture import model_config_of, model_difference
 from finetune.reproduce.carry import carry
 from finetune.reproduce.objective import said_objective
-from finetune.reproduce.record import Baseline, Imported
-from finetune.reproduce.rows import row_change, row_count, training_file
+from finetune.reproduce.record import Baseline, Imported, WholeRecipe
+from finetune.reproduce.rows import training_file
 from finetune.reproduce.sources import accepted, names, read_baseline
 
 
@@ -92,10 +92,9 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     baseline. Raises ConfigError (one line) for bad input, a recipe that would not validate, or a model that differs
     from the baseline's. A baseline that names no base model, imported without a base recipe, gives a recipe whose
     ``model.name_or_path`` is missing (``Imported.missing`` says so)."""
-    baseline = source if isinstance(source, Baseline) else read_baseline(source, "import")
-    given_processes(baseline, request.processes)
+    baseline = source if isinstance(source, Baseline) else read_baseline(source, "import", request.processes,
+                                                                         request.data)
     base, data, model = request.base_recipe, request.data, request.model
-    processes_from_steps(baseline, data)
     task = baseline.source.task(baseline)  # an objective finetune does not train is refused here, first
     raw = read_yaml(recipe_path(base)) if base else _skeleton(baseline, task)
     if not isinstance(raw, dict):
@@ -176,49 +175,14 @@ def main(args) -> int:
                                "-imported.yaml")
     if out.exists() and not args.force:
         raise ConfigError(f"import: -o {out} exists; give another path or --force")
-    return write_import(read_baseline(args.source, "import"), request_of(args, out), out)
-
-
-def given_processes(b: Baseline, processes: Optional[int]) -> None:
-    """``--processes P``: the processes the baseline trained on where its files do not say; ConfigError (one line)
-    where they say another number."""
-    if processes is None:
-        return
-    if processes < 1:
-        raise ConfigError(f"--processes: {processes}; give the number of processes the baseline trained on (1 or more)")
-    if b.processes is not None and b.processes[0] != processes:
-        raise ConfigError(f"--processes: {processes}, but the baseline trained on {b.processes[0]} ({b.processes[1]})")
-    b.processes = b.processes or (processes, "--processes")
-
-
-def processes_from_steps(b: Baseline, data) -> None:
-    """Where no file says the processes: the count that makes the steps the run took per epoch, over the rows of
-    ``data`` (a local file the run trained on whole: no rows held out or reordered), the Trainer's
-    ceil(rows / (per-device × accumulation × processes)) — taken when exactly one count fits and it is not 1; several
-    that fit, none of them 1, are refused in one line (``--processes`` says which)."""
-    epochs, steps, per_device = b.get("num_train_epochs"), b.get("schedule_steps"), b.get("per_device_train_batch_size")
-    if b.processes is not None or data is None or row_change(b) is not None or b.get("dataloader_drop_last") or \
-            not (epochs and steps and per_device) or float(epochs) != int(epochs) or int(steps) % int(epochs):
-        return
-    rows = row_count(data)
-    per_epoch, window = int(steps) // int(epochs), int(per_device) * int(b.get("gradient_accumulation_steps") or 1)
-    if rows is None or rows < window:
-        return
-    fits = [p for p in range(1, rows // window + 2) if math.ceil(rows / (window * p)) == per_epoch]
-    if 1 in fits or not fits:
-        return  # maybe one process, or another training set than this file: compare says what differs
-    where = f"{b.args['schedule_steps'][1]}: {per_epoch} steps per epoch over the {rows} rows of {data}"
-    if len(fits) > 1:
-        raise ConfigError(f"import: {where} fit {', '.join(map(str, fits))} processes; give --processes P")
-    b.processes = (fits[0], where)
+    return write_import(read_baseline(args.source, "import", args.processes, args.data), request_of(args, out), out)
 
 
 def write_import(baseline: Baseline, request: Request, out: Path) -> int:
     """``finetune import`` of the baseline read: the recipe written to ``out``, the table of what was carried and
     every line on what was not, printed."""
-    whole = baseline.source.whole_recipe(baseline, request.data, request.model)
-    if whole is not None:  # a run that carries its recipe: that recipe, whole
-        raw, said = whole
+    if baseline.recipe is not None:  # a run that carries its recipe: that recipe, whole
+        raw, said = whole_recipe(baseline.recipe, request.data, request.model)
         # --data for a run's own recipe: read as its task reads it, as every other source's is
         check_training_file(task_module(resolve_task(raw.get("task"))), raw, request.data is not None)
         for line in said:
@@ -242,6 +206,36 @@ def write_import(baseline: Baseline, request: Request, out: Path) -> int:
     for name, why in imported.assumed:
         print(f"assumed: {name} — {why}", file=sys.stderr)
     return 0
+
+
+def whole_recipe(whole: WholeRecipe, data, model) -> tuple:
+    """(the recipe a run carries whole, what import says of it): ``data``, ``model`` where the training file and the
+    base model are on this machine (``--data``, ``--model``); each line names what was read and how the data stand
+    against the run's (sha256)."""
+    recipe, said = dict(whole.recipe), [whole.said]
+    sections = {k: dict(recipe.get(k) or {}) for k in ("model", "data")}
+    if model is not None:
+        sections["model"]["name_or_path"] = str(model)
+        said.append(f"model.name_or_path  {model}  --model")
+    if data is not None:
+        sections["data"]["source"] = str(data)
+    recipe.update({k: v for k, v in sections.items() if v})
+    said.append(data_line(sections["data"].get("source"), whole.data_sha,
+                          "--data" if data is not None else "the run's"))
+    return recipe, said
+
+
+def data_line(source, sha: str | None, whose: str) -> str:
+    """How ``source`` (the data the recipe will train on) stands against the sha256 the run's card recorded."""
+    if sha is None:
+        return f"data.source  {source}  {whose} (the card records no file sha256: not a local file)"
+    mine = file_sha256(source)
+    if mine is None:
+        return f"missing: data.source {source} is not on this machine; give --data FILE (sha256 {sha[:12]}…)"
+    if mine != sha:
+        return (f"not carried: data.source {source} differs from the run's data (sha256 {mine[:12]}… vs "
+                f"{sha[:12]}…): the reproduction trains on other data")
+    return f"data.source  {source}  {whose}; sha256 {sha[:12]}… matches the run's"
 
 
 def write_recipe(out: Path, raw: dict, source, kind: str) -> int:

@@ -1,6 +1,6 @@
 """What a baseline trained — its objective — read with where it is said, like every other setting, never assumed:
 the tool's own word first (axolotl's ``rl``, torchtune's ``loss._component_``, LLaMA-Factory's ``stage``: each
-source's reader sets ``Baseline.objective`` or ``Baseline.task``), else the keys only one TRL trainer's config holds
+source's reader sets ``Baseline.objective``), else the keys only one TRL trainer's config holds
 (any one of them), the columns only one trainer logs, the model card's tags, and the model's own architecture.
 
 An objective finetune trains gets its task (``sft`` with its loss mask, ``clm``, ``dpo``, ``grpo``: the built-in tasks
@@ -108,9 +108,6 @@ def said_objective(b: Baseline) -> Optional[Objective]:
     """The objective the baseline's files say, with where; None when none of them says it."""
     if b.objective is not None:
         return b.objective
-    if b.task is not None:  # a source that reads its tool's task itself (LLaMA-Factory's stage)
-        stage = b.own.get("stage")
-        return Objective(b.task, str(stage[1]) if stage else f"{b.kind}: its task")
     return (_argument_class(b) or _architecture(b) or _marks(b) or _logged(b) or _tagged(b) or _trl(b) or
             _causal(b))
 

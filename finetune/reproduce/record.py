@@ -48,6 +48,15 @@ class Objective(NamedTuple):
     where: str
 
 
+class WholeRecipe(NamedTuple):
+    """The recipe a run carries whole (finetune's own runs and cards), imported as it is: the recipe, one line on
+    what it was read from, and the sha256 of the data its card records (None: not a local file, or no card)."""
+
+    recipe: dict
+    said: str
+    data_sha: Optional[str]
+
+
 class Skip(NamedTuple):
     """A setting of the baseline that ``finetune import`` does not carry: its value and why."""
 
@@ -76,10 +85,9 @@ class Baseline:
     unknown: list = field(default_factory=list)   # keys of the source that finetune does not know (axolotl)
     uncarried: list = field(default_factory=list)  # (setting, value, why) the source's reader knows finetune lacks
     lr_rounding: float = 1e-9                      # relative rounding of its logged lr (TensorBoard keeps fp32)
-    task: Optional[str] = None                    # the finetune task the source trains (LLaMA-Factory's stage)
     objective: Optional[Objective] = None         # what it trained, as its tool's own reader read it (its rl,
-    #                                               loss component, data sets' type); None: read from the arguments,
-    #                                               the log, the card and the model (objective.read_objective)
+    #                                               loss component, stage, data sets' type); None: read from the
+    #                                               arguments, the log, the card and the model (objective.py)
     tags: tuple = ()                              # the model card's front-matter tags (TRL's: trl, sft, dpo, …)
     args_class: Optional[tuple] = None            # (the training arguments' class, its file): a .bin names it
     own: dict = field(default_factory=dict)       # the tool's own settings, name → (value, source), for its
@@ -99,6 +107,8 @@ class Baseline:
     #                                               it (LLaMA-Factory's folder without its YAML: the accumulation)
     shuffled: Optional[tuple] = None              # (seed, source): the tool shuffled its training rows once before
     #                                               training, as datasets' Dataset.shuffle(seed=seed) does (axolotl)
+    run: Optional[Path] = None                    # finetune's own run folder: compared run against run
+    recipe: Optional[WholeRecipe] = None          # the recipe it carries whole, imported as it is (finetune's)
 
     def get(self, name, default=None):
         return self.args[name][0] if name in self.args else default
@@ -161,21 +171,13 @@ class Source(Protocol):
     def processes(self, b: Baseline) -> Optional[tuple]:
         """(the number of processes the run trained on, where that is said) where the tool's files say it."""
 
+    def adapters_start(self, b: Baseline) -> tuple:
+        """(whether finetune's draw from the seed replays the LoRA adapters' start the tool drew, how the tool draws
+        them): a start not replayed is said as unknown, with how to give it (``--initial-adapter``)."""
+
     def training_rows(self, b: Baseline, data, recipe: Path):
         """The file ``import`` trains on for ``--data`` ``data`` (None: not given): the rows as the tool trained them,
         written beside ``recipe`` when they had to be rewritten."""
-
-    def named_data(self, b: Baseline) -> Optional[Path]:
-        """The one local training file the run's own files name, where they name one here."""
-
-    def whole_recipe(self, b: Baseline, data, model) -> Optional[tuple]:
-        """(a recipe that reproduces the run whole, the lines ``import`` says of it) for a tool whose runs carry
-        their own recipe (finetune's), ``data`` and ``model`` where they are on this machine; None: the run's
-        settings are carried onto a base recipe."""
-
-    def run_folder(self, b: Baseline) -> Optional[Path]:
-        """The run folder when the run is finetune's own, compared run against run; None for another tool's."""
-
 
 
 class Imported:

@@ -58,11 +58,13 @@ def data_settings(b: Baseline, out: Imported, data_fields: set) -> None:
     train_on, key = _train_on(b)
     if train_on is not None:
         if "train_on" in data_fields:
-            out.set("data.train_on", train_on, f"{b.args[key][1]}: {key}={get(key)}" + (
+            out.set("data.train_on", train_on, (str(b.args[key][1]) if key == "train_on" else
+                                                f"{b.args[key][1]}: {key}={get(key)}") + (
                 " (TRL's default: the loss after the prompt, on prompt/completion rows; rows of messages train on "
                 "every token there: set data.train_on=all for those)" if train_on == "completion" else ""))
         elif train_on != "all":
-            out.skip(key, get(key), "this recipe's task trains on every token (no data.train_on)")
+            out.skip(key, get(key), ("" if key != "train_on" else f"{b.args[key][1]}; ") +
+                     "this recipe's task trains on every token (no data.train_on)")
     if "system_prompt" in data_fields:
         out.set("data.system_prompt", None, "the baseline's rows as they are: a Trainer / TRL / axolotl run adds no "
                                             "system message (the template's own default stays)")
@@ -99,10 +101,8 @@ def _packing(b: Baseline, out: Imported, data_fields: set) -> None:
 def _train_on(b: Baseline) -> tuple:
     """(data.train_on, the argument it comes from) — (None, None) when the source says nothing."""
     get = b.get
-    if "train_on" in b.args:  # torchtune: finetune's own name
+    if "train_on" in b.args:  # finetune's own name, read by a source from its tool's key (torchtune's, axolotl's)
         return get("train_on"), "train_on"
-    if "train_on_inputs" in b.args:  # axolotl
-        return ("all" if get("train_on_inputs") else "assistant"), "train_on_inputs"
     if get("assistant_only_loss"):
         return "assistant", "assistant_only_loss"
     if "completion_only_loss" in b.args and get("completion_only_loss") is not False:

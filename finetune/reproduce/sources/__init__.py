@@ -9,8 +9,10 @@ Trainer's own forms (``general``), which take what no tool claims."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from finetune.errors import ConfigError
+from finetune.reproduce.processes import settled
 from finetune.reproduce.record import Baseline, Source, load_yaml
 from finetune.reproduce.sources import (
     axolotl,
@@ -52,9 +54,10 @@ def recognised_by(path) -> list:
     return [s for s in SOURCES if s.recognises(Path(path))]
 
 
-def read_baseline(path, what: str = "baseline") -> Baseline:
-    """The run at ``path``, read by the first source that recognises it; ConfigError (one line) when it does not
-    exist, when no source does, or when it is unreadable."""
+def read_baseline(path, what: str = "baseline", processes: Optional[int] = None, data=None) -> Baseline:
+    """The run at ``path``, read whole by the first source that recognises it, its processes settled
+    (:func:`processes.settled`: its files', else ``--processes`` ``processes``, else those its steps over ``--data``
+    ``data`` show); ConfigError (one line) when it does not exist, when no source does, or when it is unreadable."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{what}: {path} does not exist")
@@ -67,7 +70,7 @@ def read_baseline(path, what: str = "baseline") -> Baseline:
         raise ConfigError(f"{what}: {path} {said} (a run of {names()}: finetune import --help says what of each)")
     b = source.read(path, what)
     b.source = source
-    b.processes = source.processes(b)
+    b.processes = settled(b, source.processes(b), processes, data)
     return b
 
 

@@ -50,7 +50,7 @@ KEYS = {  # axolotl's key → the TrainingArguments name it sets (None: the same
     "optimizer": "optim", "adam_beta1": None, "adam_beta2": None,
     "adam_epsilon": None, "weight_decay": None, "max_grad_norm": None, "seed": None, "bf16": None, "fp16": None,
     "tf32": None, "gradient_checkpointing": None, "sequence_len": "max_length",
-    "train_on_inputs": None, "neftune_noise_alpha": None, "logging_steps": None, "group_by_length": None,
+    "neftune_noise_alpha": None, "logging_steps": None, "group_by_length": None,
     "lr_scheduler_kwargs": None, "label_smoothing_factor": None, "cosine_min_lr_ratio": None,
     "adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": None, "lora_target_modules": None,
     "load_in_4bit": None, "load_in_8bit": None, "bnb_4bit_quant_type": None, "eval_steps": None,
@@ -62,7 +62,7 @@ DEFAULTS = {
     "lr_scheduler": ("cosine", "axolotl's default"), "optimizer": ("adamw_torch_fused", "axolotl's default"),
     "weight_decay": (0.0, "axolotl's default"),
     "max_grad_norm": (1.0, "the Trainer's default (axolotl passes none)"),
-    "train_on_inputs": (False, "axolotl's default"), "sequence_len": (512, "axolotl's default"),
+    "sequence_len": (512, "axolotl's default"),
     "seed": (42, "axolotl's default (it sets 42 when none is given)"),
 }
 # keys read here into other settings: batch_size (→ accumulation), lora_target_linear (→ the adapted modules),
@@ -71,7 +71,7 @@ DEFAULTS = {
 READ_HERE = {"batch_size", "lora_target_linear", "dataloader_drop_last", "sample_packing", "shuffle_merged_datasets",
              "shuffle_before_merging_datasets", "warmup_ratio", "warmup_steps", "chat_template",
              "chat_template_jinja", "default_system_message", "rl", "reward_model", "process_reward_model",
-             "pretraining_dataset", "rl_beta", "dpo_beta", "dpo_loss_type", "trl"}
+             "pretraining_dataset", "rl_beta", "dpo_beta", "dpo_loss_type", "trl", "train_on_inputs"}
 MULTIPACK = ("multipack_real_batches", "sample_packing_eff_est", "sample_packing_group_size",
              "sample_packing_bin_size", "sample_packing_sequentially", "sample_packing_drop_attention_mask",
              "eval_sample_packing", "pretrain_multipack_attn", "pretrain_multipack_buffer_size")
@@ -176,6 +176,11 @@ class Axolotl(Reader):
     def warmup(self, b: Baseline, ratio: float, total: int | None) -> tuple:
         return warmup(ratio, total, b.own["warmup_cap"][0] if "warmup_cap" in b.own else None)
 
+    def adapters_start(self, b: Baseline) -> tuple:
+        return False, ("axolotl draws them after set_seed(seed) while it loads the model, which finetune's draw does "
+                       "not replay (checked with axolotl 0.21.0, peft 0.21): give --initial-adapter DIR, the adapters "
+                       "of axolotl's start replayed (examples/axolotl/initial_adapters.py)")
+
     def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
         carry_own(b, out, model_fields, data_fields, baseline_step)
 
@@ -264,6 +269,9 @@ def read_config(raw: dict, b: Baseline, source: str, what: str) -> None:
             b.args[KEYS[key] or key] = (value, where(key).said(f": {value}, {why}"))
     if not raw.get("adapter"):
         b.args["adapter"] = (None, f"{source}: no adapter: every weight trained")
+    inputs = raw.get("train_on_inputs")  # as finetune's data.train_on: the prompt masked unless it is true
+    b.args["train_on"] = ("all" if inputs else "assistant", where("train_on_inputs").said(
+        f"={bool(inputs)}" + ("" if inputs is not None else ", axolotl's default")))
     if raw.get("dataloader_drop_last"):
         b.args["drop_last"] = (int(micro or 1), f"{where('dataloader_drop_last')}: each epoch's incomplete last "
                                                 "micro-batch of micro_batch_size rows dropped (one process)")
@@ -451,11 +459,6 @@ def carry_own(b: Baseline, out, model_fields, data_fields: set, baseline_step: b
         out.set("data.system_prompt", None, f"{said[1]}: axolotl puts it only in place of 'You are a helpful "
                 "assistant.' in its chatml template, which 0.21.0's does not hold: no system message added" if said
                 else "axolotl adds no system message to a conversation (the template's own default stays)")
-    if out.skipped("the adapters' start"):
-        out.skip("the adapters' start", "unknown", "axolotl draws them after set_seed(seed) while it loads the "
-                 "model, which finetune's draw does not replay (checked with axolotl 0.21.0, peft 0.21): give "
-                 "--initial-adapter DIR, the adapters of axolotl's start replayed "
-                 "(examples/axolotl/initial_adapters.py)")
     if "bf16" in own and "bf16" not in b.args:
         out.skip("bf16", "auto", "axolotl trains in bf16 where the GPU has it, else in fp16 (auto, its default): "
                  "set training.mixed_precision to what it took")

@@ -35,18 +35,16 @@ class Reader:
         per-device batch × accumulation. ConfigError (one line) when two of them disagree."""
         return agreed(trainer_processes(b), b.path)
 
+    def adapters_start(self, b: Baseline) -> tuple:
+        if b.trl:
+            return True, ("TRL draws them right after set_seed(seed) and finetune seeds the same way before building "
+                          "the model (checked with TRL 1.16, peft 0.21)")
+        return False, ("a Trainer baseline drew them in its own script: the same only if it called set_seed(seed) "
+                       "right before get_peft_model; else give --initial-adapter DIR (its adapters saved before the "
+                       "first step)")
+
     def training_rows(self, b: Baseline, data, recipe: Path):
         return data
-
-    def named_data(self, b: Baseline) -> Optional[Path]:
-        """The one local training file the run's own files name (None: they name none here)."""
-        return b.data_file[0] if b.data_file else None
-
-    def whole_recipe(self, b: Baseline, data, model) -> Optional[tuple]:
-        return None
-
-    def run_folder(self, b: Baseline) -> Optional[Path]:
-        return None
 
 
 def yaml_mapping(path: Path) -> Optional[dict]:

@@ -27,7 +27,7 @@ import finetune.reproduce.sources.llamafactory_rows as rows
 import finetune.reproduce.sources.llamafactory_v1 as v1
 from finetune.errors import ConfigError
 from finetune.registry import built_in_hints, section_class, task_module
-from finetune.reproduce.record import Baseline, Where, load_yaml, pure_precision
+from finetune.reproduce.record import Baseline, Objective, Where, load_yaml, pure_precision
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 KIND = "LLaMA-Factory run"
@@ -124,8 +124,11 @@ class LlamaFactory(Reader):
     def training_rows(self, b: Baseline, data, recipe: Path):
         return training_rows(b, data, recipe)
 
-    def named_data(self, b: Baseline) -> Path | None:
-        return rows.dataset_file(b)
+    def adapters_start(self, b: Baseline) -> tuple:
+        if "format" in b.own:  # v1: its own trainer, whose draw was not checked
+            return super().adapters_start(b)
+        return True, ("LLaMA-Factory draws them after set_seed(seed), as finetune does before building the model "
+                      "(checked with LLaMA-Factory 0.9.5, peft 0.18)")
 
 
 SOURCE = LlamaFactory()
@@ -163,13 +166,16 @@ def read(path: Path, what: str) -> Baseline:
                          "packing — are unknown; give the YAML you trained with)")
         if folder is not None:
             stage, said, logged = logged_stage(folder)
-            b.task = stage_task(stage)
             b.own["stage"] = (stage, said)
+            b.objective = stage_objective(b)
             if not logged:  # the default of a command line that may have named another stage
                 b.assumed["objective"] = said
         return b
     read_yaml_keys(raw, yaml_file.name, b)
-    if b.task is None:  # refused here, naming the stage: a recipe of no task would fail on the stage's own keys
+    named = rows.dataset_file(b)
+    if named is not None:  # the one local file its dataset names in dataset_info.json
+        b.data_file = (named, f"{yaml_file.name}: dataset {b.own['dataset'][0]} (its dataset_info.json entry)")
+    if b.objective is None:  # refused here, naming the stage: a recipe of no task would fail on the stage's own keys
         raise ConfigError(f"{what}: stage: {raw.get('stage')} in {yaml_file} is not supported (supported: "
                           f"{', '.join(stages())})")
     return b
@@ -179,9 +185,9 @@ def read_v1(raw: dict, path: Path) -> Baseline:
     """A v1 YAML (:mod:`llamafactory_v1`), trained by the stage its data shows."""
     b = v1.read_v1(raw, path, KIND)
     stage = pair_stage() if v1.trains_pairs(raw, path) else stage_of(None)
-    b.task = stage_task(stage)
     b.own["stage"] = (stage, Where(path.name, f"train_dataset (its converter: pair → {pair_stage()}, else "
                                               f"{stage_of(None)}; the command, llamafactory-cli v1 STAGE, decides)"))
+    b.objective = stage_objective(b)
     return b
 
 
@@ -281,7 +287,7 @@ def read_yaml_keys(raw: dict, name: str, b) -> None:
         b.own["pure_bf16"] = (True, src("pure_bf16"))
         b.own["autocast"] = ("bf16" if raw.get("bf16") else "no", src("bf16"))
         b.args["bf16"] = (True, src("pure_bf16"))
-    b.task = stage_task(raw.get("stage"))
+    b.objective = stage_objective(b)
     if raw.get("finetuning_type", "lora") == "lora" and b.adapter_config is None:
         b.args["adapter"] = ("lora", src("finetuning_type"))
         b.args["lora_r"] = (raw.get("lora_rank", 8), src("lora_rank") if "lora_rank" in raw else
@@ -338,6 +344,14 @@ def stage_task(stage) -> str | None:
     return None
 
 
+def stage_objective(b) -> Objective | None:
+    """The task the run's stage trains (``b.own["stage"]``, else LLaMA-Factory's default stage), with where the
+    stage is said; None for a stage no task trains."""
+    stage, where = b.own.get("stage", (None, f"{b.path.name}: no stage (LLaMA-Factory's default, {stage_of(None)})"))
+    task = stage_task(stage)
+    return Objective(task, str(where)) if task else None
+
+
 def stage_of(task) -> str:
     """LLaMA-Factory's name for a task's stage (None: its default stage's)."""
     hints = built_in_hints()
@@ -359,9 +373,9 @@ def stages() -> list:
 def stage_has(b, section: str, name: str) -> bool:
     """Whether the task the baseline's stage trains has the setting ``section.name`` (its hints' tool, not the
     recipe's: a stage's own settings are carried only from the stage that has them)."""
-    if b.task is None:
+    if b.objective is None:
         return False
-    module = task_module(b.task)
+    module = task_module(b.objective.name)
     return name in {f.name for f in dataclasses.fields(section_class(module, f"{section.title()}Config"))}
 
 
@@ -369,7 +383,7 @@ def stage_allows(b, section: str, name: str, value) -> bool:
     """Whether the stage's task takes ``value`` for the setting ``section.name`` (one of its choices)."""
     if not stage_has(b, section, name):
         return False
-    hint = typing.get_type_hints(section_class(task_module(b.task), f"{section.title()}Config"))[name]
+    hint = typing.get_type_hints(section_class(task_module(b.objective.name), f"{section.title()}Config"))[name]
     return value in typing.get_args(hint)
 
 
@@ -380,10 +394,6 @@ def carry_own(b, out, model_fields, data_fields: set, baseline_step: bool) -> No
     own = b.own
     if "format" in own:  # v1: its own trainer, none of 0.x's templates, packing or turn cutting
         return
-    out.drop("the adapters' start")
-    if b.adapter_config or b.get("adapter"):
-        out.not_carried.append("adapters' start: replayed — LLaMA-Factory draws them after set_seed(seed), as "
-                               "finetune does before building the model (checked with LLaMA-Factory 0.9.5, peft 0.18)")
     value = lambda key, default=None: own[key][0] if key in own else default  # noqa: E731
     replayed = out.values.get("training.replay_padding")
     if replayed and replayed[1] == 1:  # its SFT collator rounds each micro-batch's padding up, on the right

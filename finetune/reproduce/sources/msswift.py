@@ -86,6 +86,10 @@ class MsSwift(Reader):
             return task_of(b)
         return next((name for name, h in built_in_hints().items() if h.base_recipe and h.trl_marks == ()), None)
 
+    def adapters_start(self, b: Baseline) -> tuple:
+        return True, ("ms-swift seeds (seed_everything(seed)) before it loads the model and adds the adapters, as "
+                      "finetune seeds before building the model (checked with ms-swift 4.6.0, peft 0.20)")
+
     def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
         carry_own(b, out, model_fields, data_fields, baseline_step)
 
@@ -157,15 +161,10 @@ def read_log(path: Path) -> list:
 
 
 def carry_own(b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
-    """swift's own settings onto the recipe (its source's ``carry_own``, last): where its adapters started, the
+    """swift's own settings onto the recipe (its source's ``carry_own``, last): the
     template it rendered with and its system message, the tokens it trained, how it treated a longer conversation, a
     pure low-precision run."""
     own = b.own
-    if out.skipped("the adapters' start"):
-        out.drop("the adapters' start")
-        out.not_carried.append("adapters' start: replayed — ms-swift seeds (seed_everything(seed)) before it loads the "
-                               "model and adds the adapters, as finetune seeds before building the model (checked with "
-                               "ms-swift 4.6.0, peft 0.20)")
     template, where = own.get("template", (None, None))
     if str(template) in CHATML_TEMPLATES and "chat_template" in model_fields:
         out.set("model.chat_template", CHATML, f"{where}: {template} renders ChatML, as ms-swift's template does")

@@ -59,13 +59,14 @@ class Torchtune(Reader):
     def read(self, path: Path, what: str) -> Baseline:
         return read_run(path, what) if path.is_dir() else read_torchtune(path, load_yaml(path, what), what)
 
+    def adapters_start(self, b: Baseline) -> tuple:
+        return False, ("torchtune draws them from its seed while it builds its own model and saves none: give "
+                       "--initial-adapter DIR, the adapters drawn by replaying that build (seed, then the model: "
+                       "examples/torchtune/make_baselines.py, initial_adapters)")
+
     def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
-        """torchtune's own settings onto the recipe: how it draws LoRA's start, and its ``dtype: bf16`` (every weight
+        """torchtune's own settings onto the recipe: its ``dtype: bf16`` (every weight
         trained in it), taken with ``baseline_step``."""
-        if out.skipped("the adapters' start"):
-            out.skip("the adapters' start", "unknown", "torchtune draws them from its seed while it builds its own "
-                     "model and saves none: give --initial-adapter DIR, the adapters drawn by replaying that build "
-                     "(seed, then the model: examples/torchtune/make_baselines.py, initial_adapters)")
         dtype = b.own["dtype"][0]
         if dtype in ("bf16", "fp16"):
             pure_precision(out, b.own["dtype"], dtype, "torchtune", baseline_step, model_fields, autocast="no")
