@@ -226,15 +226,15 @@ def training_rows(b, data, recipe: Path):
     shape = row_kind(b)
     if path is None or len(sets) != 1 or shape is None or path.suffix.lower() not in (".json", ".jsonl") \
             or not path.is_file():
-        return None if path is None else str(path)
+        return data
     d, kind = sets[0], str(sets[0].get("type"))
     convert = converter(kind, shape, d)
     if convert is None:
-        return str(path)
+        return data  # read as they are: the import says what it does not carry of the type
     rows = read_rows(path)
     out_rows = converted(rows, convert, path, kind)
     if shape == "messages" and [r["messages"] for r in out_rows] == [r.get("messages") for r in rows]:
-        return str(path)  # the rows are finetune's as they are
+        return data  # the rows are finetune's as they are
     out = recipe.with_name(f"{recipe.stem}-rows.jsonl")
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out_rows), encoding="utf-8")
     carried = {f"datasets.{key}" for key in CARRIED}
