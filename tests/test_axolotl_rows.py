@@ -229,3 +229,11 @@ def test_a_type_not_converted_keeps_its_not_carried_line(tmp_path, capsys):
     lines = not_carried(said)
     assert code == 0 and "rows written as" not in said and same(rows, raw_rows(data)), said
     assert len(lines) == 1 and "datasets.type=metharme" in lines[0] and "prompt strategy" in lines[0], lines
+
+
+def test_a_row_of_another_shape_is_one_line(tmp_path, capsys):
+    data = tmp_path / "argilla.jsonl"
+    data.write_text(json.dumps({"chosen": "just text", "rejected": "more text"}) + "\n")
+    code, _, said, written = imported(capsys, config(tmp_path, type="chatml.argilla_chat", rl="dpo"), tmp_path, data)
+    assert code == 2 and written is None and f"{data} row 1 is not of axolotl's chatml.argilla_chat shape" in said
+    assert "Traceback" not in said

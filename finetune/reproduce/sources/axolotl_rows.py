@@ -213,7 +213,16 @@ def said(kind: str, shape: str) -> str | None:
 
 
 def converted(rows: list, convert, path: Path, kind: str) -> list:
-    return [convert(row, (path, n, kind)) for n, row in enumerate(rows, 1)]
+    """Every row converted; a row of another shape than the type's (a turn that is no mapping, an answer that is no
+    conversation) is one line naming it."""
+    out = []
+    for n, row in enumerate(rows, 1):
+        try:
+            out.append(convert(row, (path, n, kind)))
+        except (TypeError, KeyError, IndexError, AttributeError):
+            raise ConfigError(f"data: {path} row {n} is not of axolotl's {kind} shape (see docs/reproduce/axolotl.md)"
+                              ) from None
+    return out
 
 
 def training_rows(b, data, recipe: Path):
