@@ -34,6 +34,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import finetune.reproduce.sources.axolotl_rows as axolotl_rows
 import finetune.reproduce.sources.files as files
 from finetune.config import parse_yaml
 from finetune.errors import ConfigError
@@ -183,6 +184,9 @@ class Axolotl(Reader):
 
     def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
         carry_own(b, out, model_fields, data_fields, baseline_step)
+
+    def training_rows(self, b: Baseline, data, recipe: Path):
+        return axolotl_rows.training_rows(b, data, recipe)  # rows in axolotl's formats, as finetune's
 
 
 SOURCE = Axolotl()
@@ -348,6 +352,7 @@ def _datasets(raw: dict, b: Baseline, source: str, where) -> None:
     rendered with, and the one shuffle of their merged rows (``Baseline.shuffled``)."""
     sets = [d for d in raw.get("datasets") or [] if isinstance(d, dict)]
     b.objective = objective(raw, sets, where)
+    b.own["datasets"] = (sets, where("datasets"))  # their rows' formats (axolotl_rows)
     if raw.get("rl"):
         preference_args(raw, b, where)
     for n, d in enumerate(sets):
