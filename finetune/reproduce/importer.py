@@ -106,6 +106,7 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     imported = carry(baseline, model_fields, data_fields, request.steps, request.initial_adapter,
                      request.baseline_step)
     objective_row(baseline, imported, task, base, raw.get("task"))
+    unsaid(baseline, imported)
     named = data is None and baseline.data_file is not None  # the file the source names, when no --data is given
     training_file(imported, baseline.data_file[0] if named else data, data_fields, baseline, request.recipe,
                   baseline.data_file[1] if named else "--data")
@@ -139,6 +140,24 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
         raise ConfigError(f"import: the baseline's model ({baseline.path / 'config.json'}) differs from the recipe's "
                           f"model.name_or_path: {diff}")
     return raw, imported, baseline
+
+
+# what shapes every run's steps, which some sources do not say (a folder without its arguments): the recipe field, the
+# words of a line that already names it (a value not carried), and its name in the line said when none does
+EVERY_RUN = (("training.learning_rate", ("learning",), "the learning rate"),
+             ("training.effective_batch_size", ("batch", "accumulation"), "the effective batch"),
+             ("training.epochs", ("epoch", "max_steps"), "the epochs or max steps"),
+             ("training.lr_scheduler", ("scheduler",), "the lr scheduler"),
+             ("training.warmup_steps", ("warmup", "warm-up"), "the warm-up"))
+
+
+def unsaid(b: Baseline, imported: Imported) -> None:
+    """A line for each setting of every run that the source neither says nor names: the recipe's value is kept,
+    not the baseline's (which no file says)."""
+    named = " ".join(str(s.setting).lower() for s in imported.skips())
+    for field, words, name in EVERY_RUN:
+        if field not in imported.values and not any(w in named for w in words):
+            imported.skip(name, "unknown", f"the {b.kind} does not say it; the recipe's is kept")
 
 
 def check_training_file(module, raw: dict, named: bool) -> None:

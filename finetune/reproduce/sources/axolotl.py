@@ -322,7 +322,9 @@ def _precision(raw: dict, b: Baseline, where) -> None:
 
 def _warmup(raw: dict, b: Baseline, source: str, where) -> None:
     """axolotl's warm-up keys as the Trainer's, and its rounding of a ratio (:func:`warmup`)."""
-    if raw.get("warmup_steps") is not None:
+    if raw.get("warmup_steps") is not None and 0 < float(raw["warmup_steps"]) < 1:  # transformers 5: a ratio
+        b.args["warmup_steps"] = (float(raw["warmup_steps"]), where("warmup_steps"))
+    elif raw.get("warmup_steps") is not None:
         steps = int(raw["warmup_steps"])
         b.args["warmup_steps"] = (2 if steps == 1 else steps, where("warmup_steps").said(
             " (1 made 2, as axolotl does)" if steps == 1 else ""))

@@ -83,6 +83,7 @@ def is_torchtune(raw) -> bool:
 def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
     """The settings of torchtune config ``raw`` (read from ``path``), as TrainingArguments names with their sources;
     ConfigError (one line) for a value of the wrong kind."""
+    raw = interpolated(raw, raw)
     b = Baseline("torchtune config", path)
     src = lambda key: Where(path.name, key)  # noqa: E731
     for key, name in (("batch_size", "per_device_train_batch_size"), ("gradient_accumulation_steps", None),
@@ -126,6 +127,32 @@ def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
     checkpointer = raw.get("checkpointer") or {}
     b.base_model = checkpointer.get("checkpoint_dir") if isinstance(checkpointer, dict) else None
     return b
+
+
+INTERPOLATION = re.compile(r"\$\{([\w.]+)\}")
+
+
+def interpolated(value, root: dict):
+    """``value`` with OmegaConf's ``${key}`` / ``${section.key}`` replaced by that scalar of the config ``root``, as
+    torchtune's config loader does (``checkpoint_dir: ${base_model_path}``); one it cannot find (an env resolver)
+    stays as written."""
+    if isinstance(value, dict):
+        return {k: interpolated(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolated(v, root) for v in value]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def lookup(m):
+        found = root
+        for part in m.group(1).split("."):
+            found = found.get(part) if isinstance(found, dict) else None
+        return None if isinstance(found, (dict, list)) else found
+
+    whole = INTERPOLATION.fullmatch(value)
+    if whole:  # the value itself, of its own type (``lr: ${base_lr}`` is a number)
+        return value if lookup(whole) is None else lookup(whole)
+    return INTERPOLATION.sub(lambda m: m.group(0) if lookup(m) is None else str(lookup(m)), value)
 
 
 def _objective(raw: dict, b: Baseline, path: Path) -> Objective | None:
@@ -209,15 +236,20 @@ def _schedule(raw: dict, b: Baseline, path: Path) -> None:
 def _model(raw: dict, b: Baseline, path: Path) -> None:
     model = raw.get("model") or {}
     where = f"{path.name}: model"
-    if isinstance(model, dict) and model.get("_component_") and "lora_rank" not in model:
+    # a lora_* / qlora_* builder, or LoRA's own keys: its builder's defaults where they are left out (lora_rank 8,
+    # lora_alpha 16: torchtune/models/*/_model_builders.py)
+    lora = isinstance(model, dict) and ("lora_rank" in model or str(model.get("_component_")).rsplit(".", 1)[-1]
+                                        .startswith(("lora_", "qlora_")))
+    if isinstance(model, dict) and model.get("_component_") and not lora:
         b.args["adapter"] = (None, f"{where}._component_ {model['_component_']} (no lora_rank: every weight trained)")
-    if not isinstance(model, dict) or "lora_rank" not in model:
+    if not lora:
         return
     modules = [LORA_MODULES.get(m, m) for m in model.get("lora_attn_modules") or []]
     modules += MLP if model.get("apply_lora_to_mlp") else []
     modules += ["lm_head"] if model.get("apply_lora_to_output") else []
-    b.args.update({"adapter": ("lora", f"{where}._component_"), "lora_r": (model["lora_rank"], f"{where}.lora_rank"),
-                   "lora_alpha": (model.get("lora_alpha"), f"{where}.lora_alpha"),
+    b.args.update({"adapter": ("lora", f"{where}._component_"),
+                   "lora_r": (model.get("lora_rank", 8), f"{where}.lora_rank"),
+                   "lora_alpha": (model.get("lora_alpha", 16), f"{where}.lora_alpha"),
                    "lora_dropout": (model.get("lora_dropout", 0.0), f"{where}.lora_dropout"),
                    "lora_target_modules": (modules, f"{where}.lora_attn_modules, apply_lora_to_mlp/output")})
     checkpointer = raw.get("checkpointer") or {}

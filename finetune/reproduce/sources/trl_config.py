@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune.registry import task_hints
 from finetune.reproduce.objective import instruction_task, said_objective
 from finetune.reproduce.record import Baseline, Where, load_yaml, pure_precision
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
@@ -72,6 +73,7 @@ def read_trl_config(path: Path, raw: dict, what: str) -> Baseline:
     # TRL's configs say TRL trained it (the importer's TRL rules follow: truncation, TRL's LoRA start)
     b.source = SOURCE  # TRL's: with no other trainer's key, its SFTTrainer's
     b.objective = said_objective(b)  # from its keys, before any default of one trainer's is added
+    trainer_defaults(raw, b, path)
     if b.objective.name == instruction_task():  # an SFT config: SFTConfig's default
         b.args.setdefault("completion_only_loss", (None, f"{path.name}: TRL's default (SFTConfig)"))
     if not raw.get("use_peft"):  # TRL's ModelConfig: use_peft false by default, every weight trained
@@ -86,6 +88,27 @@ def read_trl_config(path: Path, raw: dict, what: str) -> Baseline:
                 b.args[name] = (default, f"{path.name}: TRL ModelConfig's default {key}")
     _dtype(raw, b, path)
     return b
+
+
+# TrainingArguments' defaults (transformers 5.24) of what shapes the steps, where the YAML leaves them out; warmup_steps
+# only where no warmup_ratio is given either (an older TrainingArguments' ratio, read as such)
+TRAINER_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "num_train_epochs": 3.0,
+                    "lr_scheduler_type": "linear", "warmup_steps": 0}
+# the learning rate of TRL 1.16's trainer configs (each sets its own: trl/trainer/*_config.py)
+TRL_LEARNING_RATES = {"SFTConfig": 2e-5, "DPOConfig": 1e-6, "GRPOConfig": 1e-6}
+
+
+def trainer_defaults(raw: dict, b: Baseline, path: Path) -> None:
+    """The arguments TRL trains with where the YAML does not say them: TrainingArguments' defaults, and the
+    learning rate of the config class of the objective (the class its task's hints name)."""
+    for key, value in TRAINER_DEFAULTS.items():
+        if key not in raw and not (key == "warmup_steps" and "warmup_ratio" in raw):
+            b.args[key] = (value, Where(path.name, key).said(f": {value}, TrainingArguments' default"))
+    if "learning_rate" not in raw and b.objective is not None:
+        config = next((n for n in task_hints(b.objective.name).objective_names if n in TRL_LEARNING_RATES), None)
+        if config is not None:
+            b.args["learning_rate"] = (TRL_LEARNING_RATES[config], Where(path.name, "learning_rate").said(
+                f": {TRL_LEARNING_RATES[config]:g}, {config}'s default (TRL 1.16)"))
 
 
 def _dtype(raw: dict, b: Baseline, path: Path) -> None:
