@@ -223,7 +223,7 @@ def lf_run(path: Path) -> dict:
                     if line.startswith("- ") and ": " in line)
     adapter = json.loads((path / "adapter_config.json").read_text()) if (path / "adapter_config.json").exists() else {}
     state = json.loads((path / "trainer_state.json").read_text()) if (path / "trainer_state.json").exists() else {}
-    epochs = card.get("num_epochs") or state.get("num_train_epochs")
+    epochs = card.get("num_epochs") or state.get("num_train_epochs") or _log_epochs(path)
     batch = int(card["total_train_batch_size"]) if "total_train_batch_size" in card else _speed_batch(path)
     warmup = _ratio(card["lr_scheduler_warmup_ratio"], state.get("max_steps"), CEIL) \
         if "lr_scheduler_warmup_ratio" in card else UNSAID
@@ -239,6 +239,15 @@ def lf_run(path: Path) -> dict:
             # path peft loaded it from (a local folder, a tokenizer stage); either is the file's
             "model": tuple(m for m in (_front(path).get("base_model"), adapter.get("base_model_name_or_path")) if m)
             or UNSAID}
+
+
+def _log_epochs(path: Path):
+    """The epoch at trainer_log.jsonl's last line where that line is its last planned step and a whole epoch (a run
+    cut mid-epoch by max_steps says no epoch count)."""
+    log = path / "trainer_log.jsonl"
+    last = json.loads(log.read_text().splitlines()[-1]) if log.exists() else {}
+    whole = last.get("current_steps") == last.get("total_steps") and float(last.get("epoch") or 0.5).is_integer()
+    return last["epoch"] if whole else None
 
 
 def _front(path: Path) -> dict:

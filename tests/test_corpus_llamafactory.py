@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -294,3 +295,38 @@ def test_a_tool_call_turn_is_refused_in_one_line(tmp_path, capsys):
     code, recipe, said = imported(capsys, CORPUS / "main" / "train_lora_qwen3_lora_sft.yaml", tmp_path, "--data", data)
     assert code == 2 and said.strip().splitlines()[-1].startswith(f"error: data: {data} row 1: a function_call turn")
     assert not list(tmp_path.glob("recipe*"))
+
+
+def test_a_card_and_adapter_config_naming_two_base_models_take_the_loaded_one_and_say_the_other(tmp_path, capsys):
+    """luojiu (2023): the card's hand-written ``base_model: Meta/Llama2``, adapter_config.json's hub id the adapters
+    were trained on — that one, the card's named in a line; an adapter base that is a path of the training machine
+    (control) leaves the card's, the path named."""
+    folder = tmp_path / "run"
+    shutil.copytree(CORPUS / "runs" / "luojiu-7b-2023", folder)
+    adapter = json.loads((folder / "adapter_config.json").read_text())
+    card = re.search(r"^base_model: (\S+)", (folder / "README.md").read_text(), re.M).group(1)
+    assert adapter["base_model_name_or_path"] != card
+    code, recipe, said = imported(capsys, folder, tmp_path / "a")
+    assert code == 0 and recipe["model"]["name_or_path"] == adapter["base_model_name_or_path"], said
+    assert f"not carried: the card's base model={card}" in said
+    adapter["base_model_name_or_path"] = "/root/models/llama2"
+    (folder / "adapter_config.json").write_text(json.dumps(adapter))
+    code, recipe, said = imported(capsys, folder, tmp_path / "b")
+    assert code == 0 and recipe["model"]["name_or_path"] == card, said
+    assert "not carried: adapter_config.json's base model=/root/models/llama2" in said
+
+
+def test_the_epochs_are_the_epoch_its_last_planned_step_ends(tmp_path, capsys):
+    """qwen-medical (2025, no YAML): its log's last line, at total_steps, says the epoch; a log whose last planned
+    step ends mid-epoch (control: a run cut by max_steps) says no epoch count."""
+    folder = tmp_path / "run"
+    shutil.copytree(CORPUS / "runs" / "qwen-medical-2025", folder)
+    last = _log(folder)[-1]
+    assert last["current_steps"] == last["total_steps"]
+    code, recipe, said = imported(capsys, folder, tmp_path / "a")
+    assert code == 0 and recipe["training"]["epochs"] == int(last["epoch"]), said
+    lines = (folder / "trainer_log.jsonl").read_text().splitlines()
+    lines[-1] = json.dumps({**json.loads(lines[-1]), "epoch": last["epoch"] - 0.5})
+    (folder / "trainer_log.jsonl").write_text("\n".join(lines) + "\n")
+    code, recipe, said = imported(capsys, folder, tmp_path / "b")
+    assert code == 0 and "not carried: the epochs or max steps=unknown" in said, said

@@ -19,6 +19,7 @@ import json
 import re
 from pathlib import Path
 
+from finetune.card import HUB_ID
 from finetune.errors import ConfigError
 from finetune.reproduce.record import Baseline, Where
 from finetune.reproduce.sources.pickled_args import read_arguments
@@ -121,8 +122,26 @@ def read_model_files(b: Baseline, places: list, what: str) -> None:
         if found:
             b.weights = found[0]
             break
-    if b.adapter_config and not b.base_model:
-        b.base_model = b.adapter_config.get("base_model_name_or_path")
+    loaded = (b.adapter_config or {}).get("base_model_name_or_path")
+    if loaded and b.base_model and loaded != b.base_model:
+        base_models_differ(b, loaded)
+    elif loaded and not b.base_model:
+        b.base_model = loaded
+
+
+def base_models_differ(b: Baseline, loaded: str) -> None:
+    """The card names one base model and ``adapter_config.json`` another (``loaded``: what peft loaded the
+    adapters onto): that one where it is a hub id (a card's ``base_model`` is written by hand, or a family's
+    name), else the card's — the other named in a line either way."""
+    named = b.base_model
+    if HUB_ID.match(loaded) and not Path(loaded).is_absolute():
+        b.base_model = loaded
+    if b.base_model == loaded:
+        b.uncarried.append(("the card's base model", named, f"the recipe takes adapter_config.json's {loaded}, the "
+                            "model the adapters were trained on: give --model if the baseline fine-tuned the other"))
+    else:
+        b.uncarried.append(("adapter_config.json's base model", loaded, f"a path of the machine it trained on; the "
+                            f"recipe takes the card's {named}: give --model if the baseline fine-tuned another"))
 
 
 def speed_batch(folder: Path, b, what: str) -> None:

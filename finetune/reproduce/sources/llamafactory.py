@@ -16,9 +16,7 @@ carried with why (:data:`NOT_CARRIED`); keys that only say where things go are r
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import typing
 from pathlib import Path
 
 import finetune.reproduce.sources.files as files
@@ -26,12 +24,19 @@ import finetune.reproduce.sources.llamafactory_kinds as kinds
 import finetune.reproduce.sources.llamafactory_rows as rows
 import finetune.reproduce.sources.llamafactory_v1 as v1
 from finetune.errors import ConfigError
-from finetune.registry import built_in_hints, section_class, task_module
-from finetune.reproduce.record import Baseline, Objective, Where, load_yaml, pure_precision
+from finetune.reproduce.record import Baseline, Where, load_yaml, pure_precision
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
+from finetune.reproduce.sources.llamafactory_stages import (
+    logged_stage,
+    pair_stage,
+    stage_allows,
+    stage_has,
+    stage_objective,
+    stage_of,
+    stages,
+)
 
 KIND = "LLaMA-Factory run"
-TOOL = "llamafactory"  # this tool's name in a task's CompareHints.peer_names
 LOG = "trainer_log.jsonl"
 SAVED_YAML = "training_args.yaml"  # what LLaMA-Factory's web UI writes into output_dir
 
@@ -204,24 +209,6 @@ def has_yaml(b) -> bool:
     return b.path.is_file() or (b.path / SAVED_YAML).is_file()
 
 
-def logged_stage(folder: Path) -> tuple:
-    """(the stage an output folder's log shows, how it is known, whether the log shows it): the stage of the task
-    whose log marks (``CompareHints.log_marks``: DPO's ``rewards/chosen``) trainer_state's log holds, else
-    LLaMA-Factory's default stage (assumed: ``llamafactory-cli train --stage`` may have named another)."""
-    try:
-        history = json.loads((folder / "trainer_state.json").read_text()).get("log_history") or []
-    except (OSError, ValueError):
-        history = []
-    logged = {key for e in history if isinstance(e, dict) for key in e}
-    for hints in built_in_hints().values():
-        if TOOL in hints.peer_names and hints.log_marks and set(hints.log_marks) <= logged:
-            return hints.peer_names[TOOL], (f"trainer_state.json: its log holds {', '.join(hints.log_marks)}, a "
-                                            f"{hints.peer_names[TOOL]} stage"), True
-    default = next(h.peer_names[TOOL] for h in built_in_hints().values() if TOOL in h.peer_default)
-    return default, (f"no YAML: LLaMA-Factory's default stage, {default} (its log holds none of another stage's "
-                     "marks; the command line may have named another)"), False
-
-
 def read_log(path: Path, b, what: str) -> None:
     """``trainer_log.jsonl``: one line per logged step (``current_steps``, ``total_steps``, ``loss``, ``lr``,
     ``epoch``). Where trainer_state.json gave no log (a run stopped early keeps only this file), its entries are the
@@ -246,6 +233,11 @@ def read_log(path: Path, b, what: str) -> None:
             b.evals.append((int(e["current_steps"]), float(e["eval_loss"])))
         if e.get("total_steps"):
             b.args.setdefault("schedule_steps", (int(e["total_steps"]), f"{path.name}: total_steps"))
+        ended = e.get("total_steps") and int(e["current_steps"]) == int(e["total_steps"])
+        if ended and isinstance(e.get("epoch"), (int, float)) and float(e["epoch"]).is_integer() and e["epoch"]:
+            # the epoch its last planned step ends: the epochs it was given (a run cut by max_steps ends mid-epoch)
+            b.args.setdefault("num_train_epochs", (int(e["epoch"]), Where(path.name, f"epoch {e['epoch']} at its "
+                                                                          f"last step, {e['total_steps']}")))
     if not b.logs:
         b.logs = entries
         b.max_steps = b.max_steps or last  # its last line is the last step, with no loss logged
@@ -333,58 +325,6 @@ def _quantization(raw: dict, b, src) -> None:
         b.args["load_in_8bit"] = (True, src("quantization_bit"))
     else:
         b.uncarried.append(("quantization_bit", bits, "finetune quantizes to 4 or 8 bits"))
-
-
-def stage_task(stage) -> str | None:
-    """The built-in task LLaMA-Factory's ``stage`` trains (the one whose hints name it; no stage: LLaMA-Factory's
-    default), None for a stage no task trains."""
-    for name, hints in built_in_hints().items():
-        if (hints.peer_names.get(TOOL) == stage) if stage is not None else TOOL in hints.peer_default:
-            return name
-    return None
-
-
-def stage_objective(b) -> Objective | None:
-    """The task the run's stage trains (``b.own["stage"]``, else LLaMA-Factory's default stage), with where the
-    stage is said; None for a stage no task trains."""
-    stage, where = b.own.get("stage", (None, f"{b.path.name}: no stage (LLaMA-Factory's default, {stage_of(None)})"))
-    task = stage_task(stage)
-    return Objective(task, str(where)) if task else None
-
-
-def stage_of(task) -> str:
-    """LLaMA-Factory's name for a task's stage (None: its default stage's)."""
-    hints = built_in_hints()
-    return next(h.peer_names[TOOL] for name, h in hints.items() if TOOL in h.peer_names and
-                (name == task if task is not None else TOOL in h.peer_default))
-
-
-def pair_stage() -> str:
-    """LLaMA-Factory's stage that trains preference pairs: that of the task whose step depends on a beta."""
-    return next(h.peer_names[TOOL] for h in built_in_hints().values() if TOOL in h.peer_names and
-                "model.beta" in h.step_settings)
-
-
-def stages() -> list:
-    """The stages of LLaMA-Factory that finetune trains."""
-    return [h.peer_names[TOOL] for h in built_in_hints().values() if TOOL in h.peer_names]
-
-
-def stage_has(b, section: str, name: str) -> bool:
-    """Whether the task the baseline's stage trains has the setting ``section.name`` (its hints' tool, not the
-    recipe's: a stage's own settings are carried only from the stage that has them)."""
-    if b.objective is None:
-        return False
-    module = task_module(b.objective.name)
-    return name in {f.name for f in dataclasses.fields(section_class(module, f"{section.title()}Config"))}
-
-
-def stage_allows(b, section: str, name: str, value) -> bool:
-    """Whether the stage's task takes ``value`` for the setting ``section.name`` (one of its choices)."""
-    if not stage_has(b, section, name):
-        return False
-    hint = typing.get_type_hints(section_class(task_module(b.objective.name), f"{section.title()}Config"))[name]
-    return value in typing.get_args(hint)
 
 
 def carry_own(b, out, model_fields, data_fields: set, baseline_step: bool) -> None:
