@@ -104,7 +104,24 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
         out.skip(setting, value, why)
     if b.source is not None:  # a tool's own settings (LLaMA-Factory's template, stage), last
         b.source.carry_own(b, out, model_fields, data_fields, baseline_step)
+    _unsaid(b, out)
     return out
+
+
+# the step's settings a recipe always has: where no file of the baseline says one, the recipe's own is kept, said
+STEP_FIELDS = (("training.learning_rate", "learning_rate"), ("training.lr_scheduler", "lr_scheduler_type"),
+               ("training.effective_batch_size", "per_device_train_batch_size"))
+
+
+def _unsaid(b: Baseline, out: Imported) -> None:
+    """One not-carried line for each step setting (learning rate, schedule, batch, length) that no file of the
+    baseline says and no earlier line names: the recipe's own value is not the baseline's."""
+    for field, name in STEP_FIELDS:
+        if field not in out.values and not out.skipped(name):
+            out.skip(field, "unknown", f"the {b.kind} does not say it; the recipe's own is kept")
+    if "training.epochs" not in out.values and "training.max_steps" not in out.values:
+        out.skip("training.epochs / max_steps", "unknown", f"the {b.kind} does not say how long it trained; the "
+                 "recipe's own length is kept")
 
 
 # where accelerate leaves the casting to the engine (Accelerator.__init__ sets up no autocast under them)
@@ -415,6 +432,12 @@ def _lora(b: Baseline, out: Imported) -> bool:
                                     "adapter_config.json, no card's library_name): the recipe's peft section"))
         return False
     out.set("peft.enabled", True, where)
+    modules = values["target_modules"]
+    if modules is not None and not (isinstance(modules, str) or isinstance(modules, list) and
+                                    all(isinstance(m, str) for m in modules)):
+        values["target_modules"] = None  # a script's own object serialised in their place (an OmegaConf list)
+        out.skip("target_modules", f"a {type(modules).__name__}", f"{where} holds no list of module names; the "
+                 "recipe's peft.target_modules are kept")
     for key, value in values.items():
         if value is not None:
             if isinstance(value, float) and key in ("r", "alpha") and value.is_integer():

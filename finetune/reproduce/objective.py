@@ -122,7 +122,18 @@ def _argument_class(b: Baseline) -> Optional[Objective]:
     name, where = b.args_class
     stem = name.removeprefix("Unsloth")
     objective = named_task(stem) or CLASSES.get(stem)
+    if objective == "seq2seq" and _decoder(b):
+        return None
     return Objective(objective, f"{where}: {name}") if objective else None
+
+
+def _decoder(b: Baseline) -> bool:
+    """Whether the model's own files say it is a decoder: its config.json without ``is_encoder_decoder``, or its
+    adapters' ``task_type: CAUSAL_LM``. Seq2SeqTrainingArguments (its class, its predict_with_generate …) says
+    nothing then: LLaMA-Factory and ms-swift save it for every causal LM they fine-tune."""
+    config, adapter = b.model_config or {}, b.adapter_config or {}
+    return bool(config.get("architectures")) and not config.get("is_encoder_decoder") or \
+        adapter.get("task_type") == "CAUSAL_LM"
 
 
 def task_of(b: Baseline, what: str = "import") -> Optional[str]:
@@ -157,7 +168,7 @@ def _marks(b: Baseline) -> Optional[Objective]:
     own = [(name, h.arg_marks) for name, h in marked_tasks()]
     for name, keys in MARKS + tuple(own):
         key = next((k for k in keys if k in b.args), None)
-        if key is not None:
+        if key is not None and not (name == "seq2seq" and _decoder(b)):
             return Objective(name, f"{_where(b, key)} (only {name}'s trainer takes it)")
     key = next((k for k in PREFERENCE if k in b.args), None)
     if key is None:

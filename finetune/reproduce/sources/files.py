@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline, Where
+from finetune.reproduce.record import Baseline, Where, file_of
 from finetune.reproduce.sources.pickled_args import read_arguments
 
 CARD = "README.md (model card)"
@@ -82,6 +82,8 @@ def read_folder(folder: Path, what: str) -> Baseline:
         read_trainer_state(state, b, what)
     elif events:
         read_events(events, b)
+    elif not has_args_file(folder) and is_card_folder(folder):
+        return read_card_folder(folder, what)
     elif not has_args_file(folder):
         raise ConfigError(f"{what}: {folder} holds no trainer_state.json (nor a checkpoint-*/ with one) and no "
                           "training_args.bin; give a Trainer/TRL output or checkpoint folder, a Hub folder with its "
@@ -92,11 +94,40 @@ def read_folder(folder: Path, what: str) -> Baseline:
         card = Baseline("model card", folder / "README.md")
         read_card(folder / "README.md", card, what, required=False)
         b.args = {**card.args, **b.args}  # the arguments files, when present, say it first hand
-        b.base_model = card.base_model
+        b.base_model, b.base_model_where = card.base_model, card.base_model_where
         b.tags = card.tags
         if not b.evals:
             b.evals = card.evals
     read_model_files(b, [folder, where], what)
+    speed_batch(folder, b, what)
+    return b
+
+
+def unsaid_accumulation(b: Baseline) -> None:
+    """Where only trainer_state.json says the batch (its train_batch_size, the per-device one) and no file the
+    source read says the accumulation, the total batch or the speed metrics that give it: the accumulation is
+    assumed 1, said so (a tool's config that leaves it at its default 1 says it; a folder without arguments does
+    not). Run after the source's reader, which may read its own config over the Trainer's files."""
+    said = ("gradient_accumulation_steps", "total_train_batch_size", "speed_batch")
+    where = b.args.get("per_device_train_batch_size", (None, ""))[1]
+    if str(file_of(where)).endswith(STATE) and not any(k in b.args for k in said):
+        b.assumed.setdefault("gradient_accumulation_steps", f"no arguments file, card list nor speed metrics of "
+                             f"the {b.kind} says the accumulation: 1 taken")
+
+
+def is_card_folder(folder: Path) -> bool:
+    """A folder whose only record of the run is its model card (a Hub or adapters folder pushed without
+    training_args.bin): its README.md lists the Trainer's hyperparameters."""
+    card = folder / "README.md"
+    return card.is_file() and bool(card_pairs(card.read_text(encoding="utf-8", errors="replace")))
+
+
+def read_card_folder(folder: Path, what: str) -> Baseline:
+    """A folder read as its model card, with the adapters' and model's configs beside it (their LoRA settings and
+    base model, which the card does not list)."""
+    b = Baseline("model card", folder / "README.md", card_only=True)
+    read_card(folder / "README.md", b, what, required=True)
+    read_model_files(b, [folder], what)
     return b
 
 
@@ -121,8 +152,9 @@ def read_model_files(b: Baseline, places: list, what: str) -> None:
         if found:
             b.weights = found[0]
             break
-    if b.adapter_config and not b.base_model:
+    if b.adapter_config and not b.base_model and b.adapter_config.get("base_model_name_or_path"):
         b.base_model = b.adapter_config.get("base_model_name_or_path")
+        b.base_model_where = "adapter_config.json: base_model_name_or_path"
 
 
 def speed_batch(folder: Path, b, what: str) -> None:
@@ -198,7 +230,8 @@ def read_front(text: str, path: Path, b: Baseline) -> None:
     front = re.match(r"(?:[^\n]*\n){0,4}?---\n(.*?)\n---", text, re.S)
     if front:
         base = re.search(r"^base_model:\s*(?:\n\s*-\s*)?(\S+)", front.group(1), re.M)
-        b.base_model = base.group(1).strip("'\"") if base else b.base_model
+        if base:
+            b.base_model, b.base_model_where = base.group(1).strip("'\""), f"{path.name}: base_model"
         tags = re.search(r"^tags:\s*\n((?:\s*-\s*.+\n?)+)", front.group(1) + "\n", re.M)
         b.tags = tuple(t.strip().strip("'\"") for t in re.findall(r"-\s*(.+)", tags.group(1))) if tags else b.tags
         library = re.search(r"^library_name:\s*(\S+)", front.group(1), re.M)

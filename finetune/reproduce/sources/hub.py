@@ -22,7 +22,7 @@ class Hub(Reader):
 
     def recognises(self, path: Path) -> bool:
         return path.is_dir() and files.state_file(path) is None and not files.event_files(path) and \
-            files.has_args_file(path)
+            (files.has_args_file(path) or files.is_card_folder(path))
 
     def read(self, path: Path, what: str) -> Baseline:
         return files.read_folder(path, what)
