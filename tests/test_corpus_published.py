@@ -76,6 +76,9 @@ def objective(r: dict) -> tuple:
         return "refused", "holds no trainer_state.json"
     if r["lf_yaml"] is not None and r["lf_yaml"].get("do_predict") and not r["lf_yaml"].get("do_train"):
         return "refused", "trains nothing"
+    heads = [a for a in r["config"].get("architectures") or [] if a.endswith(("ForMaskedLM", "Classification"))]
+    if heads:
+        return "refused", "which finetune does not"
     if r["axolotl"]:
         return "task", "dpo" if r["axolotl"].get("rl") in ("dpo", "ipo") else "sft"
     if "num_generations" in r["args"] or "reward_std" in r["logged"]:
@@ -315,3 +318,11 @@ def test_ms_swift_args_json_says_the_trainer_arguments(tmp_path, capsys):
     _edit_json(copy / "args.json", lambda a: a.pop("learning_rate"))
     recipe, text = _recipe(capsys, copy, tmp_path)
     assert "learning_rate" not in recipe["training"] and "training.learning_rate=unknown" in text
+
+
+def test_a_task_head_in_config_json_is_what_refuses_a_masked_lm(tmp_path, capsys):
+    copy = _copy(PUBLISHED / "trainer" / "Francis-xsc__BERT_Weibo_Rumor__root", tmp_path)
+    code, text = _import(capsys, copy, tmp_path / "refused.yaml")
+    assert code == 2 and "BertForMaskedLM" in text and not (tmp_path / "refused.yaml").exists()
+    _edit_json(copy / "config.json", lambda c: c.update(architectures=["BertLMHeadModelForCausalLM"]))
+    assert _recipe(capsys, copy, tmp_path)[0]["task"] == "clm"

@@ -32,6 +32,8 @@ NOT_TRAINED = {
     "process reward model": "a process reward model (a score per reasoning step)",
     "distillation": "knowledge distillation (a student trained on a teacher's outputs)",
     "seq2seq": "an encoder-decoder (seq2seq) model",
+    "masked lm": "a masked language model (a BERT-style encoder's fill-in-the-blank loss)",
+    "task head": "a model with a task head (classification, tagging, extractive QA, CTC) and its own loss",
     "ebft": "axolotl's EBFT (energy-based fine-tuning)",
     "gdpo": "axolotl's GDPO (group DPO)",
 }
@@ -224,7 +226,18 @@ def _architecture(b: Baseline) -> Optional[Objective]:
     if config.get("is_encoder_decoder"):
         kind = ", ".join(config.get("architectures") or []) or config.get("model_type") or "it"
         return Objective("seq2seq", f"config.json: is_encoder_decoder ({kind})")
+    for arch in config.get("architectures") or []:
+        head = next((name for name, ends in HEADS if str(arch).endswith(ends)), None)
+        if head is not None:
+            return Objective(head, f"config.json: architectures {arch}")
     return None
+
+
+# the heads transformers names its model classes by (``BertForMaskedLM``, ``…ForSequenceClassification``) that no
+# objective of finetune's trains: a config.json saved with one says what the run trained
+HEADS = (("masked lm", ("ForMaskedLM",)),
+         ("task head", ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                        "ForMultipleChoice", "ForCTC", "ForAudioClassification", "ForImageClassification")))
 
 
 def _causal(b: Baseline) -> Optional[Objective]:

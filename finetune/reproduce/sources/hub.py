@@ -17,7 +17,8 @@ from finetune.reproduce.sources.contract import Reader
 
 class Hub(Reader):
     name = "Hub folder"
-    reads = "a pushed model repo: training_args.bin (or .json), the card and the weights, no trainer_state.json"
+    reads = ("a pushed model repo: training_args.bin (or .json), the card and the weights, no trainer_state.json; "
+             "or an adapters folder whose card lists the Trainer's hyperparameters (adapter_config.json beside it)")
     general = True
 
     def recognises(self, path: Path) -> bool:
