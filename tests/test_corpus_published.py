@@ -205,17 +205,17 @@ def test_each_published_folder_is_read_as_its_files_say(folder, tmp_path, capsys
     VERDICTS[folder.name] = f"{recipe['task']}: " + ", ".join(shown)
 
 
-def test_the_published_corpus_spans_tools_years_and_objectives(capsys):
-    """At least 25 folders of 5 tools, whose verdicts hold imports of sft, clm, dpo and grpo and refusals."""
+def test_the_published_corpus_spans_tools_years_and_objectives():
+    """At least 25 folders of 5 tools, whose verdicts hold imports of sft, clm, dpo and grpo and refusals; the
+    verdicts of the folders imported before it are printed (pytest -s shows them)."""
     tools = {p.parent.name for p in UNITS}
     assert len(UNITS) >= 25 and len(tools - {"none"}) >= 5, (len(UNITS), tools)
     wants = {objective(raw(p)) for p in UNITS}
     assert {("task", t) for t in ("sft", "clm", "dpo", "grpo")} <= wants and any(w[0] == "refused" for w in wants)
     provenance = (PUBLISHED / "PROVENANCE.md").read_text()
     assert all(p.name in provenance for p in UNITS)
-    with capsys.disabled():
-        for name, verdict in sorted(VERDICTS.items()):
-            print(f"\n{name}: {verdict}", end="")
+    for name, verdict in sorted(VERDICTS.items()):
+        print(f"{name}: {verdict}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
