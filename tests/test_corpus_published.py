@@ -326,3 +326,12 @@ def test_a_task_head_in_config_json_is_what_refuses_a_masked_lm(tmp_path, capsys
     assert code == 2 and "BertForMaskedLM" in text and not (tmp_path / "refused.yaml").exists()
     _edit_json(copy / "config.json", lambda c: c.update(architectures=["BertLMHeadModelForCausalLM"]))
     assert _recipe(capsys, copy, tmp_path)[0]["task"] == "clm"
+
+
+def test_an_argument_saved_as_none_is_unset_not_a_setting_finetune_lacks(tmp_path, capsys):
+    """axolotl's training_args.bin saves group_by_length None: the Trainer's default order, nothing to name."""
+    copy = _copy(DPO_CHECKPOINT, tmp_path)
+    (copy / "training_args.json").write_text(json.dumps({"learning_rate": 1e-6, "group_by_length": None}))
+    assert "group_by_length" not in _recipe(capsys, copy, tmp_path)[1]
+    (copy / "training_args.json").write_text(json.dumps({"learning_rate": 1e-6, "group_by_length": True}))
+    assert "not carried: group_by_length=True" in _recipe(capsys, copy, tmp_path)[1]

@@ -91,8 +91,8 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
         missing = [f"{k} (Trainer default {v})" for k, v in CARD_OMITS.items() if k not in b.args]
         if missing:
             out.not_carried.append("not in the model card, the recipe's values kept: " + ", ".join(missing))
-    for name, why in NO_COUNTERPART.items():
-        if get(name, DEFAULTS[name]) not in (DEFAULTS[name], {}, 0, 0.0, False):
+    for name, why in NO_COUNTERPART.items():  # None is unset for each (axolotl's arguments save group_by_length so)
+        if get(name, DEFAULTS[name]) not in (DEFAULTS[name], None, {}, 0, 0.0, False):
             out.skip(name, get(name), why)
     _drop_last(b, out)
     _data_parallel(b, out, baseline_step)
