@@ -335,3 +335,15 @@ def test_an_argument_saved_as_none_is_unset_not_a_setting_finetune_lacks(tmp_pat
     assert "group_by_length" not in _recipe(capsys, copy, tmp_path)[1]
     (copy / "training_args.json").write_text(json.dumps({"learning_rate": 1e-6, "group_by_length": True}))
     assert "not carried: group_by_length=True" in _recipe(capsys, copy, tmp_path)[1]
+
+
+def test_grpo_top_k_none_filters_nothing_like_finetunes_top_k_0(tmp_path, capsys):
+    """Older TRL's GRPOConfig saves top_k None (no top-k filtering): finetune's sampling, not a difference."""
+    run = "tatami-galaxy__rl-math-unsloth__experiments__rl_training__rl_runs__checkpoint-100"
+    copy = _copy(PUBLISHED / "unsloth" / run, tmp_path)
+    args = {"learning_rate": 5e-6, "num_generations": 4, "top_k": None}
+    (copy / "training_args.json").write_text(json.dumps(args))
+    recipe, text = _recipe(capsys, copy, tmp_path)
+    assert recipe["task"] == "grpo" and "not carried: top_k" not in text
+    (copy / "training_args.json").write_text(json.dumps({**args, "top_k": 50}))
+    assert "not carried: top_k=50" in _recipe(capsys, copy, tmp_path)[1]
