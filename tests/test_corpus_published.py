@@ -79,6 +79,8 @@ def objective(r: dict) -> tuple:
     heads = [a for a in r["config"].get("architectures") or [] if a.endswith(("ForMaskedLM", "Classification"))]
     if heads:
         return "refused", "which finetune does not"
+    if "log_odds_ratio" in r["logged"]:  # ORPOTrainer's own column
+        return "refused", "ORPO"
     if r["axolotl"]:
         return "task", "dpo" if r["axolotl"].get("rl") in ("dpo", "ipo") else "sft"
     if "num_generations" in r["args"] or "reward_std" in r["logged"]:
