@@ -6,7 +6,8 @@ LLaMA-Factory, ms-swift) reads its files here, and this module knows none of tho
   alone (a Hub folder); the arguments from ``training_args.json`` or else ``training_args.bin``
   (:mod:`pickled_args`); the model card; ``config.json``, ``adapter_config.json`` and the saved weights;
 * a model card ``README.md``: its "Training hyperparameters" list and "Training results" table (transformers writes
-  both into every Trainer-pushed card);
+  both into every Trainer-pushed card); alone, or as the one record of a folder published without its arguments
+  (``adapter_config.json`` and ``config.json`` read beside it);
 * the arguments alone: ``TrainingArguments.to_json_string()`` or ``training_args.bin``.
 
 Every value is kept with its source (``Baseline.args[name] = (value, source)``), so ``finetune import`` can say
