@@ -458,7 +458,7 @@ def test_a_setting_no_file_says_is_said_so(tmp_path, capsys):
     """NSLLM's folder says no learning rate, scheduler or warm-up: a line for each; a folder whose card says the
     learning rate (control) has none for it."""
     code, recipe, said = imported(capsys, CORPUS / "llamafactory" / "runs" / "nsllm-pt-2025", tmp_path / "a.yaml")
-    for name in ("the learning rate", "the lr scheduler", "the warm-up"):
+    for name in ("training.learning_rate", "training.lr_scheduler", "training.warmup_steps"):
         assert f"not carried: {name}=unknown" in said, said
     code, recipe, said = imported(capsys, CORPUS / "llamafactory" / "runs" / "luojiu-7b-2023", tmp_path / "b.yaml")
-    assert code == 0 and "the learning rate=unknown" not in said
+    assert code == 0 and "training.learning_rate=unknown" not in said

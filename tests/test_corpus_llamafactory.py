@@ -329,4 +329,4 @@ def test_the_epochs_are_the_epoch_its_last_planned_step_ends(tmp_path, capsys):
     lines[-1] = json.dumps({**json.loads(lines[-1]), "epoch": last["epoch"] - 0.5})
     (folder / "trainer_log.jsonl").write_text("\n".join(lines) + "\n")
     code, recipe, said = imported(capsys, folder, tmp_path / "b")
-    assert code == 0 and "not carried: the epochs or max steps=unknown" in said, said
+    assert code == 0 and "not carried: training.epochs / max_steps=unknown" in said, said

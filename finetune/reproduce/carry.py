@@ -91,8 +91,8 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
         missing = [f"{k} (Trainer default {v})" for k, v in CARD_OMITS.items() if k not in b.args]
         if missing:
             out.not_carried.append("not in the model card, the recipe's values kept: " + ", ".join(missing))
-    for name, why in NO_COUNTERPART.items():
-        if get(name, DEFAULTS[name]) not in (DEFAULTS[name], {}, 0, 0.0, False):
+    for name, why in NO_COUNTERPART.items():  # None is unset for each (axolotl's arguments save group_by_length so)
+        if get(name, DEFAULTS[name]) not in (DEFAULTS[name], None, {}, 0, 0.0, False):
             out.skip(name, get(name), why)
     _drop_last(b, out)
     _data_parallel(b, out, baseline_step)
@@ -104,7 +104,28 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
         out.skip(setting, value, why)
     if b.source is not None:  # a tool's own settings (LLaMA-Factory's template, stage), last
         b.source.carry_own(b, out, model_fields, data_fields, baseline_step)
+    _unsaid(b, out)
     return out
+
+
+# the step's settings a recipe always has: where no file of the baseline says one, the recipe's own is kept, said;
+# each with the words of a line that already names it (a value read but not carried)
+STEP_FIELDS = (("training.learning_rate", ("learning",)), ("training.lr_scheduler", ("scheduler",)),
+               ("training.effective_batch_size", ("batch", "accumulation")),
+               ("training.warmup_steps", ("warmup", "warm-up")))
+
+
+def _unsaid(b: Baseline, out: Imported) -> None:
+    """One not-carried line for each step setting (learning rate, schedule, batch, warm-up, length) that no file of
+    the baseline says and no earlier line names: the recipe's own value is not the baseline's."""
+    named = " ".join(str(s.setting).lower() for s in out.skips())
+    for field, words in STEP_FIELDS:
+        if field not in out.values and not any(w in named for w in words):
+            out.skip(field, "unknown", f"the {b.kind} does not say it; the recipe's own is kept")
+    if "training.epochs" not in out.values and "training.max_steps" not in out.values and \
+            not any(w in named for w in ("epoch", "max_steps")):
+        out.skip("training.epochs / max_steps", "unknown", f"the {b.kind} does not say how long it trained; the "
+                 "recipe's own length is kept")
 
 
 # where accelerate leaves the casting to the engine (Accelerator.__init__ sets up no autocast under them)
@@ -415,6 +436,12 @@ def _lora(b: Baseline, out: Imported) -> bool:
                                     "adapter_config.json, no card's library_name): the recipe's peft section"))
         return False
     out.set("peft.enabled", True, where)
+    modules = values["target_modules"]
+    if modules is not None and not (isinstance(modules, str) or isinstance(modules, list) and
+                                    all(isinstance(m, str) for m in modules)):
+        values["target_modules"] = None  # a script's own object serialised in their place (an OmegaConf list)
+        out.skip("target_modules", f"a {type(modules).__name__}", f"{where} holds no list of module names; the "
+                 "recipe's peft.target_modules are kept")
     for key, value in values.items():
         if value is not None:
             if isinstance(value, float) and key in ("r", "alpha") and value.is_integer():

@@ -27,7 +27,7 @@ from typing import Optional
 import yaml
 
 from finetune.card import file_sha256
-from finetune.config import apply_overrides, build_section, config_from_dict, read_yaml
+from finetune.config import TrainingConfig, apply_overrides, build_section, config_from_dict, read_yaml
 from finetune.errors import ConfigError
 from finetune.registry import recipe_path, resolve_task, section_class, task_module
 from finetune.reproduce.architecture import model_config_of, model_difference
@@ -75,12 +75,13 @@ def objective_row(b: Baseline, imported: Imported, task: Optional[str], base_rec
     objective = said_objective(b)
     if base_recipe is None:
         imported.set("task", task or "clm", objective.where if objective else
-                     f"not said by the {b.kind} (no trainer's key, log column or tag): a causal LM's loss on every "
-                     "token; give --recipe BASE of the task it trained if it is another")
+                     f"the {b.kind}: its tool's own trainer, {task} (no other trainer's key, log column or tag)"
+                     if task else f"not said by the {b.kind} (no trainer's key, log column or tag): a causal LM's "
+                     "loss on every token; give --recipe BASE of the task it trained if it is another")
         imported.rows.insert(0, imported.rows.pop())
         if "objective" in b.assumed:
             imported.assumed.append(("task", f"{task} — {b.assumed['objective']}"))
-        if objective is None:
+        if objective is None and task is None:
             imported.skip("the objective", "unknown", f"the {b.kind} does not say what it trained; this recipe "
                           "trains clm")
     elif objective is not None and ours != objective.name:
@@ -106,7 +107,7 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     imported = carry(baseline, model_fields, data_fields, request.steps, request.initial_adapter,
                      request.baseline_step)
     objective_row(baseline, imported, task, base, raw.get("task"))
-    unsaid(baseline, imported)
+    untaken(imported, module, raw.get("task"))
     named = data is None and baseline.data_file is not None  # the file the source names, when no --data is given
     training_file(imported, baseline.data_file[0] if named else data, data_fields, baseline, request.recipe,
                   baseline.data_file[1] if named else "--data")
@@ -126,6 +127,9 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
         # baseline's is the one it trained; the architecture check below still refuses a different one
         imported.set("model.name_or_path", baseline.base_model, f"the baseline's base model (the recipe's {ours} "
                      "replaced; its task and data kept)")
+    elif baseline.base_model and not base:  # the skeleton's model: said where, like every other field
+        imported.set("model.name_or_path", baseline.base_model, baseline.base_model_where or
+                     f"the {baseline.kind}'s base model")
     raw = apply_overrides(raw, [(name.split("."), value) for name, value in imported.values.items()])
     check_training_file(module, raw, "data.source" in imported.values)
     if not base:
@@ -142,22 +146,19 @@ def import_recipe(source, request: Request = Request()) -> tuple[dict, Imported,
     return raw, imported, baseline
 
 
-# what shapes every run's steps, which some sources do not say (a folder without its arguments): the recipe field, the
-# words of a line that already names it (a value not carried), and its name in the line said when none does
-EVERY_RUN = (("training.learning_rate", ("learning",), "the learning rate"),
-             ("training.effective_batch_size", ("batch", "accumulation"), "the effective batch"),
-             ("training.epochs", ("epoch", "max_steps"), "the epochs or max steps"),
-             ("training.lr_scheduler", ("scheduler",), "the lr scheduler"),
-             ("training.warmup_steps", ("warmup", "warm-up"), "the warm-up"))
-
-
-def unsaid(b: Baseline, imported: Imported) -> None:
-    """A line for each setting of every run that the source neither says nor names: the recipe's value is kept,
-    not the baseline's (which no file says)."""
-    named = " ".join(str(s.setting).lower() for s in imported.skips())
-    for field, words, name in EVERY_RUN:
-        if field not in imported.values and not any(w in named for w in words):
-            imported.skip(name, "unknown", f"the {b.kind} does not say it; the recipe's is kept")
+def untaken(imported: Imported, module, task) -> None:
+    """A carried value the recipe's field cannot hold (one of a fixed set of words: TRL's truncation_mode keep_end
+    where the task cuts only the end) is not carried, named with the words the task takes, not a refusal."""
+    for name, value in list(imported.values.items()):
+        section, _, field = name.partition(".")
+        owner = {"data": section_class(module, "DataConfig"), "model": section_class(module, "ModelConfig"),
+                 "training": TrainingConfig}.get(section)
+        kind = typing.get_type_hints(owner).get(field) if owner is not None and dataclasses.is_dataclass(owner) \
+            else None
+        if typing.get_origin(kind) is typing.Literal and value not in typing.get_args(kind):
+            del imported.values[name]
+            imported.rows = [r for r in imported.rows if r[0] != name]
+            imported.skip(name, value, f"the {task} task takes {' | '.join(map(str, typing.get_args(kind)))}")
 
 
 def check_training_file(module, raw: dict, named: bool) -> None:

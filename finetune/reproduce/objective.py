@@ -32,6 +32,8 @@ NOT_TRAINED = {
     "process reward model": "a process reward model (a score per reasoning step)",
     "distillation": "knowledge distillation (a student trained on a teacher's outputs)",
     "seq2seq": "an encoder-decoder (seq2seq) model",
+    "masked lm": "a masked language model (a BERT-style encoder's fill-in-the-blank loss)",
+    "task head": "a model with a task head (classification, tagging, extractive QA, CTC) and its own loss",
     "ebft": "axolotl's EBFT (energy-based fine-tuning)",
     "gdpo": "axolotl's GDPO (group DPO)",
 }
@@ -119,7 +121,18 @@ def _argument_class(b: Baseline) -> Optional[Objective]:
     name, where = b.args_class
     stem = name.removeprefix("Unsloth")
     objective = named_task(stem) or CLASSES.get(stem)
+    if objective == "seq2seq" and _decoder(b):
+        return None
     return Objective(objective, f"{where}: {name}") if objective else None
+
+
+def _decoder(b: Baseline) -> bool:
+    """Whether the model's own files say it is a decoder: its config.json without ``is_encoder_decoder``, or its
+    adapters' ``task_type: CAUSAL_LM``. Seq2SeqTrainingArguments (its class, its predict_with_generate …) says
+    nothing then: LLaMA-Factory and ms-swift save it for every causal LM they fine-tune."""
+    config, adapter = b.model_config or {}, b.adapter_config or {}
+    return bool(config.get("architectures")) and not config.get("is_encoder_decoder") or \
+        adapter.get("task_type") == "CAUSAL_LM"
 
 
 def task_of(b: Baseline, what: str = "import") -> Optional[str]:
@@ -154,7 +167,7 @@ def _marks(b: Baseline) -> Optional[Objective]:
     own = [(name, h.arg_marks) for name, h in marked_tasks()]
     for name, keys in MARKS + tuple(own):
         key = next((k for k in keys if k in b.args), None)
-        if key is not None:
+        if key is not None and not (name == "seq2seq" and _decoder(b)):
             return Objective(name, f"{_where(b, key)} (only {name}'s trainer takes it)")
     key = next((k for k in PREFERENCE if k in b.args), None)
     if key is None:
@@ -210,7 +223,18 @@ def _architecture(b: Baseline) -> Optional[Objective]:
     if config.get("is_encoder_decoder"):
         kind = ", ".join(config.get("architectures") or []) or config.get("model_type") or "it"
         return Objective("seq2seq", f"config.json: is_encoder_decoder ({kind})")
+    for arch in config.get("architectures") or []:
+        head = next((name for name, ends in HEADS if str(arch).endswith(ends)), None)
+        if head is not None:
+            return Objective(head, f"config.json: architectures {arch}")
     return None
+
+
+# the heads transformers names its model classes by (``BertForMaskedLM``, ``…ForSequenceClassification``) that no
+# objective of finetune's trains: a config.json saved with one says what the run trained
+HEADS = (("masked lm", ("ForMaskedLM",)),
+         ("task head", ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                        "ForMultipleChoice", "ForCTC", "ForAudioClassification", "ForImageClassification")))
 
 
 def _causal(b: Baseline) -> Optional[Objective]:

@@ -82,6 +82,7 @@ class Baseline:
     adapter_config: Optional[dict] = None         # adapter_config.json
     weights: Optional[Path] = None                # model.safetensors / adapter_model.safetensors
     base_model: Optional[str] = None              # the model it fine-tuned, as the source names it
+    base_model_where: Optional[str] = None        # where base_model is said (None: the source's own file)
     unknown: list = field(default_factory=list)   # keys of the source that finetune does not know (axolotl)
     uncarried: list = field(default_factory=list)  # (setting, value, why) the source's reader knows finetune lacks
     lr_rounding: float = 1e-9                      # relative rounding of its logged lr (TensorBoard keeps fp32)

@@ -151,7 +151,9 @@ def grpo_settings(b: Baseline, out: Imported, model_fields: dict) -> None:
     if size and "generation_batch_size" in model_fields:
         out.set("model.generation_batch_size", int(size), where)
     for name, (default, why) in GRPO_NO_COUNTERPART.items():
-        if get(name, default) not in (default, {}):
+        # None where the default is off (top_k 0, use_vllm false): off too (older TRL's top_k=None filters nothing)
+        off = (default, {}) + ((None,) if default in (0, False, None) else ())
+        if get(name, default) not in off:
             out.skip(name, get(name), why)
     if "disable_dropout" in b.args and "dropout" in model_fields and get("disable_dropout"):
         out.set("model.dropout", 0.0, f"{b.args['disable_dropout'][1]}: disable_dropout")

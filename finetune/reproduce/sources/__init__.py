@@ -16,6 +16,7 @@ from finetune.reproduce.processes import settled
 from finetune.reproduce.record import Baseline, Source, load_yaml
 from finetune.reproduce.sources import (
     axolotl,
+    files,
     finetune_run,
     hub,
     llamafactory,
@@ -66,9 +67,11 @@ def read_baseline(path, what: str = "baseline", processes: Optional[int] = None,
         if path.suffix.lower() in (".yaml", ".yml"):
             load_yaml(path, what)  # a file that is not YAML is said so first
         said = "holds no trainer_state.json (nor a checkpoint-*/ with one) and no training_args.bin, nor another " \
-            "tool's run" if path.is_dir() else "is not a run finetune reads"
+            "tool's run" + (", and its README.md lists no training hyperparameters" if (path / "README.md").is_file()
+                            else "") if path.is_dir() else "is not a run finetune reads"
         raise ConfigError(f"{what}: {path} {said} (a run of {names()}: finetune import --help says what of each)")
     b = source.read(path, what)
+    files.unsaid_accumulation(b)  # after the reader: its own config may say what the Trainer's files do not
     b.source = source
     b.processes = settled(b, source.processes(b), processes, data)
     return b

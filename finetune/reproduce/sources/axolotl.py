@@ -217,13 +217,19 @@ def read_card(path: Path, what: str) -> Baseline:
 def read_folder(folder: Path, what: str) -> Baseline:
     """An axolotl output or Hub folder: the Trainer's files, with what the config block of its card says beyond the
     Trainer's arguments (its task, row order, template, warm-up rounding)."""
+    if files.state_file(folder) is None and not files.event_files(folder) and not files.has_args_file(folder):
+        b = read_card(folder / "README.md", what)  # a Hub or adapters folder: its card, with the configs beside it
+        files.read_model_files(b, [folder], what)
+        return b
     b = files.read_folder(folder, what)
     card = Baseline("model card", folder / "README.md")
     text = card.path.read_text(encoding="utf-8", errors="replace")
     files.read_front(text, card.path, card)
     card_config(text, card.path, card)
     b.args = {**card.args, **b.args}  # the Trainer's arguments and list, when present, say it first hand
-    b.unknown, b.uncarried, b.base_model = card.unknown, card.uncarried, card.base_model or b.base_model
+    b.unknown, b.uncarried = card.unknown, card.uncarried
+    if card.base_model:
+        b.base_model, b.base_model_where = card.base_model, card.base_model_where
     b.objective, b.own, b.shuffled, b.data_file = card.objective, card.own, card.shuffled, card.data_file
     return b
 

@@ -6,7 +6,8 @@ LLaMA-Factory, ms-swift) reads its files here, and this module knows none of tho
   alone (a Hub folder); the arguments from ``training_args.json`` or else ``training_args.bin``
   (:mod:`pickled_args`); the model card; ``config.json``, ``adapter_config.json`` and the saved weights;
 * a model card ``README.md``: its "Training hyperparameters" list and "Training results" table (transformers writes
-  both into every Trainer-pushed card);
+  both into every Trainer-pushed card); alone, or as the one record of a folder published without its arguments
+  (``adapter_config.json`` and ``config.json`` read beside it);
 * the arguments alone: ``TrainingArguments.to_json_string()`` or ``training_args.bin``.
 
 Every value is kept with its source (``Baseline.args[name] = (value, source)``), so ``finetune import`` can say
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from finetune.card import HUB_ID
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline, Where
+from finetune.reproduce.record import Baseline, Where, file_of
 from finetune.reproduce.sources.pickled_args import read_arguments
 
 CARD = "README.md (model card)"
@@ -83,6 +84,8 @@ def read_folder(folder: Path, what: str) -> Baseline:
         read_trainer_state(state, b, what)
     elif events:
         read_events(events, b)
+    elif not has_args_file(folder) and is_card_folder(folder):
+        return read_card_folder(folder, what)
     elif not has_args_file(folder):
         raise ConfigError(f"{what}: {folder} holds no trainer_state.json (nor a checkpoint-*/ with one) and no "
                           "training_args.bin; give a Trainer/TRL output or checkpoint folder, a Hub folder with its "
@@ -93,11 +96,40 @@ def read_folder(folder: Path, what: str) -> Baseline:
         card = Baseline("model card", folder / "README.md")
         read_card(folder / "README.md", card, what, required=False)
         b.args = {**card.args, **b.args}  # the arguments files, when present, say it first hand
-        b.base_model = card.base_model
+        b.base_model, b.base_model_where = card.base_model, card.base_model_where
         b.tags = card.tags
         if not b.evals:
             b.evals = card.evals
     read_model_files(b, [folder, where], what)
+    speed_batch(folder, b, what)
+    return b
+
+
+def unsaid_accumulation(b: Baseline) -> None:
+    """Where only trainer_state.json says the batch (its train_batch_size, the per-device one) and no file the
+    source read says the accumulation, the total batch or the speed metrics that give it: the accumulation is
+    assumed 1, said so (a tool's config that leaves it at its default 1 says it; a folder without arguments does
+    not). Run after the source's reader, which may read its own config over the Trainer's files."""
+    said = ("gradient_accumulation_steps", "total_train_batch_size", "speed_batch")
+    where = b.args.get("per_device_train_batch_size", (None, ""))[1]
+    if str(file_of(where)).endswith(STATE) and not any(k in b.args for k in said):
+        b.assumed.setdefault("gradient_accumulation_steps", f"no arguments file, card list nor speed metrics of "
+                             f"the {b.kind} says the accumulation: 1 taken")
+
+
+def is_card_folder(folder: Path) -> bool:
+    """A folder whose only record of the run is its model card (a Hub or adapters folder pushed without
+    training_args.bin): its README.md lists the Trainer's hyperparameters."""
+    card = folder / "README.md"
+    return card.is_file() and bool(card_pairs(card.read_text(encoding="utf-8", errors="replace")))
+
+
+def read_card_folder(folder: Path, what: str) -> Baseline:
+    """A folder read as its model card, with the adapters' and model's configs beside it (their LoRA settings and
+    base model, which the card does not list)."""
+    b = Baseline("model card", folder / "README.md", card_only=True)
+    read_card(folder / "README.md", b, what, required=True)
+    read_model_files(b, [folder], what)
     return b
 
 
@@ -126,7 +158,7 @@ def read_model_files(b: Baseline, places: list, what: str) -> None:
     if loaded and b.base_model and loaded != b.base_model:
         base_models_differ(b, loaded)
     elif loaded and not b.base_model:
-        b.base_model = loaded
+        b.base_model, b.base_model_where = loaded, "adapter_config.json: base_model_name_or_path"
 
 
 def base_models_differ(b: Baseline, loaded: str) -> None:
@@ -135,7 +167,7 @@ def base_models_differ(b: Baseline, loaded: str) -> None:
     name), else the card's — the other named in a line either way."""
     named = b.base_model
     if HUB_ID.match(loaded) and not Path(loaded).is_absolute():
-        b.base_model = loaded
+        b.base_model, b.base_model_where = loaded, "adapter_config.json: base_model_name_or_path"
     if b.base_model == loaded:
         b.uncarried.append(("the card's base model", named, f"the recipe takes adapter_config.json's {loaded}, the "
                             "model the adapters were trained on: give --model if the baseline fine-tuned the other"))
@@ -217,7 +249,8 @@ def read_front(text: str, path: Path, b: Baseline) -> None:
     front = re.match(r"(?:[^\n]*\n){0,4}?---\n(.*?)\n---", text, re.S)
     if front:
         base = re.search(r"^base_model:\s*(?:\n\s*-\s*)?(\S+)", front.group(1), re.M)
-        b.base_model = base.group(1).strip("'\"") if base else b.base_model
+        if base:
+            b.base_model, b.base_model_where = base.group(1).strip("'\""), f"{path.name}: base_model"
         tags = re.search(r"^tags:\s*\n((?:\s*-\s*.+\n?)+)", front.group(1) + "\n", re.M)
         b.tags = tuple(t.strip().strip("'\"") for t in re.findall(r"-\s*(.+)", tags.group(1))) if tags else b.tags
         library = re.search(r"^library_name:\s*(\S+)", front.group(1), re.M)

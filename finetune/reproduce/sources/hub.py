@@ -17,12 +17,13 @@ from finetune.reproduce.sources.contract import Reader
 
 class Hub(Reader):
     name = "Hub folder"
-    reads = "a pushed model repo: training_args.bin (or .json), the card and the weights, no trainer_state.json"
+    reads = ("a pushed model repo: training_args.bin (or .json), the card and the weights, no trainer_state.json; "
+             "or an adapters folder whose card lists the Trainer's hyperparameters (adapter_config.json beside it)")
     general = True
 
     def recognises(self, path: Path) -> bool:
         return path.is_dir() and files.state_file(path) is None and not files.event_files(path) and \
-            files.has_args_file(path)
+            (files.has_args_file(path) or files.is_card_folder(path))
 
     def read(self, path: Path, what: str) -> Baseline:
         return files.read_folder(path, what)

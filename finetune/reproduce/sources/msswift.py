@@ -52,6 +52,14 @@ NOT_CARRIED = {
 }
 
 
+# the TrainingArguments that args.json holds beside swift's own (the same values training_args.bin pickles) and
+# that import carries: read from it where the folder has no training_args.bin
+TRAINER_KEYS = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs",
+                "max_steps", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay", "max_grad_norm",
+                "optim", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "data_seed", "bf16", "fp16",
+                "gradient_checkpointing", "eval_strategy", "eval_steps", "dataloader_drop_last", "logging_steps")
+
+
 def swift_args(path: Path) -> Optional[dict]:
     """The folder's ``args.json`` when ms-swift wrote it (its ``tuner_type`` and ``template`` beside the model's),
     else None."""
@@ -76,7 +84,11 @@ class MsSwift(Reader):
     def read(self, path: Path, what: str) -> Baseline:
         b = files.read_folder(path, what) if files.state_file(path) else Baseline(KIND, path)
         b.kind = KIND
-        read_args(files.json_object(path / ARGS, what), b)
+        args = files.json_object(path / ARGS, what)
+        for key in TRAINER_KEYS:  # args.json says them too: where no training_args.bin beside it does
+            if key in args and key not in b.args:
+                b.args[key] = (args[key], Where(ARGS, key))
+        read_args(args, b)
         return b
 
     def task(self, b: Baseline) -> Optional[str]:
@@ -101,7 +113,8 @@ def read_args(args: dict, b: Baseline) -> None:
     """swift's own arguments onto ``b``: its base model, length, template, what it trains on, the order of its rows,
     its LoRA or full fine-tuning, its dtype, and what finetune cannot take."""
     where = lambda key: Where(ARGS, key)  # noqa: E731
-    b.base_model = args.get("model") or b.base_model
+    if args.get("model"):
+        b.base_model, b.base_model_where = args["model"], f"{ARGS}: model"
     for key in ("template", "system", "loss_scale", "truncation_strategy", "rlhf_type", "tuner_type"):
         if key in args:
             b.own[key] = (args[key], where(key))

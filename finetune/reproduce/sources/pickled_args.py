@@ -171,6 +171,7 @@ def _member_by_getattr(owner, member):
 CONSTRUCTORS = {
     ("torch", "device"): _device,
     ("collections", "OrderedDict"): _ordered_dict,
+    ("builtins", "dict"): _ordered_dict, ("__builtin__", "dict"): _ordered_dict,  # a dict pickled by its class
     ("builtins", "set"): _as_list, ("builtins", "frozenset"): _as_list,
     ("__builtin__", "set"): _as_list, ("__builtin__", "frozenset"): _as_list,  # protocol 2's names for builtins
     ("builtins", "getattr"): _member_by_getattr, ("__builtin__", "getattr"): _member_by_getattr,
@@ -183,6 +184,11 @@ CONSTRUCTORS = {
     ("datetime", "date"): lambda *a: datetime.date(*_plain_args(*a)).isoformat(),
     ("datetime", "timedelta"): lambda *a: datetime.timedelta(*_plain_args(*a)).total_seconds(),
 }
+
+
+# typing's special forms, which OmegaConf's ListConfig / DictConfig pickle as their ref_type and element_type (a
+# script that hands a Hydra config's list to LoraConfig leaves one in the arguments): read as their names
+TYPING_FORMS = frozenset({"Any", "Optional", "Union", "List", "Dict", "Tuple"})
 
 
 def _stand_in(module: str, qualname: str, classes: dict) -> type:
@@ -226,6 +232,8 @@ class _ArgsUnpickler(pickle.Unpickler):
             return _Constructor(f"{module}.{name}", CONSTRUCTORS[module, name])
         if module == "torch" and name.startswith(DTYPE_PREFIXES) and name.isidentifier():
             return f"torch.{name}"  # a dtype: its name (a global read, not a call)
+        if module == "typing" and name in TYPING_FORMS:
+            return f"typing.{name}"  # an annotation a config library keeps in its fields (OmegaConf's ref_type)
         why = _refuse_global(module, name)
         if why:
             raise _Refused(f"{module}.{name} ({why})")
