@@ -55,7 +55,7 @@ def raw(folder: Path) -> dict:
             "pairs": pairs, "axolotl": axolotl,
             "lf_yaml": yaml.safe_load((folder / "training_args.yaml").read_text()) if (
                 folder / "training_args.yaml").is_file() else None,
-            "lf_log": (folder / "trainer_log.jsonl").is_file(), "lf_steps": _logged_steps(folder)}
+            "lf_log": (folder / "trainer_log.jsonl").is_file(), "lf_steps": _logged_steps(folder), "folder": folder}
 
 
 def _logged_steps(folder: Path):
@@ -63,6 +63,16 @@ def _logged_steps(folder: Path):
     log = folder / "trainer_log.jsonl"
     lines = log.read_text().splitlines() if log.is_file() else []
     return json.loads(lines[-1]).get("total_steps") if lines else None
+
+
+def _log_epochs(r: dict):
+    """LLaMA-Factory's trainer_log.jsonl: the epoch at its last line when that is its last planned step and a whole
+    epoch (a run cut mid-epoch says no epoch count)."""
+    log = r["folder"] / "trainer_log.jsonl"
+    lines = log.read_text().splitlines() if log.is_file() else []
+    last = json.loads(lines[-1]) if lines else {}
+    whole = last.get("current_steps") == last.get("total_steps") and float(last.get("epoch") or 0.5).is_integer()
+    return last["epoch"] if whole else None
 
 
 def said_run(r: dict) -> bool:
@@ -118,9 +128,12 @@ def said(r: dict) -> dict:
     steps = a.get("max_steps") if (a.get("max_steps") or -1) > 0 else p.get("training_steps", x.get("max_steps"))
     epochs = None if steps else a.get("num_train_epochs", p.get("num_epochs", x.get("num_epochs",
                                                                                   s.get("num_train_epochs"))))
+    epochs = epochs or (None if steps else _log_epochs(r))
     lora = r["adapter"] if r["adapter"].get("peft_type", "LORA") == "LORA" else {}
-    model = r["swift"].get("model") or r["front"].get("base_model") or x.get("base_model") or \
-        r["adapter"].get("base_model_name_or_path")
+    loaded = r["adapter"].get("base_model_name_or_path")
+    # the adapters' base where it is a hub id (owner/name, not a path of the machine it trained on): what they load on
+    hub = loaded if loaded and re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(loaded)) else None
+    model = r["swift"].get("model") or hub or r["front"].get("base_model") or x.get("base_model") or loaded
     return {"training.learning_rate": _number(lr), "training.lr_scheduler": scheduler,
             "training.effective_batch_size": batch, "training.max_steps": int(steps) if steps else None,
             "training.epochs": math.ceil(float(epochs)) if epochs else None, "peft.r": lora.get("r"),
