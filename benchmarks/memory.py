@@ -219,7 +219,7 @@ def plot(path, record: dict, b: int) -> None:
 def smollm2(n: int, seq: int):
     """SmolLM2-135M-Instruct (the sft-smollm2 recipe's model, fp32, dropout off) and ``n`` blocks of ``seq`` tokens
     of the Python docs in its tokenizer: (model, samples, collate)."""
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.models.forward import set_dropout
     from finetune.tasks import chat
 
@@ -296,7 +296,7 @@ def sft_model(overrides: list, lora: bool = True):
     """The sft-smollm2 recipe's model (SmolLM2-135M-Instruct unless ``overrides`` set ``model.name_or_path``) as the
     sft task loads it (``model.dtype`` / ``model.quantization`` through ``precision_kwargs``, LoRA by
     ``apply_peft``; ``lora=False``: the base it would wrap), dropout off: (model, tokenizer, recipe)."""
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.models.forward import set_dropout
     from finetune.models.hf import apply_peft, precision_kwargs
     from finetune.tasks import chat

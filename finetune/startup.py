@@ -37,7 +37,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
 from finetune import checkpoint, distributed, durable, loop, outputs, runlock
-from finetune.config import RecipeConfig, TrainingConfig, flatten, installed
+from finetune.config import RecipeConfig, TrainingConfig, flatten
 from finetune.engine_config import check_deepspeed, check_engine_config
 from finetune.errors import ConfigError
 from finetune.items import count_items, is_causal_lm
@@ -50,6 +50,7 @@ from finetune.optim import group_settings, lr_scale, make_optims
 from finetune.packing import decide_packing
 from finetune.registry import task_module
 from finetune.runlog import banner
+from finetune.schema import installed
 from finetune.shape import Shape
 from finetune.windows import WindowSpec, windows_per_epoch
 
@@ -191,7 +192,7 @@ def as_run(cfg: RecipeConfig, shape: Shape) -> RecipeConfig:
 
 def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
     """Refuse, naming the setting, what this machine or the launch cannot run (fail at set-up, not mid-run)."""
-    # not a field's needs (config.check_needs): the Python API names its tracker outside any recipe
+    # not a field's needs (schema.check_needs): the Python API names its tracker outside any recipe
     if tracker not in (None, "none") and not installed(tracker):
         raise ConfigError(f"output.tracker: {tracker} is not installed (pip install {tracker}); "
                           "or set output.tracker=none")

@@ -35,12 +35,14 @@ import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
 from finetune import tables
-from finetune.config import BaseDataConfig, ConfigError, doc
+from finetune.config import BaseDataConfig
 from finetune.data import attention_mask, require_columns, right_pad, row_place
+from finetune.errors import ConfigError
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models import precision
 from finetune.models.hf import peft_save_hook
 from finetune.models.loss_head import model_sequence_log_probs
+from finetune.schema import doc
 from finetune.tasks import chat
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")

@@ -42,11 +42,13 @@ import torch
 from accelerate.utils import gather_object
 
 from finetune import tables
-from finetune.config import BaseDataConfig, ConfigError, doc
+from finetune.config import BaseDataConfig
 from finetune.data import require_columns, split_samples
+from finetune.errors import ConfigError
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models.forward import shards_weights
 from finetune.models.hf import peft_save_hook
+from finetune.schema import doc
 from finetune.seeding import permutation, step_seed
 from finetune.tasks import chat
 

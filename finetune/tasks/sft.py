@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from finetune import tables
-from finetune.config import BaseDataConfig, ConfigError, Needs, doc
+from finetune.config import BaseDataConfig
 from finetune.data import attention_mask, parse_rows, require_columns, right_pad, row_place
+from finetune.errors import ConfigError
 from finetune.evaluation import load_metric
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models.hf import peft_save_hook
 from finetune.packing import collate_rows, contiguous_groups, greedy_knapsack, knapsack_row
+from finetune.schema import Needs, doc
 from finetune.tasks.chat import (
     ROLES,
     ChatModelConfig,
