@@ -449,7 +449,7 @@ def head_peaks(model, tokens: int) -> dict:
     states through ``model``'s frozen output layer (what TRL's step holds beyond finetune's is mostly here)."""
     from trl.kernels import ChunkedLogProbFunction
 
-    from finetune.models.loss_head import chunked_linear_cross_entropy
+    from finetune.models.loss_head import Head, chunked_linear_cross_entropy
 
     weight = model.get_output_embeddings().weight.detach()
     g = torch.Generator().manual_seed(0)
@@ -462,7 +462,7 @@ def head_peaks(model, tokens: int) -> dict:
                 loss = -ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0,
                                                      ("log_probs", "entropy", "is_top1"))[0].sum()
             else:
-                loss = chunked_linear_cross_entropy(hidden, weight, targets)
+                loss = chunked_linear_cross_entropy(hidden, Head(weight), targets)
             loss.backward()
         out[tool] = meter.peak
     return out

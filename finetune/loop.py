@@ -35,8 +35,8 @@ from finetune.optim import Optim
 from finetune.runlog import RunLog
 from finetune.shape import Shape
 from finetune.state import TrainState
-from finetune.steps import (  # noqa: F401
-    NonFiniteError,
+from finetune.steps import (
+    Backward,
     Update,
     WindowResult,
     accumulate_window,
@@ -153,6 +153,8 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
         with RunLog(run.accelerator, run.reporting.dir, state, run.shape.total_steps, run.shape.effective,
                     run.reporting.tracker, rewrite=saved is not None) as log:
             stream = open_stream(run, state)
+            backward = Backward(run.accelerator, run.model, run.forward_model, job.loss_fn, run.counter,
+                                offload=t.activation_offloading, divisor=run.divisor, scaler=run.scaler)
             while state.optimizer_step < run.shape.total_steps:
                 window, micro_batches, epoch_windows, held = next(stream, (None,) * 4)
                 if window is None:
@@ -163,9 +165,7 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                 if run.pad_to_window:  # bf16: every sample at the big batch's (or its baseline's) padded length
                     micro_batches = pad_to_window(run.accelerator, micro_batches, window.pad_lengths)
                 try:
-                    result = accumulate_window(run.accelerator, run.model, run.forward_model, job.loss_fn, window,
-                                               micro_batches, run.counter, offload=t.activation_offloading,
-                                               divisor=run.divisor, scaler=run.scaler)
+                    result = accumulate_window(backward, window, micro_batches)
                 except Exception as error:  # batch_size: auto out of memory → the same window, smaller micro-batches
                     if run.auto is None or not is_oom(error):
                         raise

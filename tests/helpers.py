@@ -439,11 +439,11 @@ def tail_weighted_as_mean(monkeypatch, full: int = 4) -> None:
 
     accumulate, weight = steps.accumulate_window, steps.loss_weight
 
-    def tail_as_mean(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw):
+    def tail_as_mean(backward, window, micro_batches):
         if len(window.samples) < full:
             monkeypatch.setattr(steps, "loss_weight", lambda items, window_items, processes: processes / 2)
         try:
-            return accumulate(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw)
+            return accumulate(backward, window, micro_batches)
         finally:
             monkeypatch.setattr(steps, "loss_weight", weight)
 

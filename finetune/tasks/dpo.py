@@ -272,8 +272,9 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
 def tokenized(tokenizer, table, d: DataConfig):
     """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
     the settings that shape a pair, and read memory-mapped from the cache afterwards."""
-    return tables.encoded("dpo", table, d.source, tokenizer, (d.max_length, d.too_long, d.system_prompt, d.text_rows),
-                          lambda row, i: encode_row(tokenizer, row, i, d), sample_features(), d.num_proc)
+    how = tables.Encoding("dpo", lambda row, i: encode_row(tokenizer, row, i, d), sample_features(),
+                          (d.max_length, d.too_long, d.system_prompt, d.text_rows), d.num_proc)
+    return tables.encoded(table, d.source, tokenizer, how)
 
 
 def placed(samples, split: str):

@@ -303,10 +303,10 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
 def tokenized(tokenizer, table, d: DataConfig):
     """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
     the settings that shape a sample, and read memory-mapped from the cache afterwards."""
-    return tables.encoded("sft", table, d.source, tokenizer,
-                          (d.train_on, d.max_length, d.too_long, d.system_prompt, d.pack in TRL_PACKING,
-                           d.turn_end),
-                          lambda row, i: encode_row(tokenizer, row, i, d), sample_features(), d.num_proc)
+    how = tables.Encoding("sft", lambda row, i: encode_row(tokenizer, row, i, d), sample_features(),
+                          (d.train_on, d.max_length, d.too_long, d.system_prompt, d.pack in TRL_PACKING, d.turn_end),
+                          d.num_proc)
+    return tables.encoded(table, d.source, tokenizer, how)
 
 
 def cut(sample: dict, length: int, how: str) -> Optional[dict]:
