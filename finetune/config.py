@@ -64,6 +64,86 @@ def gguf_hub_id(name_or_path) -> Optional[str]:
 GGUF = Needs(package=("gguf", "'finetune[gguf]'"), when=names_gguf)  # every field a model path is read from
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the training section's fields grouped by what they decide: a function needing one group takes it, not the section.
+# The recipe keeps them flat under ``training:`` (the keys users write); ``TrainingConfig.precision`` … build each
+# from its fields (their defaults, types and help are the fields'), so a group has no defaults of its own.
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What the run computes in: autocast's precision, fp16's loss scale, fp32 gradient sums, padding to the
+    window (``training.mixed_precision`` …)."""
+
+    mixed_precision: str
+    initial_loss_scale: float
+    loss_scale_growth_interval: int
+    fp32_grad_sums: bool
+    pad_to_window: bool
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What the optimizer is and how it steps: its name, peak lr (and its scaling), decay, momentum, betas,
+    clipping."""
+
+    optimizer: str
+    learning_rate: float
+    scale_lr: str
+    reference_batch_size: Optional[int]
+    weight_decay: float
+    momentum: float
+    betas: tuple
+    max_grad_norm: Optional[float]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long the run is and how its lr moves: passes, a step cap, the scheduler and its warm-up (optimizer
+    steps)."""
+
+    epochs: int
+    max_steps: Optional[int]
+    lr_scheduler: str
+    warmup_steps: int
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When the run evaluates and how it shows its loss: every ``eval_every`` optimizer steps (None: each epoch's
+    end), before the first step too, the displayed loss's smoothing. (Checkpoints: ``output.save_every``.)"""
+
+    eval_every: Optional[int]
+    eval_at_start: bool
+    ema_beta: float
+
+
+@dataclass(frozen=True)
+class DataOrder:
+    """Which samples each window holds: the seed, reshuffling, the sampler whose order is drawn, what each epoch
+    drops, a baseline's even batches and its per-process mean."""
+
+    seed: int
+    shuffle: bool
+    sample_order: str
+    drop_last: Optional[int]
+    even_batches: Optional[tuple]
+    process_mean: bool
+
+
+def _frozen(value):
+    """A list field's value as the frozen group holds it (a tuple)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def group_of(t, cls):
+    """The group ``cls`` (``Precision`` …) of the training section ``t``, built from its flat fields."""
+    return cls(**{f.name: _frozen(getattr(t, f.name)) for f in dataclasses.fields(cls)})
+
+
+GROUPS = (Precision, OptimizerSettings, Schedule, Cadence, DataOrder)
+
+
 @dataclass
 class TrainingConfig:
     batch_size: Union[int, Literal["auto"]] = doc(
@@ -189,6 +269,26 @@ class TrainingConfig:
                                      affects_result=False, at_least=2)
     ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9, affects_result=False,
                           at_least=0, below=1)
+
+    @property
+    def precision(self) -> Precision:
+        return group_of(self, Precision)
+
+    @property
+    def optimizer_settings(self) -> OptimizerSettings:  # ``optimizer`` is the field naming it
+        return group_of(self, OptimizerSettings)
+
+    @property
+    def schedule(self) -> Schedule:
+        return group_of(self, Schedule)
+
+    @property
+    def cadence(self) -> Cadence:
+        return group_of(self, Cadence)
+
+    @property
+    def data_order(self) -> DataOrder:
+        return group_of(self, DataOrder)
 
 
 @dataclass

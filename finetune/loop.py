@@ -25,7 +25,7 @@ import torch
 from accelerate import Accelerator
 
 from finetune import checkpoint, distributed
-from finetune.config import TrainingConfig
+from finetune.config import Cadence, TrainingConfig
 from finetune.content import content_hash
 from finetune.evaluation import report, run_eval
 from finetune.job import Job
@@ -233,13 +233,17 @@ def step_record(run: Run, state: TrainState, window, result: WindowResult, updat
 def evaluate_if_due(run: Run, record: dict, last_of_epoch: bool) -> Optional[dict]:
     """The evaluation after the step of ``record``, when one is due: every ``eval_every`` steps (else at the end of
     each epoch) and after the last step."""
-    t, step = run.training, record["step"]
-    if run.job.val_data is None:
-        return None
-    if step >= run.shape.total_steps or (t.eval_every and step % t.eval_every == 0) or \
-            (last_of_epoch and not t.eval_every):
+    step = record["step"]
+    if run.job.val_data is not None and eval_due(run.training.cadence, step, run.shape.total_steps, last_of_epoch):
         return evaluate(run, step, record["epoch"])
     return None
+
+
+def eval_due(c: Cadence, step: int, total_steps: int, last_of_epoch: bool) -> bool:
+    """Whether optimizer step ``step`` (of ``total_steps``) is followed by an evaluation: every ``c.eval_every``
+    steps (else at the end of each epoch) and after the last step."""
+    return step >= total_steps or bool(c.eval_every and step % c.eval_every == 0) or \
+        (last_of_epoch and not c.eval_every)
 
 
 def val_columns(val: Optional[dict]) -> dict:
