@@ -136,11 +136,6 @@ def _frozen(value):
     return tuple(value) if isinstance(value, list) else value
 
 
-def group_of(t, cls):
-    """The group ``cls`` (``Precision`` …) of the training section ``t``, built from its flat fields."""
-    return cls(**{f.name: _frozen(getattr(t, f.name)) for f in dataclasses.fields(cls)})
-
-
 GROUPS = (Precision, OptimizerSettings, Schedule, Cadence, DataOrder)
 
 
@@ -270,25 +265,29 @@ class TrainingConfig:
     ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9, affects_result=False,
                           at_least=0, below=1)
 
+    def group(self, cls):
+        """The group ``cls`` (one of ``GROUPS``) of this section, built from its flat fields."""
+        return cls(**{f.name: _frozen(getattr(self, f.name)) for f in dataclasses.fields(cls)})
+
     @property
     def precision(self) -> Precision:
-        return group_of(self, Precision)
+        return self.group(Precision)
 
     @property
     def optimizer_settings(self) -> OptimizerSettings:  # ``optimizer`` is the field naming it
-        return group_of(self, OptimizerSettings)
+        return self.group(OptimizerSettings)
 
     @property
     def schedule(self) -> Schedule:
-        return group_of(self, Schedule)
+        return self.group(Schedule)
 
     @property
     def cadence(self) -> Cadence:
-        return group_of(self, Cadence)
+        return self.group(Cadence)
 
     @property
     def data_order(self) -> DataOrder:
-        return group_of(self, DataOrder)
+        return self.group(DataOrder)
 
 
 @dataclass
