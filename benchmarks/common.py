@@ -149,7 +149,7 @@ def smollm2_chat(n: int, tiny: bool = False, seed: int = 0):
     workload at a fraction of the cost."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.models.hf import apply_peft
 
     cfg = load_recipe("sft-smollm2", [f"data.limit={n}", f"training.seed={seed}"])

@@ -252,7 +252,7 @@ def finetune_case(case: str, data: Path, here: Path, shared_root: Path, timeout:
 
 def trl_case(data: Path, here: Path, model_path: str, timeout: float) -> dict:
     """TRL's SFTTrainer on the file, in a process of its own (``--trl-child``), with an empty datasets cache."""
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
 
     recipe = load_recipe("sft-smollm2")
     t, p = recipe.training, recipe.peft

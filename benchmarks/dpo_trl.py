@@ -93,7 +93,7 @@ def run_trl(path: str, rows: list, b: int, n: int, lr: float, out: Path) -> tupl
 def run_finetune(path: str, data_file: Path, b: int, n: int, lr: float) -> tuple:
     """The dpo task through finetune's loop with the same settings; (start weights, trained weights, seconds)."""
     from finetune import loop, startup
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
 
     cfg = load_recipe("dpo-smollm2", [
         f"model.name_or_path={path}", f"data.source={data_file}", "data.val_fraction=0", "data.limit=null",

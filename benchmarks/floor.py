@@ -48,8 +48,8 @@ def one_word_changed(folder: Path, steps: int) -> Path:
     """The recipe's stdlib rows as a prompt/completion file, one trained answer with one word changed."""
     import json
 
-    from finetune.config import load_recipe
     from finetune.data import split_samples
+    from finetune.loading import load_recipe
     from finetune.tasks.chat import stdlib_qa
 
     rows = [dict(r) for r in stdlib_qa()]

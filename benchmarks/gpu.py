@@ -66,10 +66,11 @@ import common as C  # noqa: E402
 import torch  # noqa: E402
 
 from finetune import loop, startup  # noqa: E402
-from finetune.config import TrainingConfig, load_recipe  # noqa: E402
+from finetune.config import TrainingConfig  # noqa: E402
 from finetune.data import pad_collate  # noqa: E402
 from finetune.distributed import restart_accelerate_state  # noqa: E402
 from finetune.job import Job  # noqa: E402
+from finetune.loading import load_recipe  # noqa: E402
 from finetune.memory.measure import PeakMeter  # noqa: E402
 
 GiB, MiB = 2 ** 30, 2 ** 20

@@ -183,7 +183,7 @@ def run_finetune(path: str, data_file: Path, rollouts: Path, loss_type: str, b: 
 
 def finetune_config(path: str, data_file: Path, rollouts, loss_type: str, b: int, n: int, steps: int,
                     group: int, max_len: int, lr: float):
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
 
     return load_recipe("grpo-smollm2", [
         f"model.name_or_path={path}", f"data.source={data_file}", "data.val_fraction=0", "data.limit=null",

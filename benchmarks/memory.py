@@ -219,7 +219,7 @@ def plot(path, record: dict, b: int) -> None:
 def smollm2(n: int, seq: int):
     """SmolLM2-135M-Instruct (the sft-smollm2 recipe's model, fp32, dropout off) and ``n`` blocks of ``seq`` tokens
     of the Python docs in its tokenizer: (model, samples, collate)."""
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.models.forward import set_dropout
     from finetune.tasks import chat
 
@@ -296,7 +296,7 @@ def sft_model(overrides: list, lora: bool = True):
     """The sft-smollm2 recipe's model (SmolLM2-135M-Instruct unless ``overrides`` set ``model.name_or_path``) as the
     sft task loads it (``model.dtype`` / ``model.quantization`` through ``precision_kwargs``, LoRA by
     ``apply_peft``; ``lora=False``: the base it would wrap), dropout off: (model, tokenizer, recipe)."""
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.models.forward import set_dropout
     from finetune.models.hf import apply_peft, precision_kwargs
     from finetune.tasks import chat
@@ -449,7 +449,7 @@ def head_peaks(model, tokens: int) -> dict:
     states through ``model``'s frozen output layer (what TRL's step holds beyond finetune's is mostly here)."""
     from trl.kernels import ChunkedLogProbFunction
 
-    from finetune.models.loss_head import chunked_linear_cross_entropy
+    from finetune.models.loss_head import Head, chunked_linear_cross_entropy
 
     weight = model.get_output_embeddings().weight.detach()
     g = torch.Generator().manual_seed(0)
@@ -462,7 +462,7 @@ def head_peaks(model, tokens: int) -> dict:
                 loss = -ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0,
                                                      ("log_probs", "entropy", "is_top1"))[0].sum()
             else:
-                loss = chunked_linear_cross_entropy(hidden, weight, targets)
+                loss = chunked_linear_cross_entropy(hidden, Head(weight), targets)
             loss.backward()
         out[tool] = meter.peak
     return out

@@ -156,7 +156,7 @@ def plan_costs(w: dict) -> dict:
     epoch, from its plan (no training). A micro-batch of r rows padded to L tokens computes r × L² attention scores:
     a packed row attends over its whole length (the mask hides the other samples; SDPA computes them anyway). The
     limit is every sample alone and unpadded: Σ length² / Σ length."""
-    from finetune.windows import windows_of_epoch
+    from finetune.windows import WindowSpec
 
     lengths = C.lengths_of(w["data"])
     longest = max(lengths)
@@ -166,8 +166,8 @@ def plan_costs(w: dict) -> dict:
     out = {}
     for name, kw in layouts.items():
         real = padded = scores = 0
-        for window in windows_of_epoch(len(lengths), w["b"], w["n"], 1, 0, seed=0, epoch=0,
-                                       length_of=lengths.__getitem__, **kw):
+        spec = WindowSpec(len(lengths), w["b"], w["n"], processes=1, seed=0, length_of=lengths.__getitem__, **kw)
+        for window in spec.epoch(0):
             for mb in window.micro_batches:
                 widths = [sum(lengths[i] for i in row) if "pack_capacity" in kw else lengths[row] for row in mb]
                 real, padded = real + sum(widths), padded + len(widths) * max(widths)

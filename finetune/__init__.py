@@ -3,8 +3,10 @@
 import logging
 
 from finetune.api import test_fine_tuning
-from finetune.config import ConfigError, RecipeConfig, TrainingConfig, load_recipe
+from finetune.config import RecipeConfig, TrainingConfig
+from finetune.errors import ConfigError
 from finetune.job import Job
+from finetune.loading import load_recipe
 
 __all__ = ["test_fine_tuning", "ConfigError", "RecipeConfig", "TrainingConfig", "load_recipe", "Job"]
 __version__ = "0.1.0"

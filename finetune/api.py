@@ -21,17 +21,11 @@ import torch
 from accelerate.utils import set_seed
 
 from finetune import distributed, loop, outputs, startup
-from finetune.config import (
-    OutputConfig,
-    RecipeConfig,
-    TrainingConfig,
-    build_section,
-    check_ranges,
-    fields_with,
-    validate_training,
-)
+from finetune.config import OutputConfig, RecipeConfig, TrainingConfig, fields_with
 from finetune.errors import ConfigError
 from finetune.job import Job
+from finetune.schema import build_section, check_ranges
+from finetune.validation import validate_training
 
 # Job hooks accepted as keywords; every other keyword is a TrainingConfig field or its alias (n_epochs, lr).
 _HOOKS = ("count_items", "eval_step", "compute_metrics", "param_groups", "before_window", "after_step",

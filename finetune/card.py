@@ -21,8 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from finetune.config import gguf_hub_id, names_gguf, parse_yaml, read_yaml
+from finetune.config import gguf_hub_id, names_gguf
 from finetune.errors import ConfigError
+from finetune.loading import parse_yaml, read_yaml
 
 RECIPE_START, RECIPE_END = "<!-- finetune recipe -->", "<!-- end of finetune recipe -->"
 VERDICT_START, VERDICT_END = "<!-- finetune verdict -->", "<!-- end of finetune verdict -->"

@@ -42,9 +42,10 @@ from safetensors.torch import load_file, load_model, save_file
 
 from finetune import distributed
 from finetune.cache import file_digest
-from finetune.config import flatten, moved_keys, result_changes
+from finetune.config import flatten, result_changes
 from finetune.durable import atomic_write_text, disk_full, fsync_dir
 from finetune.errors import ConfigError, WriteError
+from finetune.loading import moved_keys
 from finetune.models import precision
 from finetune.seeding import capture_rng, restore_rng, step_seed
 from finetune.state import TrainState

@@ -15,7 +15,7 @@
 
 Bad input ends with one line ``error: <field>: <what is allowed>`` and exit code 2, before anything is written
 (with several processes, from the main one only).
-The ``run`` flags are generated from the recipe schema (``config.doc(..., flag=...)``, ``finetune.flags``): one
+The ``run`` flags are generated from the recipe schema (``schema.doc(..., flag=...)``, ``finetune.flags``): one
 source per field, shared with ``plan``.
 """
 
@@ -27,10 +27,11 @@ from pathlib import Path
 
 from finetune import distributed, flags, outputs, plan_command, runlock, search
 from finetune.card import record_verdict
-from finetune.config import TrainingConfig, load_recipe
+from finetune.config import TrainingConfig
 from finetune.durable import disk_full
 from finetune.errors import ConfigError, WriteError
 from finetune.launch import check_processes, launch, launched_processes
+from finetune.loading import load_recipe
 from finetune.registry import list_recipes
 from finetune.reproduce import command, importer
 from finetune.reproduce.baseline_check import compare_with_baseline

@@ -1,133 +1,32 @@
-"""The recipe schema: typed sections, YAML loading, dotted overrides, validation that reports every problem at once.
+"""The recipe schema: the shared sections (``training``, ``output``, ``peft``) and the bases of a task's own, each
+field's type, default, unit, help, flag, range and needs written once (``doc``, from ``finetune.schema``).
 
 A recipe is a YAML file with a ``task`` (a module under ``finetune/tasks``, any importable module, or a ``.py`` file
 beside the recipe; see ``finetune.registry``) and four sections. ``training`` and ``output`` are shared by every
 task; ``model`` and ``data`` are declared by the task module itself (its ``ModelConfig`` and ``DataConfig``
-dataclasses), so unknown keys are errors everywhere.
+dataclasses), so unknown keys are errors everywhere. Loading and overrides: ``finetune.loading``; the checks across
+fields: ``finetune.validation``.
 
+    >>> from finetune.loading import load_recipe
     >>> cfg = load_recipe("minilm-sentiment", ["training.batch_size=16"])
-    >>> cfg.training.batch_size
-    16
+    >>> cfg.training.batch_size, cfg.training.optimizer_settings.learning_rate
+    (16, 5e-05)
+
+A task module written outside the package imports ``doc``, ``Needs`` and ``ConfigError`` from here with the base
+sections (docs/add-your-own-model.md): they are re-exported for it; the package's own modules import them from
+``finetune.schema`` and ``finetune.errors``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-import yaml
-
 from finetune import optimizers
-from finetune.errors import ConfigError
-from finetune.registry import recipe_path, resolve_task, section_class, task_module
-
-
-def _show(bound) -> str:
-    """A bound as the messages write it: 2**32 - 1 (a seed's upper end) by name, other numbers as they are."""
-    return "2**32 - 1" if bound == 2**32 - 1 else str(bound)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class Range:
-    """The numbers a field allows: a lower and/or an upper bound, each included or not; for a list field, how many
-    numbers it holds, each within the bounds. Declared on the field through ``doc(at_least=…, above=…, at_most=…,
-    below=…, length=…)``, so that validation, error messages and help text come from one place.
-
-        >>> r = Range(low=0, high=1, high_open=True)
-        >>> r.allows(0), r.allows(1), r.describe(float)
-        (True, False, 'in [0, 1)')
-    """
-
-    low: Optional[float] = None
-    high: Optional[float] = None
-    low_open: bool = False
-    high_open: bool = False
-    length: Optional[int] = None
-
-    def _within(self, x) -> bool:
-        return ((self.low is None or (x > self.low if self.low_open else x >= self.low))
-                and (self.high is None or (x < self.high if self.high_open else x <= self.high)))
-
-    def allows(self, value) -> bool:
-        """Whether ``value`` (already of the field's type) is allowed. What the type allows besides numbers (null,
-        auto) is not a number and passes: the range bounds the numbers only."""
-        if self.length is not None:
-            return value is None or (isinstance(value, list) and len(value) == self.length
-                    and all(_is_number(x) and self._within(x) for x in value))
-        return not _is_number(value) or self._within(value)
-
-    def bounds(self) -> str:
-        """``>= 1``, ``> 0``, ``in [0, 1)``, ``<= 1`` …; for a list field ``2 numbers in [0, 1)`` (the help text's)."""
-        if self.low is None and self.high is None:
-            return f"{self.length} numbers"
-        if self.low is not None and self.high is not None:
-            text = (f"in {'(' if self.low_open else '['}{_show(self.low)}, {_show(self.high)}"
-                    f"{')' if self.high_open else ']'}")
-        elif self.low is not None:
-            text = f"{'>' if self.low_open else '>='} {_show(self.low)}"
-        else:
-            text = f"{'<' if self.high_open else '<='} {_show(self.high)}"
-        return f"{self.length} numbers {text}" if self.length is not None else text
-
-    def describe(self, tp) -> str:
-        """What follows ``must be`` in an error message, for a field of type ``tp``: ``an integer >= 1 or null``,
-        ``a number > 0``, ``in [0, 1)`` (an interval says it is a number), ``an integer >= 1 or auto``."""
-        options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-        others = [a for a in options if typing.get_origin(a) is Literal or a is type(None)]
-        alternatives = ["null" if a is type(None) else " or ".join(map(str, typing.get_args(a))) for a in others]
-        if self.length is not None:
-            text = self.bounds()
-        elif int in options:
-            text = f"an integer {self.bounds()}"
-        elif self.low is not None and self.high is not None:
-            text = self.bounds()
-        else:
-            text = f"a number {self.bounds()}"
-        return " or ".join([text, *alternatives])
-
-
-@dataclass(frozen=True)
-class Needs:
-    """What a field needs when it is set: a package, or another setting. Declared on the field
-    (``doc(needs=…)``) and checked on load with the field's range (``check_needs``), so that ``finetune validate``
-    lists it with every other problem and a run refuses it before any data is read or model loaded.
-
-    Args:
-        package: (the module looked up, what ``pip install`` installs it from), as the optimizer table writes it
-            (``optimizers.Optimizer.needs``); or a function of the field's value giving that pair, or None where
-            the value needs nothing (``training.optimizer`` asks the table).
-        setting: another field, ``section.name``, that must be set (true, or not null).
-        when: the values that need it; None: any value but the field's default, null and false.
-        why: what the line says after the setting it names, in brackets.
-
-        >>> @dataclass
-        ... class Data:
-        ...     pack: Optional[str] = doc("pack rows", None, needs=Needs(package=("no_such_module", "no-such")))
-        >>> problems = []
-        >>> check_needs(Data(pack="bfd"), "data", problems)
-        >>> problems
-        ['data.pack: bfd needs no_such_module, which is not installed (pip install no-such)']
-    """
-
-    package: Union[tuple, typing.Callable, None] = None
-    setting: Optional[str] = None
-    when: Optional[typing.Callable[[Any], bool]] = None
-    why: str = ""
-
-
-def always(_value) -> bool:
-    """``Needs.when`` for a field whose every value needs it (its default too)."""
-    return True
+from finetune.errors import ConfigError  # noqa: F401 (re-exported for task modules outside the package)
+from finetune.schema import Needs, doc
 
 
 def names_gguf(name_or_path) -> bool:
@@ -165,50 +64,79 @@ def gguf_hub_id(name_or_path) -> Optional[str]:
 GGUF = Needs(package=("gguf", "'finetune[gguf]'"), when=names_gguf)  # every field a model path is read from
 
 
-def doc(text: str, default=dataclasses.MISSING, *, flag: Optional[str] = None, alias: Optional[str] = None,
-        affects_result: bool = True, at_least=None, above=None, at_most=None, below=None,
-        length: Optional[int] = None, choices: Optional[typing.Callable[[], tuple]] = None,
-        needs: Union[Needs, tuple, None] = None, **kw):
-    """A dataclass field and everything said about it, in one place.
+# ---------------------------------------------------------------------------------------------------------------
+# the training section's fields grouped by what they decide: a function needing one group takes it, not the section.
+# The recipe keeps them flat under ``training:`` (the keys users write); ``TrainingConfig.precision`` … build each
+# from its fields (their defaults, types and help are the fields'), so a group has no defaults of its own.
 
-    Args:
-        text: help text, unit included (the recipe docs, ``--help`` and error messages use it).
-        default: the default value.
-        flag: the command-line flag that sets it (``finetune run --batch-size``), if any.
-        alias: another name for it in ``test_fine_tuning()`` and ``finetune search --param`` (``n_epochs``).
-        affects_result: False when changing it between a checkpoint and its resumption leaves the steps alone
-            (worker count, logging, checkpoint cadence); resuming warns about the others.
-        at_least, above: the lowest allowed number, included (``>=``) or not (``>``); give one at most.
-        at_most, below: the highest allowed number, included (``<=``) or not (``<``); give one at most.
-        length: for a list of numbers: how many it holds (the bounds apply to each).
-        choices: for a string field whose values live in a table elsewhere (``finetune.optimizers``): returns the
-            allowed values, asked at each validation, so that an entry added to the table is allowed at once (a
-            ``Literal`` would freeze them when the schema is imported).
-        needs: what the field needs when it is set (``Needs``; a tuple of them for several): a package, another
-            setting. Checked on load beside the range (``check_needs``).
 
-    The bounds become a ``Range`` in the field's metadata (``metadata["range"]``): every recipe section is checked
-    against it on load (``check_ranges``), and the help text ends with it (``; allowed: >= 1``).
+@dataclass(frozen=True)
+class Precision:
+    """What the run computes in: autocast's precision, fp16's loss scale, fp32 gradient sums, padding to the
+    window (``training.mixed_precision`` …)."""
 
-        >>> @dataclass
-        ... class Section:
-        ...     epochs: int = doc("passes over the training data", 1, at_least=1)
-        >>> problems = []
-        >>> check_ranges(Section(epochs=0), "training", problems)
-        >>> problems
-        ['training.epochs: got 0; must be an integer >= 1']
-    """
-    if (at_least is not None and above is not None) or (at_most is not None and below is not None):
-        raise TypeError("doc(): give at_least or above, at_most or below — one bound a side")
-    bounded = any(b is not None for b in (at_least, above, at_most, below)) or length is not None
-    allowed = Range(low=above if above is not None else at_least, high=below if below is not None else at_most,
-                    low_open=above is not None, high_open=below is not None, length=length) if bounded else None
-    if default is not dataclasses.MISSING:
-        kw["default"] = default
-    shown = f"{text}; allowed: {allowed.bounds()}" if allowed else text
-    needs = (needs,) if isinstance(needs, Needs) else tuple(needs or ())
-    return field(metadata={"help": shown, "flag": flag, "alias": alias, "affects_result": affects_result,
-                           "range": allowed, "choices": choices, "needs": needs}, **kw)
+    mixed_precision: str
+    initial_loss_scale: float
+    loss_scale_growth_interval: int
+    fp32_grad_sums: bool
+    pad_to_window: bool
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What the optimizer is and how it steps: its name, peak lr (and its scaling), decay, momentum, betas,
+    clipping."""
+
+    optimizer: str
+    learning_rate: float
+    scale_lr: str
+    reference_batch_size: Optional[int]
+    weight_decay: float
+    momentum: float
+    betas: tuple
+    max_grad_norm: Optional[float]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long the run is and how its lr moves: passes, a step cap, the scheduler and its warm-up (optimizer
+    steps)."""
+
+    epochs: int
+    max_steps: Optional[int]
+    lr_scheduler: str
+    warmup_steps: int
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When the run evaluates and how it shows its loss: every ``eval_every`` optimizer steps (None: each epoch's
+    end), before the first step too, the displayed loss's smoothing. (Checkpoints: ``output.save_every``.)"""
+
+    eval_every: Optional[int]
+    eval_at_start: bool
+    ema_beta: float
+
+
+@dataclass(frozen=True)
+class DataOrder:
+    """Which samples each window holds: the seed, reshuffling, the sampler whose order is drawn, what each epoch
+    drops, a baseline's even batches and its per-process mean."""
+
+    seed: int
+    shuffle: bool
+    sample_order: str
+    drop_last: Optional[int]
+    even_batches: Optional[tuple]
+    process_mean: bool
+
+
+def _frozen(value):
+    """A list field's value as the frozen group holds it (a tuple)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+GROUPS = (Precision, OptimizerSettings, Schedule, Cadence, DataOrder)
 
 
 @dataclass
@@ -337,6 +265,30 @@ class TrainingConfig:
     ema_beta: float = doc("smoothing of the displayed loss (per optimizer step)", 0.9, affects_result=False,
                           at_least=0, below=1)
 
+    def group(self, cls):
+        """The group ``cls`` (one of ``GROUPS``) of this section, built from its flat fields."""
+        return cls(**{f.name: _frozen(getattr(self, f.name)) for f in dataclasses.fields(cls)})
+
+    @property
+    def precision(self) -> Precision:
+        return self.group(Precision)
+
+    @property
+    def optimizer_settings(self) -> OptimizerSettings:  # ``optimizer`` is the field naming it
+        return self.group(OptimizerSettings)
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.group(Schedule)
+
+    @property
+    def cadence(self) -> Cadence:
+        return self.group(Cadence)
+
+    @property
+    def data_order(self) -> DataOrder:
+        return self.group(DataOrder)
+
 
 @dataclass
 class OutputConfig:
@@ -442,384 +394,6 @@ class RecipeConfig:
             "training": dataclasses.asdict(self.training), "output": dataclasses.asdict(self.output),
             "peft": dataclasses.asdict(self.peft),
         }
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# typed conversion
-
-
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
-    return {int: "an integer", float: "a number", bool: "true/false", str: "a string", dict: "a mapping",
-            list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
-
-
-_NO = object()
-
-
-def _coerce(value, tp):
-    """Return value converted to tp, or _NO."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            if arg is type(None):
-                if value is None:
-                    return None
-                continue
-            out = _coerce(value, arg)
-            if out is not _NO:
-                return out
-        return _NO
-    if origin is Literal:
-        if value is False and "no" in typing.get_args(tp):  # YAML 1.1 reads `mixed_precision: no` as false
-            return "no"
-        return value if value in typing.get_args(tp) and not isinstance(value, bool) else _NO
-    if tp is bool:
-        return value if isinstance(value, bool) else _NO
-    if tp is int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
-    if tp is float:
-        if isinstance(value, bool):
-            return _NO
-        if isinstance(value, str):  # YAML reads 5e-5 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                return _NO
-        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else _NO
-    if tp is str:
-        return value if isinstance(value, str) else _NO
-    if tp in (dict, list):
-        return value if isinstance(value, tp) else _NO
-    if origin in (dict, list):
-        return value if isinstance(value, origin) else _NO
-    return value
-
-
-def build_section(cls, raw, section: str, problems: list):
-    """Instantiate dataclass ``cls`` from mapping ``raw``, appending a line to ``problems`` for each bad field."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        problems.append(f"{section}: must be a mapping of keys to values")
-        return cls()
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in raw.items():
-        if key in getattr(cls, "RETIRED", {}):  # a key a release took away: say what replaced it
-            problems.append(f"{section}.{key}: {cls.RETIRED[key]}")
-            continue
-        if key not in known:
-            problems.append(f"{section}.{key}: unknown key; allowed: {', '.join(known)}")
-            continue
-        out = _coerce(value, hints[key])
-        choices = known[key].metadata.get("choices")
-        allowed = choices() if choices else None
-        if out is _NO or (allowed is not None and out not in allowed):
-            expected = " | ".join(map(repr, allowed)) if allowed is not None else _type_name(hints[key])
-            problems.append(f"{section}.{key}: got {value!r}; expected {expected}")
-            continue
-        kwargs[key] = out
-    return cls(**kwargs)
-
-
-def check_ranges(section, prefix: str, problems: list) -> None:
-    """One ``prefix.name: got …; must be …`` line per field of the dataclass instance ``section`` whose value is
-    outside the range its ``doc(...)`` declares; fields without one are not checked here.
-
-        >>> problems = []
-        >>> check_ranges(TrainingConfig(epochs=0), "training", problems)
-        >>> problems
-        ['training.epochs: got 0; must be an integer >= 1']
-    """
-    hints = typing.get_type_hints(type(section))
-    for f in dataclasses.fields(section):
-        allowed, value = f.metadata.get("range"), getattr(section, f.name)
-        if allowed is not None and not allowed.allows(value):
-            problems.append(f"{prefix}.{f.name}: got {value}; must be {allowed.describe(hints[f.name])}")
-
-
-def check_needs(section, prefix: str, problems: list, sections: Optional[dict] = None) -> None:
-    """One line per field of the dataclass instance ``section`` that is set to a value needing what is missing: a
-    package not installed, another setting not set (the ``Needs`` its ``doc(...)`` declares). ``sections``: section
-    name → section, where a needed setting outside ``section`` is looked up (the recipe's). A value its range
-    refuses is reported by the range alone.
-
-        >>> problems = []
-        >>> check_needs(TrainingConfig(batch_size="auto"), "training", problems)
-        >>> problems
-        ['training.batch_size: auto needs training.effective_batch_size (the window the micro-batches split)']
-    """
-    sections = {**(sections or {}), prefix: section}
-    for f in dataclasses.fields(section):
-        value, allowed = getattr(section, f.name), f.metadata.get("range")
-        if allowed is not None and not allowed.allows(value):
-            continue
-        for need in f.metadata.get("needs", ()):
-            if not (need.when(value) if need.when is not None else is_set(value, f)):
-                continue
-            shown = yaml_value(value)
-            package = need.package(value) if callable(need.package) else need.package
-            if package is not None:
-                need_package(f"{prefix}.{f.name}", shown, *package, problems)
-            if need.setting is not None:
-                where, name = need.setting.split(".")
-                other = getattr(sections[where], name)
-                if other is None or other is False:
-                    wanted = f"{need.setting}=true" if isinstance(other, bool) else need.setting
-                    problems.append(f"{prefix}.{f.name}: {shown} needs {wanted}"
-                                    + (f" ({need.why})" if need.why else ""))
-
-
-def is_set(value, f: dataclasses.Field) -> bool:
-    """Whether field ``f`` holds ``value`` on purpose: not null, not false, not its default."""
-    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    return value is not None and value is not False and value != default
-
-
-def yaml_value(value) -> str:
-    """A value as a recipe writes it: true / false / null, other values as they are."""
-    return "true" if value is True else "false" if value is False else "null" if value is None else str(value)
-
-
-def in_range(section, name: str) -> bool:
-    """Whether field ``name`` of ``section`` is within its declared range (True without one). A cross-field check
-    asks it first, so that a value its range refuses is reported once, by the range."""
-    allowed = next(f.metadata.get("range") for f in dataclasses.fields(section) if f.name == name)
-    return allowed is None or allowed.allows(getattr(section, name))
-
-
-def validate_training(t: TrainingConfig, problems: list):
-    """The training section: each field's declared range and what it needs (a package, another training field);
-    appends one line per problem."""
-    check_ranges(t, "training", problems)
-    check_needs(t, "training", problems)
-    if t.loss_divisor == "labels" and t.packing:
-        problems.append("training.packing: true hides each sample's first label in its row, which "
-                        "training.loss_divisor=labels counts; set training.packing to null or false")
-
-
-def installed(module: str) -> bool:
-    """Whether ``module`` is installed (looked up, not imported: importing bitsandbytes takes seconds). Every refusal
-    of a missing package asks here (``check_needs``)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def need_package(field: str, value: str, module: str, pip: str, problems: list) -> None:
-    """One line when ``field: value`` needs ``module`` and it is not installed (``pip``: what installs it)."""
-    if not installed(module):
-        problems.append(f"{field}: {value} needs {module}, which is not installed (pip install {pip})")
-
-
-def validate_precision(cfg: RecipeConfig, problems: list) -> None:
-    """``model.quantization`` against the training section; appends one line per problem. (What it needs,
-    peft.enabled and bitsandbytes, its field declares: ``check_needs``.)"""
-    m, t = cfg.model, cfg.training
-    if not m.master_weights and m.dtype == "fp32":
-        problems.append("model.master_weights: false trains the weights in model.dtype, which is fp32 here; set "
-                        "model.dtype to bf16 (or fp16 on CUDA), or master_weights to true")
-    # bitsandbytes' 8-bit matmul (0.50) keeps each layer's input on itself, outside autograd's saved tensors, whether
-    # or not backward needs it: checkpointing cannot free those inputs and offloading cannot move them.
-    for flag in ("gradient_checkpointing", "activation_offloading"):
-        if m.quantization == "int8" and getattr(t, flag):
-            problems.append(f"model.quantization: int8 layers keep their inputs outside autograd, which "
-                            f"training.{flag} cannot {'free' if flag.startswith('gradient') else 'move'}; use nf4 "
-                            f"or fp4 with it, or set training.{flag}=false")
-
-
-def refuse_precision_for_new_model(m: PretrainedModelConfig, problems: list) -> None:
-    """For a task building a new model from ``model.config`` (random weights, all trained in fp32): one line per
-    ``model.dtype`` / ``model.quantization`` that would not apply."""
-    for name, default in (("dtype", "fp32"), ("quantization", "none"), ("master_weights", True)):
-        if getattr(m, name) != default:
-            problems.append(f"model.{name}: {getattr(m, name)} applies to pretrained weights (model.name_or_path); a "
-                            f"model built from model.config trains every weight in fp32")
-
-
-def _validate_ranges(cfg: RecipeConfig, problems: list):
-    """Every section's field ranges and what its fields need (``check_needs``: packages, other settings), then the
-    checks of combinations; appends one line per problem."""
-    validate_training(cfg.training, problems)
-    sections = {name: getattr(cfg, name) for name in ("model", "data", "training", "output", "peft")}
-    for name in ("model", "data", "output"):
-        check_ranges(sections[name], name, problems)
-    for name in ("model", "data", "output", "peft"):  # training's: validate_training
-        check_needs(sections[name], name, problems, sections)
-    if isinstance(cfg.model, PretrainedModelConfig):
-        validate_precision(cfg, problems)
-    # Not field ranges: these depend on peft.enabled.
-    p = cfg.peft
-    if p.enabled:  # a disabled peft section is never read: its numbers cannot be wrong
-        check_ranges(p, "peft", problems)
-        if p.init_file is not None and not p.init_file.is_file():
-            problems.append(f"peft.init_from: {p.init_file} not found (give a folder with adapter_model.safetensors)")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# loading
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """``"training.lr_scheduler=cosine"`` → (["training", "lr_scheduler"], "cosine"); values are parsed as YAML."""
-    if "=" not in item:
-        raise ConfigError(f"--set {item}: expected section.key=value")
-    key, raw = item.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw != "" else None
-    except yaml.YAMLError:
-        value = raw
-    return key.strip().split("."), value
-
-
-def apply_overrides(raw: dict, overrides) -> dict:
-    for item in overrides or []:
-        keys, value = parse_override(item) if isinstance(item, str) else item
-        if len(keys) == 1 and keys[0] in ("task", "name", "description"):
-            raw[keys[0]] = value
-            continue
-        if len(keys) != 2 or keys[0] not in ("model", "data", "training", "output", "peft"):
-            raise ConfigError(f"--set {'.'.join(keys)}: expected model|data|training|output|peft.key=value")
-        section = raw.setdefault(keys[0], {})
-        if not isinstance(section, dict):
-            raise ConfigError(f"{keys[0]}: must be a mapping of keys to values")
-        section[keys[1]] = value
-    return raw
-
-
-def config_from_dict(raw: dict, name: str = "custom", folder: Optional[Path] = None) -> RecipeConfig:
-    """Validate a recipe mapping; ConfigError lists every problem. A ``task`` file given by a relative path is taken
-    from ``folder`` (the recipe's; else the working directory) and kept as its absolute path."""
-    if not isinstance(raw, dict):
-        raise ConfigError("recipe: must be a YAML mapping with task, model, data, training, output")
-    problems = []
-    extra = set(raw) - {"task", "name", "description", "model", "data", "training", "output", "peft"}
-    problems += [f"{k}: unknown top-level key; allowed: task, description, model, data, training, output, peft"
-                 for k in sorted(extra)]
-    task = resolve_task(raw.get("task"), folder)
-    module = task_module(task)
-    classes = section_classes(module)
-    raw, notes = carry_moved(raw, classes, problems)
-    sections = {s: build_section(cls, raw.get(s), s, problems) for s, cls in classes.items()}
-    cfg = RecipeConfig(task=task, **sections, name=str(raw.get("name") or name),
-                       description=str(raw.get("description") or ""), notes=notes)
-    if not problems:
-        _validate_ranges(cfg, problems)
-        if hasattr(module, "validate"):
-            module.validate(cfg, problems)
-    if problems:
-        raise ConfigError(problems)
-    return cfg
-
-
-def section_classes(module) -> dict:
-    """section → the dataclass of a recipe's section for the task ``module``."""
-    return {"model": section_class(module, "ModelConfig"), "data": section_class(module, "DataConfig"),
-            "training": TrainingConfig, "output": OutputConfig, "peft": PeftConfig}
-
-
-def moved_keys(task: str) -> dict:
-    """old flat key → its flat key now (``data.packing`` → ``data.concatenate``), for ``task``'s sections: a
-    checkpoint's settings, saved before a move, are compared under the new names."""
-    try:
-        classes = section_classes(task_module(task))
-    except ConfigError:  # a task that is gone: nothing to carry
-        return {}
-    return {old: f"{section}.{key}" for section, cls in classes.items()
-            for key, old in getattr(cls, "MOVED", {}).items()}
-
-
-def carry_moved(raw: dict, classes: dict, problems: list) -> tuple[dict, list]:
-    """Keys a release moved into another section, carried there from their old place for a release. A section's
-    class names them in ``MOVED`` (its key → the old ``section.key``). Returns the recipe with each carried (a copy;
-    ``raw`` is left as given) and one note per key carried; the two places given different values is a problem
-    naming both."""
-    notes = []
-    for section, cls in classes.items():
-        for key, old in getattr(cls, "MOVED", {}).items():
-            old_section, old_key = old.split(".")
-            source, target = raw.get(old_section), raw.get(section) or {}
-            if not isinstance(source, dict) or old_key not in source or not isinstance(target, dict):
-                continue  # nothing to carry, or a section that is not a mapping (build_section says so)
-            value, new = source[old_key], f"{section}.{key}"
-            raw = {**raw, old_section: {k: v for k, v in source.items() if k != old_key}}
-            target = raw[section] if section == old_section else target  # a key renamed in its own section
-            if key in target and target[key] != value:
-                problems.append(f"{new}: {target[key]!r} here and {value!r} in {old}, its old place; give {new} "
-                                "only")
-                continue
-            raw[section] = {**target, key: value}
-            notes.append(f"note: {old} moved to {new}; the old key still works in this release and will be "
-                         f"removed in a later one")
-    return raw, notes
-
-
-class _RecipeLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last one, silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then a key: an override, on purpose
-                    continue
-                key = self.construct_object(key_node, deep=deep)
-                line = key_node.start_mark.line + 1
-                if isinstance(key, typing.Hashable) and key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"key {key!r} is given twice (lines {seen[key]} and {line}); keep one",
-                        key_node.start_mark)
-                if isinstance(key, typing.Hashable):
-                    seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_yaml(path, what: str = "recipe") -> Any:
-    """The YAML document in ``path`` (duplicate keys refused); ConfigError naming ``what``, the file and the line."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{what}: {path} is not a text file (not UTF-8); give a YAML file") from None
-    return parse_yaml(text, f"{what}: {path}")
-
-
-def parse_yaml(text: str, where: str) -> Any:
-    """The YAML document ``text`` (duplicate keys refused): the one YAML reader of recipes, runs and configs.
-    ConfigError ``"{where} is not valid YAML line N"`` (one line) when it is not YAML."""
-    try:
-        return yaml.load(text, Loader=_RecipeLoader)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark else ""
-        problem = getattr(e, "problem", None)
-        why = f": {problem}" if problem and "given twice" in problem else ""
-        raise ConfigError(f"{where} is not valid YAML{line}{why}") from None
-
-
-def load_recipe(name_or_path: str, overrides=None) -> RecipeConfig:
-    """Load ``recipes/<name>.yaml`` (or a path), apply ``section.key=value`` overrides, validate. A
-    ``data.val_fraction`` among the overrides turns ``data.val_minimum`` off (unless that is given too)."""
-    path = recipe_path(name_or_path)
-    raw = read_yaml(path)
-    if raw is None:
-        raise ConfigError(f"recipe: {path} is empty; a recipe is a YAML mapping of task, model, data, training, "
-                          "output")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"recipe: {path} holds a YAML {type(raw).__name__}; a recipe is a mapping of task, model, "
-                          "data, training, output")
-    raw = apply_overrides(raw, overrides)
-    cfg = config_from_dict(raw, name=path.stem, folder=path.parent)
-    given = {".".join(parse_override(o)[0] if isinstance(o, str) else o[0]) for o in overrides or []}
-    if "data.val_fraction" in given and "data.val_minimum" not in given and hasattr(cfg.data, "val_minimum"):
-        cfg.data.val_minimum = False  # a fraction the user gave is theirs: held out as given
-    return cfg
 
 
 def flatten(tree: dict, prefix: str = "", sep: str = ".") -> dict:

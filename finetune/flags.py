@@ -1,5 +1,5 @@
 """The command-line flags that set recipe fields, for every command that takes them (``finetune run``, ``finetune
-plan``): each is generated from its field's documentation (``config.doc(..., flag=...)``) and becomes one
+plan``): each is generated from its field's documentation (``schema.doc(..., flag=...)``) and becomes one
 ``section.key=value`` override, applied before ``--set``, so a flag means the same on every command.
 
     add_field_flags(parser, ["training.effective_batch_size"])   # --effective-batch-size, as run takes it

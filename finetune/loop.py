@@ -25,7 +25,7 @@ import torch
 from accelerate import Accelerator
 
 from finetune import checkpoint, distributed
-from finetune.config import TrainingConfig
+from finetune.config import Cadence, TrainingConfig
 from finetune.content import content_hash
 from finetune.evaluation import report, run_eval
 from finetune.job import Job
@@ -35,8 +35,8 @@ from finetune.optim import Optim
 from finetune.runlog import RunLog
 from finetune.shape import Shape
 from finetune.state import TrainState
-from finetune.steps import (  # noqa: F401
-    NonFiniteError,
+from finetune.steps import (
+    Backward,
     Update,
     WindowResult,
     accumulate_window,
@@ -153,6 +153,8 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
         with RunLog(run.accelerator, run.reporting.dir, state, run.shape.total_steps, run.shape.effective,
                     run.reporting.tracker, rewrite=saved is not None) as log:
             stream = open_stream(run, state)
+            backward = Backward(run.accelerator, run.model, run.forward_model, job.loss_fn, run.counter,
+                                offload=t.activation_offloading, divisor=run.divisor, scaler=run.scaler)
             while state.optimizer_step < run.shape.total_steps:
                 window, micro_batches, epoch_windows, held = next(stream, (None,) * 4)
                 if window is None:
@@ -163,9 +165,7 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                 if run.pad_to_window:  # bf16: every sample at the big batch's (or its baseline's) padded length
                     micro_batches = pad_to_window(run.accelerator, micro_batches, window.pad_lengths)
                 try:
-                    result = accumulate_window(run.accelerator, run.model, run.forward_model, job.loss_fn, window,
-                                               micro_batches, run.counter, offload=t.activation_offloading,
-                                               divisor=run.divisor, scaler=run.scaler)
+                    result = accumulate_window(backward, window, micro_batches)
                 except Exception as error:  # batch_size: auto out of memory → the same window, smaller micro-batches
                     if run.auto is None or not is_oom(error):
                         raise
@@ -233,13 +233,17 @@ def step_record(run: Run, state: TrainState, window, result: WindowResult, updat
 def evaluate_if_due(run: Run, record: dict, last_of_epoch: bool) -> Optional[dict]:
     """The evaluation after the step of ``record``, when one is due: every ``eval_every`` steps (else at the end of
     each epoch) and after the last step."""
-    t, step = run.training, record["step"]
-    if run.job.val_data is None:
-        return None
-    if step >= run.shape.total_steps or (t.eval_every and step % t.eval_every == 0) or \
-            (last_of_epoch and not t.eval_every):
+    step = record["step"]
+    if run.job.val_data is not None and eval_due(run.training.cadence, step, run.shape.total_steps, last_of_epoch):
         return evaluate(run, step, record["epoch"])
     return None
+
+
+def eval_due(c: Cadence, step: int, total_steps: int, last_of_epoch: bool) -> bool:
+    """Whether optimizer step ``step`` (of ``total_steps``) is followed by an evaluation: every ``c.eval_every``
+    steps (else at the end of each epoch) and after the last step."""
+    return step >= total_steps or bool(c.eval_every and step % c.eval_every == 0) or \
+        (last_of_epoch and not c.eval_every)
 
 
 def val_columns(val: Optional[dict]) -> dict:

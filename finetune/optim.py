@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from finetune.config import TrainingConfig
+from finetune.config import OptimizerSettings, TrainingConfig
 from finetune.optimizers import OPTIMIZERS
 
 
@@ -36,12 +36,12 @@ class Optim:
     max_grad_norm: Optional[float]
 
 
-def lr_scale(t: TrainingConfig, effective: int) -> float:
+def lr_scale(o: OptimizerSettings, effective: int) -> float:
     """``training.scale_lr``: linear or square-root scaling of the lr from the baseline's batch to this run's."""
-    if t.scale_lr == "none":
+    if o.scale_lr == "none":
         return 1.0
-    ratio = effective / t.reference_batch_size
-    return ratio if t.scale_lr == "linear" else math.sqrt(ratio)
+    ratio = effective / o.reference_batch_size
+    return ratio if o.scale_lr == "linear" else math.sqrt(ratio)
 
 
 def group_settings(param_groups, t: TrainingConfig) -> dict:

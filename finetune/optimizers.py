@@ -59,7 +59,7 @@ def make_bitsandbytes(name: str) -> Callable:
     tensors under 4096 elements keep fp32 state). The update rounds differently from fp32 AdamW: not the baseline's
     step (compare says so)."""
     def make(groups, t):
-        import bitsandbytes as bnb  # missing: refused on load, as the entry's needs say (config.check_needs)
+        import bitsandbytes as bnb  # missing: refused on load, as the entry's needs say (schema.check_needs)
 
         return getattr(bnb.optim, name)(groups, lr=t.learning_rate, betas=tuple(t.betas))
     return make

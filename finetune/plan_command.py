@@ -12,8 +12,8 @@ from dataclasses import asdict
 import torch
 
 from finetune import flags, loop, startup
-from finetune.config import load_recipe
 from finetune.errors import ConfigError
+from finetune.loading import load_recipe
 from finetune.memory import depth, sharded
 from finetune.memory import plan as planner
 from finetune.memory.measure import PeakMeter

@@ -72,7 +72,7 @@ def banner(run) -> str:
     """What the run will do, said once before the first step (``run``: ``loop.Run``)."""
     t, shape, accelerator, windows = run.training, run.shape, run.accelerator, run.window_spec
     n_train, total_steps, world, effective = windows.samples, shape.total_steps, shape.processes, shape.effective
-    per_epoch = windows.per_epoch
+    per_epoch, opt = windows.per_epoch, t.optimizer_settings
     split = f"{shape.micro_batch} × {shape.accumulation}" + (f" × {world} processes" if world > 1 else "")
     trained = kept(n_train, windows.drop_last)
     tail = trained - (per_epoch - 1) * effective
@@ -92,10 +92,10 @@ def banner(run) -> str:
                                  else ""),
         f"Effective batch size: {effective} ({split})",
         f"Optimizer steps: {total_steps} ({per_epoch} per epoch; {tail_text})",
-        f"Optimizer: {t.optimizer}, lr {t.learning_rate * lr_scale(t, effective):g}, schedule {t.lr_scheduler}, "
+        f"Optimizer: {t.optimizer}, lr {t.learning_rate * lr_scale(opt, effective):g}, schedule {t.lr_scheduler}, "
         f"warm-up {t.warmup_steps} steps",
         *([f"LR scaling: {t.scale_lr} from the baseline's batch {t.reference_batch_size} to {effective}: "
-           f"{t.learning_rate:g} × {lr_scale(t, effective):.4g}"] if t.scale_lr != "none" else []),
+           f"{t.learning_rate:g} × {lr_scale(opt, effective):.4g}"] if t.scale_lr != "none" else []),
         *([f"Loss head: {run.head_note}"] if run.head_note else []),
         *([f"Packing: {run.packing_note}" + (f", rows of {windows.pack_capacity} tokens" if windows.pack_capacity
                                               else "")] if run.packing_note else []),

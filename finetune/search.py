@@ -21,8 +21,9 @@ import torch
 import yaml
 
 from finetune import runlock
-from finetune.config import TrainingConfig, fields_with, load_recipe
+from finetune.config import TrainingConfig, fields_with
 from finetune.errors import ConfigError
+from finetune.loading import load_recipe
 from finetune.models.forward import compute_loss
 from finetune.startup import build_job, check, run_recipe
 

@@ -37,7 +37,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
 from finetune import checkpoint, distributed, durable, loop, outputs, runlock
-from finetune.config import RecipeConfig, TrainingConfig, flatten, installed
+from finetune.config import Precision, RecipeConfig, Schedule, TrainingConfig, flatten
 from finetune.engine_config import check_deepspeed, check_engine_config
 from finetune.errors import ConfigError
 from finetune.items import count_items, is_causal_lm
@@ -50,6 +50,7 @@ from finetune.optim import group_settings, lr_scale, make_optims
 from finetune.packing import decide_packing
 from finetune.registry import task_module
 from finetune.runlog import banner
+from finetune.schema import installed
 from finetune.shape import Shape
 from finetune.windows import WindowSpec, windows_per_epoch
 
@@ -191,7 +192,7 @@ def as_run(cfg: RecipeConfig, shape: Shape) -> RecipeConfig:
 
 def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
     """Refuse, naming the setting, what this machine or the launch cannot run (fail at set-up, not mid-run)."""
-    # not a field's needs (config.check_needs): the Python API names its tracker outside any recipe
+    # not a field's needs (schema.check_needs): the Python API names its tracker outside any recipe
     if tracker not in (None, "none") and not installed(tracker):
         raise ConfigError(f"output.tracker: {tracker} is not installed (pip install {tracker}); "
                           "or set output.tracker=none")
@@ -306,9 +307,8 @@ def count_steps(job: Job, t: TrainingConfig, shape: Shape) -> Shape:
     """``shape`` over ``job``'s training set, checked against it (``check_data``), with the run's optimizer steps:
     Σ over epochs of ceil(samples / effective batch), capped by ``t.max_steps``."""
     check_data(job, t, shape)
-    steps = t.epochs * windows_per_epoch(len(job.train_data), shape.micro_batch, shape.accumulation,
-                                         shape.processes, t.drop_last)
-    steps = min(steps, t.max_steps) if t.max_steps else steps
+    steps = run_length(t.schedule, windows_per_epoch(len(job.train_data), shape.micro_batch, shape.accumulation,
+                                                     shape.processes, t.drop_last))
     warn_about_schedule(t, steps)
     return dataclasses.replace(shape, total_steps=steps)
 
@@ -363,6 +363,12 @@ def check_stream(t: TrainingConfig) -> None:
                           "known ahead)")
 
 
+def run_length(s: Schedule, per_epoch: int) -> int:
+    """The run's optimizer steps: ``s.epochs`` × ``per_epoch`` windows, capped by ``s.max_steps``."""
+    steps = s.epochs * per_epoch
+    return min(steps, s.max_steps) if s.max_steps else steps
+
+
 def warn_about_schedule(t: TrainingConfig, steps: int) -> None:
     """One line (main process) when the warm-up does not end before the run does (the learning rate never reaches
     its peak)."""
@@ -382,9 +388,9 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
     (``check_model``), prepare the model and optimizers, settle the micro-batch and how the samples become windows,
     build the checkpointer, start the trackers, and say what the run will do (main process)."""
     reporting = reporting or loop.Reporting()
-    accelerator = accelerator if accelerator is not None else accelerator_for(t, reporting)
+    accelerator = accelerator if accelerator is not None else accelerator_for(t.precision, reporting)
     model, head_note = ready_model(job, t)
-    scaler = scaler_for(accelerator, model, t)
+    scaler = scaler_for(accelerator, model, t.precision)
     pack_length_of, packing_note = packing_for(job, t, model)
     distributed.agree(lambda: check_model(accelerator, model, job, t, pack_length_of, reporting))  # all refuse alike
     model, optims = with_optimizers(accelerator, model, job, t, shape)
@@ -411,21 +417,21 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
     return run
 
 
-def accelerator_for(t: TrainingConfig, reporting: loop.Reporting) -> Accelerator:
+def accelerator_for(p: Precision, reporting: loop.Reporting) -> Accelerator:
     """The run's Accelerator: its mixed precision, and the tracker writing into the run's folder."""
-    return distributed.make_accelerator(t.mixed_precision, log_with=reporting.tracker,
+    return distributed.make_accelerator(p.mixed_precision, log_with=reporting.tracker,
                                         project_dir=str(reporting.dir) if reporting.dir else None,
-                                        loss_scale=loss_scale(t))
+                                        loss_scale=loss_scale(p))
 
 
-def loss_scale(t: TrainingConfig) -> distributed.LossScale:
-    return distributed.LossScale(t.initial_loss_scale, t.loss_scale_growth_interval)
+def loss_scale(p: Precision) -> distributed.LossScale:
+    return distributed.LossScale(p.initial_loss_scale, p.loss_scale_growth_interval)
 
 
-def scaler_for(accelerator: Accelerator, model, t: TrainingConfig):
+def scaler_for(accelerator: Accelerator, model, p: Precision):
     """fp16's loss scaler (``distributed.loss_scaler``); where it is finetune's own (a CPU), the model's forward
     runs under fp16 autocast (before ``prepare``), as Accelerate's prepare makes it run where it scales itself."""
-    scaler = distributed.loss_scaler(accelerator, t.mixed_precision, loss_scale(t))
+    scaler = distributed.loss_scaler(accelerator, p.mixed_precision, loss_scale(p))
     if distributed.own_scaler(accelerator, scaler):
         precision.autocast_forward(model, torch.float16)
     return scaler
@@ -467,7 +473,7 @@ def with_optimizers(accelerator: Accelerator, model, job: Job, t: TrainingConfig
     micro-batch first). Schedulers are not passed to ``accelerator.prepare``: a prepared scheduler steps
     num_processes times per optimizer step (Accelerate assumes each process's dataloader shrank by W); the windows
     already span every process, so each raw scheduler is stepped exactly once per optimizer step."""
-    optims = make_optims(model, job.param_groups, t, shape.total_steps, lr_scale(t, shape.effective))
+    optims = make_optims(model, job.param_groups, t, shape.total_steps, lr_scale(t.optimizer_settings, shape.effective))
     distributed.configure_deepspeed(accelerator, shape.micro_batch, optims)
     model, optimizers = prepare(accelerator, model, [o.optimizer for o in optims])
     for o, p in zip(optims, optimizers):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from accelerate.utils import send_to_device
@@ -111,13 +112,31 @@ def count_window(accelerator, window, micro_batches, counter, divisor=None) -> t
     return counts, per_micro_batch, window_items, real, padded
 
 
-def accumulate_window(accelerator, model, forward_model, loss_fn, window, micro_batches, counter,
-                      offload: bool = False, divisor=None, scaler=None) -> WindowResult:
+@dataclass(frozen=True)
+class Backward:
+    """What every window's forwards and backwards are computed with, the same for the whole run: the Accelerator,
+    the model (its prepared wrapper, and ``forward_model``: what the loss is asked of), the job's loss and item
+    counter; ``offload``: activations saved for backward wait in host memory (``training.activation_offloading``);
+    ``divisor``: what a window's summed loss is divided by (``training.loss_divisor``'s count; None: its items);
+    ``scaler``: fp16's loss scale (``distributed.loss_scaler``), the same for every micro-batch."""
+
+    accelerator: Any
+    model: Any
+    forward_model: Any
+    loss_fn: Callable
+    counter: Any
+    offload: bool = False
+    divisor: Any = None
+    scaler: Any = None
+
+
+def accumulate_window(b: Backward, window, micro_batches) -> WindowResult:
     """Forward and backward every micro-batch of one window, each weighted by its share of the window's items (of
-    the window's ``divisor`` count, when given); gradients are all-reduced once, on the last micro-batch.
-    ``offload``: activations saved for backward wait in host memory; ``scaler``: fp16's loss scale
-    (``distributed.loss_scaler``), the same for every micro-batch."""
-    counts, shares, window_items, real, padded = count_window(accelerator, window, micro_batches, counter, divisor)
+    the window's ``b.divisor`` count, when given); gradients are all-reduced once, on the last micro-batch."""
+    accelerator, model, forward_model, loss_fn, offload, scaler = (b.accelerator, b.model, b.forward_model,
+                                                                   b.loss_fn, b.offload, b.scaler)
+    counts, shares, window_items, real, padded = count_window(accelerator, window, micro_batches, b.counter,
+                                                              b.divisor)
     device, last = accelerator.device, len(micro_batches) - 1
     window_loss, window_extras = torch.zeros((), device=device), {}
     for i, (batch, items, share) in enumerate(zip(micro_batches, counts, shares)):

@@ -6,8 +6,8 @@ The cache key holds everything that shapes a sample: the data's bytes (or datase
 a hub dataset), the tokenizer with its chat template, the task's settings and ``ENCODING``. A second run with the
 same key reads the folder and tokenizes nothing; a changed template or setting makes another folder.
 
-    >>> samples = encoded("sft", table, d.source, tokenizer, (d.train_on, d.max_length),
-    ...                   lambda row, i: encode_row(tokenizer, row, i, d), features)
+    >>> how = Encoding("sft", lambda row, i: encode_row(tokenizer, row, i, d), features, (d.train_on, d.max_length))
+    >>> samples = encoded(table, d.source, tokenizer, how)
     >>> lengths = column(samples.select(train_indices), "length")
 """
 
@@ -16,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -69,14 +70,24 @@ def workers(num_proc: Optional[int], rows: int) -> Optional[int]:
     return min(cores, 16) if rows >= PARALLEL_ROWS and cores > 1 else None
 
 
-def encoded(task: str, table, source: str, tokenizer, settings: tuple, encode: Callable[[dict, int], dict],
-            features, num_proc: Optional[int] = None):
-    """Every row of ``table`` (read from ``source``) through ``encode``, as a memory-mapped ``datasets.Dataset`` in
-    the table's order.
+@dataclass(frozen=True)
+class Encoding:
+    """How a task turns a table's rows into samples: ``encode(row, i)`` turns row ``i`` (a dict) into a sample, a
+    value for each column of ``features``, one of them ``error`` (the row's one-line refusal, or ""); ``settings``:
+    the task's settings that shape a sample (in the cache key); ``num_proc``: ``Dataset.map``'s processes
+    (``workers``)."""
 
-    ``encode(row, i)`` turns row ``i`` (a dict) into a sample: a value for each column of ``features``, one of them
-    ``error`` (the row's one-line refusal, or ""). A table with a refused row is never cached: its first refusal (and
-    how many rows were refused) is the ConfigError.
+    task: str
+    encode: Callable[[dict, int], dict]
+    features: Any
+    settings: tuple = ()
+    num_proc: Optional[int] = None
+
+
+def encoded(table, source: str, tokenizer, how: Encoding):
+    """Every row of ``table`` (read from ``source``) through ``how.encode``, as a memory-mapped ``datasets.Dataset``
+    in the table's order. A table with a refused row is never cached: its first refusal (and how many rows were
+    refused) is the ConfigError.
 
     Built once under ``<cache root>/datasets/<task>-<key>`` (one process builds, the others of a process group
     wait); later calls with the same key read it. The key: the task, ``ENCODING``, the data, ``tokenizer`` and the
@@ -84,6 +95,7 @@ def encoded(task: str, table, source: str, tokenizer, settings: tuple, encode: C
     """
     import datasets
 
+    task, encode, features, settings, num_proc = how.task, how.encode, how.features, how.settings, how.num_proc
     key = f"{task}-" + digest(task, ENCODING, data_digest(source, table), tokenizer_digest(tokenizer), *settings)
     columns = list(features)
 

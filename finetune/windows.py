@@ -9,7 +9,7 @@ Inside a window the samples are cut into micro-batches of ``b`` (the last may be
 the processes. When a short window leaves a process without a micro-batch at some micro-step, that process still
 runs one (a copy of the window's first sample) with weight 0, so every process joins every gradient all-reduce.
 
-    >>> w = windows_of_epoch(10, micro_batch=2, accum=2, world=1, rank=0, seed=0, epoch=0)
+    >>> w = WindowSpec(10, micro_batch=2, accumulation=2, processes=1, seed=0).epoch(0, rank=0)
     >>> [len(x.micro_batches) for x in w], [len(m) for m in w[-1].micro_batches]
     ([2, 2, 1], [2])
 """
@@ -120,27 +120,6 @@ def kept(n: int, drop_last: Optional[int]) -> int:
     return n - n % drop_last if drop_last else n
 
 
-def windows_of_epoch(
-    n: int,
-    micro_batch: int,
-    accum: int,
-    world: int,
-    rank: int,
-    seed: int,
-    epoch: int,
-    shuffle: bool = True,
-    sort_key: Optional[Callable[[int], int]] = None,
-    length_of: Optional[Callable[[int], int]] = None,
-    max_tokens: Optional[int] = None,
-    pack_capacity: Optional[int] = None,
-    sample_order: str = "finetune",
-) -> list[Window]:
-    """Every window of one epoch, as seen by process ``rank`` of ``world`` (:class:`WindowSpec`)."""
-    spec = WindowSpec(n, micro_batch, accum, world, seed, epoch + 1, shuffle, sample_order, sort_key, length_of,
-                      max_tokens, pack_capacity)
-    return spec.epoch(epoch, rank)
-
-
 def even_batch_shares(order: list, size: int, processes: int, per_device: int) -> list[list[list[int]]]:
     """Per window of ``size``, the samples each of a baseline's ``processes`` processes (of ``per_device`` samples
     a batch) held, as accelerate's ``BatchSamplerShard`` (``even_batches``, the Trainer's default) hands an epoch in
@@ -192,8 +171,8 @@ def token_budget_chunks(members, length_of, max_tokens: int) -> list[tuple]:
 
 @dataclass(frozen=True)
 class WindowSpec:
-    """How a run's samples become windows: ``windows_of_epoch``'s arguments, settled once at start-up
-    (``startup.assemble``) and read by the loop's stream, the banner and ``finetune compare``."""
+    """How a run's samples become windows (``epoch``: every window of one, as one process sees it), settled once at
+    start-up (``startup.assemble``) and read by the loop's stream, the banner and ``finetune compare``."""
 
     samples: int                        # the training set's size
     micro_batch: int

@@ -10,7 +10,7 @@ import sys
 import torch
 
 from finetune import distributed, test_fine_tuning
-from finetune.config import load_recipe
+from finetune.loading import load_recipe
 from finetune.startup import build_job
 from tests.helpers import (
     EXACT,

@@ -325,7 +325,7 @@ def dpo_recipe_run(b, n, *overrides, job_hook=None, output=None, resume_from=Non
     """The dpo recipe on the tiny chat model and pairs (call tiny_pairs_assets() first), trained through the loop
     with micro-batch ``b`` and N = ``n``, full fine-tuning, SGD, no evaluation unless ``overrides`` say otherwise:
     (result, the job, the trainable weights before training)."""
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.startup import build_job
 
     cfg = load_recipe("dpo-smollm2", [*SMALL["dpo-smollm2"], *EXACT, f"training.batch_size={b}",
@@ -344,7 +344,7 @@ def sft_recipe_run(b, n, *overrides, job_hook=None):
     """The sft recipe on the tiny chat model (call tiny_chat_assets() first), seeded as the CLI seeds it, trained
     through the loop with micro-batch ``b`` and N = ``n``, full fine-tuning unless ``overrides`` say otherwise:
     (result, the trainable weights before training)."""
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.startup import build_job
 
     cfg = load_recipe("sft-smollm2", [*SMALL["sft-smollm2"], *EXACT, f"training.batch_size={b}",
@@ -439,11 +439,11 @@ def tail_weighted_as_mean(monkeypatch, full: int = 4) -> None:
 
     accumulate, weight = steps.accumulate_window, steps.loss_weight
 
-    def tail_as_mean(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw):
+    def tail_as_mean(backward, window, micro_batches):
         if len(window.samples) < full:
             monkeypatch.setattr(steps, "loss_weight", lambda items, window_items, processes: processes / 2)
         try:
-            return accumulate(accelerator, model, forward_model, loss_fn, window, micro_batches, *rest, **kw)
+            return accumulate(backward, window, micro_batches)
         finally:
             monkeypatch.setattr(steps, "loss_weight", weight)
 

@@ -456,10 +456,16 @@ def traced_run(argv: list) -> tuple[list, dict]:
     return path, calls
 
 
+# the recipe's own modules (its schema, the machinery, loading, validation): one place the configuration stays in
+RECIPE_MODULES = {"finetune.config", "finetune.schema", "finetune.loading", "finetune.validation"}
+
+
 def stays(path: list) -> list:
-    """The modules the configuration stays in, in order: consecutive functions of one module are one stay."""
+    """The modules the configuration stays in, in order: consecutive functions of one module are one stay (of the
+    recipe's own modules, ``RECIPE_MODULES``, shown as finetune.config)."""
     out = []
     for module, _ in path:
+        module = "finetune.config" if module in RECIPE_MODULES else module
         if not out or out[-1] != module:
             out.append(module)
     return out
@@ -493,6 +499,7 @@ def test_a_run_follows_its_configuration_in_8_stays_and_1_return_and_sets_up_onc
     planted = [*fresh[0], ("finetune.startup", "split_batch")]
     assert returns(stays(planted))[-1] == "finetune.startup"
     assert stays([("a", "f"), ("a", "g"), ("b", "h"), ("a", "k")]) == ["a", "b", "a"]
+    assert stays([("finetune.validation", "f"), ("finetune.schema", "g"), ("b", "h")]) == ["finetune.config", "b"]
 
 
 # the stage functions a resumed run passes through, whoever starts it

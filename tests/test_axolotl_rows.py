@@ -148,7 +148,7 @@ def test_completion_rows_become_text(tmp_path, capsys):
 
 def dpo_rows(recipe: Path) -> list:
     """The rows of an imported recipe as the dpo task reads them: its loader, then its row reader."""
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.tasks import dpo
 
     cfg = load_recipe(str(recipe), [])

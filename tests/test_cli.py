@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from finetune.cli import main, run_main
-from finetune.config import ConfigError, load_recipe
+from finetune.errors import ConfigError
+from finetune.loading import load_recipe
 from finetune.registry import list_recipes
 from tests.helpers import ACCELERATE, ROOT, TINY, assert_one_error_line, cli
 

@@ -11,16 +11,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from finetune.config import (
-    SECTIONS,
-    ConfigError,
-    Range,
-    check_ranges,
-    config_from_dict,
-    doc,
-    read_yaml,
-)
+from finetune.config import SECTIONS
+from finetune.errors import ConfigError
+from finetune.loading import config_from_dict, read_yaml
 from finetune.registry import list_recipes, recipe_path, task_module
+from finetune.schema import Range, check_ranges, doc
 
 SHARED_RECIPE = "minilm-sentiment-lora"  # peft enabled: the peft section's ranges apply only then
 

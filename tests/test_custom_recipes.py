@@ -24,7 +24,7 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-from finetune.config import load_recipe
+from finetune.loading import load_recipe
 from finetune.registry import task_module
 from tests.helpers import ENV, EXACT, ROOT, RUN, SMALL, rel_diff, train_quietly
 

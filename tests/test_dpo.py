@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from finetune.config import ConfigError, load_recipe
+from finetune.errors import ConfigError
+from finetune.loading import load_recipe
 from finetune.loop import Reporting
 from finetune.models.loss_head import model_sequence_log_probs, sequence_log_probs
 from finetune.startup import build_job

@@ -32,7 +32,7 @@ def end_early(job):
 
 
 def grpo_run(b, n, *overrides, output=None, resume_from=None):
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.startup import build_job
 
     tiny_chat_assets()
@@ -177,7 +177,7 @@ def test_answer_reward_pays_the_right_sum_in_any_format():
 def test_grpo_through_test_fine_tuning():
     """The Python API trains the task's job (its hooks passed as keywords) and takes the loop's steps."""
     from finetune import test_fine_tuning
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.startup import build_job
 
     tiny_chat_assets()
@@ -281,7 +281,7 @@ def test_training_rollouts_still_replays_with_a_note_and_model_rollouts_is_silen
 
 
 def test_rollouts_in_both_places_are_carried_when_equal_and_refused_in_one_line_when_not(tmp_path):
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from tests.helpers import assert_one_error_line, cli
 
     cfg = load_recipe("grpo-smollm2", ["training.rollouts=a.jsonl", "model.rollouts=a.jsonl"])
@@ -456,7 +456,7 @@ def test_import_names_a_loss_type_the_task_does_not_have(tmp_path):
 def test_the_kl_is_bias_corrected_as_trl_by_default():
     """TRL 1.16 multiplies each token's KL by its ratio (use_bias_correction_kl): on-policy the value is the same,
     the gradient gains the KL itself; off, the plain k3 gradient."""
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
 
     def grads(correct: bool):
         m = load_recipe("grpo-smollm2", ["model.beta=0.5", f"model.use_bias_correction_kl={str(correct).lower()}"])

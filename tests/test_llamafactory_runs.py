@@ -85,7 +85,7 @@ def test_a_packed_run_keeps_the_big_batch_step_and_the_verdict_names_the_packing
 
 
 def knapsack_rows(recipe, *sets) -> list:
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.tasks import sft
     from finetune.tasks.chat import load_tokenizer
 

@@ -10,7 +10,7 @@ from finetune import ConfigError, TrainingConfig, test_fine_tuning
 from finetune.distributed import make_accelerator
 from finetune.optim import Optim
 from finetune.steps import optimizer_step
-from finetune.windows import Window, windows_of_epoch
+from finetune.windows import Window, WindowSpec
 from tests.helpers import MLP, copy_model, regression_data, rel_diff
 
 
@@ -52,7 +52,7 @@ def test_n1_is_a_plain_loop():
     ref = copy_model(model)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for epoch in range(2):
-        order = windows_of_epoch(30, 4, 1, 1, 0, seed=5, epoch=epoch)
+        order = WindowSpec(30, 4, 1, 1, 5).epoch(epoch, 0)
         for w in order:
             idx = list(w.micro_batches[0])
             batch = {"x": torch.stack([data[i]["x"] for i in idx]), "y": torch.stack([data[i]["y"] for i in idx])}
@@ -64,14 +64,14 @@ def test_n1_is_a_plain_loop():
 
 def test_sample_order_depends_on_seed_only():
     def members(b, n, w):
-        return [sorted(x.samples) for r in range(w) for x in windows_of_epoch(103, b, n, w, r, seed=7, epoch=1)][:5]
+        return [sorted(x.samples) for r in range(w) for x in WindowSpec(103, b, n, w, 7).epoch(1, r)][:5]
 
-    base = [sorted(x.samples) for x in windows_of_epoch(103, 24, 1, 1, 0, seed=7, epoch=1)]
+    base = [sorted(x.samples) for x in WindowSpec(103, 24, 1, 1, 7).epoch(1, 0)]
     for b, n, w in [(3, 8, 1), (6, 2, 2), (1, 12, 2), (24, 1, 1)]:
-        windows = windows_of_epoch(103, b, n, w, 0, seed=7, epoch=1)
+        windows = WindowSpec(103, b, n, w, 7).epoch(1, 0)
         assert [sorted(x.samples) for x in windows] == base
-    assert base != [sorted(x.samples) for x in windows_of_epoch(103, 24, 1, 1, 0, seed=8, epoch=1)]
-    assert base != [sorted(x.samples) for x in windows_of_epoch(103, 24, 1, 1, 0, seed=7, epoch=2)]
+    assert base != [sorted(x.samples) for x in WindowSpec(103, 24, 1, 1, 8).epoch(1, 0)]
+    assert base != [sorted(x.samples) for x in WindowSpec(103, 24, 1, 1, 7).epoch(2, 0)]
 
 
 def test_bf16_autocast_runs_on_cpu():

@@ -13,6 +13,7 @@ import transformers
 from finetune import test_fine_tuning
 from finetune.models.loss_head import (
     SUPPORTED,
+    Head,
     causal_lm_loss,
     chunked_linear_cross_entropy,
     chunked_loss_enabled,
@@ -186,7 +187,7 @@ def test_a_wrong_chunk_reduction_or_unshifted_labels_fail_the_check():
     y = torch.randint(0, VOCAB, (25,))
     y[3:9] = -100
     plain = F.cross_entropy(h @ w.T, y)
-    assert abs(chunked_linear_cross_entropy(h, w, y, chunk_tokens=7) / plain - 1) <= 1e-6
+    assert abs(chunked_linear_cross_entropy(h, Head(w), y, chunk_tokens=7) / plain - 1) <= 1e-6
     chunk_means = torch.stack([F.cross_entropy(h[i:i + 7] @ w.T, y[i:i + 7]) for i in range(0, 25, 7)]).mean()
     assert abs(chunk_means / plain - 1) > 1e-3
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from finetune import test_fine_tuning
-from finetune.config import ConfigError, load_recipe
+from finetune.errors import ConfigError
+from finetune.loading import load_recipe
 from finetune.models import precision
 from finetune.models.hf import merge_adapters, precision_kwargs
 from finetune.tasks import chat

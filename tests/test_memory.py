@@ -421,7 +421,7 @@ def test_plan_flags_are_run_s_own(tmp_path):
     """--effective-batch-size and --data mean on plan what they mean on run: the same overrides, from one place."""
     from finetune import flags
     from finetune.cli import build_parser, overrides_from_args
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
 
     (tmp_path / "rows.csv").write_text("text,label\n" + "fine,1\nbad,0\n" * 20)
     given = ["--recipe", TINY, "--effective-batch-size", "16", "--data", str(tmp_path / "rows.csv")]

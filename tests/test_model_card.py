@@ -143,7 +143,7 @@ def _embedded(settings: dict, tmp_path: Path) -> dict:
 def test_a_recipe_description_stays_only_on_the_recipe_own_data(tmp_path):
     """The built-in recipe's description describes its own data: a run on other data carries none of it, in the
     card's words or in the recipe it embeds (which import reads back); a run on the recipe's data keeps it."""
-    from finetune.config import read_yaml
+    from finetune.loading import read_yaml
     from finetune.registry import recipe_path
 
     raw = read_yaml(recipe_path("sft-smollm2"))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from finetune import optimizers
-from finetune.config import ConfigError, load_recipe
+from finetune.errors import ConfigError
+from finetune.loading import load_recipe
 from finetune.optimizers import OPTIMIZERS, Optimizer
 from tests.helpers import MLP, TINY, assert_one_error_line, regression_data
 

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from finetune.cli import run_main
-from finetune.config import ConfigError, load_recipe
+from finetune.errors import ConfigError
+from finetune.loading import load_recipe
 from finetune.registry import available_tasks
 from tests.helpers import ACCELERATE, ENV, ROOT, RUN, assert_same_history, cli
 

@@ -21,7 +21,7 @@ from finetune.packing import (
     pack_rows,
 )
 from finetune.reproduce.compare import compare_runs
-from finetune.windows import windows_of_epoch
+from finetune.windows import WindowSpec
 from tests.helpers import (
     ENV,
     ROOT,
@@ -105,7 +105,7 @@ def test_rows_hold_whole_samples_within_capacity():
     rows = pack_rows(range(10), lengths.__getitem__, capacity=24)
     assert sorted(i for r in rows for i in r) == list(range(10))
     assert all(sum(lengths[i] for i in r) <= 24 or len(r) == 1 for r in rows)
-    (w,) = windows_of_epoch(10, 2, 5, 1, 0, seed=0, epoch=0, length_of=lengths.__getitem__, pack_capacity=24)
+    (w,) = WindowSpec(10, 2, 5, 1, 0, length_of=lengths.__getitem__, pack_capacity=24).epoch(0, 0)
     assert len(w.micro_batches) == -(-len(rows) // 2) and w.token_counts
     assert sum(real for real, _ in w.token_counts) == sum(lengths)
 

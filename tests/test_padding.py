@@ -47,11 +47,11 @@ def test_sorting_cuts_padding(setup):
 
 
 def test_token_budget_varies_micro_batch_count():
-    from finetune.windows import windows_of_epoch
+    from finetune.windows import WindowSpec
 
     lengths = [2, 30, 3, 4, 28, 5, 6, 2]
-    windows = windows_of_epoch(8, 2, 4, 1, 0, seed=0, epoch=0, sort_key=lambda i: lengths[i],
-                         length_of=lambda i: lengths[i], max_tokens=16)
+    windows = WindowSpec(8, 2, 4, 1, 0, sort_key=lambda i: lengths[i], length_of=lambda i: lengths[i],
+                         max_tokens=16).epoch(0, 0)
     (w,) = windows
     sizes = [len(mb) for mb in w.micro_batches]
     assert sizes == [4, 2, 1, 1]  # lengths 2 2 3 4 | 5 6 | 28 | 30 — not b = 2 per micro-batch any more

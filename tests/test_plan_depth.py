@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils._pytree import tree_map
 
-from finetune.config import TrainingConfig, load_recipe
+from finetune.config import TrainingConfig
+from finetune.loading import load_recipe
 from finetune.memory.allocations import AllocationsOnly
 from finetune.memory.depth import DEPTHS, Extrapolated, first_blocks, load_architecture
 from finetune.memory.fixed import fixed_part, held_bytes, planned_weight_bytes, state_bytes

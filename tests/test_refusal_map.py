@@ -1,6 +1,6 @@
 """The refusal map: a setting declares what it needs (``config.Needs`` on its field: a package, another setting), and
-the one checker (``config.check_needs``) refuses what is missing on load, with every other problem, before anything
-is tokenized or a model loads. A package is reported missing by patching ``finetune.config.installed`` (the one
+the one checker (``schema.check_needs``) refuses what is missing on load, with every other problem, before anything
+is tokenized or a model loads. A package is reported missing by patching ``finetune.schema.installed`` (the one
 place every such refusal asks); nothing is uninstalled. The work a refusal must come before is counted, not timed:
 the tokenizer and model loads (transformers' ``from_pretrained``) and the tokenized table (``tables.encoded``); the
 same counters with the package present are above zero, so that the counting can fail.
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-import finetune.config
+import finetune.schema
 from finetune import tables
 from finetune.cli import main
-from finetune.config import ConfigError, load_recipe
+from finetune.errors import ConfigError
+from finetune.loading import load_recipe
 from tests.helpers import SMALL, tiny_chat_assets
 
 RECIPE = "sft-smollm2"
@@ -64,8 +65,8 @@ def counted(monkeypatch):
 
 def without(monkeypatch, module: str) -> None:
     """As on a machine where ``module`` is not installed: the checker's one question answers no for it."""
-    real = finetune.config.installed
-    monkeypatch.setattr(finetune.config, "installed", lambda name: name != module and real(name))
+    real = finetune.schema.installed
+    monkeypatch.setattr(finetune.schema, "installed", lambda name: name != module and real(name))
 
 
 def run_args(out, overrides) -> list:
@@ -140,7 +141,7 @@ def test_a_missing_package_and_other_problems_are_listed_together(monkeypatch):
 
 def test_a_setting_off_or_at_its_default_needs_nothing(monkeypatch):
     """Only a value that needs the package asks for it: no packing without trl, full fine-tuning without peft."""
-    monkeypatch.setattr(finetune.config, "installed", lambda name: name not in ("trl", "peft"))
+    monkeypatch.setattr(finetune.schema, "installed", lambda name: name not in ("trl", "peft"))
     cfg = load_recipe(RECIPE, [*SMALL[RECIPE], "peft.enabled=false"])
     assert cfg.data.pack is None and not cfg.peft.enabled
 

@@ -201,7 +201,7 @@ def test_the_python_api_given_a_checkpoint_gets_the_command_lines_checks(tmp_pat
     command line's own line, a complete run is refused, and the same batch continues into the uninterrupted run."""
     from finetune.api import test_fine_tuning
     from finetune.cli import run_main
-    from finetune.config import ConfigError
+    from finetune.errors import ConfigError
 
     # the command line's line: the tiny recipe saved at 4 × 2 = 8, resumed at 4 × 1
     run = tmp_path / "cli"

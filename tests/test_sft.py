@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from finetune.cli import main, run_main
-from finetune.config import ConfigError, load_recipe
+from finetune.errors import ConfigError
+from finetune.loading import load_recipe
 from finetune.models.hf import gguf_file, resolve_model_path
 from finetune.startup import build_job
 from finetune.tasks import chat, sft

@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 from finetune import cache, tables
-from finetune.config import ConfigError
+from finetune.errors import ConfigError
 from finetune.tasks import chat, dpo, grpo, sft
 from tests.helpers import CHATML, chat_rows, tiny_chat_assets
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from finetune.windows import trainer_epoch_order, windows_of_epoch
+from finetune.windows import WindowSpec, trainer_epoch_order
 from tests.helpers import ROOT
 
 
@@ -54,18 +54,18 @@ def test_window_k_holds_the_trainers_batch_k(tmp_path, seed, data_seed):
     each epoch, over 3 epochs. finetune at micro-batch 1 × N = 8 holds the Trainer's samples in every window."""
     got = trainer_batches(tmp_path, 37, 4, 2, 3, seed, data_seed)
     order_seed = seed if data_seed is None else data_seed
-    ours = [list(w.samples) for e in range(3) for w in windows_of_epoch(37, 1, 8, 1, 0, order_seed, e,
-                                                                   sample_order="trainer")]
+    trainer = WindowSpec(37, 1, 8, 1, order_seed, sample_order="trainer")
+    ours = [list(w.samples) for e in range(3) for w in trainer.epoch(e, 0)]
     assert got == ours and [len(s) for s in got[:5]] == [8, 8, 8, 8, 5]
     # negative control: finetune's own order puts other samples in the windows
-    default = [sorted(w.samples) for e in range(3) for w in windows_of_epoch(37, 1, 8, 1, 0, order_seed, e)]
+    default = [sorted(w.samples) for e in range(3) for w in WindowSpec(37, 1, 8, 1, order_seed).epoch(e, 0)]
     assert [sorted(s) for s in got] != default
 
 
 def test_trainer_order_depends_on_seed_and_epoch_only():
-    base = [sorted(w.samples) for w in windows_of_epoch(103, 24, 1, 1, 0, 7, 1, sample_order="trainer")]
+    base = [sorted(w.samples) for w in WindowSpec(103, 24, 1, 1, 7, sample_order="trainer").epoch(1, 0)]
     for b, n, w in [(3, 8, 1), (6, 2, 2), (1, 12, 2)]:
-        assert [sorted(x.samples) for x in windows_of_epoch(103, b, n, w, 0, 7, 1, sample_order="trainer")] == base
+        assert [sorted(x.samples) for x in WindowSpec(103, b, n, w, 7, sample_order="trainer").epoch(1, 0)] == base
     assert trainer_epoch_order(103, 7, 1) == trainer_epoch_order(103, 8, 0)  # the Trainer seeds with seed + epoch
     assert trainer_epoch_order(103, 7, 1) != trainer_epoch_order(103, 7, 0)
 
@@ -92,9 +92,9 @@ def test_elastic_resume_keeps_the_trainers_windows(tmp_path):
     history = [json.loads(x) for x in (resumed / "history.jsonl").read_text().splitlines()]
     hashes, n_train = [h["window_hash"] for h in history], sum(h["samples"] for h in history if h["epoch"] == 0)
     expected = [membership_hash(w.samples) for e in range(2)
-                for w in windows_of_epoch(n_train, 8, 1, 1, 0, 7, e, sample_order="trainer")]
+                for w in WindowSpec(n_train, 8, 1, 1, 7, sample_order="trainer").epoch(e, 0)]
     assert hashes == expected
-    assert hashes != [membership_hash(w.samples) for e in range(2) for w in windows_of_epoch(n_train, 8, 1, 1, 0, 7, e)]
+    assert hashes != [membership_hash(w.samples) for e in range(2) for w in WindowSpec(n_train, 8, 1, 1, 7).epoch(e, 0)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

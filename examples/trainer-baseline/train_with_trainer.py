@@ -54,7 +54,7 @@ def main(argv=None) -> None:
 
     from transformers import Trainer, TrainingArguments
 
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.startup import build_job
 
     if not (Path(args.model) / "config.json").is_file():

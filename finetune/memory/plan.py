@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from finetune import config  # config.installed, looked up when called (a test replaces it for a missing package)
+from finetune import schema  # schema.installed, looked up when called (a test replaces it for a missing package)
 from finetune.config import PretrainedModelConfig, TrainingConfig
 from finetune.errors import ConfigError
 from finetune.items import is_causal_lm
@@ -455,11 +455,11 @@ def recipe_levers(cfg) -> list[Setting]:
     Hugging Face model a bf16 base, a 4-bit nf4 base, and computing in bf16. bitsandbytes' levers only where it is
     installed, LoRA's only where peft is (the levers' recipes are not validated: what they need is asked here)."""
     m, t, lora = cfg.model, cfg.training, cfg.peft.enabled
-    quant = config.installed("bitsandbytes")
+    quant = schema.installed("bitsandbytes")
     out = []
     if quant and t.optimizer == "adamw" and not lora:
         out.append(Setting(optimizer="adamw8bit"))
-    if not lora and not config.installed("peft"):  # every lever below trains LoRA adapters
+    if not lora and not schema.installed("peft"):  # every lever below trains LoRA adapters
         return out
     if not lora:
         out.append(Setting(lora=True))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import inspect
 import types
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -204,21 +205,34 @@ def sums_in_fp32(head: torch.nn.Module) -> bool:
     return sums_weight_grads_in_fp32(head)
 
 
-def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                                 bias: Optional[torch.Tensor] = None, *, divisor=None,
-                                 chunk_tokens: Optional[int] = None, ignore_index: int = -100,
-                                 fp32_sums: bool = False) -> torch.Tensor:
-    """``cross_entropy(linear(hidden, weight, bias).float(), targets)`` without the ``[rows, classes]`` logits.
+@dataclass(frozen=True)
+class Head:
+    """The output layer a loss is computed through: its ``weight`` (``[classes, in_features]``), ``bias``
+    (``[classes]`` or None) and ``fp32_sums``: under bf16 / fp16 autocast, sum the weight's gradient in fp32
+    (``training.fp32_grad_sums``) rather than round each chunk's sum as the plain head rounds its one."""
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    fp32_sums: bool = False
+
+    @classmethod
+    def of(cls, linear: torch.nn.Module) -> "Head":
+        """The head of a model's output layer (an ``nn.Linear``), switched or not to fp32 gradient sums."""
+        return cls(linear.weight, linear.bias, sums_in_fp32(linear))
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, head: Head, targets: torch.Tensor, *, divisor=None,
+                                 chunk_tokens: Optional[int] = None, ignore_index: int = -100) -> torch.Tensor:
+    """``cross_entropy(linear(hidden, head.weight, head.bias).float(), targets)`` without the ``[rows, classes]``
+    logits.
 
     Args:
-        hidden: ``[rows, in_features]``. weight: ``[classes, in_features]``; bias: ``[classes]`` or None.
+        hidden: ``[rows, in_features]``. head: the output layer (``Head``: weight, bias, fp32 gradient sums).
         targets: ``[rows]`` class indices; ``ignore_index`` rows count for nothing.
         divisor: the sum of the counted rows' losses is divided by it (a number or a 0-d tensor, as HF's
             ``num_items_in_batch``); None: by the number of counted rows (the mean; NaN when there is none).
         chunk_tokens: rows per chunk (None: ``default_chunk_tokens(classes)``); the head holds one
             ``[chunk_tokens, classes]`` fp32 buffer at a time (about two under bf16 autocast), besides the gradients.
-        fp32_sums: under bf16 / fp16 autocast, sum the weight's gradient in fp32 (``training.fp32_grad_sums``)
-            rather than round each chunk's sum as the plain head rounds its one.
 
     Returns:
         The fp32 loss; its gradients w.r.t. ``hidden``, ``weight`` and ``bias`` are the plain head's, to rounding.
@@ -226,10 +240,11 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tar
     Example:
         >>> h, w = torch.randn(10, 4, requires_grad=True), torch.randn(50, 4, requires_grad=True)
         >>> y = torch.tensor([1, 2, -100, 3, 4, 5, 6, 7, 8, 9])
-        >>> loss = chunked_linear_cross_entropy(h, w, y, chunk_tokens=3)
+        >>> loss = chunked_linear_cross_entropy(h, Head(w), y, chunk_tokens=3)
         >>> torch.allclose(loss, F.cross_entropy(h @ w.T, y))
         True
     """
+    weight, bias = head.weight, head.bias
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(weight.shape[0])
     elif chunk_tokens < 1:
@@ -241,7 +256,8 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, tar
     hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
     if torch.is_grad_enabled() and torch.is_autocast_enabled(hidden.device.type) and \
             torch.get_autocast_dtype(hidden.device.type) in (torch.bfloat16, torch.float16):
-        return _ChunkedLowPrecisionCrossEntropy.apply(hidden, weight, bias, targets, divisor, chunk_tokens, fp32_sums)
+        return _ChunkedLowPrecisionCrossEntropy.apply(hidden, weight, bias, targets, divisor, chunk_tokens,
+                                                      head.fp32_sums)
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, divisor, chunk_tokens,
                                             torch.is_grad_enabled())
 
@@ -263,9 +279,8 @@ def causal_lm_loss(hidden_states: torch.Tensor, head: torch.nn.Linear, labels: t
     targets = shift_labels.reshape(-1).to(hidden.device)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(hidden.device)
-    return chunked_linear_cross_entropy(hidden, head.weight, targets, head.bias, divisor=num_items_in_batch,
-                                        chunk_tokens=chunk_tokens, ignore_index=ignore_index,
-                                        fp32_sums=sums_in_fp32(head))
+    return chunked_linear_cross_entropy(hidden, Head.of(head), targets, divisor=num_items_in_batch,
+                                        chunk_tokens=chunk_tokens, ignore_index=ignore_index)
 
 
 # ---------------------------------------------------------------------------------------------------------------

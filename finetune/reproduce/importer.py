@@ -27,8 +27,9 @@ from typing import Optional
 import yaml
 
 from finetune.card import file_sha256
-from finetune.config import TrainingConfig, apply_overrides, build_section, config_from_dict, read_yaml
+from finetune.config import TrainingConfig
 from finetune.errors import ConfigError
+from finetune.loading import apply_overrides, config_from_dict, read_yaml
 from finetune.registry import recipe_path, resolve_task, section_class, task_module
 from finetune.reproduce.architecture import model_config_of, model_difference
 from finetune.reproduce.carry import carry
@@ -36,6 +37,7 @@ from finetune.reproduce.objective import said_objective
 from finetune.reproduce.record import Baseline, Imported, WholeRecipe
 from finetune.reproduce.rows import training_file
 from finetune.reproduce.sources import accepted, names, read_baseline
+from finetune.schema import build_section
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Optional, Protocol
 
-from finetune.config import read_yaml
-
 # arguments that TRL's configs (SFTConfig, DPOConfig, GRPOConfig, …) add to the TrainingArguments
 TRL_ARGS = ("completion_only_loss", "assistant_only_loss", "dataset_text_field", "padding_free",
             "max_prompt_length", "num_generations")
@@ -222,12 +220,6 @@ class Imported:
         """What import says of what it did not carry, one line each."""
         return [str(s) for s in self.not_carried]
 
-
-
-def load_yaml(path: Path, what: str):
-    """A run's or a config's YAML file (``config.read_yaml``: the one reader); ConfigError naming the file and the
-    line when it is not YAML."""
-    return read_yaml(path, what)
 
 
 def pure_precision(out, setting: tuple, dtype: str, tool: str, baseline_step: bool, model_fields,

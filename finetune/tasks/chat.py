@@ -20,11 +20,13 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 
 from finetune import streaming, tables
-from finetune.config import GGUF, ConfigError, PretrainedModelConfig, doc
+from finetune.config import GGUF, PretrainedModelConfig
 from finetune.data import held_out, load_local_table, split_samples
+from finetune.errors import ConfigError
 from finetune.models import precision
 from finetune.models.forward import set_dropout, shards_weights
 from finetune.models.hf import apply_peft, gguf_file, precision_kwargs, pretrained, resolve_model_path
+from finetune.schema import doc
 
 # datasets and transformers (0.6 s each) are imported in the functions that use them: `finetune validate`
 # imports this module to check a recipe and loads no data nor model.

@@ -20,20 +20,16 @@ import tokenizers
 import torch
 
 from finetune import cache, tables
-from finetune.config import (
-    GGUF,
-    BaseDataConfig,
-    ConfigError,
-    PretrainedModelConfig,
-    doc,
-    refuse_precision_for_new_model,
-)
+from finetune.config import GGUF, BaseDataConfig, PretrainedModelConfig
 from finetune.data import check_data_source, held_out, load_local_table, pad_collate, split
+from finetune.errors import ConfigError
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models import precision
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
 from finetune.models.hf import from_config as new_model
+from finetune.schema import doc
+from finetune.validation import refuse_precision_for_new_model
 
 # LLaMA-Factory's pt stage trains a causal LM on plain text: this task
 COMPARE_HINTS = CompareHints(peer_names={"llamafactory": "pt"})

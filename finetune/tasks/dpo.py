@@ -35,12 +35,14 @@ import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
 from finetune import tables
-from finetune.config import BaseDataConfig, ConfigError, doc
+from finetune.config import BaseDataConfig
 from finetune.data import attention_mask, require_columns, right_pad, row_place
+from finetune.errors import ConfigError
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models import precision
 from finetune.models.hf import peft_save_hook
 from finetune.models.loss_head import model_sequence_log_probs
+from finetune.schema import doc
 from finetune.tasks import chat
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
@@ -270,8 +272,9 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
 def tokenized(tokenizer, table, d: DataConfig):
     """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
     the settings that shape a pair, and read memory-mapped from the cache afterwards."""
-    return tables.encoded("dpo", table, d.source, tokenizer, (d.max_length, d.too_long, d.system_prompt, d.text_rows),
-                          lambda row, i: encode_row(tokenizer, row, i, d), sample_features(), d.num_proc)
+    how = tables.Encoding("dpo", lambda row, i: encode_row(tokenizer, row, i, d), sample_features(),
+                          (d.max_length, d.too_long, d.system_prompt, d.text_rows), d.num_proc)
+    return tables.encoded(table, d.source, tokenizer, how)
 
 
 def placed(samples, split: str):

@@ -42,11 +42,13 @@ import torch
 from accelerate.utils import gather_object
 
 from finetune import tables
-from finetune.config import BaseDataConfig, ConfigError, doc
+from finetune.config import BaseDataConfig
 from finetune.data import require_columns, split_samples
+from finetune.errors import ConfigError
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models.forward import shards_weights
 from finetune.models.hf import peft_save_hook
+from finetune.schema import doc
 from finetune.seeding import permutation, step_seed
 from finetune.tasks import chat
 
@@ -393,19 +395,30 @@ def make_loss_fn(m: ModelConfig, rollouts: Rollouts, schedule: GenerationSchedul
 # generation
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """What a ``Generator`` draws its generation batches from and scores them with: the training prompts, the
+    schedule of generation batches, the reward functions, the reference model (None without a KL term) and a
+    baseline's rollouts to replay (``model.rollouts``, read before the model loaded; None: generate)."""
+
+    prompts: Prompts
+    schedule: GenerationSchedule
+    funcs: list
+    reference: object = None
+    replay: Optional[dict] = None
+
+
 class Generator:
     """Makes the generation batch a window needs (``before_window``): each process generates its share of the
-    chunks, and every process ends up holding the whole batch (``shared_chunks``)."""
+    chunks, and every process ends up holding the whole batch (``shared_chunks``) in ``rollouts``."""
 
-    def __init__(self, m: ModelConfig, ctx: TaskContext, model, tokenizer, prompts: list,
-                 schedule: GenerationSchedule, rollouts: Rollouts, funcs: list, reference,
-                 replay: Optional[dict] = None):
+    def __init__(self, m: ModelConfig, ctx: TaskContext, model, tokenizer, drawn: Drawn, rollouts: Rollouts):
         self.m, self.seed, self.model, self.tokenizer = m, ctx.seed, model, tokenizer
         # where this process generates and its share of the chunks; agree: a refusal stops every process alike
         self.device, self.processes, self.rank, self.agree = ctx.device, ctx.processes, ctx.rank, ctx.agree
-        self.prompts, self.schedule, self.rollouts = prompts, schedule, rollouts
-        self.funcs, self.reference = funcs, reference
-        self.replay_path, self.replay = m.rollouts, replay  # model.rollouts, read before the model loaded
+        self.prompts, self.schedule, self.rollouts = drawn.prompts, drawn.schedule, rollouts
+        self.funcs, self.reference = drawn.funcs, drawn.reference
+        self.replay_path, self.replay = m.rollouts, drawn.replay
 
     def before_window(self, state) -> None:
         batch, _ = self.schedule.locate(state.next_window * self.schedule.effective)
@@ -608,7 +621,8 @@ def tokenized(tokenizer, rows, d: DataConfig):
 
     features = datasets.Features({"ids": datasets.List(datasets.Value("int32")), "length": datasets.Value("int32"),
                                   "error": datasets.Value("string")})
-    return tables.encoded("grpo", rows, d.source, tokenizer, (d.system_prompt,), encode, features, d.num_proc)
+    return tables.encoded(rows, d.source, tokenizer, tables.Encoding("grpo", encode, features, (d.system_prompt,),
+                                                                     d.num_proc))
 
 
 class Prompts(torch.utils.data.Dataset):
@@ -683,8 +697,8 @@ def build(cfg, ctx: TaskContext) -> Job:
     tokenizer.padding_side = "left"
     model, _ = chat.tuned_model(cfg, tokenizer)
     rollouts = Rollouts()
-    generator = Generator(m, ctx, model, tokenizer, prompts, schedule, rollouts, funcs,
-                          make_reference(m, model, cfg.peft.enabled), replay)
+    drawn = Drawn(prompts, schedule, funcs, make_reference(m, model, cfg.peft.enabled), replay)
+    generator = Generator(m, ctx, model, tokenizer, drawn, rollouts)
     if ctx.main:
         print(f"grpo: {len(prompts)} prompts from {d.source} ({len(held_out)} held out); {m.num_generations} "
               f"completions each; generation batch {schedule.batch_completions} completions ({source}) for "

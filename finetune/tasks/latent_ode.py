@@ -26,11 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune.config import BaseDataConfig, BaseModelConfig, Needs, always, doc, in_range
+from finetune.config import BaseDataConfig, BaseModelConfig
 from finetune.data import split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
 from finetune.models.forward import set_dropout
+from finetune.schema import Needs, always, doc, in_range
 from finetune.seeding import step_seed
 
 # scikit-learn (optional: finetune[examples]; 1.6 s) and torchdiffeq (optional: finetune[ode]) are imported in

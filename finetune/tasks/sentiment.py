@@ -14,21 +14,16 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from finetune import tables
-from finetune.config import (
-    GGUF,
-    BaseDataConfig,
-    ConfigError,
-    Needs,
-    PretrainedModelConfig,
-    doc,
-    refuse_precision_for_new_model,
-)
+from finetune.config import GGUF, BaseDataConfig, PretrainedModelConfig
 from finetune.data import check_data_source, held_out, load_local_table, row_place, split
+from finetune.errors import ConfigError
 from finetune.evaluation import load_metric
 from finetune.job import Job, TaskContext
 from finetune.models import precision
 from finetune.models.forward import set_dropout
 from finetune.models.hf import apply_peft, from_pretrained, peft_save_hook, precision_kwargs, resolve_model_path
+from finetune.schema import Needs, doc
+from finetune.validation import refuse_precision_for_new_model
 
 # datasets, transformers (0.6 s each), evaluate (3.4 s) and vaderSentiment (optional: finetune[examples]) are
 # imported in the functions that use them: `finetune validate` imports this module to check a recipe.

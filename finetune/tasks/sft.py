@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from finetune import tables
-from finetune.config import BaseDataConfig, ConfigError, Needs, doc
+from finetune.config import BaseDataConfig
 from finetune.data import attention_mask, parse_rows, require_columns, right_pad, row_place
+from finetune.errors import ConfigError
 from finetune.evaluation import load_metric
 from finetune.job import CompareHints, Job, TaskContext
 from finetune.models.hf import peft_save_hook
 from finetune.packing import collate_rows, contiguous_groups, greedy_knapsack, knapsack_row
+from finetune.schema import Needs, doc
 from finetune.tasks.chat import (
     ROLES,
     ChatModelConfig,
@@ -301,10 +303,10 @@ def encode_row(tokenizer, row, i: int, d: DataConfig) -> dict:
 def tokenized(tokenizer, table, d: DataConfig):
     """Every row of ``table`` encoded (``encode_row``), in its order: built once per data, tokenizer, template and
     the settings that shape a sample, and read memory-mapped from the cache afterwards."""
-    return tables.encoded("sft", table, d.source, tokenizer,
-                          (d.train_on, d.max_length, d.too_long, d.system_prompt, d.pack in TRL_PACKING,
-                           d.turn_end),
-                          lambda row, i: encode_row(tokenizer, row, i, d), sample_features(), d.num_proc)
+    how = tables.Encoding("sft", lambda row, i: encode_row(tokenizer, row, i, d), sample_features(),
+                          (d.train_on, d.max_length, d.too_long, d.system_prompt, d.pack in TRL_PACKING, d.turn_end),
+                          d.num_proc)
+    return tables.encoded(table, d.source, tokenizer, how)
 
 
 def cut(sample: dict, length: int, how: str) -> Optional[dict]:

@@ -38,11 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune.config import BaseDataConfig, BaseModelConfig, ConfigError, doc, in_range
+from finetune.config import BaseDataConfig, BaseModelConfig
 from finetune.data import split_samples
+from finetune.errors import ConfigError
 from finetune.evaluation import load_metric
 from finetune.job import Job
 from finetune.models.forward import set_dropout
+from finetune.schema import doc, in_range
 from finetune.seeding import step_seed
 
 # scikit-learn (optional: finetune[examples]; 2 s) is imported in the functions that use it: `finetune validate`

@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from finetune.config import BaseDataConfig, BaseModelConfig, doc, in_range
+from finetune.config import BaseDataConfig, BaseModelConfig
 from finetune.data import split_samples
 from finetune.evaluation import load_metric
 from finetune.job import Job
 from finetune.models.forward import set_dropout
+from finetune.schema import doc, in_range
 
 SPEED_SCALE = 100.0  # px/s; the model regresses speed / SPEED_SCALE
 

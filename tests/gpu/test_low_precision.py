@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.config import load_recipe
+from finetune.loading import load_recipe
 from finetune.models import precision
 from finetune.startup import build_job
 from tests.gpu.common import GPU, flat, rel_diff, update_share

@@ -128,7 +128,7 @@ def test_plan_from_a_config_predicts_the_full_depth_step_peak(figures, clean_cud
     config on this GPU (SGD with momentum, the recipe's own samples, micro-batch 4, N = 2)."""
     from transformers import LlamaConfig
 
-    from finetune.config import load_recipe
+    from finetune.loading import load_recipe
     from finetune.models.hf import stand_in
     from finetune.plan_command import plan_from_config
     from finetune.startup import build_job

@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 from finetune.errors import ConfigError
+from finetune.loading import read_yaml
 from finetune.reproduce.processes import settled
-from finetune.reproduce.record import Baseline, Source, load_yaml
+from finetune.reproduce.record import Baseline, Source
 from finetune.reproduce.sources import (
     axolotl,
     files,
@@ -65,7 +66,7 @@ def read_baseline(path, what: str = "baseline", processes: Optional[int] = None,
     source = next((s for s in SOURCES if s.recognises(path)), None)  # the first: the others are not looked at
     if source is None:
         if path.suffix.lower() in (".yaml", ".yml"):
-            load_yaml(path, what)  # a file that is not YAML is said so first
+            read_yaml(path, what)  # a file that is not YAML is said so first
         said = "holds no trainer_state.json (nor a checkpoint-*/ with one) and no training_args.bin, nor another " \
             "tool's run" + (", and its README.md lists no training hyperparameters" if (path / "README.md").is_file()
                             else "") if path.is_dir() else "is not a run finetune reads"

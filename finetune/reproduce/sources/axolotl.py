@@ -36,11 +36,11 @@ from pathlib import Path
 
 import finetune.reproduce.sources.axolotl_rows as axolotl_rows
 import finetune.reproduce.sources.files as files
-from finetune.config import parse_yaml
 from finetune.errors import ConfigError
+from finetune.loading import parse_yaml, read_yaml
 from finetune.registry import built_in_hints
 from finetune.reproduce.objective import instruction_task, named_task
-from finetune.reproduce.record import Baseline, Objective, Where, load_yaml, local_file
+from finetune.reproduce.record import Baseline, Objective, Where, local_file
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 TOOL = "axolotl"  # this tool's name in a task's CompareHints.peer_names (the type of its data sets)
@@ -195,7 +195,7 @@ CARD_BLOCK = re.compile(r"See axolotl config</summary>.*?```ya?ml\n(.*?)\n```", 
 
 def read_axolotl(path: Path, what: str) -> Baseline:
     """An axolotl YAML config file."""
-    raw = load_yaml(path, what)
+    raw = read_yaml(path, what)
     if not is_axolotl(raw):
         raise ConfigError(f"{what}: {path} is not an axolotl config (no base_model, micro_batch_size or datasets)")
     b = Baseline("axolotl YAML", path, base_model=raw.get("base_model"))

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from finetune.config import parse_yaml
 from finetune.errors import ConfigError
+from finetune.loading import parse_yaml
 from finetune.reproduce.objective import task_of
 from finetune.reproduce.record import Baseline, Where, file_of
 

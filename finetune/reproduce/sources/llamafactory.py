@@ -24,7 +24,8 @@ import finetune.reproduce.sources.llamafactory_kinds as kinds
 import finetune.reproduce.sources.llamafactory_rows as rows
 import finetune.reproduce.sources.llamafactory_v1 as v1
 from finetune.errors import ConfigError
-from finetune.reproduce.record import Baseline, Where, load_yaml, pure_precision
+from finetune.loading import read_yaml
+from finetune.reproduce.record import Baseline, Where, pure_precision
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 from finetune.reproduce.sources.llamafactory_stages import (
     logged_stage,
@@ -143,7 +144,7 @@ def read(path: Path, what: str) -> Baseline:
     """The LLaMA-Factory run at ``path`` (its YAML or its output folder); ConfigError (one line naming the file)
     when it is unreadable, or names a stage no task trains (ppo, rm, kto, pt)."""
     folder, yaml_file = (path, path / SAVED_YAML) if path.is_dir() else (None, path)
-    raw = load_yaml(yaml_file, what) if yaml_file.is_file() else None
+    raw = read_yaml(yaml_file, what) if yaml_file.is_file() else None
     if isinstance(raw, dict):
         kinds.refuse_non_training(raw, yaml_file, what, stages())
         if v1.is_v1(raw):

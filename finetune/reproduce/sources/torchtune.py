@@ -23,8 +23,9 @@ from pathlib import Path
 
 import finetune.reproduce.sources.files as files
 from finetune.errors import ConfigError
+from finetune.loading import read_yaml
 from finetune.reproduce.objective import instruction_task, named_task
-from finetune.reproduce.record import Baseline, Objective, Where, load_yaml, local_file, pure_precision
+from finetune.reproduce.record import Baseline, Objective, Where, local_file, pure_precision
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 OPTIMIZERS = {"torch.optim.AdamW": "adamw_torch", "torch.optim.SGD": "sgd", "bitsandbytes.optim.PagedAdamW8bit":
@@ -57,7 +58,7 @@ class Torchtune(Reader):
         return is_run(path) if path.is_dir() else is_torchtune(yaml_mapping(path))
 
     def read(self, path: Path, what: str) -> Baseline:
-        return read_run(path, what) if path.is_dir() else read_torchtune(path, load_yaml(path, what), what)
+        return read_run(path, what) if path.is_dir() else read_torchtune(path, read_yaml(path, what), what)
 
     def adapters_start(self, b: Baseline) -> tuple:
         return False, ("torchtune draws them from its seed while it builds its own model and saves none: give "
@@ -321,7 +322,7 @@ def read_run(folder: Path, what: str) -> Baseline:
     """A torchtune output folder: its ``torchtune_config.yaml``, the newest ``log_*.txt`` of its metric logger, and
     the last epoch's checkpoint (its ``config.json``, weights or adapters)."""
     config = folder / "torchtune_config.yaml"
-    raw = load_yaml(config, what)
+    raw = read_yaml(config, what)
     if not is_torchtune(raw):
         raise ConfigError(f"{what}: {config} is not a torchtune config (no _component_ sections)")
     b = read_torchtune(config, raw, what)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune.loading import read_yaml
 from finetune.registry import task_hints
 from finetune.reproduce.objective import instruction_task, said_objective
-from finetune.reproduce.record import Baseline, Where, load_yaml, pure_precision
+from finetune.reproduce.record import Baseline, Where, pure_precision
 from finetune.reproduce.sources.contract import Reader, yaml_mapping
 
 # TRL ModelConfig's LoRA fields → (the adapter setting finetune's importer reads, TRL 1.16's default)
@@ -46,7 +47,7 @@ class TrlConfig(Reader):
         return is_trl_config(yaml_mapping(path))
 
     def read(self, path: Path, what: str) -> Baseline:
-        return read_trl_config(path, load_yaml(path, what), what)
+        return read_trl_config(path, read_yaml(path, what), what)
 
     def carry_own(self, b: Baseline, out, model_fields: dict, data_fields: set, baseline_step: bool) -> None:
         """A full fine-tuning config that loads the model in bf16 / fp16 trains every weight in it (no fp32 master
