@@ -79,7 +79,7 @@ class Comparison:
         _, name, detail, _ = whole[0] if whole else min(failed, key=lambda f: f[3])
         return f"{name}: {detail}"
 
-    def kind(self) -> VerdictKind:
+    def _kind(self) -> VerdictKind:
         """"equivalent"; "differs" where a difference is known (settings, windows, their content, a layer outside a
         measured floor or fp32's); "not certified" where the only differences lie outside an assumed floor."""
         failed = [i for i, (_, ok, _, _) in enumerate(self.checks) if ok is False]
@@ -90,17 +90,17 @@ class Comparison:
     @property
     def verdict(self) -> Verdict:
         """The verdict as a record: its kind and its line."""
-        kind = self.kind()
+        kind = self._kind()
         return Verdict(kind, self._line(kind))
 
     @property
     def equivalent(self) -> bool:
-        return self.kind() == "equivalent"
+        return self._kind() == "equivalent"
 
     @property
     def exit_code(self) -> int:
         """``finetune compare``'s exit code: 0 equivalent, 1 differs, 3 not certified (2 is bad input)."""
-        return EXIT_CODES[self.kind()]
+        return EXIT_CODES[self._kind()]
 
     def _line(self, kind: VerdictKind) -> str:
         """The verdict's line: its kind, the first difference or what an equivalent verdict rests on, and why."""
