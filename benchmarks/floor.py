@@ -67,7 +67,7 @@ def row(label: str, layouts: str, c) -> str:
     first = f"; first: {c.first_difference}" if not c.equivalent and c.first_difference else ""
     return (f"| {label} | {layouts} | {m.get('loss curve', float('nan')):.1e} | {m.get('grad norm', float('nan')):.1e} "
             f"| {m.get('weights L2', float('nan')):.1e} | {m.get('weights largest', float('nan')):.1e} | "
-            f"{c.verdict + first} |")
+            f"{c.verdict.kind + first} |")
 
 
 def main() -> None:

@@ -74,7 +74,7 @@ def main() -> None:
                          "training.eval_at_start=false", *sets)
                 c = compare_with_baseline(baseline, mine)
                 m = c.measured
-                verdict = c.verdict + ("" if c.equivalent else " — " + (c.first_difference or "")[:60])
+                verdict = c.verdict.kind + ("" if c.equivalent else " — " + (c.first_difference or "")[:60])
                 print(f"| {loss_type}, {'conversations' if conversational else 'text rows'} | {label} | "
                       f"{m.get('loss curve', float('nan')):.2e} | {m.get('grad norm', float('nan')):.2e} | "
                       f"{m.get('weights L2', float('nan')):.2e} | {verdict} |", flush=True)

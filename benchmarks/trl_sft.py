@@ -103,7 +103,7 @@ def main() -> None:
                     if bf16 else None
                 m = (c := compare_with_baseline(baseline, mine, twin=twin)).measured
                 print(f"| {label} | {m['loss curve']:.2e} | {m['grad norm']:.2e} | {m['weights L2']:.2e} | "
-                      f"{m['weights largest']:.2e} | {c.verdict} |", flush=True)
+                      f"{m['weights largest']:.2e} | {c.verdict.kind} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ Bad input ends with one line ``error: <field>: <what is allowed>`` and exit code
 (with several processes, from the main one only).
 The ``run`` flags are generated from the recipe schema (``schema.doc(..., flag=...)``, ``finetune.flags``): one
 source per field, shared with ``plan``.
+The reproduce package (its sources, the certificate) is imported only by the commands that use it — compare,
+import, reproduce — so that ``finetune run``'s start does not pay for it (docs/code-map.md has the times).
 """
 
 from __future__ import annotations
@@ -33,11 +35,6 @@ from finetune.errors import ConfigError, WriteError
 from finetune.launch import check_processes, launch, launched_processes
 from finetune.loading import load_recipe
 from finetune.registry import list_recipes
-from finetune.reproduce import command, importer
-from finetune.reproduce.baseline_check import compare_with_baseline
-from finetune.reproduce.compare import compare_runs
-from finetune.reproduce.plots import plot_against_baseline, plot_comparison
-from finetune.reproduce.sources import names, read_baseline
 from finetune.startup import check, run_recipe
 from finetune.steps import NonFiniteError
 
@@ -117,25 +114,36 @@ def cmd_validate(args) -> int:
 
 
 def cmd_compare(args) -> int:
+    from finetune.reproduce.baseline_check import compare_with_baseline
+    from finetune.reproduce.compare import compare_runs
+    from finetune.reproduce.plots import plot_against_baseline, plot_comparison
+    from finetune.reproduce.runs import read_run
+    from finetune.reproduce.sources import read_baseline
+
     # RUN_A may be a run another tool trained (any the sources read): checked against its logs, read once
     baseline = read_baseline(args.run_a, "compare")
     runs = baseline.run is not None  # finetune's own run (or its card's run here): run against run
     compare, plot = (compare_runs, plot_comparison) if runs else (compare_with_baseline, plot_against_baseline)
-    first = baseline.run if runs else baseline
-    result = compare(first, args.run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol, twin=args.floor)
+    first = read_run(baseline.run) if runs else baseline
+    run_b = read_run(args.run_b)  # once: for the comparison and the curves
+    result = compare(first, run_b, weight_rtol=args.rtol, loss_rtol=args.loss_rtol, twin=args.floor)
     print(result.report())
-    for card in record_verdict(args.run_b, result.report().splitlines()[-1], args.run_a):
+    for card in record_verdict(args.run_b, result.verdict.line, args.run_a):
         print(f"verdict recorded in {card}", file=sys.stderr)  # the verdict stays the report's last line
     if args.plot:
-        print(f"curves: {plot(first, args.run_b, args.plot)}")
+        print(f"curves: {plot(first, run_b, args.plot)}")
     return result.exit_code  # 0 equivalent, 1 differs, 3 not certified
 
 
 def cmd_import(args) -> int:
+    from finetune.reproduce import importer
+
     return importer.main(args)
 
 
 def cmd_reproduce(args) -> int:
+    from finetune.reproduce import command
+
     return command.main(args, main)
 
 
@@ -159,17 +167,16 @@ def cmd_search(args) -> int:
     return search.main(args)
 
 
-def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description="Reproduce a big-batch fine-tuning baseline with exact accumulation.")
-    sub = p.add_subparsers(dest="command", parser_class=_Parser)
-    r = sub.add_parser("run", help="train a recipe")
-    add_run_arguments(r)
-    r.set_defaults(func=cmd_run)
-    sub.add_parser("ls", help="list the recipes").set_defaults(func=cmd_ls)
-    v = sub.add_parser("validate", help="load and validate a recipe, listing every problem")
-    v.add_argument("recipe")
-    v.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    v.set_defaults(func=cmd_validate)
+# the commands that never use the reproduce package: parsing one of them does not import it (its parsers' help
+# names the sources it reads, which takes importing them all)
+LIGHT = ("run", "ls", "validate", "plot", "plan", "search")
+
+
+def add_reproduce_commands(sub) -> None:
+    """``compare``, ``import`` and ``reproduce``: the commands of the reproduce package, which is imported here."""
+    from finetune.reproduce import command, importer
+    from finetune.reproduce.sources import names
+
     c = sub.add_parser("compare", help=f"did two runs take the same optimizer steps? (RUN_A: also a run of {names()})")
     c.add_argument("run_a", metavar="RUN_A|BASELINE")
     c.add_argument("run_b")
@@ -188,6 +195,23 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_import)
     command.add_arguments(sub.add_parser("reproduce", help="import, train, compare and report in one command"))
     sub.choices["reproduce"].set_defaults(func=cmd_reproduce)
+
+
+def build_parser(prog: str = "finetune", command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; ``command``: the one about to be parsed — for one of ``LIGHT`` the reproduce
+    commands are left out (None: every command, as ``--help`` lists them)."""
+    p = _Parser(prog=prog, description="Reproduce a big-batch fine-tuning baseline with exact accumulation.")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    r = sub.add_parser("run", help="train a recipe")
+    add_run_arguments(r)
+    r.set_defaults(func=cmd_run)
+    sub.add_parser("ls", help="list the recipes").set_defaults(func=cmd_ls)
+    v = sub.add_parser("validate", help="load and validate a recipe, listing every problem")
+    v.add_argument("recipe")
+    v.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    v.set_defaults(func=cmd_validate)
+    if command not in LIGHT:
+        add_reproduce_commands(sub)
     pl = sub.add_parser("plot", help="redraw a run's loss / lr / grad-norm PNGs")
     pl.add_argument("run")
     pl.set_defaults(func=cmd_plot)
@@ -201,8 +225,8 @@ def build_parser(prog: str = "finetune") -> argparse.ArgumentParser:
 def main(argv=None, prog: str = "finetune") -> int:
     """Parse and run one command; a ConfigError is printed as one line per problem and exits 2. With several
     processes only the main one prints, and a refusal they agreed on (``distributed.agree``) ends them together."""
-    parser = build_parser(prog)
     argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog, argv[0] if argv else None)
     args = parser.parse_args(argv)
     args.argv = argv
     if not getattr(args, "func", None):

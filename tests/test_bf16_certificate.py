@@ -151,4 +151,4 @@ def test_a_run_on_each_device_gets_the_wider_floor():
     both = floors.assumed("bf16", [cpu, cuda])
     assert both.overall == floors.assumed("bf16", [cuda]).overall != floors.assumed("bf16", [cpu]).overall
     assert floors.assumed("bf16", [None, None]).overall == floors.assumed("bf16", [cpu]).overall  # older runs
-    assert floors.assumed("no", [cpu, cuda]).source == "fp32"
+    assert floors.assumed("no", [cpu, cuda]).kind == "fp32"

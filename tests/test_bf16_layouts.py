@@ -48,7 +48,7 @@ def test_one_word_in_one_answer_still_differs_in_bf16(runs, tmp_path):
     data = one_word_changed(tmp_path)
     # against the floor measured on a twin ((2, 2): 0 apart here), not the looser assumed bf16 floor
     c = compare_runs(runs("fixed-4", 4), runs("word-2", 2, f"data.source={data}"), twin=runs("fixed-2", 2))
-    assert c.verdict == "differs" and c.first_difference.startswith("window content: step "), c.report()
+    assert c.verdict.kind == "differs" and c.first_difference.startswith("window content: step "), c.report()
     by_name = {name: ok for name, ok, _, _ in c.checks}
     assert by_name["loss curve"] is False or by_name["grad norm"] is False, c.report()  # against the twin's floor
     assert "first above at step 1:" not in c.report()  # the steps before its window agree

@@ -15,7 +15,8 @@ import shutil
 
 import pytest
 
-from finetune.reproduce.compare import FP32_LOSS_RTOL, GRAD_NORM_RTOL, compare_runs
+from finetune.reproduce.compare import compare_runs
+from finetune.reproduce.floor import FP32
 from tests.helpers import SMALL, one_word_changed, recipe_runs, tail_weighted_as_mean, tiny_chat_assets
 
 CLIP = 0.34  # the tiny model's grad norms are 0.3–0.5: some steps clip, some do not
@@ -40,7 +41,7 @@ def verdict(a, b):
 def first_step_apart(a, b, key) -> int:
     """The first step at which the histories' ``key`` differ beyond its per-step tolerance (read directly)."""
     ha, hb = ([json.loads(line) for line in open(r / "history.jsonl")] for r in (a, b))
-    rtol = {"loss": FP32_LOSS_RTOL, "grad_norm": GRAD_NORM_RTOL}[key]
+    rtol = {"loss": FP32["loss"], "grad_norm": FP32["grad norm"]}[key]
     return next((x["step"] for x, y in zip(ha, hb)
                  if abs(x[key] - y[key]) > rtol * max(abs(x[key]), abs(y[key]))), len(ha) + 1)
 
@@ -123,7 +124,7 @@ def test_a_few_elements_a_step_apart_are_rounding_and_many_are_not(runs, tmp_pat
 
     from safetensors.torch import load_file, save_file
 
-    from finetune.reproduce.compare import ADAPTIVE_WEIGHT_RTOL, FLIP_SHARE
+    from finetune.reproduce.weight_diff import FLIP_SHARE
 
     base = runs("full-2", 2, *FULL)
     path = base / "model" / "model.safetensors"
@@ -131,13 +132,13 @@ def test_a_few_elements_a_step_apart_are_rounding_and_many_are_not(runs, tmp_pat
     k = int(FLIP_SHARE * sum(v.numel() for v in weights.values()))
     assert k >= 2, k
     norm = math.sqrt(sum(float(v.double().square().sum()) for v in weights.values()))
-    step = 10 * ADAPTIVE_WEIGHT_RTOL * norm / math.sqrt(k)
+    step = 10 * FP32["weights L2"] * norm / math.sqrt(k)
     for count, equivalent in ((k, True), (10 * k, False)):
         copy = tmp_path / f"moved-{count}"
         shutil.copytree(base, copy)
         save_file(moved(weights, count, step), str(copy / "model" / "model.safetensors"))
         c, line = verdict(runs("full-4", 4, *FULL), copy)
         assert c.equivalent == equivalent, c.report()
-        assert c.measured["weights largest"] > 10 * ADAPTIVE_WEIGHT_RTOL  # the moved elements are there
+        assert c.measured["weights largest"] > 10 * FP32["weights L2"]  # the moved elements are there
         if not equivalent:
             assert line.startswith("verdict: differs — weights: relative L2 "), line

@@ -11,7 +11,7 @@ from finetune.cli import main, run_main
 from finetune.errors import ConfigError
 from finetune.loading import load_recipe
 from finetune.registry import list_recipes
-from tests.helpers import ACCELERATE, ROOT, TINY, assert_one_error_line, cli
+from tests.helpers import ACCELERATE, ENV, ROOT, TINY, assert_one_error_line, cli
 
 
 def test_minilm_sentiment_through_accelerate_launch(tmp_path):
@@ -326,3 +326,20 @@ def test_a_checkpoint_saved_before_a_key_moved_resumes_without_a_false_warning(t
     other = load_recipe(str(recipe), ["data.concatenate=false"])
     notes = check_resume(saved, other.to_dict(), shape)
     assert len(notes) == 1 and "data.concatenate (True → False)" in notes[0], notes
+
+
+def test_the_command_line_imports_reproduce_only_for_its_commands():
+    """``finetune run``'s start does not pay for the reproduce package: importing the command line and building the
+    parser for ``run`` loads none of it; building it for ``compare`` does (the negative control: the probe sees the
+    package when it is there)."""
+    import subprocess
+
+    probe = ("import sys; from finetune.cli import build_parser\n"
+             "loaded = lambda: sorted(m for m in sys.modules if m.startswith('finetune.reproduce'))\n"
+             "print(loaded()); build_parser('finetune', 'run'); print(loaded())\n"
+             "build_parser('finetune', 'compare'); print(len(loaded()))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported, run, compare = proc.stdout.splitlines()
+    assert imported == run == "[]", proc.stdout
+    assert int(compare) > 0, proc.stdout

@@ -74,7 +74,7 @@ def test_bf16_layouts_are_equivalent_without_a_twin(runs, b):
     big, small = runs("8", 8), runs(str(b), b)
     assert [h["content_hash"] for h in history(big)] == [h["content_hash"] for h in history(small)]
     c = compare_runs(big, small)
-    assert c.verdict == "equivalent", c.report()
+    assert c.verdict.kind == "equivalent", c.report()
 
 
 # 64 steps (three bf16 runs of 64 steps, 80 s): the same check where bf16's drift alone would also move the loss
@@ -146,4 +146,4 @@ def test_a_run_recorded_before_content_hashes_still_compares(runs, tmp_path):
     c = compare_runs(old, runs("4", 4))
     checks = {name: (ok, detail) for name, ok, detail, _ in c.checks}
     assert checks["window content"][0] is None and "not checkable" in checks["window content"][1], c.report()
-    assert c.verdict == "equivalent", c.report()
+    assert c.verdict.kind == "equivalent", c.report()

@@ -70,7 +70,7 @@ def test_the_fixes_take_fp16_layout_noise_toward_fp32_rounding(sft):
 def test_one_word_in_one_answer_differs_in_fp16(sft, tmp_path):
     c = compare_runs(sft("b8", 8), sft("word-4", 4, f"data.source={one_word_changed(tmp_path)}"),
                      twin=sft("b2", 2))
-    assert c.verdict == "differs" and c.first_difference.startswith("window content: step "), c.report()
+    assert c.verdict.kind == "differs" and c.first_difference.startswith("window content: step "), c.report()
     by_name = {name: ok for name, ok, _, _ in c.checks}
     assert by_name["loss curve"] is False or by_name["grad norm"] is False, c.report()  # against the twin's floor
 
@@ -106,7 +106,7 @@ def test_a_step_skipped_on_one_side_only_is_named(sft, tmp_path):
     (other / "history.jsonl").write_text("\n".join(lines) + "\n")
     c = compare_runs(sft("b8", 8), other, twin=sft("b2", 2))
     by_name = {name: (ok, detail) for name, ok, detail, _ in c.checks}
-    assert c.verdict == "differs" and by_name["skipped steps"][0] is False, c.report()
+    assert c.verdict.kind == "differs" and by_name["skipped steps"][0] is False, c.report()
     assert "step 2" in by_name["skipped steps"][1], c.report()
 
 

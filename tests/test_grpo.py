@@ -208,12 +208,13 @@ def cli_run(tmp_path, name, *sets):
 
 
 def test_a_run_replayed_from_its_rollouts_takes_its_steps_and_compare_says_so(tmp_path):
-    from finetune.reproduce.compare import compare_runs, read_run
+    from finetune.reproduce.compare import compare_runs
+    from finetune.reproduce.runs import read_run
 
     recorded = cli_run(tmp_path, "recorded", "training.batch_size=6", "training.gradient_accumulation_steps=1")
     replayed = cli_run(tmp_path, "replayed", "training.batch_size=2", "training.gradient_accumulation_steps=3",
                        f"model.rollouts={recorded / 'rollouts.jsonl'}")
-    assert read_run(replayed)["rollouts"] == read_run(recorded)["rollouts"]
+    assert read_run(replayed).rollouts == read_run(recorded).rollouts
     c = compare_runs(recorded, replayed)
     by_name = {name: ok for name, ok, _, _ in c.checks}
     assert by_name["rollouts"] is True and c.equivalent, c.checks  # every layer, the loss's (floored) included
@@ -264,7 +265,7 @@ MOVED = ("note: training.rollouts moved to model.rollouts; the old key still wor
 
 def test_training_rollouts_still_replays_with_a_note_and_model_rollouts_is_silent(capsys, tmp_path):
     """The key's old place works for a release: the same replay as model.rollouts, one note on stderr."""
-    from finetune.reproduce.compare import read_run
+    from finetune.reproduce.runs import read_run
     from tests.helpers import load_weights, same_bytes
 
     layout = ("training.batch_size=6", "training.gradient_accumulation_steps=1", "training.max_steps=2")
@@ -275,9 +276,9 @@ def test_training_rollouts_still_replays_with_a_note_and_model_rollouts_is_silen
     assert [x for x in capsys.readouterr().err.splitlines() if "training.rollouts" in x] == [MOVED]
     new = cli_run(tmp_path, "new", *layout, f"model.rollouts={path}")
     assert "training.rollouts" not in capsys.readouterr().err
-    assert read_run(old)["rollouts"] == read_run(new)["rollouts"] == read_run(recorded)["rollouts"]
+    assert read_run(old).rollouts == read_run(new).rollouts == read_run(recorded).rollouts
     assert same_bytes(load_weights(old), load_weights(new))
-    assert read_run(old)["config"]["model"]["rollouts"] == str(path)  # the run records the new key
+    assert read_run(old).config["model"]["rollouts"] == str(path)  # the run records the new key
 
 
 def test_rollouts_in_both_places_are_carried_when_equal_and_refused_in_one_line_when_not(tmp_path):
@@ -326,10 +327,11 @@ def shipped_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("b", [8, 4, 2])
 def test_the_shipped_recipe_takes_the_same_steps_at_any_micro_batch(shipped_runs, b):
-    from finetune.reproduce.compare import compare_runs, read_run
+    from finetune.reproduce.compare import compare_runs
+    from finetune.reproduce.runs import read_run
 
     _, runs = shipped_runs
-    records = read_run(runs[b])["rollouts"]
+    records = read_run(runs[b]).rollouts
     assert len(records) == 2 and all(len(r["completions"]) == 32 for r in records)  # 4 steps, 2 of 16 each
     c = compare_runs(runs[16], runs[b])
     assert c.equivalent, c.checks
@@ -356,11 +358,12 @@ def test_the_shipped_recipe_on_two_processes_takes_the_same_steps(shipped_runs):
 def test_another_generation_batch_is_another_run(shipped_runs):
     """The negative twin: the same layout with generation batches of 16 (one step each) reads "differs" at the
     rollouts."""
-    from finetune.reproduce.compare import compare_runs, read_run
+    from finetune.reproduce.compare import compare_runs
+    from finetune.reproduce.runs import read_run
 
     folder, runs = shipped_runs
     other = shipped_run(folder, "gbs16", 4, "model.generation_batch_size=16")
-    assert [len(r["completions"]) for r in read_run(other)["rollouts"]] == [16] * 4
+    assert [len(r["completions"]) for r in read_run(other).rollouts] == [16] * 4
     c = compare_runs(runs[16], other)
     by_name = {name: ok for name, ok, _, _ in c.checks}
     assert not c.equivalent and by_name["rollouts"] is False, c.checks

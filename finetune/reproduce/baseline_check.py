@@ -7,7 +7,6 @@ card has no lr, no weights) is said as not checkable; where the steps differ, th
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -16,26 +15,25 @@ from safetensors.torch import load_file
 from finetune.errors import ConfigError
 from finetune.reproduce.architecture import model_difference
 from finetune.reproduce.carry import carry, trained_precision
-from finetune.reproduce.compare import (
-    FP32_LOSS_RTOL,
+from finetune.reproduce.floor import FP32
+from finetune.reproduce.record import Baseline, Imported
+from finetune.reproduce.runs import Run, read_run
+from finetune.reproduce.sources import read_baseline
+from finetune.reproduce.sources.hub import no_step_log
+from finetune.reproduce.update_settings import hints, run_settings, setting, settings_of, step_settings
+from finetune.reproduce.verdict import (
     UNKNOWN,
     Comparison,
     Judgement,
-    _finite,
-    _rel,
     check_settings,
     clipping,
+    finite,
     per_step,
-    read_run,
+    rel,
     skipped_detail,
     twin_floor,
     weights,
 )
-from finetune.reproduce.floor import FP32
-from finetune.reproduce.record import Baseline, Imported
-from finetune.reproduce.sources import read_baseline
-from finetune.reproduce.sources.hub import no_step_log
-from finetune.reproduce.update_settings import hints, run_settings, setting, settings_of, step_settings
 from finetune.windows import WindowSpec, even_batch_windows, membership_hash, trainer_epoch_order
 
 # Where the baseline's loss cannot be replayed exactly, the band it is held to, and why.
@@ -47,22 +45,13 @@ CARD_ROUNDING = 5e-5          # a model card prints losses with 4 decimals
 
 
 
-def _mine(run: Path) -> dict:
-    out = read_run(run)
-    out["config"] = out["config"] or {}
-    config = run / "model" / "config.json"
-    out["model_config"] = json.loads(config.read_text()) if config.is_file() else None
-    return out
-
-
-
-def loss_band(b, mine: dict) -> tuple[float, str | None]:
+def loss_band(b, mine: Run) -> tuple[float, str | None]:
     """The relative tolerance of the training loss, and why it is wider than an exact replay's (None: exact)."""
-    t = mine["config"].get("training") or {}
+    t = mine.recipe.get("training") or {}
     trained = trained_precision(b)  # what it trained with, not what its arguments asked (fp16 on a CPU is fp32)
     precision = trained[0] if trained and trained[0] != "no" else None
     ours = t.get("mixed_precision")
-    if (mine["config"].get("model") or {}).get("master_weights") is False:
+    if (mine.recipe.get("model") or {}).get("master_weights") is False:
         return MIXED_PRECISION_BAND, ("the weights train in their own low precision (no fp32 master weights) and "
                                       "each side rounds differently; an assumed band: measure the floor on this "
                                       "hardware with --floor TWIN (this reproduction at another --batch-size)")
@@ -78,7 +67,7 @@ def loss_band(b, mine: dict) -> tuple[float, str | None]:
     if drops:
         return DROPOUT_BAND, (f"the baseline trained with dropout ({', '.join(f'{k}={v}' for k, v in drops.items())})"
                               ": other masks, only the expectation of the loss matches")
-    return FP32_LOSS_RTOL, None
+    return FP32["loss"], None
 
 
 
@@ -92,17 +81,17 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     another --batch-size): the bands are then ``floor.TWIN_FACTOR`` × the rounding floor measured between them, not
     the assumed ones."""
     b = baseline if isinstance(baseline, Baseline) else read_baseline(baseline, "compare")
-    mine = _mine(Path(run))
-    diff = model_difference(b.model_config, mine["model_config"])
+    mine = read_run(run)
+    diff = model_difference(b.model_config, mine.model_config)
     if diff:
         raise ConfigError(f"compare: the baseline's model differs from {run}'s: {diff}")
-    history, c, unchecked = mine["history"], Comparison(), []
+    history, c, unchecked = mine.history, Comparison(), []
     imported = carried(b, mine)  # once per comparison: the settings, the windows and the causes read it
-    check_settings(c, run_settings(mine["config"]), step_settings(imported.values, settings_of(mine["config"])),
+    check_settings(c, run_settings(mine.recipe), step_settings(imported.values, settings_of(mine.recipe)),
                    "the baseline")
-    eb, em = b.effective_batch(), mine["metrics"].get("effective_batch_size")
+    eb, em = b.effective_batch(), mine.metrics.get("effective_batch_size")
     c.add("effective batch", eb == em if eb is not None else None,
-          f"{eb} ({b.kind}) vs {em} ({mine['metrics'].get('gradient_accumulation_steps')} micro-batches/step)"
+          f"{eb} ({b.kind}) vs {em} ({mine.metrics.get('gradient_accumulation_steps')} micro-batches/step)"
           if eb is not None else f"not in the {b.kind}")
     steps = b.max_steps or b.get("schedule_steps")
     c.add("optimizer steps", steps == len(history) if steps else None,
@@ -123,7 +112,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         unchecked.append("weights")
         c.add("weights", None, f"not checkable: the {b.kind} holds no weights")
     else:
-        weights(c, (mine["weights"], load_file(str(b.weights))), setting(mine["config"], "training.optimizer"),
+        weights(c, (mine.weights, load_file(str(b.weights))), setting(mine.recipe, "training.optimizer"),
                 Judgement(weight_rtol, assumed=judged.assumed and weight_rtol is None,
                           tolerances=judged.tolerances), against=f" against {b.weights.name}")
     _unread_at_step_one(c, b)
@@ -149,11 +138,11 @@ def _unread_at_step_one(c: Comparison, b: Baseline) -> None:
                 f"read {'; '.join(b.unknown)}")
 
 
-def _judgement(b: Baseline, mine: dict, twin, loss_rtol) -> Judgement:
+def _judgement(b: Baseline, mine: Run, twin, loss_rtol) -> Judgement:
     """The band the baseline's loss is held to: fp32's, a band assumed for mixed precision or dropout, or the floor
     measured on ``twin``; ``rtol``: the loss's, and the grad norm's as its ``atol`` field is not used here."""
     band, why = loss_band(b, mine)
-    fl = twin_floor(mine, Path(twin), setting(mine["config"], "training.optimizer")) if twin is not None else None
+    fl = twin_floor(mine, Path(twin), setting(mine.recipe, "training.optimizer")) if twin is not None else None
     if fl is not None:  # the floor measured on this hardware replaces the assumed band
         band, why = fl.overall["loss"], fl.note
     # a band assumed for mixed precision or dropout, not measured: outside it the run is "not certified"
@@ -162,7 +151,7 @@ def _judgement(b: Baseline, mine: dict, twin, loss_rtol) -> Judgement:
                      tolerances=fl.overall if fl else FP32)
 
 
-def _notes(c: Comparison, b: Baseline, mine: dict, imported: Imported, judged_unchecked: tuple) -> list:
+def _notes(c: Comparison, b: Baseline, mine: Run, imported: Imported, judged_unchecked: tuple) -> list:
     """What the verdict says beside its layers: no step log, a wider band and why, what could not be checked, and
     a differing run's likeliest cause — a setting import could not carry, else the adapters' start (only where no
     such setting is left to blame)."""
@@ -170,7 +159,7 @@ def _notes(c: Comparison, b: Baseline, mine: dict, imported: Imported, judged_un
     band, why = judged.rtol, judged.why
     cause = [] if c.equivalent or c.unread else uncarried(imported) + short_micro_batch(b, mine)
     return [line for line in (no_step_log(b),) if line] + \
-        ([f"loss held to {band:g}" + (f", not {FP32_LOSS_RTOL:g}" if band != FP32_LOSS_RTOL else "") + f": {why}"]
+        ([f"loss held to {band:g}" + (f", not {FP32['loss']:g}" if band != FP32["loss"] else "") + f": {why}"]
          if why else []) + \
         ([f"not checkable from the {b.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
         (cause or ([] if c.unread or any(name == "window samples" and ok is False for name, ok, _, _ in c.checks)
@@ -188,7 +177,7 @@ def _check_lr(c: Comparison, b: Baseline, history: list, unchecked: list) -> Non
             " for the steps it logs (torchtune logs the next step's, read after the scheduler stepped)"
             if b.logs else ""))
         return
-    bad = next((e for e in rates if _rel(e["learning_rate"], by_step[e["step"]]["lr"]) > b.lr_rounding), None)
+    bad = next((e for e in rates if rel(e["learning_rate"], by_step[e["step"]]["lr"]) > b.lr_rounding), None)
     c.add("lr schedule", bad is None and len(logs) == len(b.logs),
           f"identical at all {len(rates)} logged steps" if bad is None and len(logs) == len(b.logs) else
           f"step {bad['step']}: {bad.get('learning_rate'):.6g} vs {by_step[bad['step']]['lr']:.6g}" if bad else
@@ -212,24 +201,24 @@ def low_precision_grads(config: dict | None) -> float:
 
 
 
-def _check_logged_norms(c: Comparison, b: Baseline, mine: dict, judged: Judgement, unchecked: list) -> None:
+def _check_logged_norms(c: Comparison, b: Baseline, mine: Run, judged: Judgement, unchecked: list) -> None:
     """The grad norm the baseline logged at each logged step (the Trainer logs the norm of the step it logs at,
     before clipping, not a mean) against this run's, and the clipping each side applied; held to the loss's band at
     least, and to one step of a low-precision run's dtype."""
-    by_step = {h["step"]: h for h in mine["history"]}
-    logged = [e for e in b.logs if e["step"] in by_step and _finite(e.get("grad_norm"))]
+    by_step = {h["step"]: h for h in mine.history}
+    logged = [e for e in b.logs if e["step"] in by_step and finite(e.get("grad_norm"))]
     if not logged:
         unchecked.append("grad norm")
         c.add("grad norm", None, f"not checkable: the {b.kind} logs no grad_norm (the Trainer computes it only "
                                  "when it clips)")
         return
-    rtol = max(judged.rtol, judged.tolerances["grad norm"], low_precision_grads(mine["config"]))
+    rtol = max(judged.rtol, judged.tolerances["grad norm"], low_precision_grads(mine.recipe))
     steps, theirs = [e["step"] for e in logged], [e["grad_norm"] for e in logged]
     ours = [by_step[s]["grad_norm"] for s in steps]
     norms = Judgement(rtol, assumed=judged.assumed, why=judged.why)
     per_step(c, "grad norm", (steps, ours, theirs), norms, what="before clipping")
     limit = (b.get("max_grad_norm") or None) if "max_grad_norm" in b.args else UNKNOWN
-    clipping(c, (steps, ours, theirs), (setting(mine["config"], "training.max_grad_norm") if mine["config"] else
+    clipping(c, (steps, ours, theirs), (setting(mine.recipe, "training.max_grad_norm") if mine.recipe else
                                         UNKNOWN, limit), norms)
 
 
@@ -250,20 +239,20 @@ def _check_skipped(c: Comparison, b: Baseline, history: list) -> None:
           basis="the same skipped steps")
 
 
-def carried(b: Baseline, mine: dict) -> Imported:
+def carried(b: Baseline, mine: Run) -> Imported:
     """The baseline's settings as ``finetune import`` carries them onto this run's recipe: its model and data
     fields, so that a task's own settings (DPO's beta, GRPO's loss type, TRL's packing) are the baseline's too, the
     adapters it started from (``peft.init_from``: the baseline's start, given to import as --initial-adapter), and
     its tool's own step where the run took it (import --baseline-step: most of the settings that flag adds are the
     run's, so that a run which then changed one of them is still read against that step)."""
     def imported(baseline_step: bool):
-        return carry(b, {name: None for name in (mine["config"].get("model") or {})},
-                     set(mine["config"].get("data") or {}), initial_adapter=setting(mine["config"], "peft.init_from"),
+        return carry(b, {name: None for name in (mine.recipe.get("model") or {})},
+                     set(mine.recipe.get("data") or {}), initial_adapter=setting(mine.recipe, "peft.init_from"),
                      baseline_step=baseline_step)
 
     plain, own = imported(False), imported(True)
     added = {k: v for k, v in own.values.items() if k not in plain.values or plain.values[k] != v}
-    took = 2 * sum(setting(mine["config"], k) == v for k, v in added.items()) > len(added)
+    took = 2 * sum(setting(mine.recipe, k) == v for k, v in added.items()) > len(added)
     return own if took else plain
 
 
@@ -273,14 +262,14 @@ def uncarried(imported: Imported) -> list:
             for s in imported.skips()]
 
 
-def short_micro_batch(b: Baseline, mine: dict) -> list:
+def short_micro_batch(b: Baseline, mine: Run) -> list:
     """Why a baseline of a task whose trainer averages micro-batch means (``CompareHints.mean_of_micro_batches``:
     the Trainer divides by the number of micro-batches when the loss is not divided by the window's item count)
     differs at each epoch's last step: that window holds a short micro-batch beside full ones, which its trainer
     weights like a full one, where finetune weights each sample alike (the big batch's step). A property of the
     baseline's reduction, not something a run can carry."""
-    trainer = hints(mine["config"]).mean_of_micro_batches
-    size, n = int(b.get("per_device_train_batch_size") or 0), mine["metrics"].get("train_samples")
+    trainer = hints(mine.recipe).mean_of_micro_batches
+    size, n = int(b.get("per_device_train_batch_size") or 0), mine.metrics.get("train_samples")
     accumulation, processes = int(b.get("gradient_accumulation_steps") or 1), b.process_count()
     if trainer is None or not size or not n or processes != 1 or n % size == 0:
         return []
@@ -296,11 +285,11 @@ def short_micro_batch(b: Baseline, mine: dict) -> list:
 
 
 
-def start_notes(b, mine: dict, equivalent: bool) -> list:
+def start_notes(b, mine: Run, equivalent: bool) -> list:
     """Why a LoRA baseline's steps may part from the first: its random adapters, drawn where the run cannot see,
     unless the run started from the baseline's saved ones (``peft.init_from``). Said only when the runs differ: an
     equivalent verdict shows the start matched (LoRA's B starts at zero, so from step 2 on the steps depend on A)."""
-    if equivalent or not b.adapter_config or setting(mine["config"], "peft.init_from"):
+    if equivalent or not b.adapter_config or setting(mine.recipe, "peft.init_from"):
         return []
     where = ("wrapped before SFTTrainer (no peft_config=), they were drawn outside TRL's seeding" if b.trl else
              "drawn in the baseline's own script other than right after set_seed(seed), they differ")
@@ -309,10 +298,10 @@ def start_notes(b, mine: dict, equivalent: bool) -> list:
 
 
 
-def _check_windows(c: Comparison, b: Baseline, mine: dict, imported: Imported, unchecked: list) -> None:
+def _check_windows(c: Comparison, b: Baseline, mine: Run, imported: Imported, unchecked: list) -> None:
     """Each window's samples against the Trainer's batch: its order recomputed from the baseline's seed (data_seed
     when set) and effective batch over this run's training set."""
-    history, other = mine["history"], imported.other_samples
+    history, other = mine.history, imported.other_samples
     if other:
         unchecked.append("window samples")
         c.add("window samples", None, f"not checkable: {other}, not this run's samples")
@@ -320,7 +309,7 @@ def _check_windows(c: Comparison, b: Baseline, mine: dict, imported: Imported, u
     seed = b.get("data_seed") if b.get("data_seed") is not None else b.get("seed")
     size, epochs = b.effective_batch(), sorted({h["epoch"] for h in history})
     # the training set is this run's (the baseline's data are the user's); older runs do not record its size
-    n = mine["metrics"].get("train_samples") or (
+    n = mine.metrics.get("train_samples") or (
         sum(h["samples"] for h in history if h["epoch"] == 0) if len(epochs) > 1 else None)
     if seed is None or not size or n is None:
         what = ("the baseline's seed" if seed is None else "the baseline's effective batch" if not size else
@@ -329,21 +318,21 @@ def _check_windows(c: Comparison, b: Baseline, mine: dict, imported: Imported, u
         c.add("window samples", None, f"not checkable: {what} is unknown")
         return
     # membership only: how a window splits does not matter
-    replayed = setting(mine["config"], "training.even_batches")
+    replayed = setting(mine.recipe, "training.even_batches")
     windows = WindowSpec(samples=n, micro_batch=size, accumulation=1, processes=1, seed=int(seed),
-                         sample_order="trainer", drop_last=setting(mine["config"], "training.drop_last"),
+                         sample_order="trainer", drop_last=setting(mine.recipe, "training.drop_last"),
                          even_batches=tuple(replayed) if replayed else None)
     trainer = {(e, w.index): membership_hash(w.samples) for e in epochs for w in windows.epoch(e)}
     bad = next((h for h in history if trainer.get((h["epoch"], h["window"])) != h.get("window_hash")), None)
     if bad is None and not replayed and b.process_count() > 1 and _repeated_samples(c, b, history, (n, int(seed))):
         return
-    order = (mine["config"].get("training") or {}).get("sample_order", "finetune")
+    order = (mine.recipe.get("training") or {}).get("sample_order", "finetune")
     held = f"the Trainer's batches on {replayed[0]} processes, with the samples even_batches repeats" if replayed \
         else "the Trainer's batches"
     c.add("window samples", bad is None, f"all {len(history)} windows held {held} (seed {seed})"
           if bad is None else f"step {bad['step']} (epoch {bad['epoch']}, window {bad['window']}) held different "
           f"samples than the Trainer's batch (this run: sample_order {order}, seed "
-          f"{(mine['config'].get('training') or {}).get('seed')}; the baseline's seed {seed})",
+          f"{(mine.recipe.get('training') or {}).get('seed')}; the baseline's seed {seed})",
           step=bad["step"] if bad else None, basis=f"the Trainer's samples in all {len(history)} windows")
 
 
@@ -394,7 +383,7 @@ def _check_logged_loss(c: Comparison, b: Baseline, history: list, judged: Judgem
         if not ours or not math.isfinite(e["loss"]):
             continue
         mean = sum(ours) / len(ours)
-        d = _rel(e["loss"], mean)
+        d = rel(e["loss"], mean)
         worst = max(worst, d)
         if d > rtol and bad is None:
             bad = (e["step"], e["loss"], mean)
@@ -408,11 +397,11 @@ def _check_logged_loss(c: Comparison, b: Baseline, history: list, judged: Judgem
 
 
 
-def _eval_batches(b: Baseline, mine: dict) -> str | None:
+def _eval_batches(b: Baseline, mine: Run) -> str | None:
     """What the baseline's evaluation averaged when it was not one batch of the held-out set: on several processes
     each process's batches (accelerate's even_batches repeating rows to even them), and on one, several batches
     (their means averaged alike); None when it was one batch, or when the sizes are not known."""
-    rows, per_batch = mine["metrics"].get("val_samples"), b.get("per_device_eval_batch_size")
+    rows, per_batch = mine.metrics.get("val_samples"), b.get("per_device_eval_batch_size")
     processes = b.process_count()
     if processes > 1:
         return f"{processes} processes' batch means (each process's share of the held-out rows, evened by " \
@@ -422,10 +411,10 @@ def _eval_batches(b: Baseline, mine: dict) -> str | None:
     return None
 
 
-def _check_eval(c: Comparison, b: Baseline, mine: dict, judged: Judgement, rounding: float) -> None:
+def _check_eval(c: Comparison, b: Baseline, mine: Run, judged: Judgement, rounding: float) -> None:
     """The evaluation losses the baseline holds against this run's at the same steps."""
     rtol, assumed = judged.rtol, judged.assumed
-    ours = {v["step"]: v["loss"] for v in mine["metrics"].get("val_history", []) if "loss" in v}
+    ours = {v["step"]: v["loss"] for v in mine.metrics.get("val_history", []) if "loss" in v}
     pairs = [(s, loss, ours[s]) for s, loss in b.evals if s in ours]
     if not b.evals:
         c.add("eval loss", None, f"the {b.kind} holds no evaluation")
@@ -433,7 +422,7 @@ def _check_eval(c: Comparison, b: Baseline, mine: dict, judged: Judgement, round
     if not pairs:
         c.add("eval loss", False, f"this run evaluated at none of the baseline's steps ({[s for s, _ in b.evals]})")
         return
-    worst = max(_rel(x, y) for _, x, y in pairs)
+    worst = max(rel(x, y) for _, x, y in pairs)
     batches = _eval_batches(b, mine)
     if batches:  # the Trainer's mean of batch means: not the held-out set's token mean, whatever the weights
         c.add("eval loss", None, f"not judged: the Trainer's eval loss is the mean of its {batches}; finetune's is "

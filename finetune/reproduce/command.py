@@ -20,14 +20,15 @@ from pathlib import Path
 
 from finetune.card import record_verdict
 from finetune.errors import ConfigError
-from finetune.outputs import read_config, read_metrics
 from finetune.registry import task_hints
 from finetune.reproduce import importer, plots
 from finetune.reproduce.baseline_check import compare_with_baseline
 from finetune.reproduce.compare import compare_runs
 from finetune.reproduce.record import Baseline
+from finetune.reproduce.runs import Run, read_run
 from finetune.reproduce.sources import names, read_baseline
 from finetune.reproduce.update_settings import setting
+from finetune.reproduce.verdict import Comparison
 
 
 def base_recipe(b: Baseline) -> str | None:
@@ -79,10 +80,10 @@ def main(args, finetune) -> int:
     code = finetune(train)
     if code:
         return code
-    twin = None
-    if _below_fp32(run_dir):  # an assumed floor errs both ways: measure it on this machine
+    twin, mine = None, read_run(run_dir)  # the run read once: the twin's layout, the comparison, the curves
+    if _below_fp32(mine):  # an assumed floor errs both ways: measure it on this machine
         twin = out / "twin"
-        other, rounding = twin_layout(run_dir, args.batch_size not in (None, "auto"))
+        other, rounding = twin_layout(mine, args.batch_size not in (None, "auto"))
         if other is None:
             print("reproduce: no other micro-batch divides the effective batch; the floor stays assumed",
                   file=sys.stderr)
@@ -94,16 +95,16 @@ def main(args, finetune) -> int:
                 return code
     own = baseline.run
     if own is not None:  # finetune's own run: run against run
-        result = compare_runs(own, run_dir, twin=twin)
-        curves = plots.plot_comparison(own, run_dir, out / "curves.png")
+        theirs = read_run(own)
+        result = compare_runs(theirs, mine, twin=twin)
+        curves = plots.plot_comparison(theirs, mine, out / "curves.png")
     else:
-        result = compare_with_baseline(baseline, run_dir, twin=twin)
-        curves = plots.plot_against_baseline(baseline, run_dir, out / "curves.png")
+        result = compare_with_baseline(baseline, mine, twin=twin)
+        curves = plots.plot_against_baseline(baseline, mine, out / "curves.png")
     commands.append(["compare", str(own or args.source), str(run_dir), *(["--floor", str(twin)] if twin else [])])
-    report = result.report()
-    print(report)
-    write_report(out / "report.md", args.source, report, curves, commands)
-    record_verdict(run_dir, report.splitlines()[-1], args.source)
+    print(result.report())
+    write_report(out / "report.md", args.source, result, curves, commands)
+    record_verdict(run_dir, result.verdict.line, args.source)
     print(f"report: {out / 'report.md'}")
     return result.exit_code
 
@@ -118,14 +119,14 @@ def import_command(args, recipe: Path) -> list:
             *(["--processes", str(args.processes)] if args.processes else [])]
 
 
-def _below_fp32(run_dir: Path) -> bool:
+def _below_fp32(run: Run) -> bool:
     """Whether the run rounds below fp32: mixed precision, or weights trained in bf16 (no master weights)."""
-    config = read_config(run_dir) or {}
+    config = run.recipe
     return (config.get("training") or {}).get("mixed_precision") not in (None, "no") or \
         (config.get("model") or {}).get("master_weights") is False
 
 
-def twin_layout(run_dir: Path, chosen: bool) -> tuple[int | None, list]:
+def twin_layout(run: Run, chosen: bool) -> tuple[int | None, list]:
     """The twin's micro-batch and the settings it adds. A run replaying its baseline's padding
     (``training.replay_padding``) gets a twin that replays the baseline's rounding whole: at the baseline's own
     micro-batch (its shapes in backward too: a micro-batch of one sample runs other kernels, 1e-3 apart in the
@@ -133,18 +134,18 @@ def twin_layout(run_dir: Path, chosen: bool) -> tuple[int | None, list]:
     run's was sized to fit (``chosen``: given by the user) — with each micro-batch's weight-gradient sums rounded to
     bf16 as the baseline's autocast rounded them. The floor is then the rounding the two tools differ by. Else
     another micro-batch (:func:`twin_batch_size`)."""
-    replay = setting(read_config(run_dir), "training.replay_padding")
-    m = read_metrics(run_dir)
+    replay = setting(run.config, "training.replay_padding")
+    m = run.metrics
     if not replay or not m.get("effective_batch_size") or not m.get("gradient_accumulation_steps"):
-        return twin_batch_size(run_dir), []
+        return twin_batch_size(run), []
     micro = m["effective_batch_size"] // m["gradient_accumulation_steps"]
     own = replay[0] if chosen or replay[0] <= micro else micro
     return own, ["--set", "training.fp32_grad_sums=false"]
 
 
-def twin_batch_size(run_dir: Path) -> int | None:
+def twin_batch_size(run: Run) -> int | None:
     """Another micro-batch for the twin: the largest divisor of the effective batch below the run's."""
-    m = read_metrics(run_dir)
+    m = run.metrics
     total, n = m.get("effective_batch_size"), m.get("gradient_accumulation_steps")
     if not total or not n:
         return None
@@ -153,8 +154,10 @@ def twin_batch_size(run_dir: Path) -> int | None:
         next((b for b in range(int(micro) + 1, total + 1) if total % b == 0), None)
 
 
-def write_report(path: Path, source, report: str, curves: Path, commands: list) -> None:
-    verdict = report.splitlines()[-1]
+def write_report(path: Path, source, result: Comparison, curves: Path, commands: list) -> None:
+    """``report.md``: the verdict of ``result`` (the comparison with ``source``), each layer, the curves and the
+    commands that did it."""
+    report, verdict = result.report(), result.verdict.line
     lines = [f"# Reproducing {source}", "", f"**{verdict}**", "", "## Each layer", "", "```", report, "```", "",
              "## The curves", "", f"![loss and learning rate, the source's and this run's]({curves.name})", "",
              "## The commands", "", "```"] + ["finetune " + " ".join(c) for c in commands] + ["```", ""]

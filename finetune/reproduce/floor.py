@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal, Optional
 
 # Megatron-LM's golden values use 1.5–3× the largest deviation among repeated runs of one layout. Across layouts
 # the noise of one pair varies more: on SmolLM2 in bf16 (8 steps) the three pairs of (8,1), (4,2), (2,4) stood
@@ -50,15 +51,21 @@ WITHIN_FLOOR = {("bf16", "cuda"): "on the H200 a one-word change of the data (lo
 SHIFT_STEPS = 6
 
 
-@dataclass
+@dataclass(frozen=True)
 class Floor:
-    """The tolerances of one comparison and what they rest on."""
+    """The tolerances of one comparison and what they rest on. ``kind``: fp32's own tolerances, a floor assumed from
+    ``ASSUMED`` (outside it a layer is "not certified": an assumed floor errs both ways), or one measured on a twin."""
 
-    source: str                                   # "fp32", "assumed bf16", "measured"
+    kind: Literal["fp32", "assumed", "measured"]
     overall: dict                                 # layer → the largest difference the floor allows, whole run
     noise: dict = field(default_factory=dict)     # layer → [|A − TWIN| / scale at each step] (measured floors)
     note: str | None = None                       # for the verdict: what the floor rests on
-    twin: dict | None = None                      # the twin run read (measured floors): a second reference
+    twin: object = None                           # the twin run read (a runs.Run; measured floors): a second reference
+    arithmetic: Optional[str] = None              # an assumed floor's: "bf16", "fp16" or "tf32"
+
+    @property
+    def assumed(self) -> bool:
+        return self.kind == "assumed"
 
 
 def assumed(precision: str | None, arithmetics=()) -> Floor:
@@ -77,7 +84,7 @@ def assumed(precision: str | None, arithmetics=()) -> Floor:
                                                   "there, and bf16's coarser rounding bounds it)")
                          for d, k in zip(devices, keys))
     caveat = "; ".join(WITHIN_FLOOR[k] for k in keys if k in WITHIN_FLOOR)
-    return Floor(f"assumed {kind}", {k: max(TWIN_FACTOR * max(t[k] for t in tables), FP32[k]) for k in FP32},
+    return Floor("assumed", {k: max(TWIN_FACTOR * max(t[k] for t in tables), FP32[k]) for k in FP32}, arithmetic=kind,
                  note=f"rests on an assumed {kind} floor ({TWIN_FACTOR:g} × the layout noise measured on {where}, "
                       f"docs/exact-steps.md#bf16){'; ' + caveat if caveat else ''}; measure it on this hardware: "
                       "finetune compare A B --floor TWIN")

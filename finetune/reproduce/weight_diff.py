@@ -1,14 +1,12 @@
 """How far two sets of weights are apart: the measures ``finetune compare`` judges the trained weights by (the
 largest element's difference; the relative L2 over every weight, less the few elements an adaptive optimizer sends
-either way on rounding), and a run's saved weights read back."""
+either way on rounding); a run's saved weights are read by ``runs.Run.weights``."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 # For the adaptive optimizers (ADAPTIVE: their per-element normalisation turns rounding-level gradients into
 # full-size steps) the relative L2 leaves out this share of the elements, the largest differences: an element whose
@@ -17,20 +15,6 @@ from safetensors.torch import load_file
 # the L2 with them and 4.8e-5 without, every step's loss and grad norm within the fp32 tolerances
 # (benchmarks/README.md).
 FLIP_SHARE = 1e-4
-
-
-
-def saved_weights(run: Path) -> dict | None:
-    for name in ("model/model.safetensors", "model/adapter_model.safetensors", "model-merged/model.safetensors"):
-        if (run / name).is_file():
-            return load_file(str(run / name))
-    shards = sorted((run / "model").glob("model-*.safetensors")) if (run / "model").is_dir() else []
-    if shards:
-        out = {}
-        for s in shards:
-            out.update(load_file(str(s)))
-        return out
-    return None
 
 
 def flat(model, trainable_only: bool = False) -> torch.Tensor:
