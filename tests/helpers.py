@@ -470,3 +470,15 @@ def cli_in_process(capsys, *args) -> tuple[int, str]:
     code = main([str(a) for a in args])
     said = capsys.readouterr()
     return code, said.out + said.err
+
+
+def edited_yaml(src: Path, folder: Path, change) -> Path:
+    """A copy of the YAML file ``src`` in ``folder``, its mapping changed in place by ``change`` (a negative
+    control's one edit)."""
+    import yaml
+
+    raw = yaml.safe_load(src.read_text())
+    change(raw)
+    copy_ = folder / src.name
+    copy_.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return copy_

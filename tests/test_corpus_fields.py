@@ -24,6 +24,7 @@ import yaml
 
 from finetune.config import PeftConfig, TrainingConfig
 from tests.helpers import cli_in_process as cli
+from tests.helpers import edited_yaml
 
 CORPUS = Path(__file__).parent / "assets" / "corpus"
 FIELDS = ("lr", "batch", "length", "scheduler", "warmup", "lora", "model")
@@ -402,14 +403,6 @@ def test_the_checker_finds_a_field_carried_wrong_or_dropped(tmp_path, capsys):
     assert problems(expected, recipe, "\n".join(x for x in said.splitlines() if "warmup" not in x))
 
 
-def _edited(src: Path, tmp_path: Path, change) -> Path:
-    raw = yaml.safe_load(src.read_text())
-    change(raw)
-    copy = tmp_path / src.name
-    copy.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return copy
-
-
 def _recipe(capsys, path: Path, tmp_path: Path) -> dict:
     code, recipe, said = imported(capsys, path, tmp_path / "control.yaml")
     assert code == 0, said[-1500:]
@@ -418,7 +411,7 @@ def _recipe(capsys, path: Path, tmp_path: Path) -> dict:
 
 def test_a_torchtune_interpolation_is_the_value_it_names(tmp_path, capsys):
     source = CORPUS / "torchtune" / "dev__3B_full_grpo.yaml"
-    edited = _edited(source, tmp_path, lambda raw: raw.update(base_model_path="/models/other"))
+    edited = edited_yaml(source, tmp_path, lambda raw: raw.update(base_model_path="/models/other"))
     assert _recipe(capsys, source, tmp_path)["model"]["name_or_path"] == yaml.safe_load(
         source.read_text())["base_model_path"]
     assert _recipe(capsys, edited, tmp_path)["model"]["name_or_path"] == "/models/other"
@@ -426,10 +419,10 @@ def test_a_torchtune_interpolation_is_the_value_it_names(tmp_path, capsys):
 
 def test_a_torchtune_lora_builder_without_its_rank_is_lora_at_its_defaults(tmp_path, capsys):
     source = CORPUS / "torchtune" / "llama3_2__1B_lora_single_device.yaml"
-    bare = _edited(source, tmp_path, lambda raw: [raw["model"].pop(k) for k in ("lora_rank", "lora_alpha")])
+    bare = edited_yaml(source, tmp_path, lambda raw: [raw["model"].pop(k) for k in ("lora_rank", "lora_alpha")])
     peft = _recipe(capsys, bare, tmp_path)["peft"]
     assert peft["enabled"] and (peft["r"], peft["alpha"]) == (8, 16)  # torchtune's lora_* builders' defaults
-    four = _edited(source, tmp_path, lambda raw: raw["model"].update(lora_rank=4, lora_alpha=4))
+    four = edited_yaml(source, tmp_path, lambda raw: raw["model"].update(lora_rank=4, lora_alpha=4))
     assert (_recipe(capsys, four, tmp_path)["peft"]["r"]) == 4
 
 
@@ -437,11 +430,11 @@ def test_a_trl_yaml_that_omits_the_batch_trains_trainingarguments_defaults(tmp_p
     source = CORPUS / "trl" / "cli_configs__example_config.yaml"
     training = _recipe(capsys, source, tmp_path)["training"]
     assert (training["effective_batch_size"], training["epochs"]) == (8, 3)  # TrainingArguments' 8 × 1, 3 epochs
-    edited = _edited(source, tmp_path, lambda raw: raw.update(per_device_train_batch_size=2, num_train_epochs=1,
+    edited = edited_yaml(source, tmp_path, lambda raw: raw.update(per_device_train_batch_size=2, num_train_epochs=1,
                                                               gradient_accumulation_steps=3))
     training = _recipe(capsys, edited, tmp_path)["training"]
     assert (training["effective_batch_size"], training["epochs"]) == (6, 1)
-    no_lr = _edited(source, tmp_path, lambda raw: raw.pop("learning_rate"))
+    no_lr = edited_yaml(source, tmp_path, lambda raw: raw.pop("learning_rate"))
     assert _recipe(capsys, no_lr, tmp_path)["training"]["learning_rate"] == 2e-5  # SFTConfig's (TRL 1.16)
 
 
@@ -450,7 +443,7 @@ def test_an_axolotl_warmup_below_one_is_a_ratio(tmp_path, capsys):
     source = CORPUS / "axolotl" / "expert_parallel__qwen3_30ba3b_ep_fsdp_fft_4gpu.yaml"
     raw = yaml.safe_load(source.read_text())
     assert _recipe(capsys, source, tmp_path)["training"]["warmup_steps"] == int(raw["warmup_steps"] * raw["max_steps"])
-    edited = _edited(source, tmp_path, lambda r: r.update(warmup_steps=0.2))
+    edited = edited_yaml(source, tmp_path, lambda r: r.update(warmup_steps=0.2))
     assert _recipe(capsys, edited, tmp_path)["training"]["warmup_steps"] == int(0.2 * raw["max_steps"])
 
 

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests.helpers import cli_in_process as cli
+from tests.helpers import edited_yaml
 
 CORPUS = Path(__file__).parent / "assets" / "corpus"
 TOOLS = ("torchtune", "axolotl", "alignment-handbook", "open-r1", "trl")
@@ -164,14 +165,6 @@ def test_the_corpus_spans_each_kind(capsys):
 # negative controls: the one key that says the objective, taken out of a copy, changes it
 
 
-def _edited(src: Path, tmp_path: Path, change) -> Path:
-    raw = yaml.safe_load(src.read_text())
-    change(raw)
-    copy = tmp_path / src.name
-    copy.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return copy
-
-
 def _task_of(capsys, source: Path, tmp_path: Path) -> str:
     code, said = _import(capsys, source, tmp_path / "control.yaml")
     assert code == 0, said[-1500:]
@@ -181,20 +174,20 @@ def _task_of(capsys, source: Path, tmp_path: Path) -> str:
 def test_axolotl_rl_is_what_says_dpo(tmp_path, capsys):
     source = CORPUS / "axolotl" / "qwen2__dpo.yaml"
     assert _task_of(capsys, source, tmp_path) == "dpo"
-    assert _task_of(capsys, _edited(source, tmp_path, lambda raw: raw.pop("rl")), tmp_path) == "sft"
+    assert _task_of(capsys, edited_yaml(source, tmp_path, lambda raw: raw.pop("rl")), tmp_path) == "sft"
 
 
 def test_preference_keys_are_what_say_dpo_in_a_trl_recipe(tmp_path, capsys):
     """beta and max_prompt_length, which every TRL preference trainer takes and SFTConfig does not."""
     source = CORPUS / "alignment-handbook" / "zephyr-7b-beta__dpo__config_full.yaml"
-    edited = _edited(source, tmp_path, lambda raw: [raw.pop("beta"), raw.pop("max_prompt_length")])
+    edited = edited_yaml(source, tmp_path, lambda raw: [raw.pop("beta"), raw.pop("max_prompt_length")])
     assert _task_of(capsys, edited, tmp_path) == "sft"
 
 
 def test_an_optimizer_makes_a_generation_config_train(tmp_path, capsys):
     """generation.yaml is refused for lacking an optimizer, not for its name."""
     source = CORPUS / "torchtune" / "generation.yaml"
-    edited = _edited(source, tmp_path, lambda raw: raw.update(
+    edited = edited_yaml(source, tmp_path, lambda raw: raw.update(
         optimizer={"_component_": "torch.optim.AdamW", "lr": 2e-5},
         dataset={"_component_": "torchtune.datasets.alpaca_dataset"}))
     assert _task_of(capsys, edited, tmp_path) == "sft"
