@@ -69,7 +69,64 @@ LEVERS = ("8-bit AdamW", "LoRA", "bf16 base", "nf4 base", "bf16 compute")
 # the plan
 
 
-@dataclass
+@dataclass(frozen=True)
+class Pricing:
+    """How a subject's profiles are priced: as one process of ``layout`` holds them, its micro-batches measured up
+    to ``per_process`` samples (the largest micro-batch a process's window can use)."""
+
+    layout: Layout = Layout()
+    per_process: int = 1
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a plan is asked for: the card, the effective batch and how processes share it, the recipe's training
+    settings (optimizer, precision, whether the chunked head may be used), and the levers to try when nothing that
+    keeps the step fits."""
+
+    gpu: str                       # card memory or a name (``cards.parse_gpu``)
+    effective: int                 # the effective batch planned for, every process together
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    layout: Layout = Layout()      # the processes sharing ``effective`` and their ZeRO stage
+    sequence_length: Optional[int] = None   # the longest training sample's, for the table (None: not told)
+    levers: tuple = ()             # (Setting, a function returning its Subject), in ``LEVERS`` order
+    every_setting: bool = False    # measure them all (``Plan.predict`` then answers for any), not only until the pick
+    work: Optional[Work] = None    # what the run computes, for the speed estimate (None: none)
+
+    @property
+    def per_process(self) -> int:
+        return self.effective // self.layout.processes
+
+    @property
+    def pricing(self) -> Pricing:
+        return Pricing(self.layout, self.per_process)
+
+    @property
+    def gpu_bytes(self) -> int:
+        return parse_gpu(self.gpu)
+
+    @property
+    def budget(self) -> float:
+        return budget_for(self.gpu_bytes)
+
+
+@dataclass(frozen=True)
+class SettingPlan:
+    """One setting the planner weighed: the largest micro-batch that fits (0: none), the step peak there (at 1
+    where none fits), whether it was measured (else priced from its fixed part) and whether it keeps the step."""
+
+    setting: Setting
+    micro_batch: int
+    step_peak: int
+    measured: bool
+    exact: bool
+
+    def record(self) -> dict:
+        return {"setting": self.setting.label, "micro_batch": self.micro_batch, "step_peak": self.step_peak,
+                "measured": self.measured, "exact": self.exact}
+
+
+@dataclass(frozen=True)
 class Plan:
     gpu: str
     gpu_bytes: int
@@ -85,13 +142,7 @@ class Plan:
     effective_batch_size: int
     micro_batch_size: int          # 0: does not fit
     gradient_accumulation_steps: int
-    gradient_checkpointing: bool
-    chunked_loss: bool
-    activation_offloading: bool
-    lora: bool
-    lever_optimizer: str           # the recommendation's levers (Setting): "" where it keeps the recipe's
-    lever_base: str
-    lever_compute: str
+    setting: Setting               # the recommendation's (or the last tried where nothing fits)
     step_peak: int                 # predicted, at the recommendation (or at micro-batch 1 of the last setting tried)
     fits: bool
     headroom: int                  # bytes the card has left at the recommendation: card − CUDA context − step peak
@@ -99,16 +150,30 @@ class Plan:
     processes: int                 # every number above is what one of them holds (``sharded.Layout``)
     zero_stage: int
     speed: Optional[Speed] = None            # the run's speed and wall time (None: no estimate)
-    settings: list = field(default_factory=list)   # every setting tried: label, largest micro-batch, its peak
+    settings: list = field(default_factory=list)   # every setting tried (SettingPlan), in the order tried
     profiles: list = field(default_factory=list, repr=False)
+
+    def record(self) -> dict:
+        """The plan as ``--json`` prints it: every field but the profiles, the setting as flat fields."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "setting":
+                out.update(gradient_checkpointing=value.checkpointing, chunked_loss=value.chunked_loss,
+                           activation_offloading=value.offload, lora=value.lora, lever_optimizer=value.optimizer,
+                           lever_base=value.base, lever_compute=value.compute)
+            elif f.name == "settings":
+                out[f.name] = [row.record() for row in value]
+            elif f.name != "profiles":
+                out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        return out
 
     def predict(self, micro_batch: int, accumulation: int, setting: Optional[Setting] = None) -> int:
         """Predicted step peak of ``micro_batch`` × ``accumulation`` under ``setting`` (default: the recommended)."""
         return self.profile(setting).step_peak(micro_batch, accumulation)
 
     def profile(self, setting: Optional[Setting] = None) -> Profile:
-        want = setting or Setting(self.gradient_checkpointing, self.chunked_loss, self.activation_offloading,
-                                  self.lora, self.lever_optimizer, self.lever_base, self.lever_compute)
+        want = setting or self.setting
         return next(p for p in self.profiles if p.setting == want)
 
     def table(self) -> str:
@@ -124,7 +189,7 @@ class Plan:
                  "not measured: the fixed part alone exceeds the card"),
                 ("loss head, temporaries", max(above - saved, 0),
                  "the rest: logits, backward, optimizer step" if p.measured else "not measured")]
-        w = max([44] + [len(s["setting"]) + 2 for s in self.settings])
+        w = max([44] + [len(s.setting.label) + 2 for s in self.settings])
         lines = [f"per process: {layout.describe()}", f"{'component':<28}{'memory':>12}  note", "-" * 76]
         lines += [f"{name:<28}{size(v):>12}  {note}" for name, v, note in rows]
         lines += ["-" * 76,
@@ -134,9 +199,9 @@ class Plan:
                   *([self.headroom_line()] if self.fits else []),
                   "", f"{'setting':<{w}}{'largest micro-batch':>20}{'step peak there':>18}  (none: at 1)",
                   "-" * (w + 52)]
-        lines += [f"{s['setting']:<{w}}{s['micro_batch'] or 'none':>20}"
-                  f"{size(s['step_peak']) if s['measured'] else '> ' + size(s['step_peak']):>18}"
-                  f"{'' if s['measured'] else '  (weights, gradients, optimizer state alone: not measured)'}"
+        lines += [f"{s.setting.label:<{w}}{s.micro_batch or 'none':>20}"
+                  f"{size(s.step_peak) if s.measured else '> ' + size(s.step_peak):>18}"
+                  f"{'' if s.measured else '  (weights, gradients, optimizer state alone: not measured)'}"
                   for s in self.settings]
         lines.append("")
         if self.fits:
@@ -210,8 +275,13 @@ def fixed_rows(p: Profile, layout: Layout) -> list:
 def rank(setting: Setting) -> int:
     """Where ``setting`` stands in ``COST`` (the head's chunking costs nothing): the exact settings 0–3, then the
     costliest lever it uses."""
-    levers = [i for i, name in enumerate(LEVERS) if name in setting.label.split(" + ")]
+    levers = [i for i, name in enumerate(LEVERS) if name in setting.parts]
     return 4 + max(levers) if levers else 2 * setting.offload + setting.checkpointing
+
+
+def keeps_step(setting: Setting) -> bool:
+    """Whether ``setting`` trains the baseline's step (it uses no lever)."""
+    return rank(setting) < len(COST) - len(LEVERS)
 
 
 def measuring_order(can_chunk: bool, can_checkpoint: bool) -> list[Setting]:
@@ -245,10 +315,10 @@ class Subject:
     fixed: Optional[int] = None
 
     def __init__(self, model, batches: list, t, loss_fn=None, enable_gradient_checkpointing: Optional[Callable] = None,
-                 layout: Layout = Layout(), per_process: int = 1):
+                 pricing: Pricing = Pricing()):
         self.model, self.batches, self.t, self.loss_fn = model, batches, t, loss_fn
         self.enable_gradient_checkpointing = enable_gradient_checkpointing
-        self.layout, self.per_process = layout, per_process
+        self.pricing = pricing
         self.can_chunk = bool(is_causal_lm(model) and unsupported_reason(model) is None
                               and (loss_fn is None or t.chunked_loss))
         self.can_checkpoint = enable_gradient_checkpointing is not None
@@ -259,41 +329,35 @@ class Subject:
             switch(self.model, setting, self.enable_gradient_checkpointing)
         except ConfigError:
             return None
-        whole = measure(self.model, self.batches, setting, self.t, self.loss_fn, self.per_process)
-        return sharded.per_process(whole, self.layout, sharded.sizes_of(self.model))
+        whole = measure(self.model, self.batches, setting, self.t, self.loss_fn, self.pricing.per_process)
+        return sharded.per_process(whole, self.pricing.layout, sharded.sizes_of(self.model))
 
 
-def make_plan(model, batches: list, gpu: str, effective: int, training=None, loss_fn=None,
-              enable_gradient_checkpointing: Optional[Callable] = None, sequence_length: Optional[int] = None,
-              layout: Layout = Layout(), lora_model: Optional[Callable] = None, every_setting: bool = False,
-              levers: Optional[list] = None) -> Plan:
-    """Measure the settings until the cheapest that fits ``gpu`` is known; recommend it with its micro-batch.
+def make_plan(model, batches: list, request: PlanRequest, loss_fn=None,
+              enable_gradient_checkpointing: Optional[Callable] = None, lora_model: Optional[Callable] = None) -> Plan:
+    """Measure the settings until the cheapest that fits ``request.gpu`` is known; recommend it with its micro-batch.
 
     ``batches``: two micro-batches of different sizes (samples), same sequence length, on the model's device.
-    ``training``: the recipe's TrainingConfig (optimizer, precision, whether the chunked head may be used).
-    ``enable_gradient_checkpointing(model)``: switches checkpointing on (None: not available). ``lora_model()``: a fresh
-    LoRA model of the recipe, tried only when nothing that trains every weight fits (None: not offered).
-    ``levers``: (Setting, a function returning its Subject) in ``LEVERS`` order, tried after LoRA the same way.
-    ``every_setting``: measure them all (``Plan.predict`` then answers for any), not only until the pick is known.
-    ``layout``: the processes sharing ``effective`` and their ZeRO stage; every number is one process's.
+    ``request``: the card, the effective batch and its layout (every number is one process's), the training settings,
+    the levers to try after LoRA. ``enable_gradient_checkpointing(model)``: switches checkpointing on (None: not
+    available). ``lora_model()``: a fresh LoRA model of the recipe, tried first of the levers, only when nothing that
+    trains every weight fits (None: not offered).
+
+    Example: ``make_plan(model, [batch(1), batch(2)], PlanRequest("8GiB", effective=32)).table()``
     """
-    t = training or TrainingConfig()
-    per_process = effective // layout.processes
-    subject = Subject(model, batches, t, loss_fn, enable_gradient_checkpointing, layout, per_process)
+    t, pricing = request.training, request.pricing
+    subject = Subject(model, batches, t, loss_fn, enable_gradient_checkpointing, pricing)
     if lora_model is not None and not any("lora_" in name for name, _ in model.named_parameters()):
-        levers = [(Setting(lora=True),
-                   lambda: Subject(lora_model().to(next(model.parameters()).device), batches, t, loss_fn,
-                                   enable_gradient_checkpointing, layout, per_process)), *(levers or [])]
-    return plan_subjects(subject, levers or [], gpu, effective, layout, t, sequence_length, every_setting)
+        lora = (Setting(lora=True), lambda: Subject(lora_model().to(next(model.parameters()).device), batches, t,
+                                                    loss_fn, enable_gradient_checkpointing, pricing))
+        request = dataclasses.replace(request, levers=(lora, *request.levers))
+    return plan_subjects(subject, request)
 
 
-def plan_subjects(subject, levers: list, gpu: str, effective: int, layout: Layout, t, sequence_length,
-                  every_setting: bool = False, work: Optional[Work] = None) -> Plan:
-    """``make_plan`` on subjects: the recipe's (its exact settings, cheapest first) and its levers', in order.
-    ``work``: what the run computes, for the speed estimate (None: none)."""
-    gpu_bytes = parse_gpu(gpu)
-    budget = budget_for(gpu_bytes)
-    per_process = effective // layout.processes
+def plan_subjects(subject, request: PlanRequest) -> Plan:
+    """``make_plan`` on subjects: the recipe's (its exact settings, cheapest first), then ``request.levers``', in
+    order."""
+    budget, per_process, every_setting = request.budget, request.per_process, request.every_setting
     can_chunk = subject.can_chunk
     fits = lambda p: p.largest_micro_batch(per_process, budget) > 0  # noqa: E731
     # with the chunked head available, the settings without it are measured only to show what it saves
@@ -316,12 +380,12 @@ def plan_subjects(subject, levers: list, gpu: str, effective: int, layout: Layou
                 base = next(p for p in profiles if p.setting == dataclasses.replace(setting, offload=False))
                 profiles[-1].floor = without_saved(base)
     checkpointing = any(p.setting.checkpointing for p in profiles)
-    for lever, build in levers:
+    for lever, build in request.levers:
         if pick() is not None and not every_setting:
             break
         profiles.append(measure_lever(build(), dataclasses.replace(lever, checkpointing=checkpointing,
                                                                     chunked_loss=can_chunk), budget))
-    return finish_plan(gpu, gpu_bytes, budget, effective, layout, t, sequence_length, profiles, pick(), work)
+    return finish_plan(request, profiles, pick())
 
 
 def measure_lever(subject, setting: Setting, budget: float) -> Profile:
@@ -333,9 +397,9 @@ def measure_lever(subject, setting: Setting, budget: float) -> Profile:
     return profile if profile is not None else subject.measure(dataclasses.replace(setting, checkpointing=False))
 
 
-def finish_plan(gpu, gpu_bytes, budget, effective, layout: Layout, t, sequence_length, profiles,
-                chosen: Optional[Profile], work: Optional[Work] = None) -> Plan:
-    per_process = effective // layout.processes
+def finish_plan(request: PlanRequest, profiles: list, chosen: Optional[Profile]) -> Plan:
+    """The Plan of ``profiles`` (every setting weighed, in order), recommending ``chosen`` (None: nothing fits)."""
+    budget, per_process, gpu_bytes, layout = request.budget, request.per_process, request.gpu_bytes, request.layout
 
     def at_largest(p: Profile) -> tuple[int, int]:
         b = p.largest_micro_batch(per_process, budget)
@@ -343,40 +407,38 @@ def finish_plan(gpu, gpu_bytes, budget, effective, layout: Layout, t, sequence_l
 
     last = chosen or profiles[-1]
     b, peak = at_largest(last)
-    s = last.setting
-    return Plan(gpu=gpu, gpu_bytes=gpu_bytes, parameters=last.parameters, trainable_parameters=last.trainable,
+    return Plan(gpu=request.gpu, gpu_bytes=gpu_bytes, parameters=last.parameters, trainable_parameters=last.trainable,
                 weights=last.weights, gradients=last.gradients, optimizer=last.optimizer_state,
                 activations_per_sample=last.per_sample(last.saved)[1],
                 activations_fixed=last.per_sample(last.saved)[0],
-                sequence_length=sequence_length, precision=t.mixed_precision, effective_batch_size=effective,
-                micro_batch_size=b, gradient_accumulation_steps=per_process // b if b else 0,
-                gradient_checkpointing=s.checkpointing, chunked_loss=s.chunked_loss, activation_offloading=s.offload,
-                lora=s.lora, lever_optimizer=s.optimizer, lever_base=s.base, lever_compute=s.compute, step_peak=peak,
+                sequence_length=request.sequence_length, precision=request.training.mixed_precision,
+                effective_batch_size=request.effective, micro_batch_size=b,
+                gradient_accumulation_steps=per_process // b if b else 0, setting=last.setting, step_peak=peak,
                 fits=chosen is not None, processes=layout.processes, zero_stage=layout.zero_stage,
-                headroom=int(gpu_bytes - CONTEXT - peak), speed=speed_of(chosen, gpu, t, work),
-                note=explain(chosen, profiles, gpu_bytes, budget, per_process, effective, layout),
-                settings=[{"setting": p.setting.label, "micro_batch": at_largest(p)[0], "step_peak": at_largest(p)[1],
-                           "measured": p.measured, "exact": rank(p.setting) < len(COST) - len(LEVERS)}
-                          for p in profiles], profiles=profiles)
+                headroom=int(gpu_bytes - CONTEXT - peak), speed=speed_of(chosen, request),
+                note=explain(chosen, profiles, request),
+                settings=[SettingPlan(p.setting, *at_largest(p), p.measured, keeps_step(p.setting)) for p in profiles],
+                profiles=profiles)
 
 
-def speed_of(chosen: Optional[Profile], gpu: str, t, work: Optional[Work]) -> Optional[Speed]:
-    """The recommendation's speed on ``gpu`` (``memory.speed``); None where nothing fits or the rows have no
-    tokens."""
-    if chosen is None or work is None or not chosen.multiplying[0]:
+def speed_of(chosen: Optional[Profile], request: PlanRequest) -> Optional[Speed]:
+    """The recommendation's speed on the request's card (``memory.speed``); None where nothing fits or the rows have
+    no tokens."""
+    if chosen is None or request.work is None or not chosen.multiplying[0]:
         return None
     s = chosen.setting
-    return estimate(gpu, s.compute or t.mixed_precision, *chosen.multiplying, s.checkpointing, work,
-                    chosen.here_flops)
+    return estimate(request.gpu, s.compute or request.training.mixed_precision, chosen.multiplying, s.checkpointing,
+                    request.work, chosen.here_flops)
 
 
 def fixed_part(p: Profile) -> int:
     return p.weights + p.gradients + p.optimizer_state
 
 
-def explain(chosen: Optional[Profile], profiles: list, gpu_bytes: int, budget: float, per_process: int,
-            effective: int, layout: Layout = Layout()) -> str:
-    """Why this recommendation: what the cheaper settings would have needed (on each process of ``layout``)."""
+def explain(chosen: Optional[Profile], profiles: list, request: PlanRequest) -> str:
+    """Why this recommendation: what the cheaper settings would have needed (on each process of the request's
+    layout)."""
+    gpu_bytes, budget, per_process, layout = request.gpu_bytes, request.budget, request.per_process, request.layout
     if gpu_bytes <= CONTEXT:
         return (f"does not fit: {gpu_bytes / GiB:.1f} GiB is no more than the {CONTEXT / GiB:.1f} GiB the CUDA "
                 "context takes before any tensor")
@@ -392,12 +454,11 @@ def explain(chosen: Optional[Profile], profiles: list, gpu_bytes: int, budget: f
             else f"weights, gradients and optimizer state alone do not fit: {sharding} or a bigger card"
         return f"does not fit ({room}): " + "; ".join(short) + f" — {hint}"
     b = chosen.largest_micro_batch(per_process, budget)
-    label = chosen.setting.label
-    why = f"why: {label} is the cheapest setting that fits ({room})" + "".join(f"; {x}" for x in short) \
-        + ". Cost: " + "; ".join(f"{x}: {COST[x]}" for x in label.split(" + "))
+    why = f"why: {chosen.setting.label} is the cheapest setting that fits ({room})" + "".join(f"; {x}" for x in short) \
+        + ". Cost: " + "; ".join(f"{x}: {COST[x]}" for x in chosen.setting.parts or ("plain",))
     if b == per_process:
         return why + ". The whole window fits in one micro-batch: no accumulation needed"
-    return why + f". {per_process // b} micro-batches of {b} take the same steps as one batch of {effective}"
+    return why + f". {per_process // b} micro-batches of {b} take the same steps as one batch of {request.effective}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -412,15 +473,15 @@ def plan_recipe(cfg, gpu: str, layout: Layout, build: Callable, effective: int) 
     batches, seq = longest_batches(job, sizes=(1, 2))
     t = cfg.training
     remake = rebuilder(job, build)
+    pricing = Pricing(layout, effective // layout.processes)
 
     def subject(variant, built=None):
         built = built or remake(variant)
-        return Subject(built.model, batches, variant.training, built.loss_fn, checkpointing_of(built),
-                       layout, effective // layout.processes)
+        return Subject(built.model, batches, variant.training, built.loss_fn, checkpointing_of(built), pricing)
 
-    levers = [(lever, lambda lever=lever: subject(with_lever(cfg, lever))) for lever in recipe_levers(cfg)]
-    return plan_subjects(subject(cfg, job), levers, gpu, effective, layout, t, seq,
-                         work=work_of(job, t, effective, job.model))
+    levers = tuple((lever, lambda lever=lever: subject(with_lever(cfg, lever))) for lever in recipe_levers(cfg))
+    return plan_subjects(subject(cfg, job), PlanRequest(gpu, effective, t, layout, seq, levers,
+                                                        work=work_of(job, t, effective, job.model)))
 
 
 def rebuilder(job, build: Callable) -> Callable:
