@@ -12,7 +12,7 @@ import torch
 
 from finetune import test_fine_tuning
 from finetune.memory import measure as memory
-from finetune.memory import plan as plan_module
+from finetune.memory import records as plan_records
 from finetune.memory.measure import MemoryMonitor, activation_bytes
 from finetune.memory.plan import PlanRequest, make_plan
 from finetune.plan_command import training_peak
@@ -160,7 +160,7 @@ def test_step_peak_past_one_chunk_of_the_loss_head():
 
 def card_for(step_peak: float) -> str:
     """The card size whose budget is just above ``step_peak`` bytes of tensors."""
-    return f"{(step_peak * 1.0001 / plan_module.HEADROOM + plan_module.CONTEXT) / memory.GiB:.9f}GiB"
+    return f"{(step_peak * 1.0001 / plan_records.HEADROOM + plan_records.CONTEXT) / memory.GiB:.9f}GiB"
 
 
 def test_plan_numbers_and_recommendation(llama_plan):
@@ -447,7 +447,7 @@ def test_plan_says_headroom_and_an_estimate_of_speed_and_time():
     assert done.returncode == 0, done.stderr[-2000:]
     plan = json.loads(done.stdout.strip().splitlines()[-1])
     assert plan["effective_batch_size"] == 16 and plan["micro_batch_size"] == 16  # the flag, and the cap
-    assert plan["headroom"] == int(plan["gpu_bytes"] - plan_module.CONTEXT - plan["step_peak"])
+    assert plan["headroom"] == int(plan["gpu_bytes"] - plan_records.CONTEXT - plan["step_peak"])
     s = plan["speed"]
     n, trained = s["parameters"], s["trained"]
     assert 0 < trained <= n and s["attention"] > 0
@@ -470,5 +470,5 @@ def test_plan_says_headroom_and_an_estimate_of_speed_and_time():
 
 def test_a_run_shorter_than_a_second_says_so():
     """The plan's wall times for people: a run under half a second is not printed as "0 s"."""
-    assert [plan_module.duration(s) for s in (0.2, 0.6, 90, 150, 7300)] == \
+    assert [plan_records.duration(s) for s in (0.2, 0.6, 90, 150, 7300)] == \
         ["under 1 s", "1 s", "90 s", "2.5 min", "2.0 h"]
