@@ -15,9 +15,19 @@ from finetune.config import TrainingConfig, load_recipe
 from finetune.memory.allocations import AllocationsOnly
 from finetune.memory.depth import DEPTHS, Extrapolated, first_blocks, load_architecture
 from finetune.memory.fixed import fixed_part, held_bytes, planned_weight_bytes, state_bytes
-from finetune.memory.plan import Pricing, Subject, measuring_order, rank, recipe_levers, with_lever
+from finetune.memory.plan import (
+    COST,
+    LEVERS,
+    Pricing,
+    Subject,
+    keeps_step,
+    measuring_order,
+    rank,
+    recipe_levers,
+    with_lever,
+)
 from finetune.memory.sharded import Layout
-from finetune.memory.step import longest_batches
+from finetune.memory.step import Setting, longest_batches
 from finetune.models import hf as hf_models
 from finetune.optim import make_optimizer
 from finetune.optimizers import OPTIMIZERS
@@ -106,6 +116,19 @@ def test_first_blocks_runs_a_prefix_and_restores_the_model():
 
 # ---------------------------------------------------------------------------------------------------------------
 # the levers
+
+
+def test_a_settings_rank_and_costs_are_read_from_its_fields():
+    """A setting's parts (and so its label, its rank and the costs the note names) are made from its fields; the
+    exact settings rank 0-3 in COST's order, a setting with a lever ranks by its costliest one and changes the step."""
+    exact = [Setting(), Setting(checkpointing=True), Setting(offload=True, chunked_loss=True),
+             Setting(checkpointing=True, offload=True)]
+    assert [rank(s) for s in exact] == [0, 1, 2, 3] and all(keeps_step(s) for s in exact)
+    qlora = Setting(lora=True, base="nf4", compute="bf16", checkpointing=True)
+    assert qlora.parts == ("LoRA", "nf4 base", "bf16 compute", "checkpointing")
+    assert qlora.label == "LoRA + nf4 base + bf16 compute + checkpointing" and set(qlora.parts) <= set(COST)
+    assert rank(qlora) == 4 + LEVERS.index("bf16 compute") and not keeps_step(qlora)
+    assert rank(Setting(optimizer="adamw8bit")) == 4 and Setting().label == "plain" and Setting().parts == ()
 
 
 def test_levers_of_the_sft_recipe_in_cost_order():

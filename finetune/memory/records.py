@@ -91,6 +91,9 @@ class SettingPlan:
 
 @dataclass(frozen=True)
 class Plan:
+    """The answer: the recommendation (its setting, micro-batch and accumulation, the parts of its step peak, why),
+    the speed estimate, and every setting weighed (``settings``) with the profiles they were measured as."""
+
     gpu: str
     gpu_bytes: int
     parameters: int
