@@ -54,7 +54,7 @@ from finetune import (
 from finetune.config import TrainingConfig  # noqa: E402
 from finetune.job import Job  # noqa: E402
 from finetune.memory.measure import PeakMeter  # noqa: E402
-from finetune.memory.plan import make_plan  # noqa: E402
+from finetune.memory.plan import PlanRequest, make_plan  # noqa: E402
 from finetune.memory.step import Setting  # noqa: E402
 from finetune.models.forward import enable_gradient_checkpointing  # noqa: E402
 from finetune.plan_command import training_peak  # noqa: E402
@@ -168,8 +168,9 @@ def plan_for(model, data, collate, effective: int) -> object:
     """``finetune plan``'s model of the step, every setting measured (micro-batches of 1 and 2 samples)."""
     batches = [{k: v.to(C.DEVICE) for k, v in collate(data[:k]).items()} for k in (1, 2)]
     with C.quiet():
-        return make_plan(C.copy_model(model).to(C.DEVICE), batches, "80GiB", effective, training(1, 1, 1),
-                         enable_gradient_checkpointing=enable_gradient_checkpointing, every_setting=True)
+        return make_plan(C.copy_model(model).to(C.DEVICE), batches,
+                         PlanRequest("80GiB", effective, training(1, 1, 1), every_setting=True),
+                         enable_gradient_checkpointing=enable_gradient_checkpointing)
 
 
 def activation_bytes(model, data, collate, b: int, checkpointing: bool = False) -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import json
-from dataclasses import asdict
 
 import torch
 
@@ -49,9 +48,7 @@ def main(args) -> int:
     else:
         plan = plan_recipe(cfg, args.gpu, layout)
     if args.json:
-        record = asdict(plan)
-        record.pop("profiles")
-        print(json.dumps(record))
+        print(json.dumps(plan.record()))
     else:
         print(plan.table())
     return 0 if plan.fits else 1

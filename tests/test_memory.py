@@ -12,9 +12,9 @@ import torch
 
 from finetune import test_fine_tuning
 from finetune.memory import measure as memory
-from finetune.memory import plan as plan_module
+from finetune.memory import records as plan_records
 from finetune.memory.measure import MemoryMonitor, activation_bytes
-from finetune.memory.plan import make_plan
+from finetune.memory.plan import PlanRequest, make_plan
 from finetune.plan_command import training_peak
 from tests.helpers import ENV, MLP, ROOT, TINY, copy_model, pad_collate, regression_data, rel_diff, tiny_gpt2
 
@@ -60,7 +60,7 @@ def gpt2():
 @pytest.mark.parametrize("name", ["minilm", "gpt2"])
 def test_activation_estimate_within_10_percent(name):
     model, batch = {"minilm": minilm, "gpt2": gpt2}[name]()
-    plan = make_plan(model, [batch(2), batch(4)], "8GiB", effective=32)
+    plan = make_plan(model, [batch(2), batch(4)], PlanRequest("8GiB", effective=32))
     for b in (3, 8):
         predicted = plan.activations_fixed + plan.activations_per_sample * b
         measured = allocated_by_forward(model, batch(b))
@@ -91,8 +91,9 @@ def every_setting_plan(model, data, effective, gpu="80GiB", **kw):
     from finetune.models.forward import enable_gradient_checkpointing
 
     t = TrainingConfig(packing=False, **kw)
-    return make_plan(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])], gpu, effective, t,
-                     enable_gradient_checkpointing=enable_gradient_checkpointing, every_setting=True)
+    return make_plan(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])],
+                     PlanRequest(gpu, effective, t, every_setting=True),
+                     enable_gradient_checkpointing=enable_gradient_checkpointing)
 
 
 @pytest.fixture(scope="module")
@@ -159,10 +160,12 @@ def test_step_peak_past_one_chunk_of_the_loss_head():
 
 def card_for(step_peak: float) -> str:
     """The card size whose budget is just above ``step_peak`` bytes of tensors."""
-    return f"{(step_peak * 1.0001 / plan_module.HEADROOM + plan_module.CONTEXT) / memory.GiB:.9f}GiB"
+    return f"{(step_peak * 1.0001 / plan_records.HEADROOM + plan_records.CONTEXT) / memory.GiB:.9f}GiB"
 
 
 def test_plan_numbers_and_recommendation(llama_plan):
+    from finetune.memory.step import Setting
+
     model, data, reference = llama_plan
     params = list(model.parameters())
     n = sum(p.numel() for p in params)
@@ -172,15 +175,15 @@ def test_plan_numbers_and_recommendation(llama_plan):
     chunked = reference.profile(reference.profiles[1].setting)
     assert chunked.setting.label == "chunked loss"
     plan = make_plan(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])],
-                     card_for(chunked.step_peak(4, 4)), effective=16)
-    assert plan.fits and plan.chunked_loss and not plan.gradient_checkpointing
+                     PlanRequest(card_for(chunked.step_peak(4, 4)), effective=16))
+    assert plan.fits and plan.setting.chunked_loss and not plan.setting.checkpointing
     assert (plan.micro_batch_size, plan.gradient_accumulation_steps) == (4, 4)
     assert plan.step_peak == pytest.approx(chunked.step_peak(4, 4), rel=0.02)
     assert "recommendation: --batch-size 4 --grad-accum-steps 4" in plan.table()
     assert "left on the card at micro-batch 4; micro-batch 8 would not fit" in plan.table()  # the next divisor
-    assert [s["setting"] for s in plan.settings] == ["plain", "chunked loss"]  # nothing dearer was needed
-    assert not make_plan(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])], "0.5GiB",
-                         effective=16).fits
+    assert [s.setting for s in plan.settings] == [Setting(), Setting(chunked_loss=True)]  # nothing dearer needed
+    assert not make_plan(copy_model(model), [pad_collate(data[:1]), pad_collate(data[:2])],
+                         PlanRequest("0.5GiB", effective=16)).fits
 
 
 def test_plan_turns_on_what_it_must_and_says_why(llama_plan):
@@ -198,9 +201,9 @@ def test_plan_turns_on_what_it_must_and_says_why(llama_plan):
 
     batches = [pad_collate(data[:1]), pad_collate(data[:2])]
     between = (both.step_peak(1, 16) + chunked.step_peak(1, 16)) / 2  # fits the first at 1 sample, not the second
-    plan = make_plan(copy_model(model), batches, card_for(between), effective=16,
+    plan = make_plan(copy_model(model), batches, PlanRequest(card_for(between), effective=16),
                      enable_gradient_checkpointing=enable_gradient_checkpointing)
-    assert plan.fits and plan.gradient_checkpointing and plan.chunked_loss and not plan.activation_offloading
+    assert plan.fits and plan.setting == Setting(checkpointing=True, chunked_loss=True)  # not offloading
     table = plan.table()
     assert "--set training.gradient_checkpointing=true" in table
     assert "why: checkpointing + chunked loss is the cheapest setting that fits" in table
@@ -211,9 +214,9 @@ def test_plan_turns_on_what_it_must_and_says_why(llama_plan):
 
     lora = lambda: apply_peft(copy_model(model), Lora, "CAUSAL_LM")  # noqa: E731
     full = min(p.weights + p.gradients + p.optimizer_state for p in reference.profiles)
-    plan = make_plan(copy_model(model), batches, card_for(full * 0.6), effective=16,
+    plan = make_plan(copy_model(model), batches, PlanRequest(card_for(full * 0.6), effective=16),
                      enable_gradient_checkpointing=enable_gradient_checkpointing, lora_model=lora)
-    assert plan.fits and plan.lora, plan.table()
+    assert plan.fits and plan.setting.lora, plan.table()
     assert plan.trainable_parameters < plan.parameters / 10
     assert "--set peft.enabled=true" in plan.table() and "a different run from a full fine-tune" in plan.table()
 
@@ -444,7 +447,7 @@ def test_plan_says_headroom_and_an_estimate_of_speed_and_time():
     assert done.returncode == 0, done.stderr[-2000:]
     plan = json.loads(done.stdout.strip().splitlines()[-1])
     assert plan["effective_batch_size"] == 16 and plan["micro_batch_size"] == 16  # the flag, and the cap
-    assert plan["headroom"] == int(plan["gpu_bytes"] - plan_module.CONTEXT - plan["step_peak"])
+    assert plan["headroom"] == int(plan["gpu_bytes"] - plan_records.CONTEXT - plan["step_peak"])
     s = plan["speed"]
     n, trained = s["parameters"], s["trained"]
     assert 0 < trained <= n and s["attention"] > 0
@@ -467,5 +470,5 @@ def test_plan_says_headroom_and_an_estimate_of_speed_and_time():
 
 def test_a_run_shorter_than_a_second_says_so():
     """The plan's wall times for people: a run under half a second is not printed as "0 s"."""
-    assert [plan_module.duration(s) for s in (0.2, 0.6, 90, 150, 7300)] == \
+    assert [plan_records.duration(s) for s in (0.2, 0.6, 90, 150, 7300)] == \
         ["under 1 s", "1 s", "90 s", "2.5 min", "2.0 h"]

@@ -16,9 +16,19 @@ from finetune.loading import load_recipe
 from finetune.memory.allocations import AllocationsOnly
 from finetune.memory.depth import DEPTHS, Extrapolated, first_blocks, load_architecture
 from finetune.memory.fixed import fixed_part, held_bytes, planned_weight_bytes, state_bytes
-from finetune.memory.plan import Subject, measuring_order, rank, recipe_levers, with_lever
+from finetune.memory.plan import (
+    COST,
+    LEVERS,
+    Pricing,
+    Subject,
+    keeps_step,
+    measuring_order,
+    rank,
+    recipe_levers,
+    with_lever,
+)
 from finetune.memory.sharded import Layout
-from finetune.memory.step import longest_batches
+from finetune.memory.step import Setting, longest_batches
 from finetune.models import hf as hf_models
 from finetune.optim import make_optimizer
 from finetune.optimizers import OPTIMIZERS
@@ -109,6 +119,19 @@ def test_first_blocks_runs_a_prefix_and_restores_the_model():
 # the levers
 
 
+def test_a_settings_rank_and_costs_are_read_from_its_fields():
+    """A setting's parts (and so its label, its rank and the costs the note names) are made from its fields; the
+    exact settings rank 0-3 in COST's order, a setting with a lever ranks by its costliest one and changes the step."""
+    exact = [Setting(), Setting(checkpointing=True), Setting(offload=True, chunked_loss=True),
+             Setting(checkpointing=True, offload=True)]
+    assert [rank(s) for s in exact] == [0, 1, 2, 3] and all(keeps_step(s) for s in exact)
+    qlora = Setting(lora=True, base="nf4", compute="bf16", checkpointing=True)
+    assert qlora.parts == ("LoRA", "nf4 base", "bf16 compute", "checkpointing")
+    assert qlora.label == "LoRA + nf4 base + bf16 compute + checkpointing" and set(qlora.parts) <= set(COST)
+    assert rank(qlora) == 4 + LEVERS.index("bf16 compute") and not keeps_step(qlora)
+    assert rank(Setting(optimizer="adamw8bit")) == 4 and Setting().label == "plain" and Setting().parts == ()
+
+
 def test_levers_of_the_sft_recipe_in_cost_order():
     pytest.importorskip("bitsandbytes")
     lora = recipe_levers(load_recipe("sft-smollm2"))
@@ -145,9 +168,9 @@ def assert_depth_prediction(cfg, config, full_job, within=0.10, only=None) -> fl
     worst = naive = 0.0
     for variant, setting in rows:
         job = full_job(variant)
-        full = Subject(job.model, batches, variant.training, job.loss_fn, checkpointing_of(job), Layout(),
-                       8).measure(setting)
-        extrapolated = Extrapolated(variant, config, batches, Layout(), 8, build_job)
+        full = Subject(job.model, batches, variant.training, job.loss_fn, checkpointing_of(job),
+                       Pricing(Layout(), 8)).measure(setting)
+        extrapolated = Extrapolated(variant, config, batches, Pricing(Layout(), 8), build_job)
         copy = extrapolated.copy().measure(setting)  # negative control: the shallow copy alone misses
         naive = max(naive, *(abs(extrapolated.with_fixed(copy).step_peak(b, n) / full.step_peak(b, n) - 1)
                              for b, n in shapes))
@@ -220,7 +243,8 @@ def test_allocations_only_records_the_step_the_computed_one_does():
         with stand_in(config):
             job = build_job(variant)
         batches, _ = longest_batches(job)
-        subject = Subject(job.model, batches, variant.training, job.loss_fn, checkpointing_of(job), Layout(), 8)
+        subject = Subject(job.model, batches, variant.training, job.loss_fn, checkpointing_of(job),
+                          Pricing(Layout(), 8))
         computed = subject.measure(setting)
         with mode() as allocating:
             only = subject.measure(setting)
@@ -286,12 +310,12 @@ def test_alike_blocks_carried_on_within_2_percent_and_unlike_blocks_all_measured
     with stand_in(mixed, meta=True):
         job = build_job(cfg)
     batches, _ = longest_batches(job)
-    extrapolated = Extrapolated(cfg, mixed, batches, Layout(), 8, build_job, job.model)
+    extrapolated = Extrapolated(cfg, mixed, batches, Pricing(Layout(), 8), build_job, job.model)
     assert "config.layer_types differs between blocks" in extrapolated.unlike
     assert extrapolated.built_depth == 4  # every block, none carried on
     setting = measuring_order(True, True)[1]  # the chunked head
     whole = full_job(cfg, mixed)
-    full = Subject(whole.model, batches, cfg.training, whole.loss_fn, None, Layout(), 8).measure(setting)
+    full = Subject(whole.model, batches, cfg.training, whole.loss_fn, None, Pricing(Layout(), 8)).measure(setting)
     predicted = extrapolated.measure(setting)
     for b, n in ((1, 8), (8, 1)):
         assert abs(predicted.step_peak(b, n) / full.step_peak(b, n) - 1) <= 0.02
@@ -362,9 +386,9 @@ def test_llama_8b_micro_step_allocated_within_2_percent_of_computed(monkeypatch)
     setting = dataclasses.replace(lever, checkpointing=True, chunked_loss=True)
     with stand_in(config, meta=True):
         batches, _ = longest_batches(build_job(variant))
-    only = Extrapolated(variant, config, batches, Layout(), 8, build_job).measure(setting)
+    only = Extrapolated(variant, config, batches, Pricing(Layout(), 8), build_job).measure(setting)
     monkeypatch.setattr(depth, "AllocationsOnly", contextlib.nullcontext)
-    computed = Extrapolated(variant, config, batches, Layout(), 8, build_job).measure(setting)
+    computed = Extrapolated(variant, config, batches, Pricing(Layout(), 8), build_job).measure(setting)
     for b, n in ((1, 8), (8, 1)):
         assert abs(only.step_peak(b, n) / computed.step_peak(b, n) - 1) <= 0.02, (b, n)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.memory.plan import make_plan
+from finetune.memory.plan import PlanRequest, make_plan
 from finetune.memory.sharded import Layout, Sizes, per_process, sizes_of
 from finetune.memory.step import Setting
 from tests import zero_worker
@@ -92,8 +92,7 @@ def whole_profile():
 
 def planned_profile(layout: Layout):
     batches = [zero_worker.batch(1), zero_worker.batch(2)]
-    plan = make_plan(zero_worker.zero_model(), batches, "80GiB", effective=8, training=zero_worker.TRAINING,
-                     layout=layout)
+    plan = make_plan(zero_worker.zero_model(), batches, PlanRequest("80GiB", 8, zero_worker.TRAINING, layout))
     return plan.profile(Setting())
 
 
@@ -141,12 +140,12 @@ def test_each_layout_detail_matters(deepspeed_held):
 
 
 def test_plan_table_names_the_layout():
-    table = make_plan(zero_worker.zero_model(), [zero_worker.batch(1), zero_worker.batch(2)], "80GiB", effective=8,
-                      training=zero_worker.TRAINING, layout=Layout(PROCESSES, 3)).table()
+    table = make_plan(zero_worker.zero_model(), [zero_worker.batch(1), zero_worker.batch(2)],
+                      PlanRequest("80GiB", 8, zero_worker.TRAINING, Layout(PROCESSES, 3))).table()
     assert table.startswith("per process: 2 processes, DeepSpeed ZeRO-3: optimizer state, gradients and parameters")
     assert "DeepSpeed reduce bucket" in table and "gathered weights" in table
-    ddp = make_plan(zero_worker.zero_model(), [zero_worker.batch(1), zero_worker.batch(2)], "80GiB", effective=8,
-                    training=zero_worker.TRAINING, layout=Layout(PROCESSES, 0)).table()
+    ddp = make_plan(zero_worker.zero_model(), [zero_worker.batch(1), zero_worker.batch(2)],
+                    PlanRequest("80GiB", 8, zero_worker.TRAINING, Layout(PROCESSES, 0))).table()
     assert ddp.startswith("per process: 2 processes, DDP") and "DDP gradient buckets" in ddp
     assert "DeepSpeed" not in ddp
 

@@ -34,6 +34,8 @@ from finetune.memory.allocations import AllocationsOnly
 from finetune.memory.cards import parse_gpu
 from finetune.memory.fixed import fixed_part
 from finetune.memory.plan import (
+    PlanRequest,
+    Pricing,
     Subject,
     checkpointing_of,
     plan_subjects,
@@ -63,13 +65,13 @@ def load_architecture(source: str):
 
 class Extrapolated:
     """A planning subject (``finetune.memory.plan.Subject``) for ``cfg`` whose model is ``config``'s architecture,
-    priced per process of ``layout``."""
+    priced as ``pricing`` says."""
 
-    def __init__(self, cfg, config, batches: list, layout: Layout, per_process: int, build, meta=None):
+    def __init__(self, cfg, config, batches: list, pricing: Pricing, build, meta=None):
         """``build(cfg)``: the recipe's job (start-up's, given by the command); ``meta``: ``cfg``'s model already
         built on the meta device (else built here)."""
         self.cfg, self.config, self.batches, self.build = cfg, config, batches, build
-        self.layout, self.per_process = layout, per_process
+        self.pricing = pricing
         self.depth = config.num_hidden_layers
         if meta is None:
             with stand_in(config, meta=True):
@@ -98,7 +100,7 @@ class Extrapolated:
                 job = self.build(self.cfg)
             # measured as one process holding everything: ``with_fixed`` spreads the full model over the layout
             self._measured = Subject(job.model, self.batches, self.cfg.training, job.loss_fn, checkpointing_of(job),
-                                     Layout(), self.per_process)
+                                     Pricing(Layout(), self.pricing.per_process))
         return self._measured
 
     def measure(self, setting: Setting) -> Optional[Profile]:
@@ -121,7 +123,7 @@ class Extrapolated:
         profile.parameters, profile.trainable = self.parameters, self.trainable
         profile.multiplying = self.multiplying
         profile.here_flops = 0.0  # the copy's products were not computed: nothing was timed
-        return sharded.per_process(profile, self.layout, self.sizes)
+        return sharded.per_process(profile, self.pricing.layout, self.sizes)
 
     def unmeasured(self, setting: Setting) -> Profile:
         """``setting`` priced from the fixed part alone (it already exceeds the card: nothing is measured)."""
@@ -234,14 +236,13 @@ def plan_from_config(cfg, source: str, gpu: str, layout: Layout, build, effectiv
     check_vocabulary(config, job.tokenizer, source)
     planned_window(effective, job)
     batches, seq = longest_batches(job, sizes=(1, 2))
-    per_process = effective // layout.processes
+    pricing = Pricing(layout, effective // layout.processes)
     remake = rebuilder(job, build)  # every later build: the model alone, the data built once
     unlike = unlike_blocks(job.model, config)
     if unlike:
         print(f"plan: {unlike}: every block measured, none carried on from another", file=sys.stderr, flush=True)
-    levers = [(lever, lambda lever=lever: Extrapolated(with_lever(cfg, lever), config, batches, layout,
-                                                       per_process, remake))
-              for lever in recipe_levers(cfg)]
-    return plan_subjects(Extrapolated(cfg, config, batches, layout, per_process, remake, job.model), levers, gpu,
-                         effective, layout, cfg.training, seq,
-                         work=speed.work_of(job, cfg.training, effective, job.model))
+    levers = tuple((lever, lambda lever=lever: Extrapolated(with_lever(cfg, lever), config, batches, pricing, remake))
+                   for lever in recipe_levers(cfg))
+    request = PlanRequest(gpu, effective, cfg.training, layout, seq, levers,
+                          work=speed.work_of(job, cfg.training, effective, job.model))
+    return plan_subjects(Extrapolated(cfg, config, batches, pricing, remake, job.model), request)

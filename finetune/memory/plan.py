@@ -11,19 +11,19 @@ micro-batches of the longest training samples rather than guessing.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from finetune import schema  # schema.installed, looked up when called (a test replaces it for a missing package)
-from finetune.config import PretrainedModelConfig, TrainingConfig
+from finetune.config import PretrainedModelConfig
 from finetune.errors import ConfigError
 from finetune.items import is_causal_lm
 from finetune.memory import sharded
 from finetune.memory.cards import parse_gpu
 from finetune.memory.measure import GiB
-from finetune.memory.sharded import PERSISTENCE_THRESHOLD, REDUCE_BUCKET, Layout
-from finetune.memory.speed import Speed, Work, estimate, work_of
-from finetune.memory.step import HEADROOM, Profile, Setting, longest_batches, measure, without_saved
+from finetune.memory.records import CONTEXT, Plan, PlanRequest, Pricing, SettingPlan, size
+from finetune.memory.sharded import Layout
+from finetune.memory.speed import Speed, estimate, work_of
+from finetune.memory.step import Profile, Setting, longest_batches, measure, without_saved
 from finetune.models import forward
 from finetune.models.loss_head import (
     chunked_loss_enabled,
@@ -31,19 +31,6 @@ from finetune.models.loss_head import (
     enable_chunked_loss,
     unsupported_reason,
 )
-
-CONTEXT = 0.6 * GiB   # CUDA context, cuBLAS workspaces and the allocator's slack, reserved before any tensor
-
-
-def size(nbytes: float) -> str:
-    """Bytes for people: GiB from 1 GiB up, MiB below."""
-    return f"{nbytes / GiB:.2f} GiB" if abs(nbytes) >= GiB else f"{nbytes / 2**20:.1f} MiB"
-
-
-def budget_for(gpu_bytes: float) -> float:
-    """Bytes of tensors a card of ``gpu_bytes`` can hold: what the context leaves, less the headroom."""
-    return (gpu_bytes - CONTEXT) * HEADROOM
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # what each setting costs
@@ -65,153 +52,16 @@ COST = {
 LEVERS = ("8-bit AdamW", "LoRA", "bf16 base", "nf4 base", "bf16 compute")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# the plan
-
-
-@dataclass
-class Plan:
-    gpu: str
-    gpu_bytes: int
-    parameters: int
-    trainable_parameters: int
-    weights: int                   # bytes, of the recommended setting (LoRA adds adapters)
-    gradients: int
-    optimizer: int
-    activations_per_sample: int    # saved for backward, recommended setting
-    activations_fixed: int
-    sequence_length: Optional[int]
-    precision: str
-    effective_batch_size: int
-    micro_batch_size: int          # 0: does not fit
-    gradient_accumulation_steps: int
-    gradient_checkpointing: bool
-    chunked_loss: bool
-    activation_offloading: bool
-    lora: bool
-    lever_optimizer: str           # the recommendation's levers (Setting): "" where it keeps the recipe's
-    lever_base: str
-    lever_compute: str
-    step_peak: int                 # predicted, at the recommendation (or at micro-batch 1 of the last setting tried)
-    fits: bool
-    headroom: int                  # bytes the card has left at the recommendation: card − CUDA context − step peak
-    note: str
-    processes: int                 # every number above is what one of them holds (``sharded.Layout``)
-    zero_stage: int
-    speed: Optional[Speed] = None            # the run's speed and wall time (None: no estimate)
-    settings: list = field(default_factory=list)   # every setting tried: label, largest micro-batch, its peak
-    profiles: list = field(default_factory=list, repr=False)
-
-    def predict(self, micro_batch: int, accumulation: int, setting: Optional[Setting] = None) -> int:
-        """Predicted step peak of ``micro_batch`` × ``accumulation`` under ``setting`` (default: the recommended)."""
-        return self.profile(setting).step_peak(micro_batch, accumulation)
-
-    def profile(self, setting: Optional[Setting] = None) -> Profile:
-        want = setting or Setting(self.gradient_checkpointing, self.chunked_loss, self.activation_offloading,
-                                  self.lora, self.lever_optimizer, self.lever_base, self.lever_compute)
-        return next(p for p in self.profiles if p.setting == want)
-
-    def table(self) -> str:
-        p, b = self.profile(), max(self.micro_batch_size, 1)
-        n = self.gradient_accumulation_steps or self.effective_batch_size
-        layout = Layout(self.processes, self.zero_stage)
-        above = self.step_peak - p.weights - p.gradients - p.optimizer_state - p.buckets - p.gathered
-        saved = min(p.part(p.saved, b), max(above, 0))
-        rows = fixed_rows(p, layout) + [
-                (f"saved activations × {b}", saved,
-                 f"kept for backward, {self.sequence_length or '-'} tokens a sample, "
-                 f"{'fp32' if self.precision == 'no' else self.precision}" if p.measured else
-                 "not measured: the fixed part alone exceeds the card"),
-                ("loss head, temporaries", max(above - saved, 0),
-                 "the rest: logits, backward, optimizer step" if p.measured else "not measured")]
-        w = max([44] + [len(s["setting"]) + 2 for s in self.settings])
-        lines = [f"per process: {layout.describe()}", f"{'component':<28}{'memory':>12}  note", "-" * 76]
-        lines += [f"{name:<28}{size(v):>12}  {note}" for name, v, note in rows]
-        lines += ["-" * 76,
-                  f"{'step peak':<28}{size(self.step_peak):>12}  predicted at {b} × {n}, {p.setting.label}",
-                  f"{'CUDA context + slack':<28}{size(CONTEXT):>12}  reserved before any tensor",
-                  f"{'total':<28}{size(self.step_peak + CONTEXT):>12}  of {size(self.gpu_bytes)} ({self.gpu})",
-                  *([self.headroom_line()] if self.fits else []),
-                  "", f"{'setting':<{w}}{'largest micro-batch':>20}{'step peak there':>18}  (none: at 1)",
-                  "-" * (w + 52)]
-        lines += [f"{s['setting']:<{w}}{s['micro_batch'] or 'none':>20}"
-                  f"{size(s['step_peak']) if s['measured'] else '> ' + size(s['step_peak']):>18}"
-                  f"{'' if s['measured'] else '  (weights, gradients, optimizer state alone: not measured)'}"
-                  for s in self.settings]
-        lines.append("")
-        if self.fits:
-            flags = " ".join(p.setting.flags())
-            lines.append(f"recommendation: --batch-size {self.micro_batch_size} --grad-accum-steps "
-                         f"{self.gradient_accumulation_steps} {flags} (effective batch {self.effective_batch_size})")
-        lines.append(self.note)
-        if self.speed is not None:
-            lines += ["", *speed_lines(self.speed)]
-        return "\n".join(lines)
-
-    def headroom_line(self) -> str:
-        """What the card has left at the recommendation, and whether the effective batch caps its micro-batch."""
-        per_process = self.effective_batch_size // self.processes
-        line = f"{'headroom':<28}{size(self.headroom):>12}  left on the card at micro-batch {self.micro_batch_size}"
-        if self.micro_batch_size == per_process:
-            return line + (f"; capped at the effective batch ({per_process} a process): a larger micro-batch is "
-                           "never used, the room stays free")
-        return line + f"; micro-batch {next_divisor(self.micro_batch_size, per_process)} would not fit"
-
-
-def next_divisor(b: int, n: int) -> int:
-    """The next micro-batch above ``b`` that divides the window ``n``."""
-    return next(d for d in range(b + 1, n + 1) if n % d == 0)
-
-
-def duration(seconds: float) -> str:
-    """Seconds for people: s, min, h or days."""
-    for unit, length in (("days", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= 2 * length:
-            return f"{seconds / length:.1f} {unit}"
-    return f"{seconds:.0f} s" if seconds >= 0.5 else "under 1 s"
-
-
-def speed_lines(s: Speed) -> list[str]:
-    """The speed estimate's lines: on the card (its peak, the assumed utilization, FLOPs a token and how they are
-    counted), the run's tokens and wall time, and the rate measured here."""
-    run = f"the run: {s.run_rows:,} rows, {s.run_tokens:,} tokens ({s.epochs} epoch{'s' * (s.epochs != 1)})"
-    lines = [f"speed (an estimate): {s.flops_per_token / 1e9:.4g} GFLOP a token = {s.formula}"]
-    if s.card:
-        lines += [f"  on {s.card} ({s.card_note}): {s.peak_flops / 1e12:.4g} TFLOP/s peak "
-                  f"{'fp32' if s.precision == 'no' else s.precision} × {s.utilization:.0%} utilization (assumed) "
-                  f"= {s.tokens_per_second:.4g} tokens/s; {run} → {duration(s.seconds)}"]
-    else:
-        lines += [f"  no estimate on the card: {s.card_note}; {run}"]
-    if s.here_flops:
-        lines += [f"  measured on {s.here}: {s.here_flops / 1e9:.4g} GFLOP/s in the planner's last micro-step "
-                  f"(allocator recorded) = {s.here_tokens_per_second:.4g} tokens/s → {duration(s.here_seconds)}"]
-    else:
-        lines += ["  not timed on this machine: the planner's micro-steps allocated their tensors without computing "
-                  "them (a model larger than this machine, --model-config)"]
-    return lines
-
-
-def fixed_rows(p: Profile, layout: Layout) -> list:
-    """The table's rows for what one process holds besides a micro-batch's own: weights, gradients, optimizer state,
-    and the layout's buckets and gathered weights, each saying how ``layout`` divides it (``memory.sharded``)."""
-    n, stage = layout.processes, layout.zero_stage
-    rows = [("weights", p.weights, f"{p.parameters / 1e6:.2f} M parameters"
-             + (f"; ÷ {n}, those of ≤ {PERSISTENCE_THRESHOLD:,} elements whole" if stage == 3 else "")),
-            ("gradients", p.gradients, f"{p.trainable / 1e6:.2f} M trainable" + (f"; ÷ {n}" if stage >= 2 else "")),
-            ("optimizer state", p.optimizer_state, f"÷ {n}, with the fp32 copy of this partition" if stage else "")]
-    if p.buckets:
-        rows.append(("DDP gradient buckets", p.buckets, "a copy of the gradients") if stage == 0 else
-                    ("DeepSpeed reduce bucket", p.buckets, f"reduce_bucket_size: {REDUCE_BUCKET:,} elements"))
-    if p.gathered:
-        rows.append(("gathered weights", p.gathered, "whole parameters in forward and backward"))
-    return rows
-
-
 def rank(setting: Setting) -> int:
     """Where ``setting`` stands in ``COST`` (the head's chunking costs nothing): the exact settings 0–3, then the
     costliest lever it uses."""
-    levers = [i for i, name in enumerate(LEVERS) if name in setting.label.split(" + ")]
+    levers = [i for i, name in enumerate(LEVERS) if name in setting.parts]
     return 4 + max(levers) if levers else 2 * setting.offload + setting.checkpointing
+
+
+def keeps_step(setting: Setting) -> bool:
+    """Whether ``setting`` trains the baseline's step (it uses no lever)."""
+    return rank(setting) < len(COST) - len(LEVERS)
 
 
 def measuring_order(can_chunk: bool, can_checkpoint: bool) -> list[Setting]:
@@ -245,10 +95,10 @@ class Subject:
     fixed: Optional[int] = None
 
     def __init__(self, model, batches: list, t, loss_fn=None, enable_gradient_checkpointing: Optional[Callable] = None,
-                 layout: Layout = Layout(), per_process: int = 1):
+                 pricing: Pricing = Pricing()):
         self.model, self.batches, self.t, self.loss_fn = model, batches, t, loss_fn
         self.enable_gradient_checkpointing = enable_gradient_checkpointing
-        self.layout, self.per_process = layout, per_process
+        self.pricing = pricing
         self.can_chunk = bool(is_causal_lm(model) and unsupported_reason(model) is None
                               and (loss_fn is None or t.chunked_loss))
         self.can_checkpoint = enable_gradient_checkpointing is not None
@@ -259,41 +109,35 @@ class Subject:
             switch(self.model, setting, self.enable_gradient_checkpointing)
         except ConfigError:
             return None
-        whole = measure(self.model, self.batches, setting, self.t, self.loss_fn, self.per_process)
-        return sharded.per_process(whole, self.layout, sharded.sizes_of(self.model))
+        whole = measure(self.model, self.batches, setting, self.t, self.loss_fn, self.pricing.per_process)
+        return sharded.per_process(whole, self.pricing.layout, sharded.sizes_of(self.model))
 
 
-def make_plan(model, batches: list, gpu: str, effective: int, training=None, loss_fn=None,
-              enable_gradient_checkpointing: Optional[Callable] = None, sequence_length: Optional[int] = None,
-              layout: Layout = Layout(), lora_model: Optional[Callable] = None, every_setting: bool = False,
-              levers: Optional[list] = None) -> Plan:
-    """Measure the settings until the cheapest that fits ``gpu`` is known; recommend it with its micro-batch.
+def make_plan(model, batches: list, request: PlanRequest, loss_fn=None,
+              enable_gradient_checkpointing: Optional[Callable] = None, lora_model: Optional[Callable] = None) -> Plan:
+    """Measure the settings until the cheapest that fits ``request.gpu`` is known; recommend it with its micro-batch.
 
     ``batches``: two micro-batches of different sizes (samples), same sequence length, on the model's device.
-    ``training``: the recipe's TrainingConfig (optimizer, precision, whether the chunked head may be used).
-    ``enable_gradient_checkpointing(model)``: switches checkpointing on (None: not available). ``lora_model()``: a fresh
-    LoRA model of the recipe, tried only when nothing that trains every weight fits (None: not offered).
-    ``levers``: (Setting, a function returning its Subject) in ``LEVERS`` order, tried after LoRA the same way.
-    ``every_setting``: measure them all (``Plan.predict`` then answers for any), not only until the pick is known.
-    ``layout``: the processes sharing ``effective`` and their ZeRO stage; every number is one process's.
+    ``request``: the card, the effective batch and its layout (every number is one process's), the training settings,
+    the levers to try after LoRA. ``enable_gradient_checkpointing(model)``: switches checkpointing on (None: not
+    available). ``lora_model()``: a fresh LoRA model of the recipe, tried first of the levers, only when nothing that
+    trains every weight fits (None: not offered).
+
+    Example: ``make_plan(model, [batch(1), batch(2)], PlanRequest("8GiB", effective=32)).table()``
     """
-    t = training or TrainingConfig()
-    per_process = effective // layout.processes
-    subject = Subject(model, batches, t, loss_fn, enable_gradient_checkpointing, layout, per_process)
+    t, pricing = request.training, request.pricing
+    subject = Subject(model, batches, t, loss_fn, enable_gradient_checkpointing, pricing)
     if lora_model is not None and not any("lora_" in name for name, _ in model.named_parameters()):
-        levers = [(Setting(lora=True),
-                   lambda: Subject(lora_model().to(next(model.parameters()).device), batches, t, loss_fn,
-                                   enable_gradient_checkpointing, layout, per_process)), *(levers or [])]
-    return plan_subjects(subject, levers or [], gpu, effective, layout, t, sequence_length, every_setting)
+        lora = (Setting(lora=True), lambda: Subject(lora_model().to(next(model.parameters()).device), batches, t,
+                                                    loss_fn, enable_gradient_checkpointing, pricing))
+        request = dataclasses.replace(request, levers=(lora, *request.levers))
+    return plan_subjects(subject, request)
 
 
-def plan_subjects(subject, levers: list, gpu: str, effective: int, layout: Layout, t, sequence_length,
-                  every_setting: bool = False, work: Optional[Work] = None) -> Plan:
-    """``make_plan`` on subjects: the recipe's (its exact settings, cheapest first) and its levers', in order.
-    ``work``: what the run computes, for the speed estimate (None: none)."""
-    gpu_bytes = parse_gpu(gpu)
-    budget = budget_for(gpu_bytes)
-    per_process = effective // layout.processes
+def plan_subjects(subject, request: PlanRequest) -> Plan:
+    """``make_plan`` on subjects: the recipe's (its exact settings, cheapest first), then ``request.levers``', in
+    order."""
+    budget, per_process, every_setting = request.budget, request.per_process, request.every_setting
     can_chunk = subject.can_chunk
     fits = lambda p: p.largest_micro_batch(per_process, budget) > 0  # noqa: E731
     # with the chunked head available, the settings without it are measured only to show what it saves
@@ -316,12 +160,12 @@ def plan_subjects(subject, levers: list, gpu: str, effective: int, layout: Layou
                 base = next(p for p in profiles if p.setting == dataclasses.replace(setting, offload=False))
                 profiles[-1].floor = without_saved(base)
     checkpointing = any(p.setting.checkpointing for p in profiles)
-    for lever, build in levers:
+    for lever, build in request.levers:
         if pick() is not None and not every_setting:
             break
         profiles.append(measure_lever(build(), dataclasses.replace(lever, checkpointing=checkpointing,
                                                                     chunked_loss=can_chunk), budget))
-    return finish_plan(gpu, gpu_bytes, budget, effective, layout, t, sequence_length, profiles, pick(), work)
+    return finish_plan(request, profiles, pick())
 
 
 def measure_lever(subject, setting: Setting, budget: float) -> Profile:
@@ -333,9 +177,9 @@ def measure_lever(subject, setting: Setting, budget: float) -> Profile:
     return profile if profile is not None else subject.measure(dataclasses.replace(setting, checkpointing=False))
 
 
-def finish_plan(gpu, gpu_bytes, budget, effective, layout: Layout, t, sequence_length, profiles,
-                chosen: Optional[Profile], work: Optional[Work] = None) -> Plan:
-    per_process = effective // layout.processes
+def finish_plan(request: PlanRequest, profiles: list, chosen: Optional[Profile]) -> Plan:
+    """The Plan of ``profiles`` (every setting weighed, in order), recommending ``chosen`` (None: nothing fits)."""
+    budget, per_process, gpu_bytes, layout = request.budget, request.per_process, request.gpu_bytes, request.layout
 
     def at_largest(p: Profile) -> tuple[int, int]:
         b = p.largest_micro_batch(per_process, budget)
@@ -343,40 +187,38 @@ def finish_plan(gpu, gpu_bytes, budget, effective, layout: Layout, t, sequence_l
 
     last = chosen or profiles[-1]
     b, peak = at_largest(last)
-    s = last.setting
-    return Plan(gpu=gpu, gpu_bytes=gpu_bytes, parameters=last.parameters, trainable_parameters=last.trainable,
+    return Plan(gpu=request.gpu, gpu_bytes=gpu_bytes, parameters=last.parameters, trainable_parameters=last.trainable,
                 weights=last.weights, gradients=last.gradients, optimizer=last.optimizer_state,
                 activations_per_sample=last.per_sample(last.saved)[1],
                 activations_fixed=last.per_sample(last.saved)[0],
-                sequence_length=sequence_length, precision=t.mixed_precision, effective_batch_size=effective,
-                micro_batch_size=b, gradient_accumulation_steps=per_process // b if b else 0,
-                gradient_checkpointing=s.checkpointing, chunked_loss=s.chunked_loss, activation_offloading=s.offload,
-                lora=s.lora, lever_optimizer=s.optimizer, lever_base=s.base, lever_compute=s.compute, step_peak=peak,
+                sequence_length=request.sequence_length, precision=request.training.mixed_precision,
+                effective_batch_size=request.effective, micro_batch_size=b,
+                gradient_accumulation_steps=per_process // b if b else 0, setting=last.setting, step_peak=peak,
                 fits=chosen is not None, processes=layout.processes, zero_stage=layout.zero_stage,
-                headroom=int(gpu_bytes - CONTEXT - peak), speed=speed_of(chosen, gpu, t, work),
-                note=explain(chosen, profiles, gpu_bytes, budget, per_process, effective, layout),
-                settings=[{"setting": p.setting.label, "micro_batch": at_largest(p)[0], "step_peak": at_largest(p)[1],
-                           "measured": p.measured, "exact": rank(p.setting) < len(COST) - len(LEVERS)}
-                          for p in profiles], profiles=profiles)
+                headroom=int(gpu_bytes - CONTEXT - peak), speed=speed_of(chosen, request),
+                note=explain(chosen, profiles, request),
+                settings=[SettingPlan(p.setting, *at_largest(p), p.measured, keeps_step(p.setting)) for p in profiles],
+                profiles=profiles)
 
 
-def speed_of(chosen: Optional[Profile], gpu: str, t, work: Optional[Work]) -> Optional[Speed]:
-    """The recommendation's speed on ``gpu`` (``memory.speed``); None where nothing fits or the rows have no
-    tokens."""
-    if chosen is None or work is None or not chosen.multiplying[0]:
+def speed_of(chosen: Optional[Profile], request: PlanRequest) -> Optional[Speed]:
+    """The recommendation's speed on the request's card (``memory.speed``); None where nothing fits or the rows have
+    no tokens."""
+    if chosen is None or request.work is None or not chosen.multiplying[0]:
         return None
     s = chosen.setting
-    return estimate(gpu, s.compute or t.mixed_precision, *chosen.multiplying, s.checkpointing, work,
-                    chosen.here_flops)
+    return estimate(request.gpu, s.compute or request.training.mixed_precision, chosen.multiplying, s.checkpointing,
+                    request.work, chosen.here_flops)
 
 
 def fixed_part(p: Profile) -> int:
     return p.weights + p.gradients + p.optimizer_state
 
 
-def explain(chosen: Optional[Profile], profiles: list, gpu_bytes: int, budget: float, per_process: int,
-            effective: int, layout: Layout = Layout()) -> str:
-    """Why this recommendation: what the cheaper settings would have needed (on each process of ``layout``)."""
+def explain(chosen: Optional[Profile], profiles: list, request: PlanRequest) -> str:
+    """Why this recommendation: what the cheaper settings would have needed (on each process of the request's
+    layout)."""
+    gpu_bytes, budget, per_process, layout = request.gpu_bytes, request.budget, request.per_process, request.layout
     if gpu_bytes <= CONTEXT:
         return (f"does not fit: {gpu_bytes / GiB:.1f} GiB is no more than the {CONTEXT / GiB:.1f} GiB the CUDA "
                 "context takes before any tensor")
@@ -392,12 +234,11 @@ def explain(chosen: Optional[Profile], profiles: list, gpu_bytes: int, budget: f
             else f"weights, gradients and optimizer state alone do not fit: {sharding} or a bigger card"
         return f"does not fit ({room}): " + "; ".join(short) + f" — {hint}"
     b = chosen.largest_micro_batch(per_process, budget)
-    label = chosen.setting.label
-    why = f"why: {label} is the cheapest setting that fits ({room})" + "".join(f"; {x}" for x in short) \
-        + ". Cost: " + "; ".join(f"{x}: {COST[x]}" for x in label.split(" + "))
+    why = f"why: {chosen.setting.label} is the cheapest setting that fits ({room})" + "".join(f"; {x}" for x in short) \
+        + ". Cost: " + "; ".join(f"{x}: {COST[x]}" for x in chosen.setting.parts or ("plain",))
     if b == per_process:
         return why + ". The whole window fits in one micro-batch: no accumulation needed"
-    return why + f". {per_process // b} micro-batches of {b} take the same steps as one batch of {effective}"
+    return why + f". {per_process // b} micro-batches of {b} take the same steps as one batch of {request.effective}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -412,15 +253,15 @@ def plan_recipe(cfg, gpu: str, layout: Layout, build: Callable, effective: int) 
     batches, seq = longest_batches(job, sizes=(1, 2))
     t = cfg.training
     remake = rebuilder(job, build)
+    pricing = Pricing(layout, effective // layout.processes)
 
     def subject(variant, built=None):
         built = built or remake(variant)
-        return Subject(built.model, batches, variant.training, built.loss_fn, checkpointing_of(built),
-                       layout, effective // layout.processes)
+        return Subject(built.model, batches, variant.training, built.loss_fn, checkpointing_of(built), pricing)
 
-    levers = [(lever, lambda lever=lever: subject(with_lever(cfg, lever))) for lever in recipe_levers(cfg)]
-    return plan_subjects(subject(cfg, job), levers, gpu, effective, layout, t, seq,
-                         work=work_of(job, t, effective, job.model))
+    levers = tuple((lever, lambda lever=lever: subject(with_lever(cfg, lever))) for lever in recipe_levers(cfg))
+    return plan_subjects(subject(cfg, job), PlanRequest(gpu, effective, t, layout, seq, levers,
+                                                        work=work_of(job, t, effective, job.model)))
 
 
 def rebuilder(job, build: Callable) -> Callable:

@@ -150,10 +150,12 @@ def this_machine() -> str:
     return f"this machine: {os.cpu_count()}-core CPU, no GPU"
 
 
-def estimate(gpu: str, precision: str, n: int, trained: int, checkpointing: bool, work: Work,
+def estimate(gpu: str, precision: str, multiplying: tuple[int, int], checkpointing: bool, work: Work,
              here_flops: float) -> Speed:
-    """The ``Speed`` of a run of ``work`` computing in ``precision`` (training.mixed_precision) with ``n`` / ``trained``
-    multiplying / trained parameters, on ``gpu`` and at ``here_flops`` (FLOP/s measured here; 0: none)."""
+    """The ``Speed`` of a run of ``work`` computing in ``precision`` (training.mixed_precision) with ``multiplying``
+    = (multiplying, trained) parameters (``Profile.multiplying``), on ``gpu`` and at ``here_flops`` (FLOP/s measured
+    here; 0: none)."""
+    n, trained = multiplying
     per_token, formula = flops_per_token(n, trained, work.layers, work.width, work.longest, checkpointing)
     attention = attention_flops(work.layers, work.width, work.longest, checkpointing)
     card, note = speed_card(gpu, precision)

@@ -47,12 +47,17 @@ class Setting:
     compute: str = ""       # training.mixed_precision, where it differs from the recipe's: bf16
 
     @property
+    def parts(self) -> tuple[str, ...]:
+        """The names of what this setting switches on, levers first (each a key of ``plan.COST``)."""
+        return tuple(name for name, on in (("8-bit AdamW", self.optimizer == "adamw8bit"), ("LoRA", self.lora),
+                                           (f"{self.base} base", self.base), (f"{self.compute} compute", self.compute),
+                                           ("checkpointing", self.checkpointing), ("chunked loss", self.chunked_loss),
+                                           ("offloading", self.offload)) if on)
+
+    @property
     def label(self) -> str:
-        parts = [name for name, on in (("8-bit AdamW", self.optimizer == "adamw8bit"), ("LoRA", self.lora),
-                                       (f"{self.base} base", self.base), (f"{self.compute} compute", self.compute),
-                                       ("checkpointing", self.checkpointing), ("chunked loss", self.chunked_loss),
-                                       ("offloading", self.offload)) if on]
-        return " + ".join(parts) or "plain"
+        """For people: the parts joined, or "plain" (display only: code reads ``parts`` and the fields)."""
+        return " + ".join(self.parts) or "plain"
 
     def flags(self) -> list[str]:
         """The run flags that select this setting."""

@@ -17,7 +17,7 @@ from accelerate.utils import send_to_device
 
 from finetune.config import TrainingConfig
 from finetune.memory.measure import activation_bytes
-from finetune.memory.plan import make_plan
+from finetune.memory.plan import PlanRequest, make_plan
 from tests.gpu import common
 from tests.gpu.common import GPU, causal_lm_collate, causal_lm_data, release, train_and_measure
 
@@ -60,7 +60,7 @@ def test_planner_predicts_the_step_peak(name, figures, clean_cuda):
     planned = copy.deepcopy(model).cuda()
     batches = [send_to_device(collate(data[:k]), "cuda") for k in (max(b // 2, 1), b)]
     card = f"{torch.cuda.get_device_properties(0).total_memory / 2 ** 30:.1f}GiB"
-    plan = make_plan(planned, batches, card, effective=b * n)
+    plan = make_plan(planned, batches, PlanRequest(card, effective=b * n))
     del planned, batches
     release()
     measured, _ = train_and_measure(model, data, collate, b, n)
