@@ -34,7 +34,7 @@ def training_file(out: Imported, data: str | None, data_fields: set, b: Baseline
         else:
             out.set("data.source", str(written), f"the rows of {data} ({said}) as it trained on them: {change[2]}")
     kind = row_format(data) if b is not None and b.trl else None
-    if kind is not None and "train_on" in data_fields and not kind.startswith("preference"):
+    if kind is not None and "train_on" in data_fields and kind not in PAIRS:
         train_on, why = trl_train_on(b, kind)
         out.set("data.train_on", train_on, why)
     if kind is not None and "text_rows" in data_fields:
@@ -110,6 +110,9 @@ def rows_in_order(data, order_of, recipe: Path) -> Path | None:
     out = recipe.with_name(f"{recipe.stem}-rows.{'jsonl' if kind == 'json' else kind}")
     {"json": table.to_json, "parquet": table.to_parquet, "csv": table.to_csv}[kind](str(out))
     return out
+
+
+PAIRS = ("preference-text", "preference-messages")  # the formats of preference pairs (row_format)
 
 
 def row_format(path) -> str | None:
