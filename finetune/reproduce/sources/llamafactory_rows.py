@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import finetune.reproduce.sources.files as files
 from finetune.errors import ConfigError
 
 
@@ -28,14 +29,9 @@ def dataset_entry(b) -> tuple | None:
 
 
 def dataset_info(info: Path) -> dict:
-    """``dataset_info.json``: data set name → its entry (file, formatting, columns, tags, ranking)."""
-    try:
-        table = json.loads(info.read_text(encoding="utf-8"))
-    except ValueError:
-        table = None
-    if not isinstance(table, dict):
-        raise ConfigError(f"data: {info} is not a JSON object of data sets (LLaMA-Factory's dataset_info.json)")
-    return table
+    """``dataset_info.json``: data set name → its entry (file, formatting, columns, tags, ranking); ConfigError (one
+    line) when it is not a JSON object."""
+    return files.json_object(info, "data")
 
 
 def dataset_file(b) -> Path | None:
