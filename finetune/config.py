@@ -131,12 +131,26 @@ class DataOrder:
     process_mean: bool
 
 
+@dataclass(frozen=True)
+class Offload:
+    """What DeepSpeed keeps in host memory (``training.offload``: none, optimizer or parameters), and where: host
+    memory, or an nvme folder (``offload_path``)."""
+
+    offload: str
+    offload_device: str
+    offload_path: Optional[str]
+
+    @property
+    def on(self) -> bool:
+        return self.offload != "none"
+
+
 def _frozen(value):
     """A list field's value as the frozen group holds it (a tuple)."""
     return tuple(value) if isinstance(value, list) else value
 
 
-GROUPS = (Precision, OptimizerSettings, Schedule, Cadence, DataOrder)
+GROUPS = (Precision, OptimizerSettings, Schedule, Cadence, DataOrder, Offload)
 
 
 @dataclass
@@ -256,6 +270,16 @@ class TrainingConfig:
     activation_offloading: bool = doc(
         "keep the activations saved for backward in (pinned) host memory instead of on the GPU (CUDA only; "
         "combines with gradient_checkpointing)", False, affects_result=False)
+    offload: Literal["none", "optimizer", "parameters"] = doc(
+        "keep state in host memory through DeepSpeed (one process or N, no config to write): optimizer — the fp32 "
+        "master weights, AdamW's moments and the accumulated gradients (ZeRO-2 offload); parameters — the weights "
+        "too, streamed layer by layer (ZeRO-3 offload). The same step as none (docs/memory.md#bigger-than-the-card-"
+        "exactly); AdamW only", "none", flag="--offload", affects_result=False)
+    offload_device: Literal["cpu", "nvme"] = doc(
+        "where training.offload keeps its state: host memory, or files on a fast disk (training.offload_path)", "cpu",
+        affects_result=False)
+    offload_path: Optional[str] = doc("training.offload_device nvme: the writable folder DeepSpeed swaps into", None,
+                                      affects_result=False)
     packing: Optional[bool] = doc(
         "causal LMs: pack each window's samples into rows (no padding; the same windows, items and steps); null: "
         "on where the model keeps packed samples apart (checked at set-up), else sorted windows; true: refuse if "
@@ -288,6 +312,10 @@ class TrainingConfig:
     @property
     def data_order(self) -> DataOrder:
         return self.group(DataOrder)
+
+    @property
+    def host_offload(self) -> Offload:  # ``offload`` is the field naming the level
+        return self.group(Offload)
 
 
 @dataclass
