@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -68,6 +69,23 @@ def deepspeed_on_cpu() -> bool:
     Accelerate starts its DeepSpeed plugin only for a non-CPU Accelerator, so finetune asks for one (``cpu=False``)
     and names the backend, which Accelerate would otherwise leave unset without a GPU."""
     return engine() == "deepspeed" and not has_device()
+
+
+def group_of_one() -> None:
+    """A DeepSpeed process started without a launcher (``finetune run`` or ``python finetune/run.py`` under
+    ``training.offload``, which asks for DeepSpeed itself: ``offload.engage``): DeepSpeed joins a process group even
+    for one process, from the launcher's variables; give it a group of one on this machine. A launched process
+    (torchrun, ``accelerate launch``, ``--processes``) has its own."""
+    if engine() != "deepspeed" or "LOCAL_RANK" in os.environ:
+        return
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _state_kwargs() -> dict:
@@ -179,8 +197,8 @@ def make_accelerator(mixed_precision: str = "no", log_with=None, project_dir=Non
     handlers = [InitProcessGroupKwargs(backend=state["backend"])] if "backend" in state else []
     if mixed_precision == "fp16":
         handlers.append(GradScalerKwargs(**loss_scale.kwargs()))
-    kwargs = dict(mixed_precision=mixed_precision, log_with=log_with, project_dir=project_dir, cpu=state["cpu"],
-                  kwargs_handlers=handlers or None)
+    kwargs = dict(mixed_precision=accelerate_precision(mixed_precision), log_with=log_with, project_dir=project_dir,
+                  cpu=state["cpu"], kwargs_handlers=handlers or None)
     try:
         accelerator = Accelerator(**kwargs)
     except ValueError as error:
@@ -191,6 +209,19 @@ def make_accelerator(mixed_precision: str = "no", log_with=None, project_dir=Non
         restart_accelerate_state()
         accelerator = Accelerator(**kwargs)
     return accelerator
+
+
+def accelerate_precision(mixed_precision: str) -> str:
+    """The precision Accelerate is asked for. Under DeepSpeed, bf16 is finetune's own autocast over the fp32 engine
+    (``own_autocast``): Accelerate would turn on DeepSpeed's bf16, which trains bf16 weights, a step other than the
+    recipe's (autocast over fp32 weights, as without the engine)."""
+    return "no" if mixed_precision == "bf16" and engine() == "deepspeed" else mixed_precision
+
+
+def own_autocast(accelerator: Accelerator, mixed_precision: str) -> bool:
+    """Whether finetune autocasts the forward to bf16 itself: where Accelerate was asked for none
+    (``accelerate_precision``)."""
+    return mixed_precision == "bf16" and accelerator.mixed_precision == "no"
 
 
 def loss_scaler(accelerator: Accelerator, mixed_precision: str, loss_scale: LossScale = LossScale()):
@@ -238,9 +269,12 @@ def describe_engine(accelerator: Accelerator, model) -> str:
     """What shards the run, for the banner: "DeepSpeed ZeRO-2 (clipping 1.0)", "FSDP2", or "" (DDP, one process)."""
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         config = accelerator.deepspeed_plugin.deepspeed_config
-        clip = config.get("gradient_clipping") or 0
-        return f"DeepSpeed ZeRO-{config['zero_optimization']['stage']} " \
-               f"({f'clipping at {clip:g}' if clip else 'no clipping'})"
+        clip, zero = config.get("gradient_clipping") or 0, config["zero_optimization"]
+        held = [f"{what} offloaded to {zero[key]['device']}" for key, what in
+                (("offload_optimizer", "optimizer"), ("offload_param", "weights"))
+                if (zero.get(key) or {}).get("device", "none") not in (None, "none")]
+        held.append(f'clipping at {clip:g}' if clip else 'no clipping')
+        return f"DeepSpeed ZeRO-{zero['stage']} ({', '.join(held)})"
     if is_fsdp2(model):
         return "FSDP2 (fully_shard)"
     return "FSDP1" if accelerator.distributed_type == DistributedType.FSDP else ""
@@ -283,6 +317,11 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int, optims: list
     if plugin.is_auto("train_micro_batch_size_per_gpu"):
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
     plugin.deepspeed_config["gradient_clipping"] = deepspeed_clipping(optims[0].max_grad_norm)
+    # an offloaded optimizer is finetune's own CPU Adam (``offload.host_adamw``); forced, Accelerate would replace
+    # it with one of its own made from the lr and decay alone
+    offloaded = plugin.deepspeed_config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
+    if offloaded not in (None, "none"):
+        plugin.deepspeed_config["zero_force_ds_cpu_optimizer"] = False
 
 
 def launch_deepspeed_config() -> dict:

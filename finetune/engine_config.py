@@ -12,21 +12,42 @@ from accelerate.utils import FullyShardedDataParallelPlugin, constants
 
 from finetune import distributed
 from finetune.errors import ConfigError
+from finetune.offload import SHIPPED, check_versions, launch_level
 
 
-def check_engine_config(max_grad_norm: Optional[float], on_nonfinite: str) -> None:
+def check_engine_config(max_grad_norm: Optional[float], on_nonfinite: str, level: str = "none") -> None:
     """Every engine setting the launch's config holds, checked in stage 1 on every process: a key or value the
     engine would refuse later (with its own traceback, mid set-up), and what it would run differently from the
-    recipe (its ``training.max_grad_norm`` and ``training.on_nonfinite``, the two settings an engine can overrule).
-    One line each, naming the key; nothing is written before."""
+    recipe (its ``training.max_grad_norm`` and ``training.on_nonfinite``, the two settings an engine can overrule,
+    and its ``training.offload`` ``level``). One line each, naming the key; nothing is written before."""
     name = distributed.engine()
     if name == "fsdp":
+        check_offload(None, level)
         check_fsdp_config()
         check_sharding_launch()
     elif name == "deepspeed":
         config = read_deepspeed_config()
         check_deepspeed_values(config)
         check_deepspeed(config, max_grad_norm, None, on_nonfinite)
+        check_offload(config, level)
+
+
+def check_offload(config: Optional[dict], level: str) -> None:
+    """The recipe's offload ``level`` under a launch with its own engine config (``config``: DeepSpeed's; None:
+    FSDP's): the config must offload the same way. (Without one, ``offload.engage`` asked for the launch itself.)"""
+    have = launch_level(config) if config is not None else "none"
+    if "none" != have or level != "none":  # DeepSpeed's offload is exact only from its version 0.19
+        check_versions()
+    if level == "none":
+        return
+    if config is None:
+        raise ConfigError(f"training.offload: {level} runs through DeepSpeed, and this launch's accelerate config "
+                          f"is FSDP; launch without it (finetune starts DeepSpeed itself) or with {SHIPPED[level]}")
+    if have != level:
+        raise ConfigError(f"training.offload: {level}, but the launch's deepspeed config (ZeRO-"
+                          f"{config['zero_optimization']['stage']}) offloads "
+                          f"{'nothing' if have == 'none' else 'the ' + have}; drop the setting to run the launch's "
+                          f"config, launch without it (finetune starts DeepSpeed itself) or with {SHIPPED[level]}")
 
 
 # the accelerate config's deepspeed_config fields that reach the processes as numbers (ACCELERATE_<NAME>)

@@ -36,7 +36,7 @@ import yaml
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
-from finetune import checkpoint, distributed, durable, loop, outputs, runlock
+from finetune import checkpoint, distributed, durable, loop, offload, outputs, runlock
 from finetune.config import Precision, RecipeConfig, Schedule, TrainingConfig, flatten
 from finetune.engine_config import check_deepspeed, check_engine_config
 from finetune.errors import ConfigError
@@ -74,7 +74,10 @@ def check(cfg: RecipeConfig, resume: Optional[str] = None) -> Checked:
     """Stage 1, on every process: the output directory (named and locked by the main process, the same on every
     process), what this machine and the launch's engine config can run, the split of the effective batch, and the
     checkpoint to resume. A refusal on any process stops every process with the same error, before anything is
-    written. The lock is held until ``runlock.release_all()`` (or exit)."""
+    written. The lock is held until ``runlock.release_all()`` (or exit). An offload level first becomes the
+    DeepSpeed launch Accelerate reads (``offload.engage``), before the process group exists."""
+    offload.engage(cfg.training.host_offload)
+    distributed.group_of_one()
     group = distributed.process_group()
     out_dir = distributed.agree(lambda: claim_output_dir(cfg, resume), main_only=True)
     saved, shape = distributed.agree(lambda: check_run(cfg, resume, out_dir, group.num_processes,
@@ -85,6 +88,7 @@ def check(cfg: RecipeConfig, resume: Optional[str] = None) -> Checked:
 def check_before_launch(cfg: RecipeConfig, resume: Optional[str], processes: int) -> Path:
     """``finetune run --processes N`` checks here what ``check`` checks, for N processes, before it starts them;
     returns the output directory. The lock is only tried: the workers' main process takes it for the run."""
+    offload.engage(cfg.training.host_offload)  # the workers inherit the launch it asks for
     out_dir = claim_output_dir(cfg, resume)
     try:
         check_run(cfg, resume, out_dir, processes, rank=0, speak=False)  # the launched processes say the notes
@@ -175,6 +179,11 @@ def check_job(t: TrainingConfig, reporting: loop.Reporting, resume: Optional[str
     launch's (default)."""
     if resume == checkpoint.LATEST and reporting.dir is None:
         raise ConfigError("resume: 'latest' needs output_dir (the run to continue); or give a checkpoint's folder")
+    if t.host_offload.on and distributed.engine() != "deepspeed":  # the process group may exist already, DDP's
+        raise ConfigError(f"training.offload: {t.offload} runs through DeepSpeed, which starts with the process: "
+                          f"finetune run --offload {t.offload}, or accelerate launch --config_file "
+                          f"{offload.SHIPPED[t.offload]}")
+    offload.engage(t.host_offload)
     processes = processes or distributed.process_group().num_processes
     main = distributed.is_main_process()
     saved, shape = distributed.agree(lambda: check_training(t, reporting.settings, resume, reporting.dir, processes,
@@ -203,7 +212,7 @@ def check_environment(t: TrainingConfig, tracker: Optional[str] = None) -> None:
     if t.activation_offloading and not torch.cuda.is_available():
         raise ConfigError("training.activation_offloading: moves activations from GPU to host memory and needs CUDA; "
                           "on this machine there is no device memory to save")
-    check_engine_config(t.max_grad_norm, t.on_nonfinite)
+    check_engine_config(t.max_grad_norm, t.on_nonfinite, t.offload)
 
 
 def split_batch(t: TrainingConfig, processes: int) -> Shape:
@@ -430,10 +439,13 @@ def loss_scale(p: Precision) -> distributed.LossScale:
 
 def scaler_for(accelerator: Accelerator, model, p: Precision):
     """fp16's loss scaler (``distributed.loss_scaler``); where it is finetune's own (a CPU), the model's forward
-    runs under fp16 autocast (before ``prepare``), as Accelerate's prepare makes it run where it scales itself."""
+    runs under fp16 autocast (before ``prepare``), as Accelerate's prepare makes it run where it scales itself; and
+    so under bf16 where the engine would not autocast (``distributed.own_autocast``)."""
     scaler = distributed.loss_scaler(accelerator, p.mixed_precision, loss_scale(p))
     if distributed.own_scaler(accelerator, scaler):
         precision.autocast_forward(model, torch.float16)
+    elif distributed.own_autocast(accelerator, p.mixed_precision):
+        precision.autocast_forward(model, torch.bfloat16)
     return scaler
 
 

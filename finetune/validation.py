@@ -5,6 +5,7 @@ loss divisor, …). Each appends one line per problem; ``finetune.loading.config
 from __future__ import annotations
 
 from finetune.config import PretrainedModelConfig, RecipeConfig, TrainingConfig
+from finetune.optimizers import EIGHT_BIT
 from finetune.schema import check_needs, check_ranges
 
 
@@ -34,6 +35,20 @@ def validate_precision(cfg: RecipeConfig, problems: list) -> None:
                             f"or fp4 with it, or set training.{flag}=false")
 
 
+def validate_offload(cfg: RecipeConfig, problems: list) -> None:
+    """``training.offload`` against the optimizer and the base; appends one line per problem."""
+    t, m = cfg.training, cfg.model
+    if t.offload == "none":
+        return
+    if t.optimizer in EIGHT_BIT:  # the host steps fp32 partitions: bitsandbytes' block-wise states are not theirs
+        problems.append(f"training.offload: {t.offload} steps the fp32 optimizer on the host; training.optimizer "
+                        f"{t.optimizer} keeps 8-bit states on the card instead: use adamw, or training.offload=none")
+    if getattr(m, "quantization", "none") != "none":
+        problems.append(f"training.offload: DeepSpeed cannot move bitsandbytes' quantized weights "
+                        f"(model.quantization {m.quantization}) to the host; set model.quantization=none (a bf16 "
+                        "base: model.dtype=bf16), or training.offload=none")
+
+
 def refuse_precision_for_new_model(m: PretrainedModelConfig, problems: list) -> None:
     """For a task building a new model from ``model.config`` (random weights, all trained in fp32): one line per
     ``model.dtype`` / ``model.quantization`` that would not apply."""
@@ -54,6 +69,7 @@ def validate_recipe(cfg: RecipeConfig, problems: list):
         check_needs(sections[name], name, problems, sections)
     if isinstance(cfg.model, PretrainedModelConfig):
         validate_precision(cfg, problems)
+    validate_offload(cfg, problems)
     # Not field ranges: these depend on peft.enabled.
     p = cfg.peft
     if p.enabled:  # a disabled peft section is never read: its numbers cannot be wrong
