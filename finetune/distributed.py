@@ -317,8 +317,9 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int, optims: list
     if plugin.is_auto("train_micro_batch_size_per_gpu"):
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch
     plugin.deepspeed_config["gradient_clipping"] = deepspeed_clipping(optims[0].max_grad_norm)
-    # an offloaded optimizer is finetune's own CPU Adam (``offload.host_adamw``); forced, Accelerate would replace
-    # it with one of its own made from the lr and decay alone
+    # an offloaded optimizer is the recipe's own, stepping the host's fp32 partitions (``finetune.offload``); forced
+    # (DeepSpeed's default), Accelerate would replace it with DeepSpeed's CPU Adam made from the lr and decay alone,
+    # with DeepSpeed's default betas
     offloaded = plugin.deepspeed_config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
     if offloaded not in (None, "none"):
         plugin.deepspeed_config["zero_force_ds_cpu_optimizer"] = False

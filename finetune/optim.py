@@ -9,7 +9,6 @@ from typing import Optional
 
 import torch
 
-from finetune import offload
 from finetune.config import OptimizerSettings, TrainingConfig
 from finetune.optimizers import OPTIMIZERS
 
@@ -23,8 +22,6 @@ def make_optimizer(params, t: TrainingConfig) -> torch.optim.Optimizer:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [g for g in ({"params": decay, "weight_decay": t.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-    if t.optimizer == "adamw" and offload.optimizer_on_host():  # the host steps it (training.offload)
-        return offload.host_adamw(groups, t)
     return OPTIMIZERS[t.optimizer].make(groups, t)
 
 

@@ -140,8 +140,8 @@ ACCELERATE_EXCEPTIONS = {
     # the recipe's clipping, where Accelerate would fill in 1.0 for a falsy or missing value (the plugin's config
     # dict is what a user's DeepSpeed config file becomes; Accelerate fills only its "auto" entries)
     ("distributed.py", "configure_deepspeed", "plugin.deepspeed_config['gradient_clipping']"),
-    # an offloaded optimizer is finetune's own CPU Adam with the recipe's betas; forced (DeepSpeed's default),
-    # Accelerate replaces it with one made from the lr and decay alone (map_pytorch_optim_to_deepspeed)
+    # an offloaded optimizer is the recipe's own on the host; forced (DeepSpeed's default), Accelerate replaces it
+    # with DeepSpeed's CPU Adam made from the lr and decay alone (map_pytorch_optim_to_deepspeed)
     ("distributed.py", "configure_deepspeed", "plugin.deepspeed_config['zero_force_ds_cpu_optimizer']"),
 }
 
