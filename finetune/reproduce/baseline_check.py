@@ -152,10 +152,10 @@ def _judgement(b: Baseline, mine: Run, twin, loss_rtol) -> Judgement:
 
 
 def _notes(c: Comparison, b: Baseline, mine: Run, imported: Imported, judged_unchecked: tuple) -> list:
-    """What the verdict says beside its layers: no step log, a wider band and why, what could not be checked, and
-    a differing run's likeliest cause — a step of the baseline's engine that is not the big batch's (said either
-    way), a setting import could not carry, else the adapters' start (only where no
-    such setting is left to blame)."""
+    """What the verdict says beside its layers: a step of the baseline's engine that is not the big batch's (said
+    either way), no step log, a wider band and why, what could not be checked, and a differing run's likeliest
+    cause — a setting import could not carry, else the adapters' start (only where no engine step nor such setting
+    is left to blame)."""
     judged, unchecked = judged_unchecked
     band, why = judged.rtol, judged.why
     # the baseline's engine's own steps, said either way: they are what its files show it did
