@@ -494,3 +494,25 @@ def test_import_without_a_base_recipe(baseline, tmp_path, capsys):
         "model.name_or_path=MODEL when you run) or give --recipe BASE",
         "assumed: peft — the model card does not say whether it trained LoRA adapters (no adapter_config.json, no "
         "card's library_name): the recipe's peft section"]
+
+
+def test_compare_names_the_baselines_dropped_gradients_and_only_where_the_files_show_them(baseline, replayed,
+                                                                                            tmp_path, capsys):
+    """The baseline under ms-swift's zero2_offload.json (as a dict, as the Trainer's arguments keep it) and, in
+    wandb's pip freeze, DeepSpeed 0.16.4: compare names the dropped gradients beside its verdict; the same folder
+    with DeepSpeed 0.19.0 (the fix) says nothing of them, and the offload itself changes no verdict."""
+    import json
+
+    config = json.loads((ROOT / "tests" / "assets" / "corpus" / "deepspeed" /
+                         "ms-swift__swift__config__zero2_offload.json").read_text())
+    said = {}
+    for version in ("0.16.4", "0.19.0"):
+        folder = _edited_folder(baseline, tmp_path / version, args={"deepspeed": config})
+        freeze = folder / "wandb" / "run-20250101_000000-abcd1234" / "files"
+        freeze.mkdir(parents=True)
+        (freeze / "requirements.txt").write_text(f"accelerate==1.2.1\ndeepspeed=={version}\n")
+        said[version] = finetune_cli(capsys, "compare", folder, replayed)
+    code, out, _ = said["0.16.4"]
+    assert "deepspeed 0.16.4" in out and "DeepSpeed PRs #7967, #7981" in out and "expect differs" in out, out
+    code, out, _ = said["0.19.0"]
+    assert code == 0 and "#7967" not in out and verdict_line(out).startswith("verdict: equivalent"), out

@@ -152,17 +152,21 @@ def _judgement(b: Baseline, mine: Run, twin, loss_rtol) -> Judgement:
 
 
 def _notes(c: Comparison, b: Baseline, mine: Run, imported: Imported, judged_unchecked: tuple) -> list:
-    """What the verdict says beside its layers: no step log, a wider band and why, what could not be checked, and
-    a differing run's likeliest cause — a setting import could not carry, else the adapters' start (only where no
-    such setting is left to blame)."""
+    """What the verdict says beside its layers: a step of the baseline's engine that is not the big batch's (said
+    either way), no step log, a wider band and why, what could not be checked, and a differing run's likeliest
+    cause — a setting import could not carry, else the adapters' start (only where no engine step nor such setting
+    is left to blame)."""
     judged, unchecked = judged_unchecked
     band, why = judged.rtol, judged.why
+    # the baseline's engine's own steps, said either way: they are what its files show it did
+    engine = [str(e) for e in imported.engine_steps()]
     cause = [] if c.equivalent or c.unread else uncarried(imported) + short_micro_batch(b, mine)
-    return [line for line in (no_step_log(b),) if line] + \
+    return engine + [line for line in (no_step_log(b),) if line] + \
         ([f"loss held to {band:g}" + (f", not {FP32['loss']:g}" if band != FP32["loss"] else "") + f": {why}"]
          if why else []) + \
         ([f"not checkable from the {b.kind}: {', '.join(unchecked)}"] if unchecked else []) + \
-        (cause or ([] if c.unread or any(name == "window samples" and ok is False for name, ok, _, _ in c.checks)
+        (cause or ([] if engine or c.unread or any(name == "window samples" and ok is False for name, ok, _, _ in
+                                                    c.checks)
                    else start_notes(b, mine, c.equivalent)))
 
 

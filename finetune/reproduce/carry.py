@@ -10,6 +10,7 @@ import typing
 
 from finetune.config import TrainingConfig
 from finetune.optimizers import OPTIMIZERS
+from finetune.reproduce.engine import engine_lines
 from finetune.reproduce.record import Baseline, Imported, Where, file_of
 from finetune.reproduce.task_settings import data_settings, grpo_settings, task_model_settings
 
@@ -96,6 +97,7 @@ def carry(b: Baseline, model_fields: dict, data_fields: set, steps: int | None =
             out.skip(name, get(name), why)
     _drop_last(b, out)
     _data_parallel(b, out, baseline_step)
+    engine_lines(b, out)  # its offload, a local choice; its engine's own steps, named
     if "beta" not in model_fields and b.get("num_generations") is None:  # rows padded alone, not as pairs or rollouts
         _replay_padding(b, out)
     if "beta" not in model_fields:  # a preference or policy task sums its own loss: no Trainer count divides it

@@ -66,6 +66,17 @@ class Skip(NamedTuple):
         return f"not carried: {self.setting}={self.value} — {self.why}"
 
 
+class EngineStep(NamedTuple):
+    """A step the baseline's engine took that is not the big batch's, as its files show it: ``where`` the files and
+    fields that show it, ``what`` what the engine did (``engine.py`` finds them)."""
+
+    where: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"engine: {self.where} — {self.what}: the baseline's steps are not the big-batch step, expect differs"
+
+
 @dataclass
 class Baseline:
     kind: str                                     # what was read, in messages: "Trainer folder", "model card", …
@@ -215,6 +226,10 @@ class Imported:
 
     def skips(self) -> list:
         return [s for s in self.not_carried if isinstance(s, Skip)]
+
+    def engine_steps(self) -> list:
+        """The baseline's engine's own steps that are not the big batch's (``EngineStep``)."""
+        return [s for s in self.not_carried if isinstance(s, EngineStep)]
 
     def lines(self) -> list:
         """What import says of what it did not carry, one line each."""

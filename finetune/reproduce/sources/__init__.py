@@ -73,6 +73,7 @@ def read_baseline(path, what: str = "baseline", processes: Optional[int] = None,
         raise ConfigError(f"{what}: {path} {said} (a run of {names()}: finetune import --help says what of each)")
     b = source.read(path, what)
     files.unsaid_accumulation(b)  # after the reader: its own config may say what the Trainer's files do not
+    files.read_versions(b)  # DeepSpeed's and transformers' where the run's folder says them (its engine's steps)
     b.source = source
     b.processes = settled(b, source.processes(b), processes, data)
     return b

@@ -55,7 +55,7 @@ KEYS = {  # axolotl's key → the TrainingArguments name it sets (None: the same
     "lr_scheduler_kwargs": None, "label_smoothing_factor": None, "cosine_min_lr_ratio": None,
     "adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": None, "lora_target_modules": None,
     "load_in_4bit": None, "load_in_8bit": None, "bnb_4bit_quant_type": None, "eval_steps": None,
-    "eval_strategy": None,
+    "eval_strategy": None, "deepspeed": None,
 }
 # axolotl 0.21.0's defaults (its config schema) for keys of KEYS that a config may omit: key → (value, why)
 DEFAULTS = {
@@ -134,7 +134,7 @@ PLACES = {
     "datasets", "test_datasets", "dataset_prepared_path", "output_dir", "pad_to_sequence_len", "wandb_project",
     "wandb_entity", "wandb_watch", "wandb_name", "wandb_log_model", "wandb_run_id", "hub_model_id", "hub_strategy",
     "strict", "special_tokens", "evals_per_epoch", "saves_per_epoch", "save_steps", "save_strategy",
-    "resume_from_checkpoint", "local_rank", "logging_dir", "early_stopping_patience", "debug", "deepspeed", "fsdp",
+    "resume_from_checkpoint", "local_rank", "logging_dir", "early_stopping_patience", "debug", "fsdp",
     "fsdp_config", "fsdp_version", "flash_attention", "sdp_attention", "xformers_attention", "flex_attention",
     "chat_template", "lora_model_dir", "lora_fan_in_fan_out", "plugins", "auto_resume_from_checkpoints",
     "save_total_limit", "gradient_checkpointing_kwargs", "eval_batch_size", "torch_compile", "dataset_processes",

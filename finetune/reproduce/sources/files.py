@@ -105,6 +105,34 @@ def read_folder(folder: Path, what: str) -> Baseline:
     return b
 
 
+# where a run's files say the versions it trained with: pip's freeze (wandb saves it as files/requirements.txt)
+FREEZE = re.compile(r"^(deepspeed|transformers)==(\d+(?:\.\d+)*)", re.M | re.I)
+CARD_VERSION = re.compile(r"^- (DeepSpeed):? v?(\d+(?:\.\d+)*)", re.M)  # Transformers': read_front
+
+
+def read_versions(b: Baseline) -> None:
+    """``deepspeed_version`` and ``transformers_version`` into ``b.args`` from what the run's folder holds, where
+    nothing the source read said them: pip's freeze (``requirements.txt``, wandb's ``wandb/*/files/
+    requirements.txt``), the card's Framework versions. Only in a run's folder: a config's own folder is its
+    project's, whose pins need not be the run's."""
+    folder = b.path
+    if not folder.is_dir():
+        return
+    for path in [folder / "requirements.txt", *sorted(folder.glob("wandb/*/files/requirements.txt"))]:
+        if path.is_file():
+            for name, version in FREEZE.findall(path.read_text(encoding="utf-8", errors="replace")):
+                b.args.setdefault(f"{name.lower()}_version", (version, Where(_shown(path, folder), name.lower())))
+    card = folder / "README.md"
+    if card.is_file():
+        for name, version in CARD_VERSION.findall(card.read_text(encoding="utf-8", errors="replace")):
+            b.args.setdefault(f"{name.lower()}_version", (version, f"{card.name}: Framework versions"))
+
+
+def _shown(path: Path, folder: Path) -> str:
+    return str(path.relative_to(folder)) if path.is_relative_to(folder) else path.name
+
+
+
 def unsaid_accumulation(b: Baseline) -> None:
     """Where only trainer_state.json says the batch (its train_batch_size, the per-device one) and no file the
     source read says the accumulation, the total batch or the speed metrics that give it: the accumulation is

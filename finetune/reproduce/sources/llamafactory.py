@@ -49,7 +49,7 @@ TRAINER_KEYS = {
     "bf16": None, "fp16": None, "pure_bf16": None, "optim": None, "adam_beta1": None, "adam_beta2": None,
     "adam_epsilon": None, "logging_steps": None, "lr_scheduler_kwargs": None, "label_smoothing_factor": None,
     "group_by_length": None, "neftune_noise_alpha": None, "eval_steps": None, "eval_strategy": None,
-    "cutoff_len": "max_length", "tf32": None, "use_cpu": None,
+    "cutoff_len": "max_length", "tf32": None, "use_cpu": None, "deepspeed": None,
 }
 # TrainingArguments' defaults (transformers 4.x, which LLaMA-Factory 0.x trains with) for what a YAML may leave out
 TRAINER_DEFAULTS = {"learning_rate": 5e-05, "lr_scheduler_type": "linear", "per_device_train_batch_size": 8,
@@ -86,7 +86,7 @@ PLACES = {
     "preprocessing_batch_size", "dataloader_num_workers", "output_dir", "save_steps", "save_strategy",
     "save_total_limit", "save_only_model", "plot_loss", "overwrite_output_dir", "report_to", "run_name",
     "logging_dir", "ddp_timeout", "resume_from_checkpoint", "per_device_eval_batch_size", "flash_attn",
-    "deepspeed", "disable_tqdm", "export_dir", "infer_backend", "hub_model_id", "push_to_hub",
+    "disable_tqdm", "export_dir", "infer_backend", "hub_model_id", "push_to_hub",
     "disable_gradient_checkpointing", "gradient_checkpointing", "enable_thinking", "tokenized_path",
     "create_new_adapter", "print_param_status", "include_num_input_tokens_seen", "include_tokens_per_second",
     "stage", "finetuning_type", "lora_rank", "lora_alpha", "lora_target", "template", "packing", "pref_beta",

@@ -57,7 +57,8 @@ NOT_CARRIED = {
 TRAINER_KEYS = ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "num_train_epochs",
                 "max_steps", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "weight_decay", "max_grad_norm",
                 "optim", "adam_beta1", "adam_beta2", "adam_epsilon", "seed", "data_seed", "bf16", "fp16",
-                "gradient_checkpointing", "eval_strategy", "eval_steps", "dataloader_drop_last", "logging_steps")
+                "gradient_checkpointing", "eval_strategy", "eval_steps", "dataloader_drop_last", "logging_steps",
+                "deepspeed")
 
 
 def swift_args(path: Path) -> Optional[dict]:

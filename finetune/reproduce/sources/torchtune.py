@@ -114,6 +114,8 @@ def read_torchtune(path: Path, raw: dict, what: str) -> Baseline:
                             "finetune drops them: the steps from epoch 2 on differ unless rows ÷ batch_size, rounded "
                             "down, is a multiple of gradient_accumulation_steps"))
     _optimizer(raw, b, path)
+    if raw.get("optimizer_in_bwd"):  # its step is the same where it clips nothing (torchtune refuses clipping then)
+        b.args["optimizer_in_bwd"] = (True, src("optimizer_in_bwd"))
     _schedule(raw, b, path)
     if "clip_grad_norm" in raw:
         norm = raw.get("clip_grad_norm")
