@@ -43,10 +43,14 @@ def validate_offload(cfg: RecipeConfig, problems: list) -> None:
     if t.optimizer in EIGHT_BIT:  # the host steps fp32 partitions: bitsandbytes' block-wise states are not theirs
         problems.append(f"training.offload: {t.offload} steps the fp32 optimizer on the host; training.optimizer "
                         f"{t.optimizer} keeps 8-bit states on the card instead: use adamw, or training.offload=none")
-    if getattr(m, "quantization", "none") != "none":
-        problems.append(f"training.offload: DeepSpeed cannot move bitsandbytes' quantized weights "
-                        f"(model.quantization {m.quantization}) to the host; set model.quantization=none (a bf16 "
-                        "base: model.dtype=bf16), or training.offload=none")
+    # ZeRO-3 partitions each weight's tensor, here bitsandbytes' packed bytes apart from the quantization state they
+    # need (peft documents ZeRO-3 QLoRA only with bnb_4bit_quant_storage set to the compute dtype); the optimizer
+    # level moves only the trainable adapters' state, measured to train over an nf4 and an int8 base
+    if t.offload == "parameters" and getattr(m, "quantization", "none") != "none":
+        problems.append(f"training.offload: parameters would partition bitsandbytes' quantized weights "
+                        f"(model.quantization {m.quantization}) apart from their quantization state; use "
+                        "training.offload=optimizer with it, or a bf16 base (model.quantization=none, "
+                        "model.dtype=bf16)")
 
 
 def refuse_precision_for_new_model(m: PretrainedModelConfig, problems: list) -> None:

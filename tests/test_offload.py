@@ -85,7 +85,7 @@ def test_every_shipped_transformer_recipe_accepts_each_level():
 
 @pytest.mark.parametrize("overrides, message", [
     (["training.optimizer=adamw8bit"], "training.offload: optimizer steps the fp32 optimizer on the host"),
-    (["model.quantization=nf4", "peft.enabled=true"], "training.offload: DeepSpeed cannot move bitsandbytes'"),
+    (["model.quantization=nf4", "training.offload=parameters"], "training.offload: parameters would partition"),
     (["training.offload_device=nvme"], "training.offload_path: offload_device nvme swaps into a folder"),
     (["training.offload_device=nvme", "training.offload_path=/no/such/folder"],
      "training.offload_path: /no/such/folder is not a folder"),
@@ -174,3 +174,20 @@ def test_the_shipped_configs_are_the_levels():
         assert str(config["zero_stage"]) == asked["ACCELERATE_DEEPSPEED_ZERO_STAGE"]
         assert config["offload_param_device"] == asked["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"]
         assert config["offload_optimizer_device"] == "cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TRANSFORMER_RECIPES)
+def test_every_shipped_transformer_recipe_trains_under_offload(tmp_path, name):
+    """Each one for two optimizer steps under --offload optimizer (ZeRO-2 on the host), in its own process."""
+    import subprocess
+    import sys
+
+    tiny_chat_assets()
+    sets = [x for o in (*SMALL[name], "output.tracker=none", "output.save_model=false") for x in ("--set", o)]
+    cmd = [sys.executable, "-m", "finetune", "run", "--recipe", name, *sets, "--max-steps", "2", "--offload",
+           "optimizer", "--output-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=certificate.ENV, cwd=certificate.ROOT,
+                          timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "DeepSpeed ZeRO-2 (optimizer offloaded to cpu" in proc.stdout and "done:" in proc.stdout
