@@ -66,6 +66,19 @@ def assets() -> str:
     return str(Path(tiny_chat_assets()["data"]).parent.parent)
 
 
+def short(line: str) -> str:
+    """A verdict line as the table shows it: its word, the weights' relative L2 against its tolerance, the floor
+    it rests on, or what differs."""
+    import re
+
+    kind, _, rest = line.removeprefix("verdict: ").partition(" — ")
+    if kind != "equivalent":
+        return f"**{kind}**: {rest.split(':')[0]}"
+    weights = re.search(r"weights L2 (\S+ ≤ [0-9.e+-]+)", rest)
+    floor = "; floor measured" if "floor measured" in rest else ""
+    return f"equivalent (weights L2 {weights.group(1) if weights else '-'}{floor})"
+
+
 def verdict(a: Path, b: Path, *extra: str) -> str:
     """``finetune compare a b``'s verdict line."""
     proc = subprocess.run([sys.executable, "-m", "finetune", "compare", str(a), str(b), *extra], capture_output=True,
@@ -103,12 +116,12 @@ def table(root: Path, processes=(1, 2)) -> list[str]:
             for p in ("no", "bf16"):
                 run = train(root / f"{level}-{n}-{p}", 2 // n, f"training.mixed_precision={p}",
                             f"training.offload={level}", processes=n)
-                said = verdict(plain[p], run, *(["--floor", str(floor)] if p == "bf16" else []))
+                said = short(verdict(plain[p], run, *(["--floor", str(floor)] if p == "bf16" else [])))
                 rows.append(f"| {level} | {n} | {'fp32' if p == 'no' else p} | no offload, micro-batch 4 | {said} |")
     twin = train(root / "one-word", 4, f"data.source={one_word_changed(root)}")
-    rows.append(f"| — | 1 | fp32 | one word changed, no offload | {verdict(twin, root / 'optimizer-1-no')} |")
+    rows.append(f"| — | 1 | fp32 | one word changed, no offload | {short(verdict(twin, root / 'optimizer-1-no'))} |")
     n4, n1 = (train(root / f"parameters-N{k}", 4 // k, "training.offload=parameters") for k in (4, 1))
-    rows.append(f"| parameters | 1 | fp32 | N = 4 against N = 1, both offloaded | {verdict(n1, n4)} |")
+    rows.append(f"| parameters | 1 | fp32 | N = 4 against N = 1, both offloaded | {short(verdict(n1, n4))} |")
     saving = train(root / "saving", 2, *SAVING)
     again = resumed(root, saving, 2, *SAVING)
     rows.append(f"| optimizer | 1 | fp32 | resumed at step 2 against uninterrupted | "
