@@ -265,12 +265,12 @@ def fixed_part(p: Profile) -> int:
 def needs(p: Profile, per_process: int) -> str:
     """What ``p``'s setting would need: its step on the card (at 1 sample, or its fixed part where not measured),
     and, at a host level, its host part."""
-    card = f"{size(p.step_peak(1, per_process))} at 1 sample" if p.measured else \
-        f"{size(fixed_part(p))} for " + ("weights, gradients and optimizer state alone" if not p.setting.host else
-                                         "the weights on the card alone")
     if not p.setting.host:
-        return f"{p.setting.label} needs {card}"
-    return f"{p.setting.label} needs {card} on the card and {size(p.host)} of host memory"
+        return f"{p.setting.label} needs " + (f"{size(p.step_peak(1, per_process))} at 1 sample" if p.measured else
+                                              f"{size(fixed_part(p))} for weights, gradients and optimizer state alone")
+    card = f"{size(p.step_peak(1, per_process))} on the card at 1 sample" if p.measured else \
+        f"at least {size(p.step_peak(1, per_process))} on the card"
+    return f"{p.setting.label} needs {size(p.host)} of host memory and {card}"
 
 
 def explain(chosen: Optional[Profile], profiles: list, request: PlanRequest) -> str:

@@ -208,7 +208,7 @@ class Plan:
                   "-" * (w + 64)]
         lines += [f"{s.setting.label:<{w}}{s.micro_batch or 'none':>20}"
                   f"{size(s.step_peak) if s.measured else '> ' + size(s.step_peak):>18}{size(s.host):>12}"
-                  f"{'' if s.measured else '  (weights, gradients, optimizer state alone: not measured)'}"
+                  f"{'' if s.measured else '  (' + unmeasured_why(s) + ': not measured)'}"
                   for s in self.settings]
         lines.append("")
         if self.fits:
@@ -238,6 +238,12 @@ class Plan:
             return line + (f"; capped at the effective batch ({per_process} a process): a larger micro-batch is "
                            "never used, the room stays free")
         return line + f"; micro-batch {next_divisor(self.micro_batch_size, per_process)} would not fit"
+
+
+def unmeasured_why(s: SettingPlan) -> str:
+    """Why a setting was priced from its fixed part alone."""
+    return "its fixed part alone exceeds the card or the host" if s.setting.host else \
+        "weights, gradients, optimizer state alone"
 
 
 def next_divisor(b: int, n: int) -> int:
