@@ -219,7 +219,8 @@ def finish_plan(request: PlanRequest, profiles: list, chosen: Optional[Profile])
     budget, per_process, gpu_bytes, layout = request.budget, request.per_process, request.gpu_bytes, request.layout
 
     def at_largest(p: Profile) -> tuple[int, int]:
-        b = p.largest_micro_batch(per_process, budget)
+        # a setting whose host part exceeds the host has no micro-batch that fits
+        b = p.largest_micro_batch(per_process, budget) if p.host <= request.host_budget else 0
         return b, p.step_peak(b or 1, per_process // (b or 1))
 
     last = chosen or profiles[-1]
