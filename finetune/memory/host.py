@@ -10,7 +10,8 @@ of every weight and N the processes, each partition ÷ N:
   accumulated across micro-batches (``accumulated_grads_in_cpu``, e·P_t), all ÷ N, and one pinned buffer of the
   largest trainable parameter (``temp_grad_buffer_for_cpu_offload``, whole). Card: the weights whole, the reduce
   bucket, one gradient buffer of the largest parameter (``temp_grad_buffer_for_gpu_offload``) and the micro-batch's
-  activations — no gradients, no optimizer state, no optimizer step.
+  activations — no gradients (each leaves for the bucket as backward makes it), no optimizer state, no optimizer
+  step.
 * ``parameters`` — host: W ÷ N (``param_groups_fp16_flat_cpu_memory``), the fp32 master partition, the partition
   gradients accumulated (``grad_partitions_flat_buffer``, fp32), the optimizer's fp32 gradient buffer, S, all ÷ N.
   Card: the parameters DeepSpeed keeps whole (≤ ``stage3_param_persistence_threshold`` elements), the layers
@@ -106,7 +107,12 @@ def price(whole: Profile, layout: Layout, sizes: Sizes = Sizes()) -> Profile:
     n = layout.processes
     shared = sharded.per_process(whole, Layout(n, STAGE[level]), sizes)
     c = counts_of(whole, sizes)
-    card = dict(gradients=0, optimizer_state=0, optimizer_step=0, host=host_per_process(c, level, n), counts=c)
+    # No gradient stays on the card: DeepSpeed's hooks copy each one into its bucket as backward makes it, and on
+    # to the host. So a window's first micro-step peaks as a later one does with the gradients already held (what
+    # ``later`` measures above them: activations, the head, one parameter's gradient at a time), not with every
+    # gradient made anew on top.
+    card = dict(gradients=0, optimizer_state=0, optimizer_step=0, first=whole.later,
+                host=host_per_process(c, level, n), counts=c)
     if level == "optimizer":
         card.update(buckets=shared.buckets + c.largest * c.element)
     else:
