@@ -140,26 +140,21 @@ def link_bytes(c: Counts, level: str, processes: int, micro_batches: int) -> int
 
 @functools.lru_cache(maxsize=1)
 def host_step_per_element() -> tuple[float, str]:
-    """(seconds an AdamW step takes per fp32 element on this machine, what was timed): DeepSpeed's CPU Adam
-    (adamw_mode) over ``TIMED_ELEMENTS``, the best of three steps after one warm-up; torch's AdamW on the CPU where
-    the op cannot be loaded without a build. Quick (well under a second); timed once a process."""
+    """(seconds an AdamW step takes per fp32 element on this machine, what was timed): torch's fused AdamW, the
+    optimizer an offloaded run steps on the host (``finetune.offload``), over ``TIMED_ELEMENTS``, the best of three
+    steps after one warm-up. Quick (well under a second); timed once a process."""
     import torch
 
     weights = torch.zeros(TIMED_ELEMENTS, requires_grad=True)
     weights.grad = torch.full_like(weights, 1e-3)
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-        optimizer, what = DeepSpeedCPUAdam([weights], adamw_mode=True), "DeepSpeed's CPU Adam (adamw_mode)"
-    except Exception:  # noqa: BLE001 — the op's build fails in many ways (no compiler, no CUDA headers)
-        optimizer, what = torch.optim.AdamW([weights]), "torch's AdamW on the CPU (DeepSpeed's CPU Adam not loadable)"
+    optimizer = torch.optim.AdamW([weights], fused=True)
     optimizer.step()
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
         optimizer.step()
         best = min(best, time.perf_counter() - start)
-    return best / TIMED_ELEMENTS, what
+    return best / TIMED_ELEMENTS, "torch's fused AdamW on this CPU"
 
 
 @dataclass(frozen=True)

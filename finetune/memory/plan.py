@@ -37,14 +37,14 @@ from finetune.models.loss_head import (
 
 
 # What each setting costs, in the order the planner tries them (cheapest first). The first six keep the baseline's
-# step — DeepSpeed's CPU Adam is the fp32 AdamW update, so the offload levels do too; the rest (the levers) train
+# step — the host steps the recipe's own fp32 optimizer, so the offload levels do too; the rest (the levers) train
 # something else, so they are tried only when nothing exact fits the card and the host, in this order.
 COST = {
     "plain": "no extra compute",
     "chunked loss": "the same FLOPs (the loss head runs in chunks; exact)",
     "checkpointing": "recomputes each block's forward in backward (about 1/3 more compute)",
     "offloading": "copies saved activations to host memory and back (PCIe traffic, partly overlapped)",
-    "optimizer offload": "AdamW's fp32 step on the host (DeepSpeed ZeRO-2 offload, its CPU Adam): the same update; "
+    "optimizer offload": "the optimizer's fp32 step on the host (DeepSpeed ZeRO-2 offload): the same update; "
                          "gradients down and weights up the host link every step",
     "parameter offload": "the weights on the host too, streamed to the card layer by layer in every forward and "
                          "backward (DeepSpeed ZeRO-3 offload): the same update, the most host-link traffic",
