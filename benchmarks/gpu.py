@@ -1,7 +1,7 @@
 """Where users run it, on one GPU: speed beside TRL's SFTTrainer, an 8 B model on a 16 / 24 GiB card, and what the
 exactness defaults cost. One script, one call; every row is measured in the same process on the same device.
 
-    python benchmarks/gpu.py --out runs/gpu-bench           # CUDA: the real sizes, ≤ --budget seconds (default 420)
+    python benchmarks/gpu.py --out runs/gpu-bench           # CUDA: the real sizes, ≤ --budget seconds (default 440)
     python benchmarks/gpu.py --tiny --out /tmp/gpu-bench    # anywhere: tiny sizes, every section (the suite's test)
 
 No weights travel: each model is built from its published config (``tests/assets/llama-3.2-1b``,
@@ -26,6 +26,11 @@ Sections (``--sections``):
   ``pad_to_window`` acts) with ``training.fp32_grad_sums`` / ``training.pad_to_window`` on and off: tokens/s and peak
   at (2, 4), and the bf16 distance of layout (8, 1) from (2, 4) in each setting (largest per-step relative difference
   of the logged loss and grad norm).
+* **offload**, **fp16**, **plan** — ``finetune run``, ``plan`` and ``compare`` as a user runs them, on Llama-3.2-1B
+  from its config through the clm recipe (``benchmarks/gpu_cli.py`` says how and what each row measures): the full
+  fine-tune with ``--offload optimizer`` in a process capped at 16 GiB against ``finetune plan --offload`` (card
+  peak, host RSS, tokens/s with and without offload); fp16's loss scale and skipped steps, and ``finetune compare`` of
+  (8, 1) against (2, 4); ``plan --model-config`` against ``max_memory_allocated`` of the run it recommends.
 
 FLOPs for MFU: 6·N + 12·L·H·s per trained token (PaLM's count, appendix B: N the parameters less the input embedding,
 L layers, H = heads × head dim, s the row length; the attention term counts the full square, as PaLM does). Peak bf16
@@ -60,19 +65,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 import gpu_cli  # noqa: E402
 import torch  # noqa: E402
-from gpu_rows import Bench, bf16_peak, needs, release  # noqa: E402
+from gpu_rows import Bench, Peak, bf16_peak, needs, release, spy_auto_profile  # noqa: E402
 
 from finetune import loop, startup  # noqa: E402
 from finetune.config import TrainingConfig  # noqa: E402
 from finetune.data import pad_collate  # noqa: E402
 from finetune.job import Job  # noqa: E402
 from finetune.loading import load_recipe  # noqa: E402
-from finetune.memory.measure import PeakMeter  # noqa: E402
 
 GiB, MiB = 2 ** 30, 2 ** 20
 PAD = 0  # the pad id of the collate and of TRL's tokenizer; data ids start above it
 SECTIONS = ("speed", "small", "exact", "offload", "fp16", "plan")
-SHARE = {"speed": 0.34, "small": 0.14, "exact": 0.12, "offload": 0.22, "fp16": 0.10, "plan": 0.08}  # of --budget
+SHARE = {"speed": 0.34, "small": 0.14, "exact": 0.10, "offload": 0.24, "fp16": 0.10, "plan": 0.08}  # of --budget
 
 
 @dataclass(frozen=True)
@@ -124,10 +128,10 @@ def sizes(device: torch.device) -> dict:
     return {
         "full": Size(seq=2048, models={"1B": str(assets / "llama-3.2-1b"), "8B": str(assets / "llama-3.1-8b")},
                      warmup=2, timed=4, small_steps=3, caps={"8b-qlora-16gib": 16 * GiB, "8b-lora-24gib": 24 * GiB},
-                     budget=420.0),
+                     budget=440.0),
         "tiny": Size(seq=64, models=tiny_configs(), warmup=1, timed=2, small_steps=2,
                      caps={k: (v * GiB if device.type == "cuda" else None) for k, (_, v) in SMALL.items()},
-                     budget=120.0),
+                     budget=300.0),
     }
 
 
@@ -216,39 +220,6 @@ def tokenizer_for_trl():
 # measuring
 
 
-class Peak:
-    """The most bytes allocated during the block, weights included. CUDA: ``max_memory_allocated`` since the block
-    began (everything the process holds; ``restart()`` starts the record again, e.g. at a steady step); CPU: the
-    allocator's record (``PeakMeter``) above the start, plus what ``model`` held then."""
-
-    def __init__(self, device: torch.device, model=None):
-        self.cuda, self.model, self.bytes = device.type == "cuda", model, 0
-
-    def __enter__(self):
-        if self.cuda:
-            self.restart()
-        else:
-            import memory  # benchmarks/memory.py: the weights with a 4-bit layer's scales and code books
-
-            self.held = memory.weight_bytes(self.model) if self.model is not None else 0
-            self.meter = PeakMeter("cpu").__enter__()
-        return self
-
-    def restart(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.bytes = torch.cuda.max_memory_allocated()
-        else:
-            self.meter.__exit__(*exc)
-            self.bytes = self.held + self.meter.peak
-        return False
-
-
 def training(w_b: int, w_n, steps: int, lr: float, **extra) -> TrainingConfig:
     """The finetune settings of every row: bf16 autocast, checkpointing, AdamW (fused) at a constant lr, clipping at
     1.0, no shuffling, no packing (each row is one sample; the exactness rows need unpacked micro-batches)."""
@@ -323,26 +294,6 @@ def train_trl(model, data, w: Workload, cfg, steps: int, device: torch.device) -
 def rel_distance(a: list, b: list) -> float:
     """max over steps of |a − b| / |b|."""
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-@contextlib.contextmanager
-def spy_auto_profile(box: dict):
-    """Keep the Profile ``batch_size: auto`` picks its micro-batch from (``finetune.memory.step.auto_profile``, which
-    ``AutoBatch.initial_shape`` imports when it runs), so that the planner's prediction can be read at the micro-batch
-    the run kept, in bytes, rather than at the one it planned, rounded in its printed line."""
-    from finetune.memory import step
-
-    real = step.auto_profile
-
-    def kept(*args, **kwargs):
-        box["profile"] = real(*args, **kwargs)
-        return box["profile"]
-
-    step.auto_profile = kept
-    try:
-        yield box
-    finally:
-        step.auto_profile = real
 
 
 def speed_rows(bench: Bench, until: float) -> None:
@@ -495,7 +446,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_const", const="tiny", dest="size", help="the same as --size tiny")
     p.add_argument("--out", default="runs/gpu-bench", help="folder for table.md, rows.json and log.txt")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
-    p.add_argument("--budget", type=float, help="seconds for the whole run (full 420, tiny 120); each section gets "
+    p.add_argument("--budget", type=float, help="seconds for the whole run (full 440, tiny 300); each section gets "
                    "its share, a row past it is written as skipped")
     p.add_argument("--force-fail", action="append", default=[], metavar="ROW_ID",
                    help="make this row fail (e.g. speed/8b-lora/trl): the negative control of the row guard")
@@ -513,7 +464,7 @@ def main(argv=None) -> dict:
     bench = Bench(args, size, device)
     total = sum(SHARE[s] for s in chosen)
     runners = {"speed": speed_rows, "small": small_rows, "exact": exact_rows, "offload": gpu_cli.offload_rows,
-               "fp16": gpu_cli.fp16_rows, "plan": lambda b, until: gpu_cli.plan_rows(b, until, Peak)}
+               "fp16": gpu_cli.fp16_rows, "plan": gpu_cli.plan_rows}
     for section in chosen:  # a section's unspent time passes on to the next
         left = bench.deadline - time.perf_counter()
         share = SHARE[section] / total

@@ -43,7 +43,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from gpu_rows import Skip
+from gpu_rows import Peak, Skip
 
 GiB = 2 ** 30
 CAP = 16 * GiB  # the card the offload rows are planned for and capped at (on CUDA)
@@ -322,8 +322,7 @@ def fp16_rows(bench, until: float) -> None:
               until)
 
 
-def plan_rows(bench, until: float, peak) -> None:
-    """``peak(device)``: the script's Peak (max_memory_allocated on CUDA, the allocator's record on a CPU)."""
+def plan_rows(bench, until: float) -> None:
     size, device = bench.size, bench.device
     steps = size.warmup + size.timed
     root = Path(tempfile.mkdtemp(prefix="gpu-bench-plan-"))
@@ -333,7 +332,7 @@ def plan_rows(bench, until: float, peak) -> None:
         sets = recipe_sets(size.models["1B"], size.seq, root)
         plan = plan_of(sets, size.models["1B"], gpu)
         b = plan["micro_batch_size"]
-        with peak(device) as held:
+        with Peak(device) as held:  # max_memory_allocated on CUDA, the allocator's record on a CPU
             code, printed = quiet_main(run_argv([*sets, *as_run(plan)], b, steps, root / "run"))
         if code != 0:
             raise RuntimeError(f"finetune run exited {code}: {printed.strip().splitlines()[-1:]}")

@@ -1,6 +1,7 @@
-"""The row guard and the report of ``benchmarks/gpu.py``: each row measured in its own guard (ok, skipped or
-failed with the reason, past its section's time), the header (device, versions, date, command) and the tables, all
-rewritten after every row."""
+"""The row guard, the meters and the report of ``benchmarks/gpu.py``: each row measured in its own guard (ok,
+skipped or failed with the reason, past its section's time), the peak of a block (``Peak``), the planner's profile
+of a ``batch_size: auto`` run, the header (device, versions, date, command) and the tables, all rewritten after
+every row."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import common as C
 import torch
 
 from finetune.distributed import restart_accelerate_state
+from finetune.memory.measure import PeakMeter
 
 GiB, MiB = 2 ** 30, 2 ** 20
 # dense bf16 peak of NVIDIA's data sheets, by the name torch.cuda.get_device_name gives (first match wins)
@@ -47,6 +49,59 @@ def release() -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
+
+
+class Peak:
+    """The most bytes allocated during the block, weights included. CUDA: ``max_memory_allocated`` since the block
+    began (everything the process holds; ``restart()`` starts the record again, e.g. at a steady step); CPU: the
+    allocator's record (``PeakMeter``) above the start, plus what ``model`` held then."""
+
+    def __init__(self, device: torch.device, model=None):
+        self.cuda, self.model, self.bytes = device.type == "cuda", model, 0
+
+    def __enter__(self):
+        if self.cuda:
+            self.restart()
+        else:
+            import memory  # benchmarks/memory.py: the weights with a 4-bit layer's scales and code books
+
+            self.held = memory.weight_bytes(self.model) if self.model is not None else 0
+            self.meter = PeakMeter("cpu").__enter__()
+        return self
+
+    def restart(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.max_memory_allocated()
+        else:
+            self.meter.__exit__(*exc)
+            self.bytes = self.held + self.meter.peak
+        return False
+
+
+@contextlib.contextmanager
+def spy_auto_profile(box: dict):
+    """Keep the Profile ``batch_size: auto`` picks its micro-batch from (``finetune.memory.step.auto_profile``, which
+    ``AutoBatch.initial_shape`` imports when it runs), so that the planner's prediction can be read at the micro-batch
+    the run kept, in bytes, rather than at the one it planned, rounded in its printed line."""
+    from finetune.memory import step
+
+    real = step.auto_profile
+
+    def kept(*args, **kwargs):
+        box["profile"] = real(*args, **kwargs)
+        return box["profile"]
+
+    step.auto_profile = kept
+    try:
+        yield box
+    finally:
+        step.auto_profile = real
 
 
 def bf16_peak(device: torch.device):
