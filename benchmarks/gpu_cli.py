@@ -26,8 +26,10 @@ Sections (each row on its own, as the rest of the script):
   and the run of its recommendation, in this process: predicted step peak against ``torch.cuda.max_memory_allocated``
   over the run, weights included.
 
-On a CPU (``--tiny``) every row runs with the tiny stand-in config and no cap: what needs a card (its peak, the cap,
-fp16's overflow behaviour at a real size) is said to be unmeasured in the row.
+On a CPU (``--tiny``) every row runs with the tiny stand-in config: the offloaded run without a cap, the run without
+offload under an injected one (``FINETUNE_FAKE_OOM_ABOVE=1``: a micro-batch of more than one sample runs out of
+memory), so that its fall-back to an uncapped run is exercised; what needs a card (its peak, a real cap, fp16's
+kernels) is said to be unmeasured in the row.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from gpu_rows import Peak, Skip
 GiB = 2 ** 30
 CAP = 16 * GiB  # the card the offload rows are planned for and capped at (on CUDA)
 EFFECTIVE = 8   # samples per optimizer step, as in the rest of the script
+FAKE_CAP = 1    # on a CPU, the run without offload: micro-batches above this many samples run out of memory
 DROPPED = ("architectures", "torch_dtype", "dtype", "transformers_version", "vocab_size", "bos_token_id",
            "eos_token_id", "pad_token_id", "use_cache")  # what the clm task sets itself, or a build ignores
 LAYOUTS = ((2, 4), (8, 1))  # the fp16 rows' micro-batch × N
@@ -113,7 +116,13 @@ def run_argv(sets: list, b: int, steps: int, out: Path, *extra: str) -> list:
 
 
 def as_run(plan: dict) -> list:
-    """The ``--set`` overrides that run the plan's recommended setting (its activation levers)."""
+    """The ``--set`` overrides that run the plan's recommended setting (its activation levers). RuntimeError where
+    the plan recommends a lever that changes the step (8-bit states, another base or compute): not what these rows
+    measure."""
+    changed = {k: plan[k] for k in ("lever_optimizer", "lever_base", "lever_compute") if plan.get(k)}
+    if changed or plan.get("lora"):
+        raise RuntimeError(f"finetune plan recommends a setting that changes the step ({changed or 'LoRA'}): "
+                           f"{plan['note'][:200]}")
     sets = [f"training.gradient_checkpointing={str(plan['gradient_checkpointing']).lower()}",
             f"training.chunked_loss={str(plan['chunked_loss']).lower()}",
             f"training.activation_offloading={str(plan['activation_offloading']).lower()}"]
@@ -190,15 +199,19 @@ def child(out: str, cap: int, argv: list) -> None:
     sys.exit(code)
 
 
-def capped_run(argv: list, cap: int, out: Path) -> dict:
-    """``argv`` (``finetune run``'s) in a process of its own through ``child``: its marks. RuntimeError with the
-    run's last line where it fails; ``"out of memory"`` in it where it ran out."""
+def capped_run(argv: list, cap, out: Path, fake_above: int = None) -> dict:
+    """``argv`` (``finetune run``'s) in a process of its own through ``child``, capped at ``cap`` bytes of the card
+    (None: not), or with ``fake_above`` a micro-batch of more than that many samples out of memory
+    (``FINETUNE_FAKE_OOM_ABOVE``, a CPU's stand-in for a cap): its marks. RuntimeError with the run's last line where
+    it fails, starting "out of memory" where it ran out."""
     import finetune
 
     marks = out.parent / f"{out.name}.json"
     # the same finetune as this process, whichever checkout that is
-    env = {**os.environ, "PYTHONPATH": str(Path(finetune.__file__).resolve().parent.parent),
-           "HF_HUB_OFFLINE": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0", "TOKENIZERS_PARALLELISM": "false"}
+    inherited = {k: v for k, v in os.environ.items() if k != "FINETUNE_FAKE_OOM_ABOVE"}
+    env = {**inherited, "PYTHONPATH": str(Path(finetune.__file__).resolve().parent.parent),
+           "HF_HUB_OFFLINE": "1", "HF_UPDATE_DOWNLOAD_COUNTS": "0", "TOKENIZERS_PARALLELISM": "false",
+           **({"FINETUNE_FAKE_OOM_ABOVE": str(fake_above)} if fake_above else {})}
     proc = subprocess.run([sys.executable, __file__, "--child", str(marks), str(cap or 0), *argv],
                           capture_output=True, text=True, env=env, timeout=1200)
     sys.stderr.write((proc.stdout + proc.stderr)[-6000:])
@@ -244,7 +257,7 @@ def offload_rows(bench, until: float) -> None:
                 "cap": "16 GiB" if cap else "none (cpu)",
                 "card_peak_bytes": marks["card_peak"], "planned_card_bytes": plan["step_peak"],
                 "rss_peak_bytes": marks["rss_peak"], "rss_grown_bytes": grown, "planned_host_bytes": plan["host"],
-                "tokens_per_s": kept["tokens_per_s"],
+                "tokens_per_s": kept["tokens_per_s"], "plan_note": plan["note"],
                 "note": "" if cuda else "no card: its peak and the cap are not measured on a CPU; the host's RSS is"}
 
     def plain():
@@ -252,21 +265,22 @@ def offload_rows(bench, until: float) -> None:
         b = plan["micro_batch_size"] if plan else 2
         extra = [*as_run(plan)] if plan else []
         note = "" if plan else "the offload row's plan is missing: micro-batch 2, checkpointing; "
-        argv = run_argv([*sets, *extra], b, steps, root / "none")
-        try:
-            marks = capped_run(argv, cap, root / "none")
-            note += "at the cap" if cap else "no cap on a CPU"
+        try:  # on a CPU the cap is injected: a micro-batch of more than FAKE_CAP samples runs out of memory
+            marks = capped_run(run_argv([*sets, *extra], b, steps, root / "none"), cap, root / "none",
+                               None if cuda else FAKE_CAP)
+            run_dir, uncapped = root / "none", False
+            note += "at the 16 GiB cap" if cuda else f"at the injected cap (FINETUNE_FAKE_OOM_ABOVE={FAKE_CAP})"
         except RuntimeError as e:
-            if not (cap and str(e).startswith("out of memory")):
+            if not str(e).startswith("out of memory"):
                 raise
-            marks = capped_run(run_argv([*sets, *extra], b, steps, root / "none-uncapped"), None,
-                               root / "none-uncapped")
-            note += "ran out of memory at the 16 GiB cap; measured uncapped"
-            argv = None
-        run_dir = root / ("none" if argv else "none-uncapped")
+            run_dir, uncapped = root / "none-uncapped", True
+            marks = capped_run(run_argv([*sets, *extra], b, steps, run_dir), None, run_dir)
+            note += ("ran out of memory at the 16 GiB cap; measured uncapped" if cuda else
+                     f"ran out of memory at the injected cap (FINETUNE_FAKE_OOM_ABOVE={FAKE_CAP}, a CPU's stand-in "
+                     "for the card's); measured without it")
         tps = rate(history(run_dir), tokens)
         return {"offload": "none", "micro_batch": b, "accumulation": EFFECTIVE // b, "steps": steps,
-                "card_peak_bytes": marks["card_peak"], "rss_peak_bytes": marks["rss_peak"],
+                "uncapped": uncapped, "card_peak_bytes": marks["card_peak"], "rss_peak_bytes": marks["rss_peak"],
                 "rss_grown_bytes": marks["rss_peak"] - marks["rss_model_built"], "tokens_per_s": tps,
                 "offload_speed_ratio": kept["tokens_per_s"] / tps if "tokens_per_s" in kept else None, "note": note}
 
