@@ -39,9 +39,15 @@ def child(out: str, level: str) -> None:
     real = startup.with_optimizers
 
     def measured(accelerator, model, job, t, shape):
+        from finetune.memory.host import host_bytes
+
         marks["model"] = psutil.Process().memory_info().rss
         marks["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return real(accelerator, model, job, t, shape)
+        marks["weights"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        marks["host"] = host_bytes(model, level, t.optimizer, 1)
+        out = real(accelerator, model, job, t, shape)
+        marks["prepared"] = psutil.Process().memory_info().rss
+        return out
 
     startup.with_optimizers = measured
     code = cli.main(["run", *RUN, "--offload", level, "--output-dir", str(Path(out).parent / level)])
@@ -58,16 +64,15 @@ def measure(level: str, root: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def predicted(level: str, trainable: int) -> int:
-    """What the level adds beside the model's own weights, by the planner: its host bytes and the gradients the card
-    stages (without offload: the gradients and AdamW's state, where the run keeps them)."""
-    from finetune.memory.host import host_bytes
-
-    staged = 4 * trainable
+def predicted(level: str, m: dict) -> int:
+    """What the level adds beside the model's own weights, by the planner: its host bytes, and on this CPU the
+    card's side too: each gradient whole in backward and DeepSpeed's reduce bucket it is copied into (4 B a
+    trainable weight each; the parameters level's weights gathered for forward and backward take the place of those
+    it moved to the host). Without offload: the gradients and AdamW's state, where the run keeps them."""
+    grads = 4 * m["trainable"]
     if level == "none":
-        return staged + 8 * trainable
-    return host_bytes(level, trainable, trainable, "adamw", 1) + staged - (4 * trainable if level == "parameters"
-                                                                          else 0)
+        return grads + 8 * m["trainable"]
+    return m["host"] + 2 * grads
 
 
 def rows(root: Path) -> list[str]:
@@ -75,7 +80,7 @@ def rows(root: Path) -> list[str]:
            "|---|---|---|---|---|"]
     for level in ("none", "optimizer", "parameters"):
         m = measure(level, root)
-        grown, plan = m["peak"] - m["model"], predicted(level, m["trainable"])
+        grown, plan = m["peak"] - m["model"], predicted(level, m)
         out.append(f"| {level} | {m['trainable'] / 1e6:.1f} M | {grown / 2**30:.2f} GiB | {plan / 2**30:.2f} GiB | "
                    f"{grown / plan:.2f} |")
     return out

@@ -86,6 +86,27 @@ def launch_level(config: dict) -> str:
     return "optimizer" if device("offload_optimizer") != "none" else "none"
 
 
+def check_host(model, config: dict, optimizer: str, processes: int) -> None:
+    """Stage 3, the model built and nothing written: refuse a level whose host share does not fit this machine's
+    available memory (``memory.host.host_bytes`` per process, times the processes on this machine). ``config``: the
+    launch's DeepSpeed config, whose offload is the run's (``launch_level``)."""
+    import psutil
+
+    from finetune.memory.host import host_bytes
+    from finetune.memory.records import size
+
+    level = launch_level(config)
+    if level == "none":
+        return
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", processes))
+    need, free = host_bytes(model, level, optimizer, processes) * here, psutil.virtual_memory().available
+    if need > free:
+        each = f" ({here} processes on this machine)" if here > 1 else ""
+        raise ConfigError(f"training.offload: {level} keeps {size(need)} in host memory{each} and this machine has "
+                          f"{size(free)} available; free memory, use more processes or machines, or plan another "
+                          "setting (finetune plan --host-memory)")
+
+
 def check_versions() -> None:
     """DeepSpeed installed and recent enough for an exact offloaded step, and Accelerate too."""
     from importlib.metadata import PackageNotFoundError, version

@@ -13,9 +13,11 @@ import torch
 from finetune import flags, loop, startup
 from finetune.errors import ConfigError
 from finetune.loading import load_recipe
-from finetune.memory import depth, sharded
+from finetune.memory import depth, host, sharded
 from finetune.memory import plan as planner
+from finetune.memory.cards import parse_size
 from finetune.memory.measure import PeakMeter
+from finetune.memory.records import Machine
 
 
 def add_arguments(p) -> None:
@@ -32,6 +34,10 @@ def add_arguments(p) -> None:
                    help="plan for this architecture instead of the recipe's model (a folder with config.json, or a hub "
                         "id): its fixed part counted on the meta device, a micro-step measured on a few of its blocks "
                         "and extrapolated; the full model is never built")
+    p.add_argument("--host-memory", metavar="SIZE",
+                   help="the host's memory, every process together: 64GiB, 128GB (default: this machine's RAM); what "
+                        "an offload level keeps there must fit it (docs/memory.md#bigger-than-the-card-exactly)")
+    flags.add_field_flags(p, ["training.offload"])  # as ``finetune run`` takes it; given, the plan keeps to it
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -42,16 +48,26 @@ def main(args) -> int:
     if args.processes < 1:
         raise ConfigError(f"--processes: got {args.processes}; must be >= 1")
     layout = sharded.Layout(args.processes, sharded.parse_zero_stage(args.zero_stage))
+    machine = machine_of(args, cfg)
     gc.freeze()  # the planner's collections (PeakMeter) then walk what planning makes, not every module imported
     if args.model_config:
-        plan = plan_from_config(cfg, args.model_config, args.gpu, layout)
+        plan = plan_from_config(cfg, args.model_config, machine, layout)
     else:
-        plan = plan_recipe(cfg, args.gpu, layout)
+        plan = plan_recipe(cfg, machine, layout)
     if args.json:
         print(json.dumps(plan.record()))
     else:
         print(plan.table())
     return 0 if plan.fits else 1
+
+
+def machine_of(args, cfg) -> Machine:
+    """The card, the host's memory (``--host-memory``) and the host level the plan keeps to: the one ``--offload``
+    or the recipe names (training.offload), else None (each weighed)."""
+    level = cfg.training.offload
+    forced = None if args.offload is None and level == "none" else host.parse_level(level)
+    memory = parse_size(args.host_memory, "--host-memory") if args.host_memory else 0
+    return Machine(args.gpu, memory, forced)
 
 
 def plan_recipe(cfg, gpu: str, layout: sharded.Layout = sharded.Layout()):

@@ -513,8 +513,8 @@ def check_model(accelerator: Accelerator, model, job: Job, t: TrainingConfig, pa
                 reporting: loop.Reporting) -> None:
     """The refusals that need the model: token budgets without sample lengths, ``batch_size: auto`` for a task whose
     micro-steps cannot be measured ahead (``Job.unplannable``), checkpoints of a model the task
-    sharded itself, and what DeepSpeed would run differently with the job's optimizers (its config as Accelerate
-    prepares it)."""
+    sharded itself, what DeepSpeed would run differently with the job's optimizers (its config as Accelerate
+    prepares it), and an offload level this machine's host memory cannot hold."""
     if t.max_tokens_per_micro_batch and not (job.length_of or pack_length_of):
         raise ConfigError("training.max_tokens_per_micro_batch: this task gives no sample lengths (Job.length_of)")
     if t.batch_size == "auto" and job.unplannable:
@@ -527,6 +527,8 @@ def check_model(accelerator: Accelerator, model, job: Job, t: TrainingConfig, pa
         groups = list(group_settings(job.param_groups, t).values())
         check_deepspeed(accelerator.deepspeed_plugin.deepspeed_config, groups[0].max_grad_norm, len(groups),
                         t.on_nonfinite)
+        offload.check_host(model, accelerator.deepspeed_plugin.deepspeed_config, t.optimizer,
+                           accelerator.num_processes)
 
 
 def prepare(accelerator: Accelerator, model, optimizers: list) -> tuple:

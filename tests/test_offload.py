@@ -191,3 +191,23 @@ def test_every_shipped_transformer_recipe_trains_under_offload(tmp_path, name):
                           timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert "DeepSpeed ZeRO-2 (optimizer offloaded to cpu" in proc.stdout and "done:" in proc.stdout
+
+
+@pytest.mark.parametrize("available, refused", [(2**20, True), (2**40, False)])
+def test_a_host_too_small_for_the_level_is_refused(available, refused):
+    """Stage 3's check, with the model built: the level's host bytes (memory.host) against what is available."""
+    import torch
+
+    from finetune.memory.host import host_bytes
+
+    model = torch.nn.Linear(512, 512)  # 1 MiB of fp32 weights: its offloaded state is several MiB
+    config = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert host_bytes(model, "optimizer", "adamw", 1) > 2**20
+    with mock.patch("psutil.virtual_memory", lambda: mock.Mock(available=available)):
+        if refused:
+            with pytest.raises(ConfigError, match="training.offload: optimizer keeps .* in host memory and this "
+                                                  "machine has 1.0 MiB available"):
+                offload.check_host(model, config, "adamw", 1)
+        else:
+            offload.check_host(model, config, "adamw", 1)
+        offload.check_host(model, {"zero_optimization": {"stage": 2}}, "adamw", 1)  # no offload: nothing asked

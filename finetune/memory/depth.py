@@ -22,6 +22,7 @@ A lever whose fixed part alone exceeds the card is not built at all: it is price
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from typing import Optional
 
@@ -29,7 +30,7 @@ import torch
 
 from finetune.config import PretrainedModelConfig
 from finetune.errors import ConfigError
-from finetune.memory import sharded, speed
+from finetune.memory import host, sharded, speed
 from finetune.memory.allocations import AllocationsOnly
 from finetune.memory.cards import parse_gpu
 from finetune.memory.fixed import fixed_part
@@ -45,6 +46,7 @@ from finetune.memory.plan import (
     recipe_levers,
     with_lever,
 )
+from finetune.memory.records import as_machine
 from finetune.memory.sharded import Layout
 from finetune.memory.step import Profile, Setting, at_size, longest_batches
 from finetune.models.hf import from_pretrained, stand_in, unquantized_modules
@@ -89,6 +91,7 @@ class Extrapolated:
         self.unlike = unlike_blocks(meta, config)
         self.built_depth = self.depth if self.unlike else min(DEPTHS[-1], self.depth)
         self._measured: Optional[object] = None
+        self._carried: dict = {}  # each setting's extrapolated Profile, by setting without host level
 
     def copy(self):
         """The copy measured, built on first use: the recipe's model with ``built_depth`` blocks, allocated and never
@@ -104,26 +107,32 @@ class Extrapolated:
         return self._measured
 
     def measure(self, setting: Setting) -> Optional[Profile]:
+        key = dataclasses.replace(setting, host="")  # a host level moves the fixed part only: measured once
+        if key not in self._carried:
+            self._carried[key] = self.measure_whole(key)
+        carried = self._carried[key]
+        return None if carried is None else self.with_fixed(dataclasses.replace(carried, setting=setting))
+
+    def measure_whole(self, setting: Setting) -> Optional[Profile]:
+        """``setting``'s micro-steps at full depth, one process holding everything (its fixed part: the copy's)."""
         subject = self.copy()
         with AllocationsOnly():
-            deep = subject.measure(setting)
-            if deep is None:
-                return None
-            if self.built_depth == self.depth:  # measured at full depth
-                return self.with_fixed(deep)
+            deep = subject.measure_whole(setting)
+            if deep is None or self.built_depth == self.depth:  # measured at full depth
+                return deep
             with first_blocks(subject.model, DEPTHS[0]):
-                shallow = subject.measure(setting)
-        return self.with_fixed(extrapolate(shallow, deep, DEPTHS[0], DEPTHS[-1], self.depth))
+                shallow = subject.measure_whole(setting)
+        return extrapolate(shallow, deep, DEPTHS[0], DEPTHS[-1], self.depth)
 
     def with_fixed(self, profile: Profile) -> Profile:
         """``profile`` (one process holding everything) with the full model's exact fixed part, as one process of
-        the layout holds it."""
+        the layout holds it (on the card, and in host memory under its setting's host level)."""
         profile.weights, profile.gradients, profile.optimizer_state = \
             self.weights, self.gradients, self.optimizer_state
         profile.parameters, profile.trainable = self.parameters, self.trainable
         profile.multiplying = self.multiplying
         profile.here_flops = 0.0  # the copy's products were not computed: nothing was timed
-        return sharded.per_process(profile, self.pricing.layout, self.sizes)
+        return host.price(profile, self.pricing.layout, self.sizes)
 
     def unmeasured(self, setting: Setting) -> Profile:
         """``setting`` priced from the fixed part alone (it already exceeds the card: nothing is measured)."""
@@ -227,8 +236,9 @@ def first_blocks(model: torch.nn.Module, k: int):
 def plan_from_config(cfg, source: str, gpu: str, layout: Layout, build, effective: int):
     """``finetune plan`` for ``cfg`` with its model replaced by ``source``'s architecture (never built whole), per
     process of ``layout``. ``build(cfg)``: the recipe's job (start-up's, given by the command); ``effective``: the
-    batch planned for."""
-    parse_gpu(gpu)
+    batch planned for; ``gpu``: the card, or a ``records.Machine`` (the card, the host)."""
+    machine = as_machine(gpu)
+    parse_gpu(machine.gpu)
     config = load_architecture(source)
     with stand_in(config, meta=True):  # the recipe's data, tokenizer and collation; its model on the meta device
         job = build(cfg)
@@ -243,6 +253,7 @@ def plan_from_config(cfg, source: str, gpu: str, layout: Layout, build, effectiv
         print(f"plan: {unlike}: every block measured, none carried on from another", file=sys.stderr, flush=True)
     levers = tuple((lever, lambda lever=lever: Extrapolated(with_lever(cfg, lever), config, batches, pricing, remake))
                    for lever in recipe_levers(cfg))
-    request = PlanRequest(gpu, effective, cfg.training, layout, seq, levers,
-                          work=speed.work_of(job, cfg.training, effective, job.model))
+    request = PlanRequest(machine.gpu, effective, cfg.training, layout, seq, levers,
+                          work=speed.work_of(job, cfg.training, effective, job.model),
+                          host_memory=machine.host_memory, offload=machine.offload)
     return plan_subjects(Extrapolated(cfg, config, batches, pricing, remake, job.model), request)

@@ -17,10 +17,10 @@ from finetune import schema  # schema.installed, looked up when called (a test r
 from finetune.config import PretrainedModelConfig
 from finetune.errors import ConfigError
 from finetune.items import is_causal_lm
-from finetune.memory import sharded
-from finetune.memory.cards import parse_gpu
+from finetune.memory import host, sharded
+from finetune.memory.cards import CARDS, parse_gpu
 from finetune.memory.measure import GiB
-from finetune.memory.records import CONTEXT, Plan, PlanRequest, Pricing, SettingPlan, size
+from finetune.memory.records import CONTEXT, Plan, PlanRequest, Pricing, SettingPlan, as_machine, size
 from finetune.memory.sharded import Layout
 from finetune.memory.speed import Speed, estimate, work_of
 from finetune.memory.step import Profile, Setting, longest_batches, measure, without_saved
@@ -36,13 +36,18 @@ from finetune.models.loss_head import (
 # what each setting costs
 
 
-# What each setting costs, in the order the planner tries them (cheapest first). The first four keep the baseline's
-# step; the rest (the levers) train something else, so they are tried only when nothing exact fits, in this order.
+# What each setting costs, in the order the planner tries them (cheapest first). The first six keep the baseline's
+# step — DeepSpeed's CPU Adam is the fp32 AdamW update, so the offload levels do too; the rest (the levers) train
+# something else, so they are tried only when nothing exact fits the card and the host, in this order.
 COST = {
     "plain": "no extra compute",
     "chunked loss": "the same FLOPs (the loss head runs in chunks; exact)",
     "checkpointing": "recomputes each block's forward in backward (about 1/3 more compute)",
     "offloading": "copies saved activations to host memory and back (PCIe traffic, partly overlapped)",
+    "optimizer offload": "AdamW's fp32 step on the host (DeepSpeed ZeRO-2 offload, its CPU Adam): the same update; "
+                         "gradients down and weights up the host link every step",
+    "parameter offload": "the weights on the host too, streamed to the card layer by layer in every forward and "
+                         "backward (DeepSpeed ZeRO-3 offload): the same update, the most host-link traffic",
     "8-bit AdamW": "AdamW's moments kept block-wise in 8 bits: not the same update as fp32 AdamW (compare says so)",
     "LoRA": "trains adapters only: a different run from a full fine-tune baseline",
     "bf16 base": "the frozen weights rounded to bf16: the baseline's step only if its base was bf16 too",
@@ -50,18 +55,23 @@ COST = {
     "bf16 compute": "computes in bf16 (autocast): the baseline's step only if it computed in bf16 too",
 }
 LEVERS = ("8-bit AdamW", "LoRA", "bf16 base", "nf4 base", "bf16 compute")
+EXACT_RANKS = 4 * (1 + len(host.LEVELS))  # the activation settings (4) at each host level (none, then LEVELS)
 
 
 def rank(setting: Setting) -> int:
-    """Where ``setting`` stands in ``COST`` (the head's chunking costs nothing): the exact settings 0–3, then the
-    costliest lever it uses."""
+    """Where ``setting`` stands in the order of ``COST`` (the head's chunking costs nothing): the activation settings
+    0–3 without a host level, again at each level of ``host.LEVELS`` (4–7, 8–11), then the costliest lever it
+    uses."""
     levers = [i for i, name in enumerate(LEVERS) if name in setting.parts]
-    return 4 + max(levers) if levers else 2 * setting.offload + setting.checkpointing
+    if levers:
+        return EXACT_RANKS + max(levers)
+    level = 1 + host.LEVELS.index(setting.host) if setting.host else 0
+    return 4 * level + 2 * setting.offload + setting.checkpointing
 
 
 def keeps_step(setting: Setting) -> bool:
     """Whether ``setting`` trains the baseline's step (it uses no lever)."""
-    return rank(setting) < len(COST) - len(LEVERS)
+    return rank(setting) < EXACT_RANKS
 
 
 def measuring_order(can_chunk: bool, can_checkpoint: bool) -> list[Setting]:
@@ -102,15 +112,26 @@ class Subject:
         self.can_chunk = bool(is_causal_lm(model) and unsupported_reason(model) is None
                               and (loss_fn is None or t.chunked_loss))
         self.can_checkpoint = enable_gradient_checkpointing is not None
+        self._whole: dict = {}  # one process's Profile of each setting measured, by setting without host level
 
     def measure(self, setting: Setting) -> Optional[Profile]:
-        """The Profile of ``setting``, or None when the model cannot checkpoint after all."""
+        """The Profile of ``setting``, or None when the model cannot checkpoint after all. A host level changes
+        where the fixed part lives, not the micro-steps: they are measured once for every level."""
+        key = dataclasses.replace(setting, host="")
+        if key not in self._whole:
+            self._whole[key] = self.measure_whole(key)
+        if self._whole[key] is None:
+            return None
+        whole = dataclasses.replace(self._whole[key], setting=setting)
+        return host.price(whole, self.pricing.layout, sharded.sizes_of(self.model))
+
+    def measure_whole(self, setting: Setting) -> Optional[Profile]:
+        """``setting``'s Profile as one process holding everything has it (None: no checkpointing after all)."""
         try:
             switch(self.model, setting, self.enable_gradient_checkpointing)
         except ConfigError:
             return None
-        whole = measure(self.model, self.batches, setting, self.t, self.loss_fn, self.pricing.per_process)
-        return sharded.per_process(whole, self.pricing.layout, sharded.sizes_of(self.model))
+        return measure(self.model, self.batches, setting, self.t, self.loss_fn, self.pricing.per_process)
 
 
 def make_plan(model, batches: list, request: PlanRequest, loss_fn=None,
@@ -135,30 +156,20 @@ def make_plan(model, batches: list, request: PlanRequest, loss_fn=None,
 
 
 def plan_subjects(subject, request: PlanRequest) -> Plan:
-    """``make_plan`` on subjects: the recipe's (its exact settings, cheapest first), then ``request.levers``', in
-    order."""
+    """``make_plan`` on subjects: the recipe's exact settings, cheapest first — without a host level, then at each
+    of ``request.host_levels`` — then ``request.levers``', in order. A setting fits when its step fits the card and
+    its host part the host (``PlanRequest.host_budget``)."""
     budget, per_process, every_setting = request.budget, request.per_process, request.every_setting
     can_chunk = subject.can_chunk
-    fits = lambda p: p.largest_micro_batch(per_process, budget) > 0  # noqa: E731
+    fits = lambda p: p.largest_micro_batch(per_process, budget) > 0 and p.host <= request.host_budget  # noqa: E731
     # with the chunked head available, the settings without it are measured only to show what it saves
     pick = lambda: min((p for p in profiles if fits(p) and p.setting.chunked_loss == can_chunk),  # noqa: E731
                        key=lambda p: rank(p.setting), default=None)
     profiles = []
-    if subject.fixed is not None and subject.fixed > budget:
-        profiles.append(subject.unmeasured(Setting(checkpointing=subject.can_checkpoint, chunked_loss=can_chunk)))
-    else:
-        order = measuring_order(can_chunk, subject.can_checkpoint)
-        for i, setting in enumerate(order):
-            chosen = pick()
-            if chosen and not every_setting and all(rank(s) >= rank(chosen.setting) for s in order[i:]):
-                break
-            profile = subject.measure(setting)
-            if profile is None:  # no checkpointing support after all
-                break
-            profiles.append(profile)
-            if setting.offload:
-                base = next(p for p in profiles if p.setting == dataclasses.replace(setting, offload=False))
-                profiles[-1].floor = without_saved(base)
+    for level in request.host_levels:
+        if pick() is not None and not every_setting:
+            break
+        weigh(subject, level, profiles, pick, request)
     checkpointing = any(p.setting.checkpointing for p in profiles)
     for lever, build in request.levers:
         if pick() is not None and not every_setting:
@@ -166,6 +177,32 @@ def plan_subjects(subject, request: PlanRequest) -> Plan:
         profiles.append(measure_lever(build(), dataclasses.replace(lever, checkpointing=checkpointing,
                                                                     chunked_loss=can_chunk), budget))
     return finish_plan(request, profiles, pick())
+
+
+def weigh(subject, level: str, profiles: list, pick: Callable, request: PlanRequest) -> None:
+    """Add ``subject``'s activation settings at host ``level`` ("" none) to ``profiles``, measured cheapest first
+    until no cheaper one than ``pick()`` is left; one priced from its fixed part where that alone exceeds the card
+    or its host part the host."""
+    can_chunk = subject.can_chunk
+    if subject.fixed is not None:
+        priced = subject.unmeasured(Setting(checkpointing=subject.can_checkpoint, chunked_loss=can_chunk, host=level))
+        if fixed_part(priced) > request.budget or priced.host > request.host_budget:
+            profiles.append(priced)
+            return
+    # at a host level the head's chunking is not shown again: only the settings the planner may pick
+    order = [dataclasses.replace(s, host=level) for s in measuring_order(can_chunk, subject.can_checkpoint)
+             if not level or s.chunked_loss == can_chunk]
+    for i, setting in enumerate(order):
+        chosen = pick()
+        if chosen and not request.every_setting and all(rank(s) >= rank(chosen.setting) for s in order[i:]):
+            break
+        profile = subject.measure(setting)
+        if profile is None:  # no checkpointing support after all
+            break
+        profiles.append(profile)
+        if setting.offload:
+            base = next(p for p in profiles if p.setting == dataclasses.replace(setting, offload=False))
+            profiles[-1].floor = without_saved(base)
 
 
 def measure_lever(subject, setting: Setting, budget: float) -> Profile:
@@ -182,7 +219,8 @@ def finish_plan(request: PlanRequest, profiles: list, chosen: Optional[Profile])
     budget, per_process, gpu_bytes, layout = request.budget, request.per_process, request.gpu_bytes, request.layout
 
     def at_largest(p: Profile) -> tuple[int, int]:
-        b = p.largest_micro_batch(per_process, budget)
+        # a setting whose host part exceeds the host has no micro-batch that fits
+        b = p.largest_micro_batch(per_process, budget) if p.host <= request.host_budget else 0
         return b, p.step_peak(b or 1, per_process // (b or 1))
 
     last = chosen or profiles[-1]
@@ -197,8 +235,9 @@ def finish_plan(request: PlanRequest, profiles: list, chosen: Optional[Profile])
                 fits=chosen is not None, processes=layout.processes, zero_stage=layout.zero_stage,
                 headroom=int(gpu_bytes - CONTEXT - peak), speed=speed_of(chosen, request),
                 note=explain(chosen, profiles, request),
-                settings=[SettingPlan(p.setting, *at_largest(p), p.measured, keeps_step(p.setting)) for p in profiles],
-                profiles=profiles)
+                settings=[SettingPlan(p.setting, *at_largest(p), p.measured, keeps_step(p.setting), p.host)
+                          for p in profiles],
+                profiles=profiles, host=last.host, host_memory=request.host_bytes)
 
 
 def speed_of(chosen: Optional[Profile], request: PlanRequest) -> Optional[Speed]:
@@ -207,12 +246,32 @@ def speed_of(chosen: Optional[Profile], request: PlanRequest) -> Optional[Speed]
     if chosen is None or request.work is None or not chosen.multiplying[0]:
         return None
     s = chosen.setting
-    return estimate(request.gpu, s.compute or request.training.mixed_precision, chosen.multiplying, s.checkpointing,
-                    request.work, chosen.here_flops)
+    speed = estimate(request.gpu, s.compute or request.training.mixed_precision, chosen.multiplying, s.checkpointing,
+                     request.work, chosen.here_flops)
+    if not s.host:
+        return speed
+    b = chosen.largest_micro_batch(request.per_process, request.budget)
+    steps = -(-request.work.rows // request.effective)
+    card = CARDS.get(speed.card) or CARDS.get(request.gpu.strip().lower())
+    offload = host.offload_time(chosen, request.layout.processes, request.per_process // b, card, steps)
+    added = steps * offload.seconds
+    return dataclasses.replace(speed, offload=offload, seconds=speed.seconds + added if speed.seconds else 0.0,
+                               here_seconds=speed.here_seconds + added if speed.here_seconds else 0.0)
 
 
 def fixed_part(p: Profile) -> int:
     return p.weights + p.gradients + p.optimizer_state
+
+
+def needs(p: Profile, per_process: int) -> str:
+    """What ``p``'s setting would need: its step on the card (at 1 sample, or its fixed part where not measured),
+    and, at a host level, its host part."""
+    if not p.setting.host:
+        return f"{p.setting.label} needs " + (f"{size(p.step_peak(1, per_process))} at 1 sample" if p.measured else
+                                              f"{size(fixed_part(p))} for weights, gradients and optimizer state alone")
+    card = f"{size(p.step_peak(1, per_process))} on the card at 1 sample" if p.measured else \
+        f"at least {size(p.step_peak(1, per_process))} on the card"
+    return f"{p.setting.label} needs {size(p.host)} of host memory and {card}"
 
 
 def explain(chosen: Optional[Profile], profiles: list, request: PlanRequest) -> str:
@@ -222,10 +281,11 @@ def explain(chosen: Optional[Profile], profiles: list, request: PlanRequest) -> 
     if gpu_bytes <= CONTEXT:
         return (f"does not fit: {gpu_bytes / GiB:.1f} GiB is no more than the {CONTEXT / GiB:.1f} GiB the CUDA "
                 "context takes before any tensor")
-    short = [f"{p.setting.label} needs {size(p.step_peak(1, per_process))} at 1 sample" if p.measured else
-             f"{p.setting.label} needs {size(fixed_part(p))} for weights, gradients and optimizer state alone"
-             for p in profiles if not p.largest_micro_batch(per_process, budget)]
+    short = [needs(p, per_process) for p in profiles
+             if not p.largest_micro_batch(per_process, budget) or p.host > request.host_budget]
     room = f"{size(budget)} for tensors" + ("" if layout == Layout() else f" on each process: {layout.describe()}")
+    if any(p.setting.host for p in profiles):
+        room += f", {size(request.host_budget)} of host memory" + (" each" if layout.processes > 1 else "")
     if chosen is None:
         fixed = min(fixed_part(p) for p in profiles)
         sharding = "FSDP or DeepSpeed (accelerate_configs/; price it with --processes and --zero-stage)" \
@@ -234,8 +294,10 @@ def explain(chosen: Optional[Profile], profiles: list, request: PlanRequest) -> 
             else f"weights, gradients and optimizer state alone do not fit: {sharding} or a bigger card"
         return f"does not fit ({room}): " + "; ".join(short) + f" — {hint}"
     b = chosen.largest_micro_batch(per_process, budget)
-    why = f"why: {chosen.setting.label} is the cheapest setting that fits ({room})" + "".join(f"; {x}" for x in short) \
-        + ". Cost: " + "; ".join(f"{x}: {COST[x]}" for x in chosen.setting.parts or ("plain",))
+    changed = "" if keeps_step(chosen.setting) else " — nothing that keeps the baseline's step fits"
+    why = f"why: {chosen.setting.label} is the cheapest setting that fits ({room}){changed}" \
+        + "".join(f"; {x}" for x in short) + ". Cost: " \
+        + "; ".join(f"{x}: {COST[x]}" for x in chosen.setting.parts or ("plain",))
     if b == per_process:
         return why + ". The whole window fits in one micro-batch: no accumulation needed"
     return why + f". {per_process // b} micro-batches of {b} take the same steps as one batch of {request.effective}"
@@ -243,10 +305,12 @@ def explain(chosen: Optional[Profile], profiles: list, request: PlanRequest) -> 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the command
-def plan_recipe(cfg, gpu: str, layout: Layout, build: Callable, effective: int) -> Plan:
+def plan_recipe(cfg, gpu, layout: Layout, build: Callable, effective: int) -> Plan:
     """``finetune plan`` for a recipe whose model this machine can build: every setting measured at full depth.
-    ``build(cfg)``: the recipe's job (start-up's, given by the command); ``effective``: the batch planned for."""
-    parse_gpu(gpu)  # before building the model
+    ``gpu``: the card, or a ``Machine`` (the card, the host); ``build(cfg)``: the recipe's job (start-up's, given
+    by the command); ``effective``: the batch planned for."""
+    machine = as_machine(gpu)
+    parse_gpu(machine.gpu)  # before building the model
     job = build(cfg)
     plannable(job)
     planned_window(effective, job)
@@ -260,8 +324,9 @@ def plan_recipe(cfg, gpu: str, layout: Layout, build: Callable, effective: int) 
         return Subject(built.model, batches, variant.training, built.loss_fn, checkpointing_of(built), pricing)
 
     levers = tuple((lever, lambda lever=lever: subject(with_lever(cfg, lever))) for lever in recipe_levers(cfg))
-    return plan_subjects(subject(cfg, job), PlanRequest(gpu, effective, t, layout, seq, levers,
-                                                        work=work_of(job, t, effective, job.model)))
+    return plan_subjects(subject(cfg, job), PlanRequest(machine.gpu, effective, t, layout, seq, levers,
+                                                        work=work_of(job, t, effective, job.model),
+                                                        host_memory=machine.host_memory, offload=machine.offload))
 
 
 def rebuilder(job, build: Callable) -> Callable:

@@ -10,6 +10,7 @@ from typing import Optional
 
 from finetune.config import TrainingConfig
 from finetune.memory.cards import parse_gpu
+from finetune.memory.host import LEVELS
 from finetune.memory.measure import GiB
 from finetune.memory.sharded import PERSISTENCE_THRESHOLD, REDUCE_BUCKET, Layout
 from finetune.memory.speed import Speed, Work
@@ -23,13 +24,32 @@ def size(nbytes: float) -> str:
     return f"{nbytes / GiB:.2f} GiB" if abs(nbytes) >= GiB else f"{nbytes / 2**20:.1f} MiB"
 
 
+def this_machine_memory() -> int:
+    """Bytes of RAM this machine has (``--host-memory``'s default)."""
+    import psutil  # lazy: only a plan asks
+
+    return psutil.virtual_memory().total
+
+
 def budget_for(gpu_bytes: float) -> float:
     """Bytes of tensors a card of ``gpu_bytes`` can hold: what the context leaves, less the headroom."""
     return (gpu_bytes - CONTEXT) * HEADROOM
 
 
+@dataclass(frozen=True)
+class Machine:
+    """What a plan is for besides the recipe: the card (``cards.parse_gpu``), the host's memory (bytes, every
+    process together; 0: this machine's RAM) and the host level forced (``--offload``: "" none, or a level of
+    ``host.LEVELS``; None: the planner weighs each)."""
+
+    gpu: str
+    host_memory: int = 0
+    offload: Optional[str] = None
 
 
+def as_machine(gpu) -> Machine:
+    """``gpu`` (a Machine, or the card alone) as a Machine."""
+    return gpu if isinstance(gpu, Machine) else Machine(gpu)
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,22 @@ class PlanRequest:
     levers: tuple = ()             # (Setting, a function returning its Subject), in ``LEVERS`` order
     every_setting: bool = False    # measure them all (``Plan.predict`` then answers for any), not only until the pick
     work: Optional[Work] = None    # what the run computes, for the speed estimate (None: none)
+    host_memory: int = 0           # bytes of host memory, every process together (0: this machine's RAM)
+    offload: Optional[str] = None  # the host level forced (training.offload: "" none, or a level); None: any
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_memory or this_machine_memory()
+
+    @property
+    def host_budget(self) -> float:
+        """Host bytes one process's training state may take: its share of the host, less the headroom."""
+        return self.host_bytes * HEADROOM / self.layout.processes
+
+    @property
+    def host_levels(self) -> tuple:
+        """The host levels weighed, in order: none, then ``host.LEVELS``; only the forced one where one is."""
+        return ("", *LEVELS) if self.offload is None else (self.offload,)
 
     @property
     def per_process(self) -> int:
@@ -83,10 +119,11 @@ class SettingPlan:
     step_peak: int
     measured: bool
     exact: bool
+    host: int = 0   # bytes of host memory a process keeps for the training state (``memory.host``)
 
     def record(self) -> dict:
         return {"setting": self.setting.label, "micro_batch": self.micro_batch, "step_peak": self.step_peak,
-                "measured": self.measured, "exact": self.exact}
+                "measured": self.measured, "exact": self.exact, "host": self.host}
 
 
 @dataclass(frozen=True)
@@ -116,6 +153,8 @@ class Plan:
     processes: int                 # every number above is what one of them holds (``sharded.Layout``)
     zero_stage: int
     speed: Optional[Speed] = None            # the run's speed and wall time (None: no estimate)
+    host: int = 0                  # bytes of host memory a process keeps for the training state, recommended setting
+    host_memory: int = 0           # bytes of host memory planned for, every process together
     settings: list = field(default_factory=list)   # every setting tried (SettingPlan), in the order tried
     profiles: list = field(default_factory=list, repr=False)
 
@@ -126,7 +165,8 @@ class Plan:
             value = getattr(self, f.name)
             if f.name == "setting":
                 out.update(gradient_checkpointing=value.checkpointing, chunked_loss=value.chunked_loss,
-                           activation_offloading=value.offload, lora=value.lora, lever_optimizer=value.optimizer,
+                           activation_offloading=value.offload, offload=value.host or "none", lora=value.lora,
+                           lever_optimizer=value.optimizer,
                            lever_base=value.base, lever_compute=value.compute)
             elif f.name == "settings":
                 out[f.name] = [row.record() for row in value]
@@ -163,11 +203,12 @@ class Plan:
                   f"{'CUDA context + slack':<28}{size(CONTEXT):>12}  reserved before any tensor",
                   f"{'total':<28}{size(self.step_peak + CONTEXT):>12}  of {size(self.gpu_bytes)} ({self.gpu})",
                   *([self.headroom_line()] if self.fits else []),
-                  "", f"{'setting':<{w}}{'largest micro-batch':>20}{'step peak there':>18}  (none: at 1)",
-                  "-" * (w + 52)]
+                  self.host_line(),
+                  "", f"{'setting':<{w}}{'largest micro-batch':>20}{'step peak there':>18}{'host':>12}  (none: at 1)",
+                  "-" * (w + 64)]
         lines += [f"{s.setting.label:<{w}}{s.micro_batch or 'none':>20}"
-                  f"{size(s.step_peak) if s.measured else '> ' + size(s.step_peak):>18}"
-                  f"{'' if s.measured else '  (weights, gradients, optimizer state alone: not measured)'}"
+                  f"{size(s.step_peak) if s.measured else '> ' + size(s.step_peak):>18}{size(s.host):>12}"
+                  f"{'' if s.measured else '  (' + unmeasured_why(s) + ': not measured)'}"
                   for s in self.settings]
         lines.append("")
         if self.fits:
@@ -179,6 +220,16 @@ class Plan:
             lines += ["", *speed_lines(self.speed)]
         return "\n".join(lines)
 
+    def host_line(self) -> str:
+        """What the recommendation keeps in host memory per process, of the host planned for."""
+        where = f"of {size(self.host_memory)} host memory" + (f" for {self.processes} processes"
+                                                               if self.processes > 1 else "")
+        if not self.setting.host:
+            return f"{'host memory':<28}{size(self.host):>12}  {where}: the training state stays on the card"
+        return (f"{'host memory':<28}{size(self.host):>12}  {where}: {self.setting.host} offload (fp32 master, "
+                "AdamW's moments, gradient buffers" + (", the weights" if self.setting.host == "parameters" else "")
+                + "; memory.host)")
+
     def headroom_line(self) -> str:
         """What the card has left at the recommendation, and whether the effective batch caps its micro-batch."""
         per_process = self.effective_batch_size // self.processes
@@ -187,6 +238,12 @@ class Plan:
             return line + (f"; capped at the effective batch ({per_process} a process): a larger micro-batch is "
                            "never used, the room stays free")
         return line + f"; micro-batch {next_divisor(self.micro_batch_size, per_process)} would not fit"
+
+
+def unmeasured_why(s: SettingPlan) -> str:
+    """Why a setting was priced from its fixed part alone."""
+    return "its fixed part alone exceeds the card or the host" if s.setting.host else \
+        "weights, gradients, optimizer state alone"
 
 
 def next_divisor(b: int, n: int) -> int:
@@ -213,6 +270,8 @@ def speed_lines(s: Speed) -> list[str]:
                   f"= {s.tokens_per_second:.4g} tokens/s; {run} → {duration(s.seconds)}"]
     else:
         lines += [f"  no estimate on the card: {s.card_note}; {run}"]
+    if s.offload is not None:
+        lines += offload_lines(s)
     if s.here_flops:
         lines += [f"  measured on {s.here}: {s.here_flops / 1e9:.4g} GFLOP/s in the planner's last micro-step "
                   f"(allocator recorded) = {s.here_tokens_per_second:.4g} tokens/s → {duration(s.here_seconds)}"]
@@ -222,9 +281,31 @@ def speed_lines(s: Speed) -> list[str]:
     return lines
 
 
+def offload_lines(s: Speed) -> list[str]:
+    """The host level's price per optimizer step (``host.OffloadTime``), included in the run's times, and the step
+    on the card with it."""
+    o = s.offload
+    link = (f"{o.link_bytes / 1e9:.3g} GB over {o.link} ({o.link_rate / 1e9:.3g} GB/s each way) = "
+            f"{o.link_seconds:.3g} s" if o.link_rate else
+            f"{o.link_bytes / 1e9:.3g} GB over the host link (no link at hand for this card: not timed)")
+    return [f"  {o.level} offload, each optimizer step: {link}; the host's AdamW step {o.host_seconds:.3g} s "
+            f"({o.timed}) → +{o.seconds:.3g} s a step, {o.steps:,} steps → +{duration(o.steps * o.seconds)} "
+            "(not overlapped with the card's work: an upper bound)"] + ([
+        f"  time per optimizer step on {s.card}: {compute:.3g} s computing + {o.seconds:.3g} s offload = "
+        f"{compute + o.seconds:.3g} s"] if (compute := step_compute(s)) else [])
+
+
+def step_compute(s: Speed) -> float:
+    """Seconds one optimizer step computes on the card (0: no estimate there)."""
+    steps = s.offload.steps if s.offload else 0
+    return s.run_tokens / steps / s.tokens_per_second if steps and s.tokens_per_second else 0.0
+
+
 def fixed_rows(p: Profile, layout: Layout) -> list:
     """The table's rows for what one process holds besides a micro-batch's own: weights, gradients, optimizer state,
     and the layout's buckets and gathered weights, each saying how ``layout`` divides it (``memory.sharded``)."""
+    if p.setting.host:
+        return offloaded_rows(p, layout.processes)
     n, stage = layout.processes, layout.zero_stage
     rows = [("weights", p.weights, f"{p.parameters / 1e6:.2f} M parameters"
              + (f"; ÷ {n}, those of ≤ {PERSISTENCE_THRESHOLD:,} elements whole" if stage == 3 else "")),
@@ -235,4 +316,19 @@ def fixed_rows(p: Profile, layout: Layout) -> list:
                     ("DeepSpeed reduce bucket", p.buckets, f"reduce_bucket_size: {REDUCE_BUCKET:,} elements"))
     if p.gathered:
         rows.append(("gathered weights", p.gathered, "whole parameters in forward and backward"))
+    return rows
+
+
+def offloaded_rows(p: Profile, n: int) -> list:
+    """``fixed_rows`` under a host level (``memory.host``): what stays on the card."""
+    on_host = f"on the host ({p.setting.host} offload)"
+    weights = f"{p.parameters / 1e6:.2f} M parameters" if p.setting.host == "optimizer" else \
+        f"those of ≤ {PERSISTENCE_THRESHOLD:,} elements; the rest on the host"
+    rows = [("weights", p.weights, weights),
+            ("gradients", p.gradients, f"{p.trainable / 1e6:.2f} M trainable, {on_host}"),
+            ("optimizer state", p.optimizer_state, f"{on_host}, AdamW steps there"),
+            ("DeepSpeed buffers", p.buckets, f"reduce bucket ({REDUCE_BUCKET:,} elements)"
+             + (" + a gradient buffer of the largest parameter" if p.setting.host == "optimizer" else ""))]
+    if p.gathered:
+        rows.append(("gathered weights", p.gathered, "whole layers streamed in for forward and backward"))
     return rows

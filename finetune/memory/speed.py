@@ -66,6 +66,7 @@ class Speed:
     here_tokens_per_second: float
     here_seconds: float
     here: str                   # which machine, and how it was measured
+    offload: Optional[object] = None  # under a host level: ``host.OffloadTime``, included in the seconds above
 
 
 def multiplying(model: torch.nn.Module) -> tuple[int, int]:

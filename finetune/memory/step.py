@@ -40,7 +40,8 @@ class Setting:
 
     checkpointing: bool = False
     chunked_loss: bool = False
-    offload: bool = False
+    offload: bool = False   # activation offloading (training.activation_offloading)
+    host: str = ""          # training.offload where it is not none: optimizer or parameters (``memory.host``)
     lora: bool = False      # LoRA where the recipe trains every weight
     optimizer: str = ""     # where it differs from the recipe's: adamw8bit
     base: str = ""          # the frozen base, where it differs from the recipe's: bf16, or nf4 (with the rest in bf16)
@@ -52,7 +53,9 @@ class Setting:
         return tuple(name for name, on in (("8-bit AdamW", self.optimizer == "adamw8bit"), ("LoRA", self.lora),
                                            (f"{self.base} base", self.base), (f"{self.compute} compute", self.compute),
                                            ("checkpointing", self.checkpointing), ("chunked loss", self.chunked_loss),
-                                           ("offloading", self.offload)) if on)
+                                           ("offloading", self.offload),
+                                           ("optimizer offload", self.host == "optimizer"),
+                                           ("parameter offload", self.host == "parameters")) if on)
 
     @property
     def label(self) -> str:
@@ -64,6 +67,8 @@ class Setting:
         out = [f"--set training.gradient_checkpointing={str(self.checkpointing).lower()}"]
         if self.offload:
             out.append("--set training.activation_offloading=true")
+        if self.host:
+            out.append(f"--offload {self.host}")
         if self.lora:
             out.append("--set peft.enabled=true")
         if self.optimizer:
@@ -125,6 +130,8 @@ class Profile:
     gathered: int = 0           # ZeRO-3: whole parameters gathered for forward and backward (``memory.sharded``)
     multiplying: tuple = (0, 0)  # (N, N_t): parameters that multiply a token's activations, and those that train
     here_flops: float = 0.0     # FLOP/s this machine sustained in the last micro-step measured (0: none)
+    host: int = 0               # bytes kept in host memory for the training state (``memory.host``; 0: none)
+    counts: Optional[object] = None  # under a host level: the model's ``host.Counts``, for the link's traffic
 
     def part(self, which: list, b: int) -> int:
         return at_size(which, b)
