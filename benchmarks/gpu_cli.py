@@ -169,6 +169,12 @@ def rate(records: list, tokens_per_step: int) -> float:
     return sum(r.get("tokens", tokens_per_step) for r in timed) / sum(r["seconds"] for r in timed)
 
 
+def step_seconds(records: list) -> float:
+    """Seconds an optimizer step takes, over the steps after the first."""
+    timed = records[1:] or records
+    return sum(r["seconds"] for r in timed) / len(timed)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the capped process
 
@@ -251,13 +257,17 @@ def offload_rows(bench, until: float) -> None:
         marks = capped_run(run_argv([*sets, *as_run(plan)], b, steps, root / "optimizer", "--offload", "optimizer"),
                            cap, root / "optimizer")
         grown = marks["rss_peak"] - marks["rss_model_built"]
-        kept["tokens_per_s"] = rate(history(root / "optimizer"), tokens)
+        records = history(root / "optimizer")
+        kept["tokens_per_s"] = rate(records, tokens)
+        priced = ((plan.get("speed") or {}).get("offload") or {})  # the plan's price of the host's step and link
         return {"offload": "optimizer", "micro_batch": b, "accumulation": EFFECTIVE // b, "steps": steps,
                 "setting": {k: plan[k] for k in ("gradient_checkpointing", "chunked_loss", "activation_offloading")},
                 "cap": "16 GiB" if cap else "none (cpu)",
                 "card_peak_bytes": marks["card_peak"], "planned_card_bytes": plan["step_peak"],
                 "rss_peak_bytes": marks["rss_peak"], "rss_grown_bytes": grown, "planned_host_bytes": plan["host"],
                 "tokens_per_s": kept["tokens_per_s"], "plan_note": plan["note"],
+                "step_seconds": step_seconds(records), "planned_host_step_seconds": priced.get("host_seconds"),
+                "planned_link_bytes": priced.get("link_bytes"), "planned_host_step_timed": priced.get("timed"),
                 "note": "" if cuda else "no card: its peak and the cap are not measured on a CPU; the host's RSS is"}
 
     def plain():

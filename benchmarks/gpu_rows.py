@@ -324,12 +324,13 @@ def cli_tables(rows: list) -> list:
     if offload:
         out += ["## A 1B full fine-tune on a 16 GiB card: optimizer offload against the plan", "", C.table(
             ["run", "micro-batch × N", "card peak", "plan: card", "peak ÷ plan", "RSS peak", "RSS grown",
-             "plan: host", "grown ÷ plan", "tokens/s", "status", "note"],
+             "plan: host", "grown ÷ plan", "tokens/s", "s a step", "plan: host step s", "status", "note"],
             [[r["label"], f"{r['micro_batch']} × {r['accumulation']}" if r["status"] == "ok" else "—",
               mem(r.get("card_peak_bytes") or ("not on a CPU" if r["status"] == "ok" else None)),
               mem(r.get("planned_card_bytes")), ratio(r.get("card_peak_bytes"), r.get("planned_card_bytes")),
               mem(r.get("rss_peak_bytes")), mem(r.get("rss_grown_bytes")), mem(r.get("planned_host_bytes")),
-              ratio(r.get("rss_grown_bytes"), r.get("planned_host_bytes")), num(r.get("tokens_per_s")), status(r),
+              ratio(r.get("rss_grown_bytes"), r.get("planned_host_bytes")), num(r.get("tokens_per_s")),
+              num(r.get("step_seconds"), ".2f"), num(r.get("planned_host_step_seconds"), ".2f"), status(r),
               r.get("note", "") + (f"; offload's tokens/s × {r['offload_speed_ratio']:.2f} of this"
                                    if r.get("offload_speed_ratio") else "")] for r in offload]), ""]
     fp16 = [r for r in rows if r["section"] == "fp16"]

@@ -88,6 +88,7 @@ def test_gpu_bench_tiny_writes_every_row(tmp_path):
         r = rows[OFFLOAD[0]]
         assert r["planned_host_bytes"] > 0 and r["planned_card_bytes"] > 0 and r["rss_grown_bytes"] > 0, r
         assert r["card_peak_bytes"] is None and "not measured on a CPU" in r["note"], r
+        assert r["step_seconds"] > 0 and r["planned_host_step_seconds"] > 0, r  # measured beside the plan's price
         assert rows[OFFLOAD[1]]["micro_batch"] == r["micro_batch"], rows[OFFLOAD[1]]
         assert rows[OFFLOAD[1]]["offload_speed_ratio"] > 0, rows[OFFLOAD[1]]
     plain = rows[OFFLOAD[1]]
