@@ -1,7 +1,7 @@
 """Where users run it, on one GPU: speed beside TRL's SFTTrainer, an 8 B model on a 16 / 24 GiB card, and what the
 exactness defaults cost. One script, one call; every row is measured in the same process on the same device.
 
-    python benchmarks/gpu.py --out runs/gpu-bench           # CUDA: the real sizes, ≤ --budget seconds (default 420)
+    python benchmarks/gpu.py --out runs/gpu-bench           # CUDA: the real sizes, ≤ --budget seconds (default 440)
     python benchmarks/gpu.py --tiny --out /tmp/gpu-bench    # anywhere: tiny sizes, every section (the suite's test)
 
 No weights travel: each model is built from its published config (``tests/assets/llama-3.2-1b``,
@@ -26,6 +26,11 @@ Sections (``--sections``):
   ``pad_to_window`` acts) with ``training.fp32_grad_sums`` / ``training.pad_to_window`` on and off: tokens/s and peak
   at (2, 4), and the bf16 distance of layout (8, 1) from (2, 4) in each setting (largest per-step relative difference
   of the logged loss and grad norm).
+* **offload**, **fp16**, **plan** — ``finetune run``, ``plan`` and ``compare`` as a user runs them, on Llama-3.2-1B
+  from its config through the clm recipe (``benchmarks/gpu_cli.py`` says how and what each row measures): the full
+  fine-tune with ``--offload optimizer`` in a process capped at 16 GiB against ``finetune plan --offload`` (card
+  peak, host RSS, tokens/s with and without offload); fp16's loss scale and skipped steps, and ``finetune compare`` of
+  (8, 1) against (2, 4); ``plan --model-config`` against ``max_memory_allocated`` of the run it recommends.
 
 FLOPs for MFU: 6·N + 12·L·H·s per trained token (PaLM's count, appendix B: N the parameters less the input embedding,
 L layers, H = heads × head dim, s the row length; the attention term counts the full square, as PaLM does). Peak bf16
@@ -45,40 +50,33 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
 import importlib.util
 import io
-import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common as C  # noqa: E402
+import gpu_cli  # noqa: E402
 import torch  # noqa: E402
+from gpu_rows import Bench, Peak, bf16_peak, needs, release, spy_auto_profile  # noqa: E402
 
 from finetune import loop, startup  # noqa: E402
 from finetune.config import TrainingConfig  # noqa: E402
 from finetune.data import pad_collate  # noqa: E402
-from finetune.distributed import restart_accelerate_state  # noqa: E402
 from finetune.job import Job  # noqa: E402
 from finetune.loading import load_recipe  # noqa: E402
-from finetune.memory.measure import PeakMeter  # noqa: E402
 
 GiB, MiB = 2 ** 30, 2 ** 20
 PAD = 0  # the pad id of the collate and of TRL's tokenizer; data ids start above it
-# dense bf16 peak of NVIDIA's data sheets, by the name torch.cuda.get_device_name gives (first match wins)
-BF16_PEAK = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12))
-SECTIONS = ("speed", "small", "exact")
-SHARE = {"speed": 0.55, "small": 0.25, "exact": 0.20}  # each section's share of --budget
+SECTIONS = ("speed", "small", "exact", "offload", "fp16", "plan")
+SHARE = {"speed": 0.34, "small": 0.14, "exact": 0.10, "offload": 0.24, "fp16": 0.10, "plan": 0.08}  # of --budget
 
 
 @dataclass(frozen=True)
@@ -130,10 +128,10 @@ def sizes(device: torch.device) -> dict:
     return {
         "full": Size(seq=2048, models={"1B": str(assets / "llama-3.2-1b"), "8B": str(assets / "llama-3.1-8b")},
                      warmup=2, timed=4, small_steps=3, caps={"8b-qlora-16gib": 16 * GiB, "8b-lora-24gib": 24 * GiB},
-                     budget=420.0),
+                     budget=440.0),
         "tiny": Size(seq=64, models=tiny_configs(), warmup=1, timed=2, small_steps=2,
                      caps={k: (v * GiB if device.type == "cuda" else None) for k, (_, v) in SMALL.items()},
-                     budget=120.0),
+                     budget=300.0),
     }
 
 
@@ -145,7 +143,7 @@ def tiny_configs() -> dict:
     folder = Path(tempfile.mkdtemp(prefix="gpu-bench-configs-"))
     out = {}
     for name, tied in (("1B", True), ("8B", False)):
-        LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                     tie_word_embeddings=tied).save_pretrained(folder / name)
         out[name] = str(folder / name)
@@ -208,14 +206,6 @@ def flops_per_token(config_dir: str, seq: int) -> float:
     return 6 * n + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq
 
 
-def bf16_peak(device: torch.device):
-    """Dense bf16 FLOP/s of the card (None: not a card in ``BF16_PEAK``, or a CPU)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in BF16_PEAK if key in name), None)
-
-
 def tokenizer_for_trl():
     """A tokenizer that knows only the pad and end tokens: the data are token ids already, and TRL needs a
     processing class for its collator's pad id (it would otherwise look for one on the hub)."""
@@ -228,47 +218,6 @@ def tokenizer_for_trl():
 
 # ---------------------------------------------------------------------------------------------------------------
 # measuring
-
-
-def release() -> None:
-    """Free what the last row left: unreachable tensors and the allocator's cached blocks."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-class Peak:
-    """The most bytes allocated during the block, weights included. CUDA: ``max_memory_allocated`` since the block
-    began (everything the process holds; ``restart()`` starts the record again, e.g. at a steady step); CPU: the
-    allocator's record (``PeakMeter``) above the start, plus what ``model`` held then."""
-
-    def __init__(self, device: torch.device, model=None):
-        self.cuda, self.model, self.bytes = device.type == "cuda", model, 0
-
-    def __enter__(self):
-        if self.cuda:
-            self.restart()
-        else:
-            import memory  # benchmarks/memory.py: the weights with a 4-bit layer's scales and code books
-
-            self.held = memory.weight_bytes(self.model) if self.model is not None else 0
-            self.meter = PeakMeter("cpu").__enter__()
-        return self
-
-    def restart(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.bytes = torch.cuda.max_memory_allocated()
-        else:
-            self.meter.__exit__(*exc)
-            self.bytes = self.held + self.meter.peak
-        return False
 
 
 def training(w_b: int, w_n, steps: int, lr: float, **extra) -> TrainingConfig:
@@ -345,126 +294,6 @@ def train_trl(model, data, w: Workload, cfg, steps: int, device: torch.device) -
 def rel_distance(a: list, b: list) -> float:
     """max over steps of |a − b| / |b|."""
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
-class Skip(Exception):
-    """A row that cannot run here (a package missing): written as skipped, with the reason."""
-
-
-class OverBudget(BaseException):
-    """A row past its section's time (a BaseException: library code that catches Exception lets it through)."""
-
-
-def needs(module: str, why: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        raise Skip(f"{module} is not installed ({why})")
-
-
-@contextlib.contextmanager
-def spy_auto_profile(box: dict):
-    """Keep the Profile ``batch_size: auto`` picks its micro-batch from (``finetune.memory.step.auto_profile``, which
-    ``AutoBatch.initial_shape`` imports when it runs), so that the planner's prediction can be read at the micro-batch
-    the run kept, in bytes, rather than at the one it planned, rounded in its printed line."""
-    from finetune.memory import step
-
-    real = step.auto_profile
-
-    def kept(*args, **kwargs):
-        box["profile"] = real(*args, **kwargs)
-        return box["profile"]
-
-    step.auto_profile = kept
-    try:
-        yield box
-    finally:
-        step.auto_profile = real
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the rows
-
-
-class Bench:
-    """The rows of one run: each measured in its own guard, written (table, JSON, log) after every row."""
-
-    def __init__(self, args, size: Size, device: torch.device):
-        self.args, self.size, self.device = args, size, device
-        self.out = Path(args.out)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.log = open(self.out / "log.txt", "w")
-        self.start = time.perf_counter()
-        self.deadline = self.start + (args.budget or size.budget)
-        self.rows: list = []
-        self.header = header(device, args)
-        self.say("# " + self.header["line"])
-
-    def say(self, line: str) -> None:
-        print(line, flush=True)
-        self.log.write(line + "\n")
-        self.log.flush()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def row(self, section: str, row_id: str, label: str, measure, until: float) -> dict:
-        """Run ``measure()`` (→ the row's figures) under the section's deadline ``until``; record it as ok, failed
-        (with the exception's first line) or skipped."""
-        full_id = f"{section}/{row_id}"
-        record = {"id": full_id, "section": section, "label": label, "device": self.header["device"]}
-        left = min(until, self.deadline) - time.perf_counter()
-        captured = io.StringIO()
-        t0 = time.perf_counter()
-        if self.device.type == "cuda":  # what an earlier row left behind would count in this row's peak
-            record["allocated_at_start_bytes"] = torch.cuda.memory_allocated(self.device)
-        if left <= 1:
-            record.update(status="skipped", reason=f"time budget spent ({self.elapsed():.0f} s of "
-                                                    f"{self.deadline - self.start:.0f} s)")
-        else:
-            try:
-                with alarm(left), contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-                    if full_id in self.args.force_fail:
-                        raise RuntimeError("forced failure (--force-fail), the negative control")
-                    restart_accelerate_state()  # each row starts from a fresh Accelerate, as in its own process
-                    record.update(status="ok", **measure())
-            except Skip as e:
-                record.update(status="skipped", reason=str(e))
-            except (Exception, OverBudget) as e:  # noqa: BLE001  (a row's failure, out of memory too, is its result)
-                reason = "over its section's time budget" if isinstance(e, OverBudget) else \
-                    f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-                record.update(status="failed", reason=reason)
-                captured.write(traceback.format_exc())
-            finally:
-                release()
-        record["seconds"] = round(time.perf_counter() - t0, 1)
-        self.rows.append(record)
-        self.log.write(f"--- {full_id} ({record['status']}, {record['seconds']} s)\n{captured.getvalue()}\n")
-        self.say(f"[{self.elapsed():6.1f} s] {full_id}: {progress(record)}")
-        self.write()
-        return record
-
-    def write(self) -> list:
-        """Write the table and the JSON of the rows so far (with the ratios derived from them); return those rows."""
-        rows = with_ratios(self.rows)
-        record = {**self.header, "size": self.args.size, "seconds": round(self.elapsed(), 1), "rows": rows}
-        (self.out / "rows.json").write_text(json.dumps(record, indent=1))
-        (self.out / "table.md").write_text(tables(self.header, rows, self.args.size))
-        return rows
-
-
-@contextlib.contextmanager
-def alarm(seconds: float):
-    """Raise OverBudget in the main thread after ``seconds`` (checked between Python bytecodes: a CUDA step
-    returns within seconds)."""
-    def ring(signum, frame):
-        raise OverBudget()
-
-    before = signal.signal(signal.SIGALRM, ring)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, before)
 
 
 def speed_rows(bench: Bench, until: float) -> None:
@@ -610,113 +439,6 @@ def exact_rows(bench: Bench, until: float) -> None:
     pristine.clear()
 
 
-def with_ratios(rows: list) -> list:
-    """``rows``, each exactness row with its tokens/s and peak over the defaults' (both on) where both were
-    measured (new dicts: the measured rows stay as they were recorded)."""
-    base = next((r for r in rows if r["id"] == "exact/both-on" and r["status"] == "ok"), None)
-    if base is None:
-        return rows
-    return [{**r, "tokens_per_s_vs_default": r["tokens_per_s"] / base["tokens_per_s"],
-             "peak_vs_default": r["peak_bytes"] / base["peak_bytes"] if base["peak_bytes"] else None}
-            if r["section"] == "exact" and r["status"] == "ok" else r for r in rows]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# reporting
-
-
-def version(distribution: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def header(device: torch.device, args) -> dict:
-    import finetune
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU only ({os.cpu_count()} cores)"
-    try:
-        commit = subprocess.run(["git", "-C", str(C.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "no git"
-    except (OSError, subprocess.SubprocessError):
-        commit = "no git"
-    versions = {"torch": torch.__version__, **{name: version(name) for name in (
-        "transformers", "accelerate", "trl", "peft", "bitsandbytes", "liger-kernel", "datasets")},
-        "finetune": f"{finetune.__version__} ({commit})"}
-    date = time.strftime("%Y-%m-%d %H:%M")
-    command = "python benchmarks/gpu.py " + " ".join(sys.argv[1:])
-    line = f"{name}; " + ", ".join(f"{k} {v}" for k, v in versions.items()) + f"; {date}; `{command}`"
-    return {"device": name, "versions": versions, "date": date, "command": command, "line": line,
-            "bf16_peak_flops": bf16_peak(device)}
-
-
-def mem(x) -> str:
-    return "—" if x is None else x if isinstance(x, str) else f"{x / GiB:.2f} GiB" if x >= GiB else \
-        f"{x / MiB:.1f} MiB"
-
-
-def num(x, fmt: str = ".0f") -> str:
-    return "—" if x is None else format(x, fmt)
-
-
-def progress(r: dict) -> str:
-    if r["status"] != "ok":
-        return f"{r['status']}: {r['reason']}"
-    parts = [f"{r['tokens_per_s']:.0f} tokens/s" if r.get("tokens_per_s") else None,
-             f"MFU {r['mfu']:.1%}" if r.get("mfu") else None,
-             f"peak {mem(r['peak_bytes'])}" if r.get("peak_bytes") else None,
-             f"predicted {mem(r['predicted_bytes'])}" if r.get("predicted_bytes") else None,
-             f"micro-batch {r['micro_batch']} × {r['accumulation']}" if r["section"] == "small" else None,
-             f"loss distance {r['loss_distance']:.1e}" if "loss_distance" in r else None]
-    return "ok — " + ", ".join(p for p in parts if p)
-
-
-def status(r: dict) -> str:
-    return "ok" if r["status"] == "ok" else f"**{r['status']}**: {r['reason']}"
-
-
-def tables(head: dict, rows: list, size: str) -> str:
-    peak = head["bf16_peak_flops"]
-    mfu = f"MFU against {peak / 1e12:.0f} TFLOP/s dense bf16" if peak else "no MFU (no bf16 peak known for this device)"
-    out = [f"# GPU session: {head['device']}", "", head["line"], "",
-           f"Size: {size}. {mfu}; FLOPs 6·N + 12·L·H·s a trained token (benchmarks/gpu.py).", *(
-               ["", "Tiny: two-layer Llamas 64 wide at 64 tokens stand in for the 1B / 8B shapes; the numbers show "
-                "that every row runs, not how fast anything is."] if size == "tiny" else []), ""]
-    speed = [r for r in rows if r["section"] == "speed"]
-    if speed:
-        out += ["## Speed beside TRL's SFTTrainer", "", C.table(
-            ["workload · tool", "micro-batch × N", "tokens/s", "MFU", "peak memory", "status", "note"],
-            [[r["label"], f"{r['micro_batch']} × {r['accumulation']}" if r["status"] == "ok" else "—",
-              num(r.get("tokens_per_s")), num(r.get("mfu") and 100 * r["mfu"], ".1f") + (" %" if r.get("mfu") else ""),
-              mem(r.get("peak_bytes")), status(r), r.get("note", "")] for r in speed]), ""]
-    small = [r for r in rows if r["section"] == "small"]
-    if small:
-        out += ["## The small card: `batch_size: auto` under a cap", "", C.table(
-            ["run", "cap", "planned micro-batch", "out of memory at", "kept", "predicted peak (kept)",
-             "measured peak", "predicted ÷ measured", "steps", "tokens/s", "status"],
-            [[r["label"], r.get("cap", "—"), num(r.get("planned_micro_batch")),
-              ", ".join(map(str, r.get("oom_retries") or [])) or "—",
-              f"{r['micro_batch']} × {r['accumulation']}" if r["status"] == "ok" else "—",
-              mem(r.get("predicted_bytes")),
-              mem(r.get("peak_bytes") or ("not measurable on cpu" if r["status"] == "ok" else None)),
-              num(r.get("predicted_bytes") and r.get("peak_bytes") and r["predicted_bytes"] / r["peak_bytes"], ".3f"),
-              f"{r['steps']} of {r['steps_asked']}" if r["status"] == "ok" else "—", num(r.get("tokens_per_s")),
-              status(r)] for r in small]), ""]
-    exact = [r for r in rows if r["section"] == "exact"]
-    if exact:
-        out += ["## The price of exactness (1B full fine-tuning, bf16, unpacked)", "", C.table(
-            ["setting", "tokens/s at (2, 4)", "× default", "peak memory", "× default",
-             "loss distance (8,1) vs (2,4)", "grad-norm distance", "padded share", "status"],
-            [[r["label"], num(r.get("tokens_per_s")), num(r.get("tokens_per_s_vs_default"), ".3f"),
-              mem(r.get("peak_bytes")), num(r.get("peak_vs_default"), ".3f"), num(r.get("loss_distance"), ".1e"),
-              num(r.get("grad_norm_distance"), ".1e"), num(r.get("padded_share") and 100 * r["padded_share"], ".0f")
-              + (" %" if r.get("padded_share") else ""), status(r)] for r in exact]), ""]
-    return "\n".join(out)
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", choices=["full", "tiny"], help="full: the 1B / 8B shapes at 2048 tokens (the default "
@@ -724,7 +446,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_const", const="tiny", dest="size", help="the same as --size tiny")
     p.add_argument("--out", default="runs/gpu-bench", help="folder for table.md, rows.json and log.txt")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
-    p.add_argument("--budget", type=float, help="seconds for the whole run (full 420, tiny 120); each section gets "
+    p.add_argument("--budget", type=float, help="seconds for the whole run (full 440, tiny 300); each section gets "
                    "its share, a row past it is written as skipped")
     p.add_argument("--force-fail", action="append", default=[], metavar="ROW_ID",
                    help="make this row fail (e.g. speed/8b-lora/trl): the negative control of the row guard")
@@ -741,7 +463,8 @@ def main(argv=None) -> dict:
     size = sizes(device)[args.size]
     bench = Bench(args, size, device)
     total = sum(SHARE[s] for s in chosen)
-    runners = {"speed": speed_rows, "small": small_rows, "exact": exact_rows}
+    runners = {"speed": speed_rows, "small": small_rows, "exact": exact_rows, "offload": gpu_cli.offload_rows,
+               "fp16": gpu_cli.fp16_rows, "plan": gpu_cli.plan_rows}
     for section in chosen:  # a section's unspent time passes on to the next
         left = bench.deadline - time.perf_counter()
         share = SHARE[section] / total
