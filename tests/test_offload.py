@@ -22,7 +22,7 @@ from finetune.errors import ConfigError
 from finetune.loading import load_recipe
 from finetune.loop import Reporting
 from finetune.registry import recipes_dir
-from tests.helpers import SMALL, assert_one_error_line, tiny_chat_assets
+from tests.helpers import SMALL, assert_one_error_line, tiny_chat_assets, tiny_pairs_assets
 
 pytest.importorskip("deepspeed")
 TRANSFORMER_RECIPES = ("clm-pydoc", "clm-lion-long", "sft-smollm2", "dpo-smollm2", "grpo-smollm2", "minilm-sentiment",
@@ -183,7 +183,7 @@ def test_every_shipped_transformer_recipe_trains_under_offload(tmp_path, name):
     import subprocess
     import sys
 
-    tiny_chat_assets()
+    tiny_pairs_assets()  # the chat recipes' model and data
     sets = [x for o in (*SMALL[name], "output.tracker=none", "output.save_model=false") for x in ("--set", o)]
     cmd = [sys.executable, "-m", "finetune", "run", "--recipe", name, *sets, "--max-steps", "2", "--offload",
            "optimizer", "--output-dir", str(tmp_path / "run")]
