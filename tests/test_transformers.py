@@ -220,3 +220,13 @@ def test_dropout_zero_reaches_attention_that_reads_a_float():
         assert not torch.equal(forward(model), forward(model))  # the check can fail: dropout is live
         set_dropout(model, 0.0)
         assert torch.equal(forward(model), forward(model)), type(model).__name__
+
+
+def test_a_new_model_config_naming_what_the_tokenizer_gives_is_one_line(capsys, tmp_path):
+    from tests.helpers import SMALL, refused_in_process
+
+    config = "model.config={model_type: gpt2, n_layer: 2, n_embd: 32, n_head: 2, n_positions: 64, vocab_size: 100}"
+    args = ["--recipe", "clm-pydoc", *[x for s in SMALL["clm-pydoc"] for x in ("--set", s)], "--set", config,
+            "--output-dir", str(tmp_path / "run")]
+    refused_in_process(capsys, args, "model.config: vocab_size comes from the tokenizer")
+    assert not (tmp_path / "run" / "config.yaml").exists()

@@ -120,6 +120,10 @@ def train_tokenizer(texts: list[str], vocab_size: int):
                                    bos_token="<|endoftext|>", pad_token="<pad>")
 
 
+# what a new model's config takes from its tokenizer, never from model.config
+FROM_TOKENIZER = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def build_model(m: ModelConfig, tokenizer, precision: dict):
     """The pretrained model (loaded with ``precision``: ``from_pretrained``'s dtype / quantization keywords), or a
     new one from ``model.config`` (fp32)."""
@@ -130,6 +134,11 @@ def build_model(m: ModelConfig, tokenizer, precision: dict):
                                 trust_remote_code=m.trust_remote_code, **precision, **(m.config or {}))
     else:
         fields = dict(m.config)
+        taken = sorted(set(fields) & set(FROM_TOKENIZER))
+        if taken:  # for_model would get them twice: a TypeError deep in transformers
+            raise ConfigError(f"model.config: {', '.join(taken)} {'comes' if len(taken) == 1 else 'come'} from the "
+                              "tokenizer (model.vocab_size sizes the "
+                              "one trained here, model.tokenizer names another); remove them from model.config")
         arch = AutoConfig.for_model(fields.pop("model_type"), vocab_size=len(tokenizer),
                                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                     pad_token_id=tokenizer.pad_token_id, **fields)
