@@ -77,7 +77,8 @@ def check(cfg: RecipeConfig, resume: Optional[str] = None) -> Checked:
     written. The lock is held until ``runlock.release_all()`` (or exit). An offload level first becomes the
     DeepSpeed launch Accelerate reads (``offload.engage``), before the process group exists."""
     offload.engage(cfg.training.host_offload)
-    distributed.group_of_one()
+    if cfg.training.host_offload.on:  # the DeepSpeed it asked for joins a process group even alone
+        distributed.group_of_one()
     group = distributed.process_group()
     out_dir = distributed.agree(lambda: claim_output_dir(cfg, resume), main_only=True)
     saved, shape = distributed.agree(lambda: check_run(cfg, resume, out_dir, group.num_processes,

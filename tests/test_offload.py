@@ -211,3 +211,24 @@ def test_a_host_too_small_for_the_level_is_refused(available, refused):
         else:
             offload.check_host(model, config, "adamw", 1)
         offload.check_host(model, {"zero_optimization": {"stage": 2}}, "adamw", 1)  # no offload: nothing asked
+
+
+class Stop(Exception):
+    """Raised in place of the process group: what start-up set before it is all a test looks at."""
+
+
+@pytest.mark.parametrize("level, alone", [("none", False), ("optimizer", True)])
+def test_only_the_deepspeed_offload_asks_for_gets_a_process_group_of_one(tmp_path, level, alone):
+    """A launch's own DeepSpeed variables without a launcher (a test, a notebook) are not turned into a launcher's:
+    the process group of one is for the DeepSpeed that training.offload asks for (once set, RANK and LOCAL_RANK would
+    make every later Accelerator in the process a distributed one)."""
+    from finetune import distributed
+
+    cfg = load_recipe("clm-pydoc", [*SMALL["clm-pydoc"], f"training.offload={level}"])
+    with mock.patch.dict(os.environ, {"ACCELERATE_USE_DEEPSPEED": "true"}), \
+            mock.patch.object(distributed, "process_group", side_effect=Stop):
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            os.environ.pop(name, None)
+        with pytest.raises(Stop):
+            startup.check(cfg)
+        assert ("LOCAL_RANK" in os.environ) == alone and ("RANK" in os.environ) == alone
