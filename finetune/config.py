@@ -272,9 +272,9 @@ class TrainingConfig:
         "combines with gradient_checkpointing)", False, affects_result=False)
     offload: Literal["none", "optimizer", "parameters"] = doc(
         "keep state in host memory through DeepSpeed (one process or N, no config to write): optimizer — the fp32 "
-        "master weights, AdamW's moments and the accumulated gradients (ZeRO-2 offload); parameters — the weights "
-        "too, streamed layer by layer (ZeRO-3 offload). The same step as none (docs/memory.md#bigger-than-the-card-"
-        "exactly); AdamW only", "none", flag="--offload", affects_result=False)
+        "master weights, the optimizer's state and the accumulated gradients (ZeRO-2 offload); parameters — the "
+        "weights too, streamed layer by layer (ZeRO-3 offload). The same step as none (docs/memory.md#bigger-than-"
+        "the-card-exactly); not with an 8-bit optimizer", "none", flag="--offload", affects_result=False)
     offload_device: Literal["cpu", "nvme"] = doc(
         "where training.offload keeps its state: host memory, or files on a fast disk (training.offload_path)", "cpu",
         affects_result=False)
