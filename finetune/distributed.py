@@ -270,9 +270,8 @@ def describe_engine(accelerator: Accelerator, model) -> str:
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         config = accelerator.deepspeed_plugin.deepspeed_config
         clip, zero = config.get("gradient_clipping") or 0, config["zero_optimization"]
-        held = [f"{what} offloaded to {zero[key]['device']}" for key, what in
-                (("offload_optimizer", "optimizer"), ("offload_param", "weights"))
-                if (zero.get(key) or {}).get("device", "none") not in (None, "none")]
+        held = [f"{name} offloaded to {offloaded_to(zero, what)}" for what, name in
+                (("optimizer", "optimizer"), ("param", "weights")) if offloaded_to(zero, what) != "none"]
         held.append(f'clipping at {clip:g}' if clip else 'no clipping')
         return f"DeepSpeed ZeRO-{zero['stage']} ({', '.join(held)})"
     if is_fsdp2(model):
@@ -320,9 +319,14 @@ def configure_deepspeed(accelerator: Accelerator, micro_batch: int, optims: list
     # an offloaded optimizer is the recipe's own, stepping the host's fp32 partitions (``finetune.offload``); forced
     # (DeepSpeed's default), Accelerate would replace it with DeepSpeed's CPU Adam made from the lr and decay alone,
     # with DeepSpeed's default betas
-    offloaded = plugin.deepspeed_config["zero_optimization"].get("offload_optimizer", {}).get("device", "none")
-    if offloaded not in (None, "none"):
+    if offloaded_to(plugin.deepspeed_config["zero_optimization"], "optimizer") != "none":
         plugin.deepspeed_config["zero_force_ds_cpu_optimizer"] = False
+
+
+def offloaded_to(zero: dict, what: str) -> str:
+    """Where a DeepSpeed ``zero_optimization`` section offloads ``what`` ("optimizer" or "param"): "cpu", "nvme", or
+    "none" (no such section, or its device left out)."""
+    return (zero.get(f"offload_{what}") or {}).get("device") or "none"
 
 
 def launch_deepspeed_config() -> dict:

@@ -80,10 +80,9 @@ def environment(o: Offload) -> dict:
 def launch_level(config: dict) -> str:
     """The level a DeepSpeed config runs at: "parameters" (the weights offloaded), "optimizer", or "none"."""
     zero = config.get("zero_optimization", {})
-    device = lambda key: (zero.get(key) or {}).get("device", "none") or "none"  # noqa: E731
-    if device("offload_param") != "none":
+    if distributed.offloaded_to(zero, "param") != "none":
         return "parameters"
-    return "optimizer" if device("offload_optimizer") != "none" else "none"
+    return "optimizer" if distributed.offloaded_to(zero, "optimizer") != "none" else "none"
 
 
 def check_host(model, config: dict, optimizer: str, processes: int) -> None:
