@@ -131,6 +131,11 @@ class DataOrder:
     process_mean: bool
 
 
+# training.offload's levels beside none, in the planner's order, and the DeepSpeed ZeRO stage each runs as (the
+# run asks for it: ``finetune.offload``; the planner prices it: ``finetune.memory.host``)
+OFFLOAD_STAGES = {"optimizer": 2, "parameters": 3}
+
+
 @dataclass(frozen=True)
 class Offload:
     """What DeepSpeed keeps in host memory (``training.offload``: none, optimizer or parameters), and where: host
@@ -270,7 +275,7 @@ class TrainingConfig:
     activation_offloading: bool = doc(
         "keep the activations saved for backward in (pinned) host memory instead of on the GPU (CUDA only; "
         "combines with gradient_checkpointing)", False, affects_result=False)
-    offload: Literal["none", "optimizer", "parameters"] = doc(
+    offload: Literal["none", "optimizer", "parameters"] = doc(  # OFFLOAD_STAGES' levels
         "keep state in host memory through DeepSpeed (one process or N, no config to write): optimizer — the fp32 "
         "master weights, the optimizer's state and the accumulated gradients (ZeRO-2 offload); parameters — the "
         "weights too, streamed layer by layer (ZeRO-3 offload). The same step as none (docs/memory.md#bigger-than-"

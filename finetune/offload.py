@@ -26,11 +26,9 @@ import os
 from typing import Optional
 
 from finetune import distributed
-from finetune.config import Offload
+from finetune.config import OFFLOAD_STAGES, Offload
 from finetune.errors import ConfigError
 
-# what each level asks of DeepSpeed: its ZeRO stage, and whether the weights are offloaded with the optimizer
-LEVELS = {"optimizer": (2, False), "parameters": (3, True)}
 # what exactness needs of the engine: DeepSpeed 0.15.2 to 0.18.9 dropped all but the last micro-batch's gradients
 # under optimizer offload with accumulation (its PRs #7967, #7981); Accelerate 1.8 first takes ``sync_gradients``
 # in ``DeepSpeedEngineWrapper.backward``, which ``distributed.backward`` passes
@@ -62,7 +60,7 @@ def engage(o: Offload) -> None:
 def environment(o: Offload) -> dict:
     """The ``ACCELERATE_*`` variables of a DeepSpeed launch at level ``o`` (what ``accelerate launch`` exports for
     a config's ``deepspeed_config``)."""
-    stage, weights = LEVELS[o.offload]
+    stage, weights = OFFLOAD_STAGES[o.offload], o.offload == "parameters"
     nvme = o.offload_device == "nvme"
     env = {"ACCELERATE_USE_DEEPSPEED": "true",
            "ACCELERATE_DEEPSPEED_ZERO_STAGE": str(3 if nvme else stage),

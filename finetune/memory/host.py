@@ -33,14 +33,15 @@ import functools
 import time
 from dataclasses import dataclass
 
+from finetune.config import OFFLOAD_STAGES
 from finetune.errors import ConfigError
 from finetune.memory import sharded
 from finetune.memory.fixed import optimizer_state_bytes, planned_weight_bytes
 from finetune.memory.sharded import Layout, Sizes
 from finetune.memory.step import Profile
 
-LEVELS = ("optimizer", "parameters")                # training.offload, beside none
-STAGE = {"optimizer": 2, "parameters": 3}           # the ZeRO stage each level runs as
+LEVELS = tuple(OFFLOAD_STAGES)                      # training.offload, beside none
+STAGE = OFFLOAD_STAGES                              # the ZeRO stage each level runs as
 MASTER, GRADIENT = 4, 4                             # fp32 master weights and fp32 gradient partitions, bytes each
 TIMED_ELEMENTS = 2 ** 22                            # the slice the host optimizer step is timed over
 
