@@ -159,9 +159,9 @@ def plan_subjects(subject, request: PlanRequest) -> Plan:
     """``make_plan`` on subjects: the recipe's exact settings, cheapest first — without a host level, then at each
     of ``request.host_levels`` — then ``request.levers``', in order. A setting fits when its step fits the card and
     its host part the host (``PlanRequest.host_budget``)."""
-    budget, per_process, every_setting = request.budget, request.per_process, request.every_setting
+    budget, every_setting = request.budget, request.every_setting
     can_chunk = subject.can_chunk
-    fits = lambda p: p.largest_micro_batch(per_process, budget) > 0 and p.host <= request.host_budget  # noqa: E731
+    fits = lambda p: request.micro_batch_of(p) > 0  # noqa: E731
     # with the chunked head available, the settings without it are measured only to show what it saves
     pick = lambda: min((p for p in profiles if fits(p) and p.setting.chunked_loss == can_chunk),  # noqa: E731
                        key=lambda p: rank(p.setting), default=None)
@@ -216,11 +216,10 @@ def measure_lever(subject, setting: Setting, budget: float) -> Profile:
 
 def finish_plan(request: PlanRequest, profiles: list, chosen: Optional[Profile]) -> Plan:
     """The Plan of ``profiles`` (every setting weighed, in order), recommending ``chosen`` (None: nothing fits)."""
-    budget, per_process, gpu_bytes, layout = request.budget, request.per_process, request.gpu_bytes, request.layout
+    per_process, gpu_bytes, layout = request.per_process, request.gpu_bytes, request.layout
 
     def at_largest(p: Profile) -> tuple[int, int]:
-        # a setting whose host part exceeds the host has no micro-batch that fits
-        b = p.largest_micro_batch(per_process, budget) if p.host <= request.host_budget else 0
+        b = request.micro_batch_of(p)
         return b, p.step_peak(b or 1, per_process // (b or 1))
 
     last = chosen or profiles[-1]
@@ -281,8 +280,7 @@ def explain(chosen: Optional[Profile], profiles: list, request: PlanRequest) -> 
     if gpu_bytes <= CONTEXT:
         return (f"does not fit: {gpu_bytes / GiB:.1f} GiB is no more than the {CONTEXT / GiB:.1f} GiB the CUDA "
                 "context takes before any tensor")
-    short = [needs(p, per_process) for p in profiles
-             if not p.largest_micro_batch(per_process, budget) or p.host > request.host_budget]
+    short = [needs(p, per_process) for p in profiles if not request.micro_batch_of(p)]
     room = f"{size(budget)} for tensors" + ("" if layout == Layout() else f" on each process: {layout.describe()}")
     if any(p.setting.host for p in profiles):
         room += f", {size(request.host_budget)} of host memory" + (" each" if layout.processes > 1 else "")

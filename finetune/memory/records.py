@@ -87,6 +87,11 @@ class PlanRequest:
         """Host bytes one process's training state may take: its share of the host, less the headroom."""
         return self.host_bytes * HEADROOM / self.layout.processes
 
+    def micro_batch_of(self, p: Profile) -> int:
+        """The largest micro-batch of ``p`` that fits the card; 0 where none does, or where its host part exceeds the
+        host."""
+        return p.largest_micro_batch(self.per_process, self.budget) if p.host <= self.host_budget else 0
+
     @property
     def host_levels(self) -> tuple:
         """The host levels weighed, in order: none, then ``host.LEVELS``; only the forced one where one is."""
