@@ -241,6 +241,23 @@ def loss_scaler(accelerator: Accelerator, mixed_precision: str, loss_scale: Loss
     return torch.amp.GradScaler("cpu", **loss_scale.kwargs())
 
 
+def fp16_kernels(accelerator: Accelerator, scaler):
+    """The kernels finetune's own fp16 on a CPU (:func:`loss_scaler`) computes with: torch's own, oneDNN's off.
+    Where the CPU does fp16 arithmetic (``avx512_fp16``, AMX-fp16: torch's ``mkldnn_fp16_device_check``), torch sends
+    fp16 matmuls and convolutions to oneDNN, which picks its kernel, and so a sample's rounding, by the micro-batch's
+    shape: an ODE layout at micro-batch 4 stood 8.9e-4 from 8 and 2 there. torch's own fp16 kernels (what every other
+    CPU runs) widen to fp32 per output element, the same at any micro-batch. A no-op elsewhere; undone when the run
+    ends (bf16, which replays a baseline's oneDNN kernels, keeps them)."""
+    if not own_scaler(accelerator, scaler) or accelerator.device.type != "cpu":
+        return contextlib.nullcontext()
+    return torchs_own_kernels()
+
+
+def torchs_own_kernels():
+    """oneDNN off until the context ends (its other settings as they were: None keeps each)."""
+    return torch.backends.mkldnn.flags(False, None, None, None)
+
+
 def own_scaler(accelerator: Accelerator, scaler) -> bool:
     """Whether ``scaler`` is finetune's (:func:`loss_scaler`): then finetune scales the loss and unscales the
     gradients itself, which Accelerate does with its own."""

@@ -32,7 +32,8 @@ def loss_weight(items: int, window_items: int, processes: int) -> float:
     * ``items / window_items`` — the micro-batch's share. (Accelerate's ``accumulate()`` divides every loss by N
       instead: right only for N equal micro-batches, so a short tail window or a short micro-batch would be
       mis-weighted. Our Accelerator has N = 1 and divides by nothing.)
-    * ``× processes`` — DDP / FSDP / DeepSpeed average gradients over processes; the window needs their sum.
+    * ``× processes`` — DDP / FSDP / DeepSpeed average gradients over processes; the window needs their sum (under
+      fp16's loss scale it multiplies the summed gradients instead: ``accumulate_window``).
     """
     return items / window_items * processes
 
@@ -139,6 +140,11 @@ def accumulate_window(b: Backward, window, micro_batches) -> WindowResult:
                                                               b.divisor)
     device, last = accelerator.device, len(micro_batches) - 1
     window_loss, window_extras = torch.zeros((), device=device), {}
+    # The process factor goes into each loss, or, under fp16's loss scale, onto the gradients once they are summed:
+    # in the loss it would scale every fp16 gradient of the backward by the process count, which would then
+    # overflow at 1/P of the scale a one-process run of the same window overflows at, and skip other steps.
+    processes = accelerator.num_processes
+    on_gradients = scaler is not None and processes > 1
     for i, (batch, items, share) in enumerate(zip(micro_batches, counts, shares)):
         fake_oom_check(batch_len(batch))  # test hook (FINETUNE_FAKE_OOM_ABOVE); a no-op otherwise
         with distributed.sync_gradients(accelerator, model, sync=i == last):
@@ -147,7 +153,7 @@ def accumulate_window(b: Backward, window, micro_batches) -> WindowResult:
             with offload_activations(offload):
                 loss, extras = compute_loss(forward_model, send_to_device(batch, device), loss_fn)[:2]
             # A weight-0 placeholder (or an item-less micro-batch) must add exact zeros, not 0 × NaN.
-            weighted = loss * loss_weight(items, share, accelerator.num_processes) if items \
+            weighted = loss * loss_weight(items, share, 1 if on_gradients else processes) if items \
                 else torch.nan_to_num(loss, 0.0, 0.0, 0.0) * 0.0
             distributed.backward(accelerator, weighted, sync=i == last, scaler=scaler)
         # The logged loss: the same item-weighted mean, without the process factor. Every term is entered even from
@@ -158,7 +164,17 @@ def accumulate_window(b: Backward, window, micro_batches) -> WindowResult:
             window_loss += loss.detach().float() * (items / share)
             for k, v in extras.items():
                 window_extras[k] += v.detach().float() * (items / share)
+    if on_gradients:
+        scale_gradients(model, processes)
     return WindowResult(window_items, real, padded, len(micro_batches), window_loss, window_extras)
+
+
+@torch.no_grad()
+def scale_gradients(model, factor: int) -> None:
+    """Multiply every gradient of ``model`` by ``factor`` (the process count: the all-reduce averaged them)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
 
 
 def whole(norm):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -482,3 +483,17 @@ def edited_yaml(src: Path, folder: Path, change) -> Path:
     copy_ = folder / src.name
     copy_.write_text(yaml.safe_dump(raw, sort_keys=False))
     return copy_
+
+
+def cpu_kernels() -> str:
+    """The CPU's kernel capabilities, for the failure message of a test whose numbers depend on them: torch's
+    vector capability and the flags that decide oneDNN's half-precision kernels (``lscpu``'s, from /proc/cpuinfo)."""
+    import torch
+
+    flags = set()
+    with contextlib.suppress(OSError):
+        flags = set(next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                          if line.startswith("flags")), "").split())
+    said = ", ".join(f"{f}: {'yes' if f in flags else 'no'}" for f in ("avx512_fp16", "avx512_bf16", "amx_bf16",
+                                                                       "amx_fp16"))
+    return f"ran on CPU capability {torch.backends.cpu.get_cpu_capability()} ({said})"

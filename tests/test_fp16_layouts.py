@@ -16,10 +16,11 @@ import shutil
 import pytest
 import torch
 
+from finetune import distributed
 from finetune.models import precision
 from finetune.outputs import read_history
 from finetune.reproduce.compare import compare_runs
-from tests.helpers import SMALL, one_word_changed, recipe_runs, tiny_chat_assets
+from tests.helpers import ENV, ROOT, SMALL, cpu_kernels, one_word_changed, recipe_runs, tiny_chat_assets
 
 SFT = [*SMALL["sft-smollm2"], "model.dropout=0", "data.limit=22", "training.effective_batch_size=8",
        "model.generate_prompts=0", "training.eval_at_start=false", "output.plots=false",
@@ -55,8 +56,8 @@ def test_fp16_layouts_of_the_same_run_are_equivalent(request, recipe):
     steps = history(big)
     assert all("loss_scale" in h and not h["skipped"] for h in steps), steps  # fp16 ran, with its scale
     c = compare_runs(big, mid, twin=twin)
-    assert c.equivalent and "floor measured on b2" in c.report(), c.report()
-    assert compare_runs(big, twin).equivalent  # and against the assumed fp16 floor
+    assert c.equivalent and "floor measured on b2" in c.report(), (cpu_kernels(), c.report())
+    assert compare_runs(big, twin).equivalent, cpu_kernels()  # and against the assumed fp16 floor
 
 
 def test_the_fixes_take_fp16_layout_noise_toward_fp32_rounding(sft):
@@ -89,7 +90,7 @@ def test_overflowing_steps_are_skipped_alike_at_every_layout(request, recipe):
     first = history(layouts[0])
     assert first[len(skipped[0])]["lr"] == first[0]["lr"]  # the schedule starts at the first step taken
     c = compare_runs(layouts[0], layouts[1], twin=layouts[2])
-    assert c.equivalent and "skipped steps" in c.report(), c.report()
+    assert c.equivalent and "skipped steps" in c.report(), (cpu_kernels(), c.report())
     # the skipped steps' inf / NaN norms are no rounding: the floor measured on the twin stays a number
     assert "tolerance nan" not in c.report() and "≤ nan" not in c.report(), c.report()
 
@@ -184,3 +185,85 @@ def test_an_fp16_run_resumed_from_a_checkpoint_is_bit_identical(tmp_path):
     assert [h["loss_scale"] for h in resumed.history] == scales
     assert [h["skipped"] for h in resumed.history] == [h["skipped"] for h in full.history]
     assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), full.model.parameters()))
+
+
+def test_the_odes_fp16_kernels_give_each_sample_the_same_numbers_at_every_micro_batch():
+    """The kernel that held the layouts apart on a CPU with fp16 arithmetic (``avx512_fp16``): there torch sends fp16
+    convolutions and matmuls to oneDNN, whose kernel (and rounding) follows the micro-batch. Under the kernels
+    finetune's fp16 runs on a CPU (``distributed.torchs_own_kernels``), the ODE's velocity network gives every sample
+    the same output and input gradient, to the bit, in micro-batches of 8, 4, 2 and 1 — on every CPU. (Without them,
+    on such a CPU, micro-batch 4 stood apart; on a CPU without fp16 arithmetic both ways agree.)"""
+    from finetune.tasks.latent_ode import CHANNELS, Velocity
+
+    torch.manual_seed(0)
+    net = Velocity(16)
+    for p in net.parameters():  # the last convolution starts at zero: give it numbers to round
+        torch.nn.init.normal_(p, std=0.2)
+    z, t = torch.randn(8, CHANNELS, 16, 16), torch.tensor(0.3)
+
+    def per_sample(b: int):
+        outs, grads = [], []
+        for part in z.split(b):
+            part = part.clone().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = net(t, part)
+            (out.float() ** 2).sum().backward()
+            outs.append(out.detach())
+            grads.append(part.grad)
+        return torch.cat(outs), torch.cat(grads)
+
+    with distributed.torchs_own_kernels():
+        assert not torch.backends.mkldnn.enabled
+        (out8, grad8), *rest = [per_sample(b) for b in (8, 4, 2, 1)]
+    assert torch.backends.mkldnn.enabled  # as it was, once the context ends
+    for b, (out, grad) in zip((4, 2, 1), rest):
+        assert torch.equal(out, out8) and torch.equal(grad, grad8), (
+            f"micro-batch {b}: output {float((out - out8).abs().max()):.3g}, input gradient "
+            f"{float((grad - grad8).abs().max()):.3g} from micro-batch 8; {cpu_kernels()}")
+
+
+def test_an_fp16_run_on_a_cpu_computes_in_torchs_own_kernels_and_bf16_in_onednns():
+    """The mechanism, seen from inside a run: every forward and backward of an fp16 run on this CPU finds oneDNN off,
+    and the process finds it on again once the run ends; a bf16 run (which replays a baseline's oneDNN kernels)
+    keeps it on (the negative twin)."""
+    from finetune.api import test_fine_tuning
+    from tests.helpers import MLP, regression_data
+
+    seen = []
+
+    class Spying(MLP):
+        def forward(self, x, y):
+            seen.append(("forward", torch.backends.mkldnn.enabled))
+            x = x.clone().requires_grad_()
+            x.register_hook(lambda g: seen.append(("backward", torch.backends.mkldnn.enabled)))
+            return super().forward(x, y)
+
+    for mixed, expected in (("fp16", False), ("bf16", True)):
+        seen.clear()
+        test_fine_tuning(Spying(), train_data=regression_data(16), batch_size=4, gradient_accumulation_steps=2,
+                         mixed_precision=mixed, learning_rate=0.01)
+        assert {k for k, _ in seen} == {"forward", "backward"} and all(on is expected for _, on in seen), (mixed,
+                                                                                                             seen)
+        assert torch.backends.mkldnn.enabled
+
+
+def test_an_overflowing_fp16_run_on_two_processes_skips_the_steps_of_one(sft, tmp_path):
+    """fp16 across processes: the process factor multiplies the summed gradients, not each loss, so two processes
+    (4 each, N = 1) overflow where one process at (4, 2) overflows: the same skipped steps and scales, both ways
+    (neither skips a step the other takes), and the runs equivalent. (With the factor in the loss, every fp16
+    gradient of the two-process backward was twice the one-process one, and overflowed at half its scale.)"""
+    import subprocess
+    import sys
+
+    one = sft("over-4", 4, OVERFLOWING["sft"])
+    two = tmp_path / "over-2x4"
+    sets = [x for s in (*SFT, OVERFLOWING["sft"]) for x in ("--set", s)]
+    proc = subprocess.run([sys.executable, "-m", "finetune", "run", "--processes", "2", "--recipe", "sft-smollm2",
+                           "--batch-size", "4", *sets, "--output-dir", str(two)], env=ENV, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    skipped = [[h["step"] for h in history(r) if h["skipped"]] for r in (one, two)]
+    assert skipped[0] and skipped[1] == skipped[0], skipped
+    assert [h["loss_scale"] for h in history(two)] == [h["loss_scale"] for h in history(one)]
+    c = compare_runs(one, two, twin=sft("over-2", 2, OVERFLOWING["sft"]))
+    assert c.equivalent and "skipped steps" in c.report(), (cpu_kernels(), c.report())
