@@ -494,8 +494,9 @@ def check_resume(saved: Saved, settings: dict, shape) -> list[str]:
     check_resume_engine(saved, processes)
     if saved.processes not in (None, processes):
         notes.append(f"resume: saved on {saved.processes} process{'es' if saved.processes > 1 else ''}, continuing "
-                     f"on {processes} with the same windows (effective batch {effective}); random draws made per "
-                     "process (dropout) cannot replay the same masks on another layout — the rest is exact")
+                     f"on {processes} with the same windows (effective batch {effective}); dropout layers keyed by "
+                     "sample draw the same masks, other random draws made per process (attention dropout inside "
+                     "its kernel, a task's own noise) cannot be replayed on another layout — the rest is exact")
     return notes
 
 

@@ -228,6 +228,10 @@ class TrainingConfig:
     cudnn_benchmark: bool = doc("torch.backends.cudnn.benchmark", False, affects_result=False)
     seed: int = doc("seeds model init, sample order and dropout; sample order depends on nothing else", 42,
                     flag="--seed", at_least=0, at_most=2**32 - 1)
+    dropout_seed: Optional[int] = doc(
+        "seeds dropout's masks, each sample's keyed by it, its epoch and the layer (null: training.seed); another "
+        "draws other masks over the same samples, order and init: the twin that measures a dropout run's noise",
+        None, at_least=0, at_most=2**32 - 1)
     shuffle: bool = doc("reshuffle samples every epoch (seeded)", True)
     sample_order: Literal["finetune", "trainer"] = doc(
         "how each epoch's order is drawn from the seed: finetune's own permutation, or HF Trainer's (its seedable "

@@ -87,6 +87,7 @@ class Run:
     pad_to_window: bool = False       # pad each micro-batch to its window's longest sample (bf16 / fp16)
     divisor: Optional[Callable] = None  # micro-batch → its part of what the window's loss is divided by (None: items)
     scaler: Optional[object] = None   # fp16's loss scale: Accelerate's GradScaler, or finetune's on a CPU
+    dropout_keys: Optional[object] = None  # dropout keyed by sample (models.dropout.SampleKeys), set per micro-batch
 
     @property
     def schedulers(self) -> dict:
@@ -155,7 +156,8 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
                     run.reporting.tracker, rewrite=saved is not None) as log:
             stream = open_stream(run, state)
             backward = Backward(run.accelerator, run.model, run.forward_model, job.loss_fn, run.counter,
-                                offload=t.activation_offloading, divisor=run.divisor, scaler=run.scaler)
+                                offload=t.activation_offloading, divisor=run.divisor, scaler=run.scaler,
+                                dropout_keys=run.dropout_keys)
             while state.optimizer_step < run.shape.total_steps:
                 window, micro_batches, epoch_windows, held = next(stream, (None,) * 4)
                 if window is None:

@@ -68,6 +68,15 @@ class RunLog:
             self.file.close()
 
 
+def dropout_line(keys) -> str:
+    """What the banner says of dropout keyed by sample (``models.dropout.SampleKeys``)."""
+    n = keys.layers
+    line = f"Dropout: keyed by sample in {n} layer{'s' if n > 1 else ''} (each sample's masks the same at any " \
+           "micro-batch)"
+    return line + (f"; attention dropout ({keys.unkeyed}) is drawn inside the attention kernel, not keyed"
+                   if keys.unkeyed else "")
+
+
 def banner(run) -> str:
     """What the run will do, said once before the first step (``run``: ``loop.Run``)."""
     t, shape, accelerator, windows = run.training, run.shape, run.accelerator, run.window_spec
@@ -97,6 +106,7 @@ def banner(run) -> str:
         *([f"LR scaling: {t.scale_lr} from the baseline's batch {t.reference_batch_size} to {effective}: "
            f"{t.learning_rate:g} × {lr_scale(opt, effective):.4g}"] if t.scale_lr != "none" else []),
         *([f"Loss head: {run.head_note}"] if run.head_note else []),
+        *([dropout_line(run.dropout_keys)] if run.dropout_keys else []),
         *([f"Packing: {run.packing_note}" + (f", rows of {windows.pack_capacity} tokens" if windows.pack_capacity
                                               else "")] if run.packing_note else []),
         *([f"Padding: {padding_share(windows):.1%} of the tokens of epoch 0"

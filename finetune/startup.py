@@ -45,6 +45,7 @@ from finetune.job import Job, TaskContext
 from finetune.memory.auto_batch import AutoBatch
 from finetune.memory.measure import MemoryMonitor
 from finetune.models import precision
+from finetune.models.dropout import key_by_sample
 from finetune.models.forward import enable_chunked_head, enable_gradient_checkpointing
 from finetune.optim import group_settings, lr_scale, make_optims
 from finetune.packing import decide_packing
@@ -400,6 +401,7 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
     reporting = reporting or loop.Reporting()
     accelerator = accelerator if accelerator is not None else accelerator_for(t.precision, reporting)
     model, head_note = ready_model(job, t)
+    dropout_keys = key_by_sample(model, t.seed if t.dropout_seed is None else t.dropout_seed, job.length_of)
     scaler = scaler_for(accelerator, model, t.precision)
     pack_length_of, packing_note = packing_for(job, t, model)
     distributed.agree(lambda: check_model(accelerator, model, job, t, pack_length_of, reporting))  # all refuse alike
@@ -420,7 +422,7 @@ def assemble(job: Job, t: TrainingConfig, shape: Shape, reporting: Optional[loop
                    and not pack_length_of and not t.max_tokens_per_micro_batch,
                    # a job counting its own items (a preference pair, a rollout) is divided by them
                    divisor=(lambda b: count_items(b, "tokens")) if t.loss_divisor == "labels" and job.count_items is
-                   None else None, scaler=scaler)
+                   None else None, scaler=scaler, dropout_keys=dropout_keys)
     if reporting.banner and distributed.is_main_process():
         print(banner(run), flush=True)
     start_trackers(run)

@@ -119,7 +119,8 @@ class Backward:
     the model (its prepared wrapper, and ``forward_model``: what the loss is asked of), the job's loss and item
     counter; ``offload``: activations saved for backward wait in host memory (``training.activation_offloading``);
     ``divisor``: what a window's summed loss is divided by (``training.loss_divisor``'s count; None: its items);
-    ``scaler``: fp16's loss scale (``distributed.loss_scaler``), the same for every micro-batch."""
+    ``scaler``: fp16's loss scale (``distributed.loss_scaler``), the same for every micro-batch; ``dropout_keys``:
+    whose masks the model's keyed dropout draws (``models.dropout``), told each micro-batch's samples."""
 
     accelerator: Any
     model: Any
@@ -129,6 +130,7 @@ class Backward:
     offload: bool = False
     divisor: Any = None
     scaler: Any = None
+    dropout_keys: Any = None
 
 
 def accumulate_window(b: Backward, window, micro_batches) -> WindowResult:
@@ -145,8 +147,13 @@ def accumulate_window(b: Backward, window, micro_batches) -> WindowResult:
     # overflow at 1/P of the scale a one-process run of the same window overflows at, and skip other steps.
     processes = accelerator.num_processes
     on_gradients = scaler is not None and processes > 1
+    keys = b.dropout_keys
+    if keys is not None:  # each sample's dropout masks from its own key, whichever micro-batch holds it
+        keys.window(window.epoch, window.samples)
     for i, (batch, items, share) in enumerate(zip(micro_batches, counts, shares)):
         fake_oom_check(batch_len(batch))  # test hook (FINETUNE_FAKE_OOM_ABOVE); a no-op otherwise
+        if keys is not None:
+            keys.see(window.micro_batches[i])
         with distributed.sync_gradients(accelerator, model, sync=i == last):
             # The outputs (a language model's logits) are not kept: held, they would stay allocated through this
             # backward and the next micro-batch's forward.
@@ -164,6 +171,8 @@ def accumulate_window(b: Backward, window, micro_batches) -> WindowResult:
             window_loss += loss.detach().float() * (items / share)
             for k, v in extras.items():
                 window_extras[k] += v.detach().float() * (items / share)
+    if keys is not None:
+        keys.clear()
     if on_gradients:
         scale_gradients(model, processes)
     return WindowResult(window_items, real, padded, len(micro_batches), window_loss, window_extras)
