@@ -14,6 +14,7 @@ window held other content, exactly, in any precision.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections.abc import Mapping
@@ -45,8 +46,8 @@ def _feed(h, x) -> None:
             _feed(h, x[key])
     elif isinstance(x, torch.Tensor):
         x = x.detach().cpu().contiguous()
-        h.update(f"T{x.dtype}{tuple(x.shape)}".encode())
-        h.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(_tensor_header(x.dtype, tuple(x.shape)))
+        h.update(x.reshape(-1).view(torch.uint8).numpy())  # its buffer, not a copy
     elif isinstance(x, np.ndarray):
         h.update(f"A{x.dtype}{x.shape}".encode())
         h.update(np.ascontiguousarray(x).tobytes())
@@ -64,6 +65,12 @@ def _feed(h, x) -> None:
         h.update(b"b%d:" % len(x) + x)
     else:  # numbers, None, booleans
         h.update(f"{type(x).__name__}:{x!r};".encode())
+
+
+@functools.lru_cache(maxsize=4096)
+def _tensor_header(dtype, shape: tuple) -> bytes:
+    """A tensor's dtype and shape as hashed (made once per kind: a sample's fixed cost is in the microseconds)."""
+    return f"T{dtype}{shape}".encode()
 
 
 def _int_array(xs) -> bytes | None:
