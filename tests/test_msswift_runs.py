@@ -63,7 +63,7 @@ def test_what_it_does_that_finetune_does_not_is_named(tmp_path, capsys):
     said = imported_with(tmp_path, capsys, dataset_shuffle=True, truncation_strategy="split")
     assert "not carried: dataset_shuffle" not in said, said  # carried: the rows written in swift's order
     assert re.search(r"data\.source +\S+r-rows\.jsonl +the rows of \S+chat\.jsonl \(args\.json: dataset\) as it "
-                     r"trained on them: args\.json: dataset_shuffle, data_seed 42 \(ms-swift 4\.6\.0: the seed is "
+                     r"trained on them: args\.json: dataset_shuffle true, data_seed 42 \(ms-swift 4\.6\.0: the seed is "
                      r"draw 2 of np\.random\.RandomState\(42\)", said), said
     assert "not carried: truncation_strategy=split" in said, said
     # a split of the rows before the shuffle: named, the rows' order with it

@@ -161,7 +161,7 @@ def rows_shuffled(args: dict, b: Baseline) -> None:
     it hands datasets' ``Dataset.shuffle``, drawn as its ``load_dataset`` draws it; named as not carried where the
     order is not the shuffled file's (a split, streaming, interleaving, cached or sampled data sets, a version not
     read)."""
-    said = "dataset_shuffle" + ("" if "dataset_shuffle" in args else " (ms-swift's default true)")
+    said = "dataset_shuffle " + ("true" if "dataset_shuffle" in args else "(ms-swift's default true)")
     if args.get("dataset_shuffle", True) is False:
         return
     sets, version = args.get("dataset") or [], str(args.get("swift_version") or "")
