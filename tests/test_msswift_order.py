@@ -54,7 +54,7 @@ def test_the_draws_before_the_shuffle_matter():
     ({"split_dataset_ratio": 0.1}, "holds rows out first"), ({"streaming": True}, "streams them"),
     ({"interleave_prob": [0.5, 0.5]}, "interleaves its data sets"), ({"cached_dataset": ["c"]}, "cached data sets"),
     ({"dataset": ["data.jsonl#20"]}, "samples its data sets"), ({"swift_version": "3.12.0"}, "not of 3.12.0"),
-    ({"swift_version": "4.7.0"}, "not of 4.7.0")])
+    ({"swift_version": "4.7.0"}, "not of 4.7.0"), ({"data_seed": None}, "seeded by the OS")])
 def test_an_order_it_cannot_replay_is_named(change, why):
     b = Baseline("ms-swift run", Path("run"))
     rows_shuffled(swift_args(CASES[0], **change), b)

@@ -191,7 +191,9 @@ def unreplayed(args: dict, sets: list, version: str) -> Optional[str]:
                (bool(args.get("cached_dataset")), "puts its cached data sets first (cached_dataset)"),
                (any(re.search(r"#\d+$", str(d)) for d in sets), "samples its data sets (DATASET#N) with the same "
                                                                "random state"),
-               (not sets, "its args.json names no data set")]
+               (not sets, "its args.json names no data set"),
+               (args.get("data_seed", 42) is None, "draws its seed from a random state seeded by the OS (data_seed "
+                                                   "null)")]
     return next((why for holds, why in reasons if holds), None)
 
 
