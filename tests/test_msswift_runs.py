@@ -18,6 +18,7 @@ from tests.helpers import cli_in_process as cli
 
 RUN = ROOT / "tests" / "assets" / "msswift" / "sft-lora"
 DEFAULTS = ROOT / "tests" / "assets" / "msswift" / "sft-lora-defaults"  # the same run at swift's default precision
+SHUFFLED = ROOT / "tests" / "assets" / "msswift" / "sft-lora-shuffled"  # …and at its default data order
 LF = ROOT / "tests" / "assets" / "llamafactory"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -46,16 +47,30 @@ def test_an_msswift_run_is_reproduced_and_its_one_word_twin_differs(tmp_path, ca
     assert code == 1 and verdict.startswith("verdict: differs"), verdict
 
 
-def test_what_it_does_that_finetune_does_not_is_named(tmp_path, capsys):
+def imported_with(tmp_path, capsys, **changes) -> str:
+    """``finetune import`` of sft-lora's files with ``changes`` to its args.json."""
     args = json.loads((RUN / "args.json").read_text())
     folder = tmp_path / "run"
-    folder.mkdir()
-    (folder / "args.json").write_text(json.dumps({**args, "dataset_shuffle": True, "truncation_strategy": "split"}))
+    folder.mkdir(exist_ok=True)
+    (folder / "args.json").write_text(json.dumps({**args, **changes}))
     (folder / "logging.jsonl").write_text((RUN / "logging.jsonl").read_text())
-    code, said = cli(capsys, "import", folder, "--model", LF / "model", "-o", tmp_path / "r.yaml")
+    code, said = cli(capsys, "import", folder, "--model", LF / "model", "-o", tmp_path / "r.yaml", "--force")
     assert code == 0, said
-    assert "not carried: dataset_shuffle=True — ms-swift shuffles the rows once" in said, said
+    return said
+
+
+def test_what_it_does_that_finetune_does_not_is_named(tmp_path, capsys):
+    said = imported_with(tmp_path, capsys, dataset_shuffle=True, truncation_strategy="split")
+    assert "not carried: dataset_shuffle" not in said, said  # carried: the rows written in swift's order
+    assert re.search(r"data\.source +\S+r-rows\.jsonl +the rows of \S+chat\.jsonl \(args\.json: dataset\) as it "
+                     r"trained on them: args\.json: dataset_shuffle true, data_seed 42 \(ms-swift 4\.6\.0: the seed is "
+                     r"draw 2 of np\.random\.RandomState\(42\)", said), said
     assert "not carried: truncation_strategy=split" in said, said
+    # a split of the rows before the shuffle: named, the rows' order with it
+    said = imported_with(tmp_path, capsys, dataset_shuffle=True, split_dataset_ratio=0.1)
+    assert "not carried: dataset_shuffle=True — ms-swift shuffles the rows once before training, and holds rows " \
+           "out first (split_dataset_ratio)" in said, said
+    assert "not carried: split_dataset_ratio=0.1" in said, said
 
 
 def test_a_run_at_swifts_default_precision_trained_fp32_on_the_cpu_and_is_reproduced_so(tmp_path, capsys):
@@ -77,6 +92,24 @@ def test_a_run_at_swifts_default_precision_trained_fp32_on_the_cpu_and_is_reprod
     verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
     assert code == 1 and verdict.startswith("verdict: differs — settings: training.mixed_precision no in the "
                                             "baseline vs fp16"), verdict
+
+
+def test_a_run_at_swifts_default_data_order_is_reproduced_and_the_rows_in_another_order_differ(tmp_path, capsys):
+    """swift shuffled the 40 rows once before training (dataset_shuffle: true, data_seed 42): import writes them in
+    that order, and the run is equivalent (before the replay it read differs at step 1: 4.1e-3 in the loss, 1.3e-1
+    in the grad norm). Negative control: the same rows in another order in the file → differs."""
+    assert json.loads((SHUFFLED / "args.json").read_text())["dataset_shuffle"] is True
+    code, said = reproduce(capsys, tmp_path / "same", LF / "data" / "chat.jsonl", run=SHUFFLED)
+    verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
+    assert code == 0 and verdict.startswith("verdict: equivalent"), said[-3000:]
+    assert "Dataset.shuffle(seed=1273642419)" in said and "not carried: dataset_shuffle" not in said, said[:6000]
+    lines = (LF / "data" / "chat.jsonl").read_text().splitlines()
+    reordered = tmp_path / "chat.jsonl"
+    reordered.write_text("".join(line + "\n" for line in lines[::-1]))
+    code, said = reproduce(capsys, tmp_path / "reordered", reordered, run=SHUFFLED)
+    verdict = next(line for line in said.splitlines() if line.startswith("verdict:"))
+    assert code == 1 and verdict.startswith("verdict: differs — loss curve"), verdict
+    assert "first above at step 1" in verdict, verdict
 
 
 def test_its_fp16_is_kept_where_the_files_do_not_say_the_device(tmp_path, capsys):

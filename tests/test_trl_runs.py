@@ -4,6 +4,8 @@ model in fp32:
 * rows of messages (``{"messages": [...]}``): TRL trains on every token without ``assistant_only_loss`` and on the
   assistant's turns with it, and ``import --data`` says which (``data.train_on``) — "equivalent"; the other set of
   tokens differs at step 1;
+* an SFT baseline that shuffled its rows (``shuffle_dataset=True``): import writes them in TRL's order —
+  "equivalent"; the file's order differs at step 1;
 * packed SFT baselines (``packing=True``, bfd and wrapped): import carries the packing (``data.pack``), the
   reproduction trains on TRL's packed rows — "equivalent"; unpacked, it differs on the settings layer;
 * DPO baselines (sigmoid on conversational rows, hinge on text rows): import carries ``DPOConfig``'s ``beta`` and
@@ -15,13 +17,16 @@ model in fp32:
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
 from finetune.cli import main
-from tests.helpers import tiny_chat_assets, tiny_pairs_assets, train_and_save
+from tests.helpers import ROOT, tiny_chat_assets, tiny_pairs_assets, train_and_save
 from tests.test_trl_baseline import ROWS, SEED
+
+CORPUS = ROOT / "tests" / "assets" / "corpus"
 
 
 def messages_rows(path) -> str:
@@ -108,6 +113,37 @@ def test_a_packed_baseline_is_reproduced(tmp_path, capsys, strategy):
     code, verdict, _ = reproduce(capsys, tmp_path, baseline, data, "sft-smollm2", "model.generate_prompts=0",
                                  "data.pack=null")
     assert code == 1 and f"settings: data.pack {strategy} in the baseline vs None" in verdict, verdict
+
+
+def test_a_baseline_that_shuffled_its_rows_is_reproduced_in_that_order(tmp_path, capsys):
+    """SFTConfig(shuffle_dataset=True): TRL shuffles its tokenized rows once (``Dataset.shuffle(seed=seed)``) before
+    the Trainer's sampler; import writes the rows in that order — equivalent. Negative control: the file's own
+    order (``data.source`` set back to it) differs at step 1."""
+    data = messages_rows(tmp_path / "messages.jsonl")
+    baseline = tmp_path / "trl-shuffled"
+    train_sft(baseline, data, shuffle_dataset=True)
+    code, verdict, table = reproduce(capsys, tmp_path, baseline, data, "sft-smollm2", "model.generate_prompts=0")
+    assert "shuffle_dataset=True" in table and f"Dataset.shuffle(seed={SEED}) does" in table, table
+    assert code == 0 and verdict.startswith("verdict: equivalent"), verdict
+    code, verdict, _ = reproduce(capsys, tmp_path, baseline, data, "sft-smollm2", "model.generate_prompts=0",
+                                 f"data.source={data}")
+    assert code == 1 and "first above at step 1" in verdict, verdict
+
+
+@pytest.mark.parametrize("run, shuffle, packing, shuffled", [
+    ("sft-config-run", True, False, True), ("sft-config-run", False, False, False),
+    ("sft-config-run", True, True, False), ("grpo-config-run", True, False, False)])
+def test_only_an_unpacked_sft_run_shuffles_its_rows_before_the_sampler(tmp_path, run, shuffle, packing, shuffled):
+    """GRPOConfig's shuffle_dataset (its default true) is its sampler's; a packed SFT run's shuffle is named with its
+    packing: neither is a shuffle of the rows import replays."""
+    from finetune.reproduce.sources import read_baseline
+
+    folder = tmp_path / run
+    shutil.copytree(CORPUS / "trl" / run, folder)
+    args = json.loads((folder / "training_args.json").read_text())
+    (folder / "training_args.json").write_text(json.dumps({**args, "shuffle_dataset": shuffle, "packing": packing}))
+    b = read_baseline(folder)
+    assert (b.shuffled is not None) == shuffled and (not shuffled or b.shuffled[0] == args["seed"]), b.shuffled
 
 
 def dpo_rows(path, text: bool, limit: int | None = None) -> str:

@@ -28,14 +28,16 @@ def settled(b: Baseline, said: Optional[tuple], given: Optional[int], data) -> O
 
 def from_steps(b: Baseline, data) -> Optional[tuple]:
     """Where no file says the processes: the count that makes the steps the run took per epoch, over the rows of
-    ``data`` (a local file the run trained on whole: no rows held out or reordered), the Trainer's
-    ceil(rows / (per-device × accumulation × processes)) — taken when exactly one count fits and it is not 1; several
-    that fit, none of them 1, are refused in one line (``--processes`` says which)."""
+    ``data`` (a local file; the rows its tool kept of it, :func:`row_change`: a shuffle keeps them all, a split
+    fewer), the Trainer's ceil(rows / (per-device × accumulation × processes)) — taken when exactly one count fits and
+    it is not 1; several that fit, none of them 1, are refused in one line (``--processes`` says which)."""
     epochs, steps, per_device = b.get("num_train_epochs"), b.get("schedule_steps"), b.get("per_device_train_batch_size")
-    if data is None or row_change(b) is not None or b.get("dataloader_drop_last") or \
+    if data is None or b.get("dataloader_drop_last") or \
             not (epochs and steps and per_device) or float(epochs) != int(epochs) or int(steps) % int(epochs):
         return None
-    rows = row_count(data)
+    rows, change = row_count(data), row_change(b)
+    if rows is not None and change is not None:
+        rows = len(change[3](rows))
     per_epoch, window = int(steps) // int(epochs), int(per_device) * int(b.get("gradient_accumulation_steps") or 1)
     if rows is None or rows < window:
         return None

@@ -116,7 +116,8 @@ class Baseline:
     assumed: dict = field(default_factory=dict)   # setting → why it is assumed: the source's files do not say
     #                                               it (LLaMA-Factory's folder without its YAML: the accumulation)
     shuffled: Optional[tuple] = None              # (seed, source): the tool shuffled its training rows once before
-    #                                               training, as datasets' Dataset.shuffle(seed=seed) does (axolotl)
+    #                                               training, as datasets' Dataset.shuffle(seed=seed) does (axolotl;
+    #                                               ms-swift, its seed drawn as its load_dataset draws it)
     run: Optional[Path] = None                    # finetune's own run folder: compared run against run
     recipe: Optional[WholeRecipe] = None          # the recipe it carries whole, imported as it is (finetune's)
 

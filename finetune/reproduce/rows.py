@@ -15,7 +15,7 @@ def training_file(out: Imported, data: str | None, data_fields: set, b: Baseline
                   recipe: Path | None = None, said: str = "--data") -> None:
     """``--data FILE``: the baseline's training file, whole and in its order (the Trainer's order draws from it); for
     a TRL SFT baseline, the tokens it trained on, from the rows' format (``trl_train_on``). A baseline whose tool
-    shuffled its rows once before training (``Baseline.shuffled``: axolotl) or held some out
+    shuffled its rows once before training (``Baseline.shuffled``: axolotl, ms-swift) or held some out
     (``Baseline.held_out``: LLaMA-Factory's ``val_size``) trains on the rows it kept, in their order, written beside
     ``recipe`` (:func:`rows_in_order`); without ``--data`` or ``recipe`` that is said as not carried. ``said``: where
     the file comes from (``--data``, or the source's own naming of it)."""
@@ -26,6 +26,7 @@ def training_file(out: Imported, data: str | None, data_fields: set, b: Baseline
                      "it trained on, in that order")
         return
     out.set("data.source", str(data), said)
+    written = None
     if change is not None:
         written = rows_in_order(data, change[3], recipe) if recipe is not None else None
         if written is None:
@@ -43,7 +44,8 @@ def training_file(out: Imported, data: str | None, data_fields: set, b: Baseline
                                           if kind == "preference-text" else ", rendered with the chat template"))
     for name, value in (("val_fraction", 0.0), ("limit", None)):
         if name in data_fields:
-            out.set(f"data.{name}", value, "--data: the baseline trained on the whole file, in its order")
+            out.set(f"data.{name}", value, "--data: the baseline trained on the whole file, in its order" if written
+                    is None else "data.source: the rows the baseline trained on, in its tool's order")
 
 
 def row_change(b: Baseline | None) -> tuple | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import typing
 
 from finetune.registry import built_in_hints
+from finetune.reproduce.objective import instruction_task, said_objective
 from finetune.reproduce.record import Baseline, Imported
 
 
@@ -68,6 +69,21 @@ def data_settings(b: Baseline, out: Imported, data_fields: set) -> None:
     if "system_prompt" in data_fields:
         out.set("data.system_prompt", None, "the baseline's rows as they are: a Trainer / TRL / axolotl run adds no "
                                             "system message (the template's own default stays)")
+
+
+def trl_shuffled(b: Baseline) -> tuple | None:
+    """(seed, where) of TRL's one shuffle of an SFT run's rows before its sampler (``shuffle_dataset``: TRL 1.16's
+    ``SFTTrainer._prepare_dataset`` ends with ``dataset.shuffle(seed=args.seed)``, trl/trainer/sft_trainer.py:1482,
+    after tokenizing), for ``Baseline.shuffled``; None where it did not, where it packed the shuffled rows (named by
+    :func:`_packing`), or where the run is not an SFT run (GRPOConfig's ``shuffle_dataset`` is its sampler's)."""
+    if not (b.trl and b.get("shuffle_dataset")) or b.get("packing"):
+        return None
+    objective = said_objective(b)
+    if objective is not None and objective.name != instruction_task():
+        return None
+    seed = int(b.get("seed") if b.get("seed") is not None else 42)
+    return seed, f"{b.args['shuffle_dataset'][1]}: shuffle_dataset=True, TRL's SFTTrainer shuffling its tokenized " \
+                 f"rows with the seed ({seed})"
 
 
 def trl_train_on(b: Baseline, kind: str) -> tuple[str, str]:

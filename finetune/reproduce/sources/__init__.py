@@ -27,6 +27,7 @@ from finetune.reproduce.sources import (
     trainer,
     trl_config,
 )
+from finetune.reproduce.task_settings import trl_shuffled
 
 SOURCES: tuple[Source, ...] = (
     finetune_run.SOURCE,
@@ -75,6 +76,7 @@ def read_baseline(path, what: str = "baseline", processes: Optional[int] = None,
     files.unsaid_accumulation(b)  # after the reader: its own config may say what the Trainer's files do not
     files.read_versions(b)  # DeepSpeed's and transformers' where the run's folder says them (its engine's steps)
     b.source = source
+    b.shuffled = b.shuffled or trl_shuffled(b)  # a Trainer-based tool's own reader may say it (axolotl, ms-swift)
     b.processes = settled(b, source.processes(b), processes, data)
     return b
 

@@ -9,14 +9,19 @@ ms-swift trains with the HF Trainer's step, read from its source (4.6.0): the lo
 (``training.sample_order: trainer``), in file order with ``train_dataloader_shuffle: false``. Its ``chatml`` template
 renders a conversation as ChatML, no system message added unless ``system`` says one, and with ``loss_scale:
 default`` trains each assistant turn with the ``<|im_end|>\\n`` after it (``data.train_on: assistant``,
-``data.turn_end: trained``); ``truncation_strategy: delete`` drops a longer conversation. What it does that finetune
-does not (``dataset_shuffle``: one shuffle of the rows with a seed drawn from a numpy random state; packing; a split
-of the data) is named as not carried.
+``data.turn_end: trained``); ``truncation_strategy: delete`` drops a longer conversation. Before any of that it
+shuffles the rows once (``dataset_shuffle: true``, its default): ``load_dataset`` (``swift/dataset/loader.py``) makes
+``np.random.RandomState(data_seed)``, draws from it (``get_seed``: ``randint(0, 2**31 - 1)``) once per data set
+(4.6: ``init_decision_augment``'s seed, drawn whether or not it is used) and then the seed of
+``Dataset.shuffle(seed=…)`` (datasets') over the concatenated rows; the too-long rows are dropped after it, the
+sampler draws over what is left. That order is ``Baseline.shuffled``: ``finetune import --data`` writes the rows in
+it. What it does that finetune does not (packing; a split of the data; streaming) is named as not carried.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -37,14 +42,13 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 TRUNCATION = {"delete": "drop", "right": "keep_start", "left": "keep_end"}  # truncation_strategy → data.too_long
 # swift's own arguments that change the steps and that finetune cannot take: name → (its default, why)
 NOT_CARRIED = {
-    "dataset_shuffle": (False, "ms-swift shuffles the rows once before training with a seed it draws from a numpy "
-                               "random state (swift/dataset/loader.py); give --data the rows in the order it trained "
-                               "them, or train with --dataset_shuffle false"),
     "packing": (False, "ms-swift packs rows before sampling; finetune's reproduction trains them unpacked"),
     "padding_free": (False, "ms-swift concatenates each micro-batch's rows; the steps are the same only while no "
                             "attention crosses rows"),
     "split_dataset_ratio": (0.0, "ms-swift holds rows out with its own random state; give --data the rows it trained "
                                  "on"),
+    "streaming": (False, "ms-swift streams the rows in the file's order (shuffled in a buffer of "
+                         "shuffle_buffer_size with dataset_shuffle), no sampler on top"),
     "loss_type": (None, "finetune's sft trains the token-mean cross-entropy"),
     "use_rslora": (False, "finetune scales LoRA by alpha / r"), "use_dora": (False, "finetune's LoRA is plain LoRA"),
     "lorap_lr_ratio": (None, "finetune gives every LoRA weight one learning rate"),
@@ -136,6 +140,7 @@ def read_args(args: dict, b: Baseline) -> None:
     for key, (default, why) in NOT_CARRIED.items():
         if args.get(key) not in (default, None, [], {}):
             b.uncarried.append((key, args[key], why))
+    rows_shuffled(args, b)
     datasets = args.get("dataset") or []
     if len(datasets) == 1 and (found := local_file(datasets[0], b.path)) is not None:
         b.data_file = (found, where("dataset"))
@@ -143,6 +148,70 @@ def read_args(args: dict, b: Baseline) -> None:
         b.logs = read_log(b.path / LOG)
         b.max_steps = b.logs[-1]["step"] if b.logs else None
     b.logs = lr_of_each_step(b.logs, b)
+
+
+# the versions whose load_dataset (swift/dataset/loader.py) was read, and how many draws it makes from its random
+# state per data set before the shuffle's seed: 4.0–4.5 none (a split's train_test_split aside), 4.6 one (the seed
+# of init_decision_augment, an argument evaluated for every data set)
+DRAWS_PER_SET = {(4, minor): 0 for minor in range(6)} | {(4, 6): 1}
+
+
+def rows_shuffled(args: dict, b: Baseline) -> None:
+    """swift's one shuffle of the training rows (``dataset_shuffle``, its default true) onto ``b.shuffled``: the seed
+    it hands datasets' ``Dataset.shuffle``, drawn as its ``load_dataset`` draws it; named as not carried where the
+    order is not the shuffled file's (a split, streaming, interleaving, cached or sampled data sets, a version not
+    read)."""
+    said = "dataset_shuffle " + ("true" if "dataset_shuffle" in args else "(ms-swift's default true)")
+    if args.get("dataset_shuffle", True) is False:
+        return
+    sets, version = args.get("dataset") or [], str(args.get("swift_version") or "")
+    why = unreplayed(args, sets, version)
+    if why is not None:
+        b.uncarried.append(("dataset_shuffle", True, f"ms-swift shuffles the rows once before training, and {why}: "
+                            "give --data the rows in the order it trained them"))
+        return
+    draws = DRAWS_PER_SET[release(version)] * len(sets)
+    data_seed = int(args.get("data_seed", 42))
+    seed = shuffle_seed(data_seed, draws)
+    b.shuffled = (seed, f"{ARGS}: {said}, data_seed {data_seed} (ms-swift {version}: the seed is draw {draws + 1} "
+                        f"of np.random.RandomState({data_seed}), as its load_dataset draws it)"
+                  + (f", its {len(sets)} data sets one after another" if len(sets) > 1 else ""))
+
+
+def unreplayed(args: dict, sets: list, version: str) -> Optional[str]:
+    """Why swift's training rows are not the file's rows shuffled with the seed :func:`shuffle_seed` draws (None:
+    they are)."""
+    if release(version) not in DRAWS_PER_SET:
+        return (f"finetune replays the order of ms-swift {min(DRAWS_PER_SET)[0]}.0–{max(DRAWS_PER_SET)[0]}."
+                f"{max(DRAWS_PER_SET)[1]} (read in their swift/dataset/loader.py), not of {version or 'a version'}"
+                " its args.json does not say")
+    reasons = [(float(args.get("split_dataset_ratio") or 0) > 0, "holds rows out first (split_dataset_ratio)"),
+               (bool(args.get("streaming")), "streams them (shuffled in a buffer)"),
+               (args.get("interleave_prob") is not None, "interleaves its data sets (interleave_prob)"),
+               (bool(args.get("cached_dataset")), "puts its cached data sets first (cached_dataset)"),
+               (any(re.search(r"#\d+$", str(d)) for d in sets), "samples its data sets (DATASET#N) with the same "
+                                                               "random state"),
+               (not sets, "its args.json names no data set"),
+               (args.get("data_seed", 42) is None, "draws its seed from a random state seeded by the OS (data_seed "
+                                                   "null)")]
+    return next((why for holds, why in reasons if holds), None)
+
+
+def release(version: str) -> Optional[tuple]:
+    """(major, minor) of a version such as ``4.6.0`` (None: not one)."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def shuffle_seed(data_seed: int, draws_before: int) -> int:
+    """The seed ms-swift's ``load_dataset`` hands ``Dataset.shuffle`` for its training rows: its random state
+    ``np.random.RandomState(data_seed)`` (``swift/dataset/loader.py``), ``draws_before`` draws made, then one more,
+    each as its ``get_seed`` draws (``swift/utils/np_utils.py``: ``randint(0, np.iinfo(np.int32).max)``)."""
+    import numpy as np
+
+    state = np.random.RandomState(data_seed)
+    draws = [state.randint(0, np.iinfo(np.int32).max) for _ in range(draws_before + 1)]
+    return int(draws[-1])
 
 
 def lr_of_each_step(logs: list, b: Baseline) -> list:
