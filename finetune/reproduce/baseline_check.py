@@ -13,6 +13,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from finetune.errors import ConfigError
+from finetune.reproduce import replay
 from finetune.reproduce.architecture import model_difference
 from finetune.reproduce.carry import carry, trained_precision
 from finetune.reproduce.floor import FP32
@@ -99,7 +100,9 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     _check_windows(c, b, mine, imported, unchecked)
     _check_lr(c, b, history, unchecked)
     judged = _judgement(b, mine, twin, loss_rtol)
+    kernels = None
     if b.logs:
+        kernels = replay.step_one(c, b, mine)
         _check_logged_loss(c, b, history, judged)
         _check_logged_norms(c, b, mine, judged, unchecked)
         _check_skipped(c, b, history)
@@ -116,7 +119,9 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
                 Judgement(weight_rtol, assumed=judged.assumed and weight_rtol is None,
                           tolerances=judged.tolerances), against=f" against {b.weights.name}")
     _unread_at_step_one(c, b)
-    c.qualifier = "; ".join(_notes(c, b, mine, imported, (judged, unchecked))) or None
+    not_replayed = [f"step 1 not replayed — {kernels.impossible or '; '.join(kernels.differs)}"] \
+        if kernels is not None and not kernels.replayed else []
+    c.qualifier = "; ".join(not_replayed + _notes(c, b, mine, imported, (judged, unchecked))) or None
     return c
 
 
