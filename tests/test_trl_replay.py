@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -83,6 +84,7 @@ def test_the_baselines_micro_batches_and_threads_replay_step_one_bit_for_bit(wid
     code, said = reproduce(capsys, wide, tmp_path / "same")
     assert code == 0 and verdict(said).startswith("verdict: equivalent"), said
     assert "forward replayed bit for bit at step 1" in verdict(said), said
+    assert "nothing above — step-1 loss 0 (bit for bit), loss " in verdict(said), said  # its power
     threads = replay.baseline_threads(read_baseline(wide[1], "compare"))[0]
     assert f"micro-batch 4, padded as the baseline's, {threads} thread" in said, said
     ours = json.loads((tmp_path / "same" / "run" / "history.jsonl").read_text().splitlines()[0])
@@ -101,6 +103,8 @@ def test_another_micro_batch_is_not_a_replay_and_is_held_to_its_band(wide, tmp_p
     assert code == 0 and line.startswith("verdict: equivalent"), said
     assert "step 1 not replayed — the micro-batch: 2 here, the baseline's 4" in line, said
     assert "forward replayed bit for bit" not in line, said
+    power = re.search(r"nothing above — loss (\S+), grad norm (\S+), weights L2 (\S+) \(the smallest", line)
+    assert power and all(float(x.rstrip(",")) > 0 for x in power.groups()), line  # its power, printed
 
 
 def test_the_replay_check_names_what_differs(wide, tmp_path, capsys):

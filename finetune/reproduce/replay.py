@@ -134,9 +134,10 @@ def same_to_logged_digits(theirs: float, ours: float) -> bool:
 def step_one(c, b: Baseline, mine: Run) -> Optional[Kernels]:
     """The replay's proof, a layer of ``c`` (a ``verdict.Comparison``): where the run ran the baseline's kernels
     (:func:`kernels`), its loss at step 1 — before any update — must be the baseline's to its logged digits (a
-    float32 logged in full: bit for bit; the sum over the baseline's processes in fp32 is in the per-device losses the
-    run sums in the same order), else the tokens or the model differ; where it did not, what differs is said and
-    step 1 is held to the loss band like every step. Returns how the run's step 1 ran (None: step 1 not logged)."""
+    float32 logged in full: bit for bit; measured so, the Trainer's fp32 mean over its processes landing on this
+    run's fp32 sum of the same per-device losses: docs/exact-steps.md#bf16-the-baselines-kernels-replayed), else the
+    tokens or the model differ; where it did not, what differs is said and step 1 is held to the loss band like
+    every step. Returns how the run's step 1 ran (None: step 1 not logged)."""
     theirs = next((e for e in b.logs if e.get("step") == 1 and isinstance(e.get("loss"), float)), None)
     ours = next((h for h in mine.history if h.get("step") == 1), None)
     if theirs is None or ours is None or not isinstance(ours.get("loss"), float):
@@ -148,6 +149,8 @@ def step_one(c, b: Baseline, mine: Run) -> Optional[Kernels]:
                               f"({ours['loss']:.7g} vs the baseline's {theirs['loss']:.7g}) held to the loss band")
         return k
     same = same_to_logged_digits(theirs["loss"], ours["loss"])
+    if same:
+        c.power["step-1 loss"] = 0.0
     apart = abs(ours["loss"] - theirs["loss"]) / max(abs(theirs["loss"]), 1e-12)
     c.add("step 1", same, f"forward replayed bit for bit at step 1: loss {ours['loss']!r}, the baseline's ({k.ran})"
           if same else f"the baseline's kernels replayed ({k.ran}), yet step 1's loss before any update is "
