@@ -154,8 +154,10 @@ def _judgement(b: Baseline, mine: Run, twin, loss_rtol) -> Judgement:
         band, why = fl.overall["loss"], fl.note
     # a band assumed for mixed precision or dropout, not measured: outside it the run is "not certified"
     assumed = fl is None and why is not None and loss_rtol is None
+    stepwise = fl is not None and loss_rtol is None  # a user's own tolerance holds at every step
     return Judgement(loss_rtol if loss_rtol is not None else band, assumed=assumed, why=why,
-                     tolerances=fl.overall if fl else FP32, steps=fl.steps if fl and loss_rtol is None else None)
+                     tolerances=fl.overall if fl else FP32, steps=fl.steps.get("loss") if stepwise else None,
+                     step_tolerances=fl.steps if stepwise else {})
 
 
 def _notes(c: Comparison, b: Baseline, mine: Run, imported: Imported, judged_unchecked: tuple) -> list:
@@ -227,7 +229,7 @@ def _check_logged_norms(c: Comparison, b: Baseline, mine: Run, judged: Judgement
     rtol = max(judged.rtol, judged.tolerances["grad norm"], least)
     steps, theirs = [e["step"] for e in logged], [e["grad_norm"] for e in logged]
     ours = [by_step[s]["grad_norm"] for s in steps]
-    per = judged.steps or {}  # a floor measured per step: each step's grad norm at least its loss's tolerance there
+    per = judged.step_tolerances  # a floor measured per step: each step's grad norm at least its loss's tolerance
     at = {s: max(per["grad norm"].get(s, rtol), per["loss"].get(s, rtol), least) for s in steps} if per else None
     norms = Judgement(max(at.values()) if at else rtol, assumed=judged.assumed, why=judged.why, steps=at)
     per_step(c, "grad norm", (steps, ours, theirs), norms, what="before clipping")
@@ -391,7 +393,7 @@ def _check_logged_loss(c: Comparison, b: Baseline, history: list, judged: Judgem
     logs, rtol, why, assumed = b.logs, judged.rtol, judged.why, judged.assumed
     every, means = int(b.get("logging_steps") or 1), b.logged_loss_is_mean
     worst, bad, previous, least = 0.0, None, 0, rtol
-    per = (judged.steps or {}).get("loss")  # a floor measured per step: a logged mean, the widest of its steps
+    per = judged.steps  # a floor measured per step: a logged mean is held to the widest of its steps
     for e in logs:
         covered = [h for h in history if (previous if means else e["step"] - 1) < h["step"] <= e["step"]]
         ours = [h["loss"] for h in covered]

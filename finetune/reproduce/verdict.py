@@ -162,7 +162,8 @@ class Judgement:
     why: Optional[str] = None
     tolerances: dict = field(default_factory=lambda: dict(FP32))
     judge: bool = True
-    steps: Optional[dict] = None    # optimizer step → its own tolerance (a floor measured per step); else rtol
+    steps: Optional[dict] = None    # optimizer step → this layer's tolerance there (a floor measured per step)
+    step_tolerances: dict = field(default_factory=dict)  # every layer's steps (the floor's): the grad norm reads it
 
     def at(self, step) -> float:
         """The tolerance at optimizer ``step``."""
