@@ -172,8 +172,12 @@ def write_outputs(o, job, result, out_dir: Path, ema_beta: float) -> None:
 def arithmetic(device) -> dict:
     """What a run's rounding depends on beyond its settings, kept in its metrics.json for the floor: the kind and
     name of the device, and whether its fp32 matrix products ran in TF32 (torch's float32 matmul precision, or
-    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``, both of which torch's flag reports)."""
+    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``, both of which torch's flag reports); on a CPU the threads its kernels
+    split their work over (oneDNN partitions a bf16 product by them), and torch's version (its kernels): what a
+    replay of a baseline's kernels needs the same (``reproduce.replay``)."""
     if device.type != "cuda":
-        return {"device": device.type, "name": platform.processor() or platform.machine(), "tf32": False}
+        return {"device": device.type, "name": platform.processor() or platform.machine(), "tf32": False,
+                "threads": torch.get_num_threads(), "torch": torch.__version__}
     return {"device": "cuda", "name": torch.cuda.get_device_name(device),
-            "tf32": bool(torch.backends.cuda.matmul.allow_tf32)}
+            "tf32": bool(torch.backends.cuda.matmul.allow_tf32), "torch": torch.__version__,
+            "cuda": torch.version.cuda}

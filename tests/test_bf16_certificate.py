@@ -152,3 +152,32 @@ def test_a_run_on_each_device_gets_the_wider_floor():
     assert both.overall == floors.assumed("bf16", [cuda]).overall != floors.assumed("bf16", [cpu]).overall
     assert floors.assumed("bf16", [None, None]).overall == floors.assumed("bf16", [cpu]).overall  # older runs
     assert floors.assumed("no", [cpu, cuda]).kind == "fp32"
+
+
+def test_a_measured_floor_holds_each_step_to_the_twins_distance_up_to_it():
+    """Per-step bands (floor.measured): a twin that drifts from 2e-5 to 2e-3 over four steps gives step 1 a band of
+    12 × 2e-5 (fp32's 1e-4 at least), not 4 × the run's largest (8e-3). A run 1e-3 off at step 1 differs there — the
+    old whole-run band passed it (the negative control) — while one 3× the twin's distance at every step is
+    equivalent; the layer states its power (its least band)."""
+    from finetune.reproduce.verdict import Comparison, Judgement, per_step
+
+    a = [{"step": s, "loss": 2.0, "grad_norm": 1.0} for s in (1, 2, 3, 4)]
+    drift = [2e-5, 2e-5, 1e-3, 2e-3]
+    twin = [{**h, "loss": 2.0 * (1 + d)} for h, d in zip(a, drift)]
+    fl = floors.measured(a, twin, {}, "twin")
+    assert fl.at("loss", 1) == pytest.approx(floors.STEP_FACTOR * 2e-5, rel=1e-3)
+    assert fl.at("loss", 4) == fl.overall["loss"] == pytest.approx(floors.TWIN_FACTOR * 2e-3, rel=1e-2)
+    steps, xs = [1, 2, 3, 4], [h["loss"] for h in a]
+
+    def judged(ys, steps_of):
+        c = Comparison()
+        per_step(c, "loss curve", (steps, xs, ys), Judgement(fl.overall["loss"], steps=steps_of))
+        return c
+
+    early = [2.0 * (1 + 1e-3)] + xs[1:]
+    c = judged(early, fl.steps["loss"])
+    assert c.checks[0][1] is False and c.checks[0][3] == 1, c.checks
+    assert judged(early, None).checks[0][1] is True  # the whole run's band let it pass
+    near = [2.0 * (1 + 3 * max(drift[:i + 1])) for i in range(4)]
+    c = judged(near, fl.steps["loss"])
+    assert c.checks[0][1] is True and c.power["loss"] == pytest.approx(floors.STEP_FACTOR * 2e-5, rel=1e-3), c.checks

@@ -23,6 +23,10 @@ TRL's collator padding each micro-batch to a multiple of 16 (``sft-bf16-varied-p
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/trl-multiprocess/train_sft.py \\
         --bf16 --data tests/assets/trl-2proc/varied.jsonl --per-device 4 --accumulation 2 \\
         --out tests/assets/trl-2proc/sft-bf16-varied  # and --pad-to-multiple-of 16 --out …-pad16
+
+The same on a model as wide as SmolLM2, where the bf16 kernels' shapes can matter: ``tests/test_trl_replay.py`` builds
+it (``wider_model.py --hidden 576 --layers 2 --out M``) and trains this baseline itself, on the CPU it tests on (a
+baseline's step 1 replays bit for bit on its own CPU kind), with ``--model M`` and accelerate's default threads.
 """
 
 import argparse

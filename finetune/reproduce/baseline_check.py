@@ -13,6 +13,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from finetune.errors import ConfigError
+from finetune.reproduce import replay
 from finetune.reproduce.architecture import model_difference
 from finetune.reproduce.carry import carry, trained_precision
 from finetune.reproduce.floor import FP32
@@ -99,7 +100,11 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
     _check_windows(c, b, mine, imported, unchecked)
     _check_lr(c, b, history, unchecked)
     judged = _judgement(b, mine, twin, loss_rtol)
+    kernels = None
     if b.logs:
+        # below fp32 a forward's rounding follows its kernels: replayed, step 1 is exact (fp32 has its own band)
+        kernels = replay.step_one(c, b, mine) if setting(mine.recipe, "training.mixed_precision") not in \
+            (None, "no") else None
         _check_logged_loss(c, b, history, judged)
         _check_logged_norms(c, b, mine, judged, unchecked)
         _check_skipped(c, b, history)
@@ -116,7 +121,9 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
                 Judgement(weight_rtol, assumed=judged.assumed and weight_rtol is None,
                           tolerances=judged.tolerances), against=f" against {b.weights.name}")
     _unread_at_step_one(c, b)
-    c.qualifier = "; ".join(_notes(c, b, mine, imported, (judged, unchecked))) or None
+    not_replayed = [f"step 1 not replayed — {kernels.impossible or '; '.join(kernels.differs)}"] \
+        if kernels is not None and not kernels.replayed else []
+    c.qualifier = "; ".join(not_replayed + _notes(c, b, mine, imported, (judged, unchecked))) or None
     return c
 
 
@@ -147,8 +154,10 @@ def _judgement(b: Baseline, mine: Run, twin, loss_rtol) -> Judgement:
         band, why = fl.overall["loss"], fl.note
     # a band assumed for mixed precision or dropout, not measured: outside it the run is "not certified"
     assumed = fl is None and why is not None and loss_rtol is None
+    stepwise = fl is not None and loss_rtol is None  # a user's own tolerance holds at every step
     return Judgement(loss_rtol if loss_rtol is not None else band, assumed=assumed, why=why,
-                     tolerances=fl.overall if fl else FP32)
+                     tolerances=fl.overall if fl else FP32, steps=fl.steps.get("loss") if stepwise else None,
+                     step_tolerances=fl.steps if stepwise else {})
 
 
 def _notes(c: Comparison, b: Baseline, mine: Run, imported: Imported, judged_unchecked: tuple) -> list:
@@ -216,10 +225,13 @@ def _check_logged_norms(c: Comparison, b: Baseline, mine: Run, judged: Judgement
         c.add("grad norm", None, f"not checkable: the {b.kind} logs no grad_norm (the Trainer computes it only "
                                  "when it clips)")
         return
-    rtol = max(judged.rtol, judged.tolerances["grad norm"], low_precision_grads(mine.recipe))
+    least = low_precision_grads(mine.recipe)
+    rtol = max(judged.rtol, judged.tolerances["grad norm"], least)
     steps, theirs = [e["step"] for e in logged], [e["grad_norm"] for e in logged]
     ours = [by_step[s]["grad_norm"] for s in steps]
-    norms = Judgement(rtol, assumed=judged.assumed, why=judged.why)
+    per = judged.step_tolerances  # a floor measured per step: each step's grad norm at least its loss's tolerance
+    at = {s: max(per["grad norm"].get(s, rtol), per["loss"].get(s, rtol), least) for s in steps} if per else None
+    norms = Judgement(max(at.values()) if at else rtol, assumed=judged.assumed, why=judged.why, steps=at)
     per_step(c, "grad norm", (steps, ours, theirs), norms, what="before clipping")
     limit = (b.get("max_grad_norm") or None) if "max_grad_norm" in b.args else UNKNOWN
     clipping(c, (steps, ours, theirs), (setting(mine.recipe, "training.max_grad_norm") if mine.recipe else
@@ -380,23 +392,31 @@ def _check_logged_loss(c: Comparison, b: Baseline, history: list, judged: Judgem
     ``means``, against our loss at its step (torchtune logs the step's own)."""
     logs, rtol, why, assumed = b.logs, judged.rtol, judged.why, judged.assumed
     every, means = int(b.get("logging_steps") or 1), b.logged_loss_is_mean
-    worst, bad, previous = 0.0, None, 0
+    worst, bad, previous, least = 0.0, None, 0, rtol
+    per = judged.steps  # a floor measured per step: a logged mean is held to the widest of its steps
     for e in logs:
-        ours = [h["loss"] for h in history if (previous if means else e["step"] - 1) < h["step"] <= e["step"]]
+        covered = [h for h in history if (previous if means else e["step"] - 1) < h["step"] <= e["step"]]
+        ours = [h["loss"] for h in covered]
         previous = e["step"]
         if not ours or not math.isfinite(e["loss"]):
             continue
+        tol = max(per.get(h["step"], rtol) for h in covered) if per else rtol
+        least = min(least, tol)
         mean = sum(ours) / len(ours)
         d = rel(e["loss"], mean)
         worst = max(worst, d)
-        if d > rtol and bad is None:
-            bad = (e["step"], e["loss"], mean)
-    per = "" if every == 1 else f" (each a mean over the {every} steps since the previous log)" if means else \
-        f" (each logged step's own loss, every {every} steps)"
+        if d > tol and bad is None:
+            bad = (e["step"], e["loss"], mean, tol)
+    means_said = "" if every == 1 else f" (each a mean over the {every} steps since the previous log)" if means \
+        else f" (each logged step's own loss, every {every} steps)"
     c.measured["loss curve"] = worst
-    c.add("loss curve", bad is None, f"max relative difference {worst:.2e} at {len(logs)} logged steps{per}, "
-          f"tolerance {rtol:g}" + (f" (band: {why})" if why else "") + (
-              "" if bad is None else f"; first above at step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g}"),
+    if not assumed:
+        c.power["loss"] = least
+    tolerance = f"tolerance {rtol:g}" if not per else f"tolerance per step {least:.1e} to {rtol:.1e}"
+    c.add("loss curve", bad is None, f"max relative difference {worst:.2e} at {len(logs)} logged steps{means_said}, "
+          f"{tolerance}" + (f" (band: {why})" if why else "") + (
+              "" if bad is None else f"; first above at step {bad[0]}: {bad[1]:.6g} vs {bad[2]:.6g} (tolerance "
+                                     f"{bad[3]:.1e})"),
           step=bad[0] if bad else None, basis=f"loss ≤ {rtol:.0e} at {len(logs)} logged steps", assumed=assumed)
 
 

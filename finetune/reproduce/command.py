@@ -3,12 +3,13 @@
 What a user types for whatever was published (any run a source of ``sources.SOURCES`` reads): the recipe is imported
 (``finetune import``; the base recipe from the task the source trained), trained at a micro-batch that fits this
 machine (``--batch-size auto`` unless given: the planner's pick, shrunk on an out-of-memory error, the effective batch
-kept), compared with the source's own logs (``finetune compare``) and written up in ``DIR/report.md`` — the verdict,
-each layer, the curves side by side (``DIR/curves.png``) and the commands that did it. In mixed precision the
-rounding floor is measured, not assumed: a twin run (the same recipe at another micro-batch) is trained too and
-passed to compare as its floor — for a baseline whose padding the run replays (``training.replay_padding``), a twin
-that replays the baseline's rounding whole (:func:`twin_layout`). The three commands stay for those who want each
-step; this one runs them.
+kept; a mixed-precision baseline's micro-batches are replayed whole where they fit, and on a CPU with the threads
+each of its processes had, so that step 1 runs its kernels: :mod:`replay`), compared with the source's own logs
+(``finetune compare``) and written up in ``DIR/report.md`` — the verdict, each layer, the curves side by side
+(``DIR/curves.png``) and the commands that did it. In mixed precision the rounding floor is measured, not assumed: a
+twin run (the same recipe at another micro-batch) is trained too and passed to compare as its floor — for a baseline
+whose padding the run replays (``training.replay_padding``), a twin that replays the baseline's rounding whole
+(:func:`twin_layout`). The three commands stay for those who want each step; this one runs them.
 
     finetune reproduce runs/llamafactory-sft --model path/to/base -o reproduced
 """
@@ -18,10 +19,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 from finetune.card import record_verdict
 from finetune.errors import ConfigError
 from finetune.registry import task_hints
 from finetune.reproduce import importer, plots
+from finetune.reproduce import replay as kernels
 from finetune.reproduce.baseline_check import compare_with_baseline
 from finetune.reproduce.compare import compare_runs
 from finetune.reproduce.record import Baseline
@@ -77,7 +81,8 @@ def main(args, finetune) -> int:
     train = ["run", "--recipe", str(recipe), "--batch-size", str(micro), "--output-dir", str(run_dir),
              "--set", "output.tracker=none", *[x for s in args.set for x in ("--set", s)]]
     commands.append(train)
-    code = finetune(train)
+    with kernels.threads(cpu_threads(baseline)):
+        code = finetune(train)
     if code:
         return code
     twin, mine = None, read_run(run_dir)  # the run read once: the twin's layout, the comparison, the curves
@@ -90,7 +95,8 @@ def main(args, finetune) -> int:
             twin = None
         else:
             commands.append(train[:4] + [str(other), "--output-dir", str(twin)] + train[7:] + rounding)
-            code = finetune(commands[-1])
+            with kernels.threads(cpu_threads(baseline)):
+                code = finetune(commands[-1])
             if code:
                 return code
     own = baseline.run
@@ -119,6 +125,12 @@ def import_command(args, recipe: Path) -> list:
             *(["--processes", str(args.processes)] if args.processes else [])]
 
 
+def cpu_threads(b: Baseline) -> int | None:
+    """The threads each of the baseline's processes had, for a run on this machine's CPU (None on a GPU: its
+    kernels do not split by them): what replays its kernels (:func:`replay.baseline_threads`)."""
+    return None if torch.cuda.is_available() else kernels.baseline_threads(b)[0]
+
+
 def _below_fp32(run: Run) -> bool:
     """Whether the run rounds below fp32: mixed precision, or weights trained in bf16 (no master weights)."""
     config = run.recipe
@@ -132,15 +144,21 @@ def twin_layout(run: Run, chosen: bool) -> tuple[int | None, list]:
     micro-batch (its shapes in backward too: a micro-batch of one sample runs other kernels, 1e-3 apart in the
     gradients of a hidden-size-384 Llama where 2 and 4 agree to 2e-7) — or at the run's where that is smaller and the
     run's was sized to fit (``chosen``: given by the user) — with each micro-batch's weight-gradient sums rounded to
-    bf16 as the baseline's autocast rounded them. The floor is then the rounding the two tools differ by. Else
-    another micro-batch (:func:`twin_batch_size`)."""
+    bf16 as the baseline's autocast rounded them. The floor is then the rounding the two tools differ by. A run
+    that is itself the replay (it ran the baseline's micro-batch: :mod:`replay`) gets the layout that differs: the
+    largest micro-batch dividing the baseline's below it, rounded as the baseline's. Else another micro-batch
+    (:func:`twin_batch_size`)."""
     replay = setting(run.config, "training.replay_padding")
     m = run.metrics
     if not replay or not m.get("effective_batch_size") or not m.get("gradient_accumulation_steps"):
         return twin_batch_size(run), []
+    rounding = ["--set", "training.fp32_grad_sums=false"]
+    if kernels.micro_batch_ran(run) == replay[0]:  # the run is the replay: the twin is the layout that differs
+        below = next((b for b in range(replay[0] - 1, 0, -1) if replay[0] % b == 0), None)
+        return below or replay[0], rounding
     micro = m["effective_batch_size"] // m["gradient_accumulation_steps"]
     own = replay[0] if chosen or replay[0] <= micro else micro
-    return own, ["--set", "training.fp32_grad_sums=false"]
+    return own, rounding
 
 
 def twin_batch_size(run: Run) -> int | None:

@@ -106,7 +106,8 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     grad_tol = per_step_losses(c, (a, b), fl, steps, loss_rtol)
     th = fl.twin.history[:n] if fl.twin else None  # the second reference of a measured floor
     norms_a, norms_b = [h["grad_norm"] for h in ha[:n]], [h["grad_norm"] for h in hb[:n]]
-    judged = Judgement(grad_tol, twin=[h["grad_norm"] for h in th] if th else None, assumed=assumed)
+    per = fl.steps.get("grad norm") if not c.eight_bit else None  # a floor measured per step
+    judged = Judgement(grad_tol, twin=[h["grad_norm"] for h in th] if th else None, assumed=assumed, steps=per)
     per_step(c, "grad norm", (steps, norms_a, norms_b), judged, what="before clipping")
     limits = tuple(setting(r.config, "training.max_grad_norm") if r.config else UNKNOWN for r in (a, b))
     clipping(c, (steps, norms_a, norms_b), limits, judged)
@@ -135,7 +136,7 @@ def per_step_losses(c: Comparison, runs: tuple, fl: floors.Floor, steps: list, l
     assumed = fl.assumed and loss_rtol is None and not c.eight_bit
     per_step(c, "loss curve", (steps, losses_a, losses_b),
              Judgement(loss_tol, atol=near_zero or 1e-12, twin=[h["loss"] for h in th] if th else None,
-                       assumed=assumed))
+                       assumed=assumed, steps=fl.steps.get("loss") if loss_rtol is None and not c.eight_bit else None))
     shift = floors.one_sided(losses_a, losses_b, fl) if near_zero is None else None
     if shift:
         c.add("loss shift", False, shift, step=steps[0], assumed=assumed)

@@ -5,9 +5,11 @@ kernels and the model, so the certificate's tolerances rest on a *floor*:
 
 * **measured** (``finetune compare A B --floor TWIN``): ``TWIN`` is the same run as ``A`` in another layout (another
   ``--batch-size``: the same windows, lr and settings; the smallest micro-batch is the most different from a big
-  batch, so it samples the most noise). Per layer the floor is the largest ``|A − TWIN|`` over the run, and at every
-  step B may stand ``TWIN_FACTOR`` times that from A *or* from TWIN (the nearer of two references: one pair of
-  layouts can sit unusually close) — never less than the fp32 tolerance. The weights likewise.
+  batch, so it samples the most noise). Per layer and step the floor is the largest ``|A − TWIN|`` up to that step:
+  there B may stand ``STEP_FACTOR`` times it from A *or* from TWIN (the nearer of two references: one pair of layouts
+  can sit unusually close), at most ``TWIN_FACTOR`` times the largest over the run and never less than the fp32
+  tolerance. The weights: ``TWIN_FACTOR`` times their distance. The least tolerance of each layer is the verdict's
+  power: the smallest difference it could have seen.
 * **assumed** (no twin): fp32 runs keep the fp32 tolerances (docs/exact-steps.md#the-certificate); bf16 / fp16 runs,
   and fp32 runs whose matrix products ran in TF32, get ``TWIN_FACTOR`` × the largest layout difference measured in
   that arithmetic on the runs' kind of device (``ASSUMED``: the 2-core CPU, an H200), and the verdict says that it
@@ -30,6 +32,15 @@ from typing import Literal, Optional
 # nearer reference; 4× passes it, and the one-word control (1.7e-2) stays above 4× either pair's floor
 # (docs/exact-steps.md#bf16-the-floor-measured-on-a-twin).
 TWIN_FACTOR = 4.0
+# A measured floor's per-step factor: at each step the baseline (or run B) may stand this many times the twin's largest
+# distance up to that step from the nearer of the run and its twin, and never more than TWIN_FACTOR × the twin's
+# largest over the run (the rule above). Measured (docs/exact-steps.md#bf16-per-step-bands-the-power-stated): bf16,
+# a random Llama of hidden size 576, LoRA and full, 12 steps at micro-batch 8, 4, 2 and 1, each layout as the run,
+# the twin and the third: the third stood at most 7.9× the twin's distance up to the step (the 99th percentile
+# 4.8–7.9; at the early steps, where the twin happened to land close), and at most 2.4× the twin's largest over the
+# run. The factor leaves 1.5× room above the largest ratio.
+STEP_RATIO = 8.0
+STEP_FACTOR = 1.5 * STEP_RATIO
 # the fp32 tolerances (the least any floor gives): a step's loss, its grad norm and clipping, the weights
 FP32 = {"loss": 1e-4, "grad norm": 1e-3, "weights L2": 1e-4, "weights largest": 1e-5}
 # The largest difference between layouts of the sft recipe (SmolLM2, LoRA and full, packing and the chunked head as
@@ -62,10 +73,19 @@ class Floor:
     note: str | None = None                       # for the verdict: what the floor rests on
     twin: object = None                           # the twin run read (a runs.Run; measured floors): a second reference
     arithmetic: Optional[str] = None              # an assumed floor's: "bf16", "fp16" or "tf32"
+    steps: dict = field(default_factory=dict)     # layer → {optimizer step: its tolerance} (measured floors)
 
     @property
     def assumed(self) -> bool:
         return self.kind == "assumed"
+
+    def at(self, layer: str, step: int) -> float:
+        """The tolerance of ``layer`` at optimizer ``step``: its own where measured per step, else the whole run's."""
+        return self.steps.get(layer, {}).get(step, self.overall[layer])
+
+    def least(self, layer: str) -> float:
+        """The smallest tolerance ``layer`` is held to at any step: the least difference it could have seen."""
+        return min(self.steps.get(layer, {}).values(), default=self.overall[layer])
 
 
 def assumed(precision: str | None, arithmetics=()) -> Floor:
@@ -98,20 +118,26 @@ def assumed_key(kind: str, device: str) -> tuple:
 
 
 def measured(a_history: list, twin_history: list, weights: dict, twin_name: str) -> Floor:
-    """The floor from a twin of run A: per layer, ``TWIN_FACTOR`` × the largest relative ``|A − TWIN|`` over the
-    run (at least the fp32 tolerance), at every step; the weights from their distance (``weights``: layer → the
-    twin's difference). Not a running maximum per step: in bf16 the layout noise of one step is a single draw of a
-    heavy-tailed quantity (SmolLM2: another layout stood 5× the twin's distance at step 3, and within 3× of the
-    twin's largest over the run), so the run's largest is the floor, as Megatron-LM's golden values take it."""
-    noise, overall = {}, {}
+    """The floor from a twin of run A, per step: at each step, per layer, ``STEP_FACTOR`` × the largest relative
+    ``|A − TWIN|`` up to that step, at most ``TWIN_FACTOR`` × the largest over the run (``overall``) and at least the
+    fp32 tolerance — the twin's distance where the step is, not only the run's largest, which let an early step's
+    change hide under a late step's drift; up to the step, as one step's distance is a single heavy-tailed draw
+    (SmolLM2: another layout stood 5× the twin's distance at step 3). The weights from their distance (``weights``:
+    layer → the twin's difference), ``TWIN_FACTOR`` × it."""
+    noise, overall, steps = {}, {}, {}
     for layer, key in (("loss", "loss"), ("grad norm", "grad_norm")):
         noise[layer] = [rel(x.get(key), y.get(key)) for x, y in zip(a_history, twin_history)]
+        running = [max(noise[layer][:i + 1]) for i in range(len(noise[layer]))]
         overall[layer] = max(TWIN_FACTOR * max(noise[layer], default=0.0), FP32[layer])
+        steps[layer] = {x["step"]: max(min(STEP_FACTOR * d, overall[layer]), FP32[layer])
+                        for x, d in zip(a_history, running)}
     for layer in ("weights L2", "weights largest"):
         overall[layer] = max(TWIN_FACTOR * weights.get(layer, 0.0), FP32[layer])
     worst = ", ".join(f"{k} {max(v, default=0):.1e}" for k, v in noise.items())
-    return Floor("measured", overall, noise=noise,
-                 note=f"floor measured on {twin_name} ({worst}; tolerance {TWIN_FACTOR:g}× it, at least fp32's)")
+    return Floor("measured", overall, noise=noise, steps=steps,
+                 note=f"floor measured on {twin_name} (largest {worst}; each step held to {STEP_FACTOR:g}× the "
+                      f"twin's largest distance up to it, at most {TWIN_FACTOR:g}× the run's largest, at least "
+                      "fp32's)")
 
 
 def rel(x, y) -> float:

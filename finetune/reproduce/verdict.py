@@ -55,6 +55,8 @@ class Comparison:
     uncertain: set = field(default_factory=set)
     # why the uncertain layers are not known to differ, when it is not an assumed floor (settings a source left unread)
     unread: str | None = None
+    # each judged numeric layer's least tolerance at any step: the smallest difference it could have seen
+    power: dict = field(default_factory=dict)
 
     def add(self, name: str, ok, detail: str, step: int | None = None, basis: str | None = None,
             assumed: bool = False) -> None:
@@ -116,7 +118,16 @@ class Comparison:
         if self.eight_bit:
             return (f"verdict: the same windows and schedule, loss curves close; no fp32 equivalence claimed — "
                     f"{self.eight_bit}: 8-bit optimizer: not the fp32 step")
-        return "verdict: equivalent — rests on " + self.basis() + also
+        return "verdict: equivalent — rests on " + self.basis() + also + self.power_said()
+
+    def power_said(self) -> str:
+        """What "equivalent" rules out: nothing above the least tolerance of each numeric layer (relative; step 1's
+        0 where its forward was replayed bit for bit)."""
+        if not self.power:
+            return ""
+        said = ", ".join(f"{name} {'0 (bit for bit)' if value == 0 else f'{value:.1e}'}"
+                         for name, value in self.power.items())
+        return f"; nothing above — {said} (the smallest differences it could have seen)"
 
     def report(self) -> str:
         """Each layer, one a line, then the verdict's line."""
@@ -151,6 +162,12 @@ class Judgement:
     why: Optional[str] = None
     tolerances: dict = field(default_factory=lambda: dict(FP32))
     judge: bool = True
+    steps: Optional[dict] = None    # optimizer step → this layer's tolerance there (a floor measured per step)
+    step_tolerances: dict = field(default_factory=dict)  # every layer's steps (the floor's): the grad norm reads it
+
+    def at(self, step) -> float:
+        """The tolerance at optimizer ``step``."""
+        return self.steps.get(step, self.rtol) if self.steps else self.rtol
 
 
 
@@ -189,13 +206,17 @@ def per_step(c: Comparison, name: str, series: tuple, judged: Judgement, what: s
         return
     worst = c.measured[name] = max(rel(x, y, atol) for _, x, y, _ in pairs)
     nearer = lambda x, y, z: min(rel(x, y, atol), rel(z, y, atol) if finite(z) else math.inf)  # noqa: E731
-    bad = next(((s, x, y) for s, x, y, z in pairs if nearer(x, y, z) > rtol), None)
+    bad = next(((s, x, y) for s, x, y, z in pairs if nearer(x, y, z) > judged.at(s)), None)
+    least = min(judged.at(s) for s, _, _, _ in pairs)
+    if judged.judge and not judged.assumed:
+        c.power[name.removesuffix(" curve")] = least
     band = f" (band: {why})" if why else f" (relative to at least {atol:g})" if atol > 1e-12 else ""
     band += "; the nearer of the run and its twin" if judged.twin is not None else ""
+    tolerance = f"tolerance {rtol:g}" if not judged.steps else f"tolerance per step {least:.1e} to {rtol:.1e}"
     c.add(name, bad is None, f"max relative difference {worst:.2e} at {len(pairs)} steps{' ' + what if what else ''}"
-          f", tolerance {rtol:g}{band}" + ("" if bad is None else
-                                           f"; first above at step {bad[0]}: {bad[1]:.7g} vs {bad[2]:.7g} (tolerance "
-                                           f"{rtol:.1e})"),
+          f", {tolerance}{band}" + ("" if bad is None else
+                                    f"; first above at step {bad[0]}: {bad[1]:.7g} vs {bad[2]:.7g} (tolerance "
+                                    f"{judged.at(bad[0]):.1e})"),
           step=None if bad is None else bad[0], basis=f"{name.removesuffix(' curve')} ≤ {rtol:.0e}",
           assumed=judged.assumed)
 
@@ -261,6 +282,8 @@ def weights(c: Comparison, pair: tuple, optimizer: str | None, judged: Judgement
                                f"optimizer: not the fp32 step, no fp32 tolerance applies)")
         return
     # the weights are where every step ends: a per-step layer that differs names the cause first
+    if not judged.assumed:
+        c.power[f"weights {'L2' if adaptive else 'max'}"] = rtol
     c.add("weights", value <= rtol, f"{measure} {value:.2e}{against} (tolerance {rtol:g}; {why})", step=math.inf,
           basis=f"weights {'L2' if adaptive else 'max'} {value:.1e} ≤ {rtol:.0e}", assumed=judged.assumed)
 

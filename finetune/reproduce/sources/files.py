@@ -107,11 +107,12 @@ def read_folder(folder: Path, what: str) -> Baseline:
 
 # where a run's files say the versions it trained with: pip's freeze (wandb saves it as files/requirements.txt)
 FREEZE = re.compile(r"^(deepspeed|transformers)==(\d+(?:\.\d+)*)", re.M | re.I)
-CARD_VERSION = re.compile(r"^- (DeepSpeed):? v?(\d+(?:\.\d+)*)", re.M)  # Transformers': read_front
+CARD_VERSION = re.compile(r"^- (DeepSpeed|Pytorch):? v?(\d+(?:\.\d+)*)", re.M)  # Transformers': read_front
 
 
 def read_versions(b: Baseline) -> None:
-    """``deepspeed_version`` and ``transformers_version`` into ``b.args`` from what the run's folder holds, where
+    """``deepspeed_version``, ``transformers_version`` and ``pytorch_version`` (the card's: its kernels, which a
+    replay needs the same) into ``b.args`` from what the run's folder holds, where
     nothing the source read said them: pip's freeze (``requirements.txt``, wandb's ``wandb/*/files/
     requirements.txt``), the card's Framework versions. Only in a run's folder: a config's own folder is its
     project's, whose pins need not be the run's."""
