@@ -577,7 +577,9 @@ def run_recipe(cfg: RecipeConfig, checked: Checked, on_eval: Optional[Callable] 
     start = time.perf_counter()
     result = loop.train(run, checked.saved)
     result.extra_metrics = {"train_seconds": round(time.perf_counter() - start, 2), "recipe": cfg.name,
-                            "arithmetic": outputs.arithmetic(next(result.model.parameters()).device)}
+                            "arithmetic": outputs.arithmetic(next(result.model.parameters()).device),
+                            # what compare's twin must vary: masks keyed by sample, in this many layers
+                            "dropout_layers": run.dropout_keys.layers if run.dropout_keys else 0}
     with distributed.whole_model(result.model):  # sharded weights (ZeRO-3, FSDP2) whole on every process
         distributed.agree(lambda: outputs.write_outputs(cfg.output, built.job, result, checked.out_dir,
                                                         cfg.training.ema_beta), main_only=True)

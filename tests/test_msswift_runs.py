@@ -125,3 +125,33 @@ def test_its_fp16_is_kept_where_the_files_do_not_say_the_device(tmp_path, capsys
     code, said = cli(capsys, "import", folder, "--model", LF / "model", "-o", tmp_path / "r.yaml")
     assert code == 0, said
     assert re.search(r"training\.mixed_precision +fp16 +training_args\.json\n", said), said
+
+
+DROPOUT = ROOT / "tests" / "assets" / "msswift" / "sft-lora-dropout"  # swift at its defaults: lora_dropout 0.05 too
+
+
+def verdict_of(said: str) -> str:
+    return next(line for line in said.splitlines() if line.startswith("verdict:"))
+
+
+def test_an_msswift_run_at_its_defaults_is_equivalent_within_dropout_noise_and_another_order_differs(tmp_path,
+                                                                                                     capsys):
+    """swift's defaults throughout — lora_dropout 0.05, the rows shuffled, fp16 recorded on a CPU: reproduced, the
+    twin draws other masks (``training.dropout_seed``) over the same samples, and the baseline stands within that
+    noise: "equivalent within dropout noise", its power said. The rows in another order (the file reversed) differ
+    at step 1: the noise is the masks', not a licence for other batches. Without the twin, the band assumed for
+    dropout certifies nothing and says how to measure the noise."""
+    code, said = reproduce(capsys, tmp_path / "same", LF / "data" / "chat.jsonl", run=DROPOUT)
+    verdict = verdict_of(said)
+    assert code == 0 and verdict.startswith("verdict: equivalent within dropout noise — "), said[-3000:]
+    assert "another dropout seed" in verdict and "nothing above — loss" in verdict, verdict
+    assert "training.dropout_seed=43" in (tmp_path / "same" / "report.md").read_text()  # the twin's command
+    code, said = cli(capsys, "compare", DROPOUT, tmp_path / "same" / "run")  # no --floor
+    assert "training.dropout_seed=N" in said and "within dropout noise" not in verdict_of(said), said[-3000:]
+    rows = (LF / "data" / "chat.jsonl").read_text().splitlines()
+    reversed_rows = tmp_path / "reversed.jsonl"
+    reversed_rows.write_text("\n".join(reversed(rows)) + "\n")
+    code, said = reproduce(capsys, tmp_path / "reversed", reversed_rows, run=DROPOUT)
+    verdict = verdict_of(said)
+    assert code == 1 and verdict.startswith("verdict: differs — ") and "at step 1" in verdict, said[-3000:]
+

@@ -4,7 +4,7 @@
 # examples/llamafactory/tiny_inputs.py):
 #   bash examples/msswift/make_baselines.sh                      (from the repository root, ~1 min once installed)
 #   bash examples/msswift/make_baselines.sh sft-lora-defaults    (one of them: sft-lora, sft-lora-defaults,
-#                                                                 sft-lora-shuffled, row-orders)
+#                                                                 sft-lora-shuffled, sft-lora-dropout, row-orders)
 # ms-swift pins its own transformers (5.19), trl (0.29) and peft (0.20): it gets an environment of its own
 # (SWIFT_VENV); torch is the CPU wheel, installed first so pip pulls no CUDA (no torchvision or torchaudio: swift
 # imports neither for text).
@@ -12,7 +12,7 @@ set -euo pipefail
 SWIFT_VENV=${SWIFT_VENV:-/work/swift-venv}
 OUT=tests/assets/msswift
 INPUTS=tests/assets/llamafactory
-RUNS=${*:-sft-lora sft-lora-defaults sft-lora-shuffled row-orders}
+RUNS=${*:-sft-lora sft-lora-defaults sft-lora-shuffled sft-lora-dropout row-orders}
 if [ ! -x "$SWIFT_VENV/bin/swift" ]; then
   python3 -m venv "$SWIFT_VENV"
   "$SWIFT_VENV/bin/pip" install -q "torch==2.13.0+cpu"
@@ -60,10 +60,14 @@ for run in $RUNS; do
       # sft-lora-defaults with swift's default data order: the 40 rows shuffled once before training (data_seed 42),
       # then the sampler's randperm over them
       swift_sft sft-lora-shuffled "${COMMON[@]}" --dataset_shuffle true ;;
+    sft-lora-dropout)
+      # swift at its defaults throughout: sft-lora-shuffled with its default --lora_dropout 0.05 (a later flag wins)
+      swift_sft sft-lora-dropout "${COMMON[@]}" --dataset_shuffle true --lora_dropout 0.05 ;;
     row-orders)
       # the orders swift's own load_dataset gives a few files at a few data seeds (tests/test_msswift_order.py)
       HF_HUB_OFFLINE=1 "$SWIFT_VENV/bin/python" examples/msswift/row_orders.py "$OUT/row-orders.json" ;;
-    *) echo "make_baselines.sh: unknown run $run (sft-lora, sft-lora-defaults, sft-lora-shuffled, row-orders)" >&2
+    *) echo "make_baselines.sh: unknown run $run (sft-lora, sft-lora-defaults, sft-lora-shuffled, sft-lora-dropout," \
+         "row-orders)" >&2
        exit 2 ;;
   esac
 done

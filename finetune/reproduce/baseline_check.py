@@ -67,7 +67,8 @@ def loss_band(b, mine: Run) -> tuple[float, str | None]:
         drops["lora_dropout"] = adapter["lora_dropout"]
     if drops:
         return DROPOUT_BAND, (f"the baseline trained with dropout ({', '.join(f'{k}={v}' for k, v in drops.items())})"
-                              ": other masks, only the expectation of the loss matches")
+                              ": other masks, only the expectation of the loss matches; measure dropout's noise on a "
+                              "twin: this reproduction with --set training.dropout_seed=N, given as --floor TWIN")
     return FP32["loss"], None
 
 
@@ -99,7 +100,9 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
           f"{steps} vs {len(history)}" if steps else f"not in the {b.kind}")
     _check_windows(c, b, mine, imported, unchecked)
     _check_lr(c, b, history, unchecked)
-    judged = _judgement(b, mine, twin, loss_rtol)
+    fl = twin_floor(mine, Path(twin), setting(mine.recipe, "training.optimizer")) if twin is not None else None
+    c.within = "dropout noise" if fl is not None and fl.dropout else None
+    judged = _judgement(b, mine, fl, loss_rtol)
     kernels = None
     if b.logs:
         # below fp32 a forward's rounding follows its kernels: replayed, step 1 is exact (fp32 has its own band)
@@ -145,11 +148,11 @@ def _unread_at_step_one(c: Comparison, b: Baseline) -> None:
                 f"read {'; '.join(b.unknown)}")
 
 
-def _judgement(b: Baseline, mine: Run, twin, loss_rtol) -> Judgement:
-    """The band the baseline's loss is held to: fp32's, a band assumed for mixed precision or dropout, or the floor
-    measured on ``twin``; ``rtol``: the loss's, and the grad norm's as its ``atol`` field is not used here."""
+def _judgement(b: Baseline, mine: Run, fl, loss_rtol) -> Judgement:
+    """The band the baseline's loss is held to: fp32's, a band assumed for mixed precision or dropout, or ``fl``, the
+    floor measured on a twin (at another layout, or another dropout seed: dropout's own noise); ``rtol``: the loss's,
+    and the grad norm's as its ``atol`` field is not used here."""
     band, why = loss_band(b, mine)
-    fl = twin_floor(mine, Path(twin), setting(mine.recipe, "training.optimizer")) if twin is not None else None
     if fl is not None:  # the floor measured on this hardware replaces the assumed band
         band, why = fl.overall["loss"], fl.note
     # a band assumed for mixed precision or dropout, not measured: outside it the run is "not certified"

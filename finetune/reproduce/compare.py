@@ -88,7 +88,7 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     fl = twin_floor(a, Path(twin), optimizers[0]) if twin is not None else \
         floors.assumed(setting(a.config, "training.mixed_precision") if a.config else None,
                        [r.metrics.get("arithmetic") for r in (a, b)])
-    c.qualifier = fl.note
+    c.qualifier, c.within = fl.note, "dropout noise" if fl.dropout else None
     # the layers held to an assumed floor: outside it, "not certified" (a user's own tolerance is no assumption)
     assumed = fl.assumed
     names = tuple(dict.fromkeys(settings_of(a.config) + settings_of(b.config)))  # both tasks' settings

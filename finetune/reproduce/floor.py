@@ -74,6 +74,7 @@ class Floor:
     twin: object = None                           # the twin run read (a runs.Run; measured floors): a second reference
     arithmetic: Optional[str] = None              # an assumed floor's: "bf16", "fp16" or "tf32"
     steps: dict = field(default_factory=dict)     # layer → {optimizer step: its tolerance} (measured floors)
+    dropout: bool = False                         # measured on a twin at another dropout seed: dropout's noise
 
     @property
     def assumed(self) -> bool:

@@ -57,6 +57,8 @@ class Comparison:
     unread: str | None = None
     # each judged numeric layer's least tolerance at any step: the smallest difference it could have seen
     power: dict = field(default_factory=dict)
+    # what the floor's twin measured where it is not rounding ("dropout noise": a twin at another dropout seed)
+    within: str | None = None
 
     def add(self, name: str, ok, detail: str, step: int | None = None, basis: str | None = None,
             assumed: bool = False) -> None:
@@ -118,7 +120,8 @@ class Comparison:
         if self.eight_bit:
             return (f"verdict: the same windows and schedule, loss curves close; no fp32 equivalence claimed — "
                     f"{self.eight_bit}: 8-bit optimizer: not the fp32 step")
-        return "verdict: equivalent — rests on " + self.basis() + also + self.power_said()
+        within = f" within {self.within}" if self.within else ""
+        return f"verdict: equivalent{within} — rests on " + self.basis() + also + self.power_said()
 
     def power_said(self) -> str:
         """What "equivalent" rules out: nothing above the least tolerance of each numeric layer (relative; step 1's
@@ -334,8 +337,10 @@ def twin_floor(a: Run, twin: Path, optimizer: str | None) -> floors.Floor:
     if a.config and t.config:  # every setting that changes the steps, as a resumed run is checked
         mine, theirs = flatten(a.config), flatten(t.config)
         # how the twin rounds is the point of it: fp32 sums off round as autocast does (as the peers do)
+        # and so are its dropout masks: a twin at another dropout seed measures dropout's noise
         changed = [f"{k} {mine.get(k)!r} vs {theirs.get(k)!r}" for k in result_changes(
-            mine, theirs, ("training.fp32_grad_sums", "training.pad_to_window")) if not k.startswith("output.")]
+            mine, theirs, ("training.fp32_grad_sums", "training.pad_to_window", "training.dropout_seed"))
+            if not k.startswith("output.")]
         probe.add("settings", not changed, "; ".join(changed[:3]))
     else:
         probe.add("settings", False, "a run has no config.yaml")
@@ -346,8 +351,19 @@ def twin_floor(a: Run, twin: Path, optimizer: str | None) -> floors.Floor:
         raise ConfigError(f"compare: --floor {twin} is not the same run as RUN_A in another layout "
                           f"({probe.first_difference}); make it with RUN_A's recipe and another --batch-size")
     weights(probe, (a.weights, t.weights), optimizer, Judgement())
-    fl = floors.measured(a.history, t.history, probe.measured, f"{twin.name} at {layout_of(t)}")
-    return dataclasses.replace(fl, twin=t)
+    dropout = other_masks(a, t)
+    fl = floors.measured(a.history, t.history, probe.measured,
+                         f"{twin.name} at {layout_of(t)}" + (", another dropout seed" if dropout else ""))
+    return dataclasses.replace(fl, twin=t, dropout=dropout)
+
+
+def other_masks(a: Run, twin: Run) -> bool:
+    """Whether ``twin`` drew other dropout masks than ``a``: both trained keyed dropout layers, at other seeds."""
+    def seed(r: Run):
+        s = setting(r.config, "training.dropout_seed")
+        return setting(r.config, "training.seed") if s is None else s
+    layers = [(r.metrics or {}).get("dropout_layers") or 0 for r in (a, twin)]
+    return all(layers) and seed(a) != seed(twin)
 
 
 def layout_of(run: Run) -> str:
