@@ -33,9 +33,11 @@ def prompt_completion(path) -> str:
     return str(path)
 
 
-def train_trl(out, data, lora: bool, drawn_before_seed: bool = False, bf16: bool = False, fp16: bool = False) -> None:
+def train_trl(out, data, lora: bool, drawn_before_seed: bool = False, bf16: bool = False, fp16: bool = False,
+              lora_dropout: float = 0.0) -> None:
     """A TRL SFTTrainer run on the tiny model, 4 × 1; ``bf16``: TRL's defaults (bf16 autocast and gradient
-    checkpointing); ``fp16``: fp16=True, which accelerate trains in fp32 on this CPU."""
+    checkpointing); ``fp16``: fp16=True, which accelerate trains in fp32 on this CPU; ``lora_dropout``: 0.05 is TRL's
+    ``ModelConfig`` default."""
     from datasets import load_dataset
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,7 +45,7 @@ def train_trl(out, data, lora: bool, drawn_before_seed: bool = False, bf16: bool
 
     model_dir = tiny_chat_assets()["model"]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    lora_cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+    lora_cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=lora_dropout, target_modules=["q_proj", "v_proj"],
                           task_type="CAUSAL_LM") if lora else None
     if drawn_before_seed:  # the user's own script wraps the model, with whatever its RNG holds
         torch.manual_seed(1234)
@@ -130,3 +132,27 @@ def test_adapters_drawn_outside_trl_differ_and_the_start_is_named(tmp_path, data
     code, _ = reproduce(tmp_path, baseline, data, imported=["--initial-adapter", f"{baseline}-initial"])
     out = capsys.readouterr().out
     assert code == 0 and "peft.init_from" in out and "verdict: equivalent" in out, out
+
+
+def test_a_trl_lora_run_with_its_default_dropout_is_equivalent_within_dropout_noise(tmp_path, data, capsys):
+    """TRL's LoRA default (``lora_dropout`` 0.05): its masks are its generator's, so ``finetune reproduce`` measures
+    dropout's noise on a twin at another dropout seed and holds the baseline to it — "equivalent within dropout
+    noise"; the same rows in another order differ."""
+    from tests.helpers import cli_in_process as cli
+
+    baseline = tmp_path / "trl-lora-dropout"
+    train_trl(baseline, data, True, lora_dropout=0.05)
+    capsys.readouterr()
+
+    def reproduce_on(rows, name):
+        code, said = cli(capsys, "reproduce", baseline, "--recipe", "sft-smollm2", "--model",
+                         tiny_chat_assets()["model"], "--data", rows, "--batch-size", 2, "-o", tmp_path / name,
+                         "--set", "model.generate_prompts=0", "--set", "output.plots=false")
+        return code, next(line for line in said.splitlines() if line.startswith("verdict:"))
+
+    code, verdict = reproduce_on(data, "same")
+    assert code == 0 and verdict.startswith("verdict: equivalent within dropout noise — "), verdict
+    reordered = tmp_path / "reordered.jsonl"
+    reordered.write_text("".join(reversed(open(data).readlines())))
+    code, verdict = reproduce_on(reordered, "reordered")
+    assert code == 1 and verdict.startswith("verdict: differs"), verdict
