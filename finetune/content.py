@@ -47,7 +47,8 @@ def _feed(h, x) -> None:
     elif isinstance(x, torch.Tensor):
         x = x.detach().cpu().contiguous()
         h.update(_tensor_header(x.dtype, tuple(x.shape)))
-        h.update(x.reshape(-1).view(torch.uint8).numpy())  # its buffer, not a copy
+        # its buffer, not a copy; numpy has no bf16, whose bytes are read through a uint8 view (the same bytes)
+        h.update(x.numpy() if x.dtype in NUMPY_DTYPES else x.reshape(-1).view(torch.uint8).numpy())
     elif isinstance(x, np.ndarray):
         h.update(f"A{x.dtype}{x.shape}".encode())
         h.update(np.ascontiguousarray(x).tobytes())
@@ -65,6 +66,10 @@ def _feed(h, x) -> None:
         h.update(b"b%d:" % len(x) + x)
     else:  # numbers, None, booleans
         h.update(f"{type(x).__name__}:{x!r};".encode())
+
+
+NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                torch.uint8, torch.bool}
 
 
 @functools.lru_cache(maxsize=4096)
