@@ -258,8 +258,7 @@ def _check_tokens(c: Comparison, b: Baseline, mine: Run) -> None:
     logged, task = b.token_counts, (mine.recipe or {}).get("task")
     if logged is None:
         return
-    why = f"{logged.key} of a {task} run counts that trainer's own batches" if task not in COUNTED_TASKS else         "what it counts is not known (include_num_input_tokens_seen not read)" if logged.padding is None else         "it counts the padding of the baseline's micro-batches (include_num_input_tokens_seen: all), which this "         "run did not replay (training.replay_padding)" if logged.padding and not setting(
-            mine.recipe, "training.replay_padding") else None
+    why = _uncounted(logged, task, setting(mine.recipe, "training.replay_padding"))
     if why:
         c.add("token count", None, f"not checkable: {why}")
         return
@@ -269,6 +268,20 @@ def _check_tokens(c: Comparison, b: Baseline, mine: Run) -> None:
     token_count(c, (steps, [theirs[s] for s in steps], [ours[s] for s in steps]),
                 logged.defined + ("; here the padded tokens of the baseline's micro-batches, replayed" if
                                   logged.padding else ""), names=("the baseline", "this run"))
+
+
+def _uncounted(logged, task, replayed) -> str | None:
+    """Why the baseline's count (``logged``: its ``TokenCounts``) is not this run's to compare (None: it is): another
+    task's trainer counts its own batches; what it counts is not known; it counts padding this run did not
+    replay (``replayed``: ``training.replay_padding``)."""
+    if task not in COUNTED_TASKS:
+        return f"{logged.key} of a {task} run counts that trainer's own batches"
+    if logged.padding is None:
+        return "what it counts is not known (include_num_input_tokens_seen not read)"
+    if logged.padding and not replayed:
+        return ("it counts the padding of the baseline's micro-batches (include_num_input_tokens_seen: all), "
+                "which this run did not replay (training.replay_padding)")
+    return None
 
 
 def carried(b: Baseline, mine: Run) -> Imported:
