@@ -1,0 +1,130 @@
+"""The token-count layer: the tokens seen by each logged step — TRL's ``num_tokens``, the Trainer's
+``num_input_tokens_seen``, finetune's own ``tokens_seen`` — compared exactly, as integers.
+
+A 2-process TRL SFTTrainer run (``tests/assets/trl-2proc/sft``, made by examples/trl-multiprocess/train_sft.py; it
+logs ``num_tokens`` at every step) reproduced on one process at micro-batch 2 counts the same tokens at every step;
+the same recipe on its data with a word added to one answer differs at the step holding that row, even with the
+loss, grad norm and weights bands opened wide; a word replaced by one of the same token count leaves the counts
+equal (the loss layers see it, not this one). Two layouts of one finetune run count alike."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from finetune.cli import main
+from finetune.reproduce.baseline_check import compare_with_baseline
+from finetune.reproduce.compare import compare_runs
+from finetune.reproduce.record import Baseline, logged_tokens
+from finetune.reproduce.verdict import Comparison, token_count
+from tests.helpers import ROOT
+
+TRL = ROOT / "tests" / "assets" / "trl-2proc" / "sft"
+LF = ROOT / "tests" / "assets" / "llamafactory"
+ROWS = LF / "data" / "chat.jsonl"
+ROW = 7  # the row whose answer is changed
+
+
+def checks(c: Comparison) -> dict:
+    return {name: (ok, detail) for name, ok, detail, _ in c.checks}
+
+
+def test_the_layer_names_the_first_step_and_both_counts():
+    c = Comparison()
+    token_count(c, ([1, 2, 3], [10, 25, 40], [10, 26, 41]), "what both count")
+    (name, ok, detail, step), = c.checks
+    assert (name, ok, step) == ("token count", False, 2), detail
+    assert "step 2: 25 tokens seen in RUN_A vs 26 in RUN_B (15 vs 16 since step 1" in detail, detail
+    c = Comparison()
+    token_count(c, ([1, 2], [10, 25], [10.0, 25.0]), "what both count")  # a log's float counts are integers
+    assert c.checks[0][1] is True and c.equivalent, c.checks
+
+
+def test_the_trainers_count_says_whether_it_counts_padding():
+    logs = [{"step": 1, "loss": 1.0, "num_input_tokens_seen": 64}, {"step": 2, "loss": 1.0}]
+    assert logged_tokens(logs, "all").padding is True
+    assert logged_tokens(logs, True).padding is True  # the arguments' bool, as transformers maps it
+    assert logged_tokens(logs, "non_padding").padding is False
+    assert logged_tokens(logs, None).padding is None
+    assert logged_tokens(logs, "all").counts == ((1, 64),)
+    assert logged_tokens([{"step": 1, "loss": 1.0}], "all") is None
+    trl = Baseline("Trainer folder", TRL, logs=[{"step": 1, "loss": 1.0, "num_tokens": 403.0,
+                                                  "num_input_tokens_seen": 999}])
+    assert trl.token_counts.key == "num_tokens" and trl.token_counts.counts == ((1, 403),)
+
+
+def changed(tmp, name: str, edit) -> str:
+    rows = [json.loads(line) for line in open(ROWS)]
+    answer = next(m for m in rows[ROW]["messages"] if m["role"] == "assistant")
+    assert " is " in answer["content"]
+    answer["content"] = edit(answer["content"])
+    out = tmp / f"{name}.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The TRL run reproduced (micro-batch 2, its report kept), and its recipe run at micro-batch 4, on a word added
+    and on a word replaced."""
+    tmp = tmp_path_factory.mktemp("counts")
+    assert main([str(a) for a in ("reproduce", TRL, "--model", LF / "model", "--data", ROWS, "--batch-size", 2,
+                                  "-o", tmp / "same", "--set", "model.generate_prompts=0")]) == 0
+    out = {"same": tmp / "same" / "run", "report": (tmp / "same" / "report.md").read_text()}
+    added = changed(tmp, "added", lambda a: a.replace(" is ", " is indeed ", 1))
+    # " is " → " a ": the same number of tokens with the test model's tokenizer (" was " is three more)
+    replaced = changed(tmp, "replaced", lambda a: a.replace(" is ", " a ", 1))
+    for name, b, data in (("four", 4, ROWS), ("added", 2, added), ("replaced", 2, replaced)):
+        assert main([str(a) for a in ("run", "--recipe", tmp / "same" / "recipe.yaml", "--batch-size", b,
+                                      "--output-dir", tmp / name, "--set", f"data.source={data}", "--set",
+                                      "model.generate_prompts=0", "--set", "output.plots=false", "--set",
+                                      "output.tracker=none")]) == 0
+        out[name] = tmp / name
+    return out
+
+
+def history(run) -> list:
+    return [json.loads(line) for line in open(run / "history.jsonl")]
+
+
+def step_of_row(a, b) -> int:
+    """The first step whose window held other tokens in run ``b`` than in ``a``: the step holding the changed row."""
+    return next(x["step"] for x, y in zip(history(a), history(b)) if x["content_hash"] != y["content_hash"])
+
+
+def test_a_trl_run_reproduced_counts_its_tokens_exactly(runs):
+    said = runs["report"]
+    line = next(line for line in said.splitlines() if " token count " in line)
+    logged = json.loads((TRL / "trainer_state.json").read_text())["log_history"]
+    counts = [int(e["num_tokens"]) for e in logged if "num_tokens" in e and "loss" in e]
+    assert line.startswith("ok ") and f"equal at all {len(counts)} logged steps" in line, said
+    assert f"token counts at {len(counts)} steps" in said, said  # in what the equivalent verdict rests on
+    assert [h["tokens_seen"] for h in history(runs["same"])] == counts  # every step, not only the last
+
+
+def test_a_word_added_differs_on_the_token_count_at_its_step_whatever_the_bands(runs):
+    step = step_of_row(runs["same"], runs["added"])
+    wide = compare_with_baseline(TRL, runs["added"], weight_rtol=1.0, loss_rtol=1.0)  # the rounding bands miss it
+    found = checks(wide)
+    assert found["token count"][0] is False and found["token count"][1].startswith(f"step {step}: "), wide.report()
+    assert [name for name, ok, _, _ in wide.checks if ok is False] == ["token count"], wide.report()
+    assert wide.verdict.kind == "differs" and "token count: step" in wide.verdict.line, wide.report()
+    # negative control: a word replaced by one of its token count — the counts agree, the loss does not
+    ours, theirs = history(runs["same"]), history(runs["replaced"])
+    assert [h["tokens_seen"] for h in ours] == [h["tokens_seen"] for h in theirs]  # the control's premise
+    assert [h["content_hash"] for h in ours] != [h["content_hash"] for h in theirs]
+    same_length = compare_with_baseline(TRL, runs["replaced"])
+    assert checks(same_length)["token count"][0] is True, same_length.report()
+    assert same_length.verdict.kind == "differs", same_length.report()
+
+
+def test_two_layouts_of_a_run_count_alike_and_a_longer_row_differs(runs):
+    layouts = compare_runs(runs["same"], runs["four"])
+    assert checks(layouts)["token count"][0] is True and layouts.equivalent, layouts.report()
+    assert [h["padded_tokens_seen"] for h in history(runs["same"])] != \
+        [h["padded_tokens_seen"] for h in history(runs["four"])]  # what the layouts pad differs, what they count not
+    longer = compare_runs(runs["same"], runs["added"])
+    ok, detail = checks(longer)["token count"]
+    assert ok is False and detail.startswith(f"step {step_of_row(runs['same'], runs['added'])}: "), longer.report()
+    assert checks(compare_runs(runs["same"], runs["replaced"]))["token count"][0] is True
