@@ -20,6 +20,7 @@ from finetune.reproduce.record import Baseline, Imported
 from finetune.reproduce.runs import Run, read_run
 from finetune.reproduce.sources import read_baseline
 from finetune.reproduce.sources.hub import no_step_log
+from finetune.reproduce.token_counts import check_tokens
 from finetune.reproduce.update_settings import hints, run_settings, setting, settings_of, step_settings
 from finetune.reproduce.verdict import (
     UNKNOWN,
@@ -31,7 +32,6 @@ from finetune.reproduce.verdict import (
     per_step,
     rel,
     skipped_detail,
-    token_count,
     twin_floor,
     weights,
 )
@@ -104,7 +104,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         _check_logged_loss(c, b, history, judged)
         _check_logged_norms(c, b, mine, judged, unchecked)
         _check_skipped(c, b, history)
-        _check_tokens(c, b, mine)
+        check_tokens(c, b, mine)
     elif b.card_losses:
         unchecked.append("training loss")
         c.add("loss curve", None, "not checkable: the card's Training Loss is the mean over logging_steps, which "
@@ -243,45 +243,6 @@ def _check_skipped(c: Comparison, b: Baseline, history: list) -> None:
     c.add("skipped steps", not only, skipped_detail(only, sorted(theirs)) +
           ("" if only else f" at the {len(logged)} steps with a logged grad norm"), step=only[0][0] if only else None,
           basis="the same skipped steps")
-
-
-# the tasks whose batches finetune counts as its peers' trainers count theirs: each row's attention mask (DPO's
-# rows: prompt + chosen, prompt + rejected, as TRL concatenates them); GRPO's trainer counts its generated batches
-COUNTED_TASKS = ("sft", "clm", "dpo")
-
-
-def _check_tokens(c: Comparison, b: Baseline, mine: Run) -> None:
-    """The tokens seen the baseline logged at each logged step against this run's (history's ``tokens_seen``), as
-    exact integers: where the baseline counts its padding (the Trainer's ``all``), which depends on its micro-batches,
-    against this run's padded tokens only where it replayed their padding (``training.replay_padding``). Said only
-    where the baseline logs a count."""
-    logged, task = b.token_counts, (mine.recipe or {}).get("task")
-    if logged is None:
-        return
-    why = _uncounted(logged, task, setting(mine.recipe, "training.replay_padding"))
-    if why:
-        c.add("token count", None, f"not checkable: {why}")
-        return
-    ours = {h["step"]: h.get("padded_tokens_seen" if logged.padding else "tokens_seen") for h in mine.history}
-    steps = [s for s, _ in logged.counts if s in ours]
-    theirs = dict(logged.counts)
-    token_count(c, (steps, [theirs[s] for s in steps], [ours[s] for s in steps]),
-                logged.defined + ("; here the padded tokens of the baseline's micro-batches, replayed" if
-                                  logged.padding else ""), names=("the baseline", "this run"))
-
-
-def _uncounted(logged, task, replayed) -> str | None:
-    """Why the baseline's count (``logged``: its ``TokenCounts``) is not this run's to compare (None: it is): another
-    task's trainer counts its own batches; what it counts is not known; it counts padding this run did not
-    replay (``replayed``: ``training.replay_padding``)."""
-    if task not in COUNTED_TASKS:
-        return f"{logged.key} of a {task} run counts that trainer's own batches"
-    if logged.padding is None:
-        return "what it counts is not known (include_num_input_tokens_seen not read)"
-    if logged.padding and not replayed:
-        return ("it counts the padding of the baseline's micro-batches (include_num_input_tokens_seen: all), "
-                "which this run did not replay (training.replay_padding)")
-    return None
 
 
 def carried(b: Baseline, mine: Run) -> Imported:
