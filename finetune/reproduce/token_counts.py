@@ -66,6 +66,7 @@ def gathered_tails(b: Baseline, mine: Run, steps: list) -> tuple:
         return frozenset(), ""
     ends = {max(h["step"] for h in mine.history if h["epoch"] == e) for e in {h["epoch"] for h in mine.history}}
     skipped = frozenset(s for s, before in zip(steps, [0] + steps) if any(before < t <= s for t in ends))
-    return skipped, (f"each epoch's last step, whose last micro-batch TRL counts on {remainder} of its {processes} "
-                     f"processes only ({rows} rows, {per_device} per device: at the end of the data loader accelerate's "
-                     f"gather_for_metrics keeps the values of the first {rows} mod {per_device * processes} processes)")
+    return skipped, (f"each epoch's last step, whose last micro-batch TRL counts on {remainder} of its "
+                     f"{processes} processes only ({rows} rows, {per_device} per device: at the end of the data "
+                     f"loader accelerate's gather_for_metrics keeps the values of the first {rows} mod "
+                     f"{per_device * processes} processes)")
