@@ -1,6 +1,9 @@
 """The token-count layer: the tokens seen by each logged step — TRL's ``num_tokens``, the Trainer's
 ``num_input_tokens_seen``, finetune's own ``tokens_seen`` — compared exactly, as integers.
 
+The Trainer's ``all`` mode counts padding: compared with the padded tokens of a run that replays the baseline's
+micro-batches' padding, said as not checkable otherwise.
+
 A 2-process TRL SFTTrainer run (``tests/assets/trl-2proc/sft``, made by examples/trl-multiprocess/train_sft.py; it
 logs ``num_tokens`` at every step) reproduced on one process at micro-batch 2 counts the same tokens at every step;
 the same recipe on its data with a word added to one answer differs at the step holding that row, even with the
@@ -159,3 +162,42 @@ def test_two_layouts_of_a_run_count_alike_and_a_longer_row_differs(runs):
     ok, detail = checks(longer)["token count"]
     assert ok is False and detail.startswith(f"step {step_of_row(runs['same'], runs['added'])}: "), longer.report()
     assert checks(compare_runs(runs["same"], runs["replaced"]))["token count"][0] is True
+
+
+@pytest.fixture(scope="module")
+def trainer_run(tmp_path_factory):
+    """The worked example's Trainer baseline logging ``num_input_tokens_seen`` in the Trainer's ``all`` mode (every
+    input id), and its recipe imported."""
+    from tests.test_trainer_baselines import train_example
+
+    root = train_example(tmp_path_factory.mktemp("trainer"), "--tokens-seen", "all")
+    assert main(["import", str(root / "baseline"), "--recipe", str(root / "recipe.yaml"), "-o",
+                 str(root / "imported.yaml")]) == 0
+    return root
+
+
+def test_the_trainers_count_with_padding_is_compared_where_the_padding_is_replayed(trainer_run):
+    """``all`` counts each micro-batch's padding, which depends on the baseline's micro-batches: a reproduction at
+    micro-batch 2 that does not replay them says so; one that replays them (``training.replay_padding``: the
+    baseline's 8 per device) compares its padded tokens, exactly."""
+    def run(name, *sets):  # its first 4 steps: what the counts need (the other layers then differ)
+        assert main(["run", "--recipe", str(trainer_run / "imported.yaml"), "--batch-size", "2", "--output-dir",
+                     str(trainer_run / name), "--set", "training.max_steps=4",
+                     *[x for s in sets for x in ("--set", s)]]) == 0
+        return compare_with_baseline(trainer_run / "baseline", trainer_run / name)
+
+    plain = run("plain")
+    ok, detail = checks(plain)["token count"]
+    assert ok is None and "include_num_input_tokens_seen: all" in detail, plain.report()
+    replayed = run("replayed", "training.replay_padding=[8, 1]")
+    ok, detail = checks(replayed)["token count"]
+    steps = len(history(trainer_run / "replayed"))
+    assert ok is True and f"equal at all {steps} logged steps" in detail and "padded tokens" in detail, \
+        replayed.report()
+    # negative control: padded otherwise than the baseline (each micro-batch to a multiple of 48: its 64-token rows
+    # to 96), the same real tokens — differs from step 1, so the padded count is what was compared
+    other = run("other", "training.replay_padding=[8, 48]")
+    ok, detail = checks(other)["token count"]
+    assert ok is False and detail.startswith("step 1: "), other.report()
+    assert [h["tokens_seen"] for h in history(trainer_run / "other")] == \
+        [h["tokens_seen"] for h in history(trainer_run / "replayed")]
