@@ -201,3 +201,14 @@ def test_the_trainers_count_with_padding_is_compared_where_the_padding_is_replay
     assert ok is False and detail.startswith("step 1: "), other.report()
     assert [h["tokens_seen"] for h in history(trainer_run / "other")] == \
         [h["tokens_seen"] for h in history(trainer_run / "replayed")]
+
+
+def test_rows_whose_trailing_template_text_is_dropped_are_not_compared():
+    """Trained on the assistant's turns with turn_end stripped, finetune drops the text after each row's last turn
+    that TRL tokenizes untrained (tests/test_trl_runs.py's assistant-only run: 223 tokens against 219 at step 1)."""
+    from finetune.reproduce.token_counts import dropped_tail
+
+    assert dropped_tail({"data": {"train_on": "assistant", "turn_end": "stripped"}})
+    assert dropped_tail({"data": {"train_on": "assistant_turns"}})
+    assert dropped_tail({"data": {"train_on": "assistant", "turn_end": "trained"}}) is None
+    assert dropped_tail({"data": {"train_on": "all", "turn_end": "stripped"}}) is None
