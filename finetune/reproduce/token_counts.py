@@ -7,12 +7,8 @@ from __future__ import annotations
 
 from finetune.reproduce.record import Baseline, TokenCounts
 from finetune.reproduce.runs import Run
-from finetune.reproduce.update_settings import setting
+from finetune.reproduce.update_settings import hints, setting
 from finetune.reproduce.verdict import Comparison, token_count
-
-# the tasks whose batches finetune counts as its peers' trainers count theirs: each row's attention mask (DPO's
-# rows: prompt + chosen, prompt + rejected, as TRL concatenates them); GRPO's trainer counts its generated batches
-COUNTED_TASKS = ("sft", "clm", "dpo")
 
 
 def check_tokens(c: Comparison, b: Baseline, mine: Run) -> None:
@@ -20,10 +16,11 @@ def check_tokens(c: Comparison, b: Baseline, mine: Run) -> None:
     baseline counts its padding (the Trainer's ``all``), which depends on its micro-batches, against this run's
     padded tokens only where it replayed their padding (``training.replay_padding``). Said only where the baseline
     logs a count."""
-    logged, task = b.token_counts, (mine.recipe or {}).get("task")
+    logged = b.token_counts
     if logged is None:
         return
-    why = uncounted(logged, task, setting(mine.recipe, "training.replay_padding")) or dropped_tail(mine.recipe)
+    why = uncounted(logged, mine.recipe, setting(mine.recipe, "training.replay_padding")) or \
+        dropped_tail(mine.recipe)
     if why:
         c.add("token count", None, f"not checkable: {why}")
         return
@@ -36,12 +33,12 @@ def check_tokens(c: Comparison, b: Baseline, mine: Run) -> None:
                 skip=gathered_tails(b, mine, steps))
 
 
-def uncounted(logged: TokenCounts, task, replayed) -> str | None:
-    """Why the baseline's count is not this run's to compare (None: it is): another task's trainer counts its own
-    batches; what it counts is not known; it counts padding this run did not replay (``replayed``:
-    ``training.replay_padding``)."""
-    if task not in COUNTED_TASKS:
-        return f"{logged.key} of a {task} run counts that trainer's own batches"
+def uncounted(logged: TokenCounts, recipe: dict, replayed) -> str | None:
+    """Why the baseline's count is not this run's to compare (None: it is): the trainer of this run's task counts
+    batches of its own (``CompareHints.counted_as_peers``); what it counts is not known; it counts padding this run
+    did not replay (``replayed``: ``training.replay_padding``)."""
+    if not hints(recipe).counted_as_peers:
+        return f"{logged.key} of a {(recipe or {}).get('task')} run counts that trainer's own batches"
     if logged.padding is None:
         return "what it counts is not known (include_num_input_tokens_seen not read)"
     if logged.padding and not replayed:
