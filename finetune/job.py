@@ -139,6 +139,10 @@ class CompareHints:
             ``packing``).
         objective_names: what other tools call this task's objective (axolotl's ``rl``, the tag TRL writes into a
             card, torchtune's loss class and its data sets' builders): how ``import`` knows it by their word.
+        counted_as_peers: its batches' attention masks are the rows its peers' trainers feed theirs (DPO's: prompt +
+            chosen, prompt + rejected, as TRL concatenates them), so the tokens they log as seen (TRL's
+            ``num_tokens``, the Trainer's ``num_input_tokens_seen``) are its history's ``tokens_seen``; False: its
+            trainer counts batches of its own (GRPO's generated ones).
     """
 
     step_settings: tuple = ()
@@ -151,3 +155,4 @@ class CompareHints:
     log_marks: tuple = ()
     arg_marks: tuple = ()
     objective_names: tuple = ()
+    counted_as_peers: bool = False

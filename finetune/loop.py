@@ -223,7 +223,7 @@ def step_record(run: Run, state: TrainState, window, result: WindowResult, updat
     return {
         "step": state.optimizer_step + 1, "epoch": window.epoch, "window": window.index,
         "items": result.items, "samples": len(window.samples), "micro_batches": window.total_micro_batches,
-        **({"tokens": result.real_tokens, "padded_tokens": result.padded_tokens} if result.padded_tokens else {}),
+        **(token_columns(state.history, result) if result.padded_tokens else {}),
         "loss": logged[0], "lr": update.lrs[0], "grad_norm": update.norms[0], "skipped": update.skipped,
         **({"loss_scale": update.loss_scale} if update.loss_scale is not None else {}),
         "window_hash": window.sample_hash, "content_hash": content_hash(held), **dict(zip(result.extras, logged[1:])),
@@ -231,6 +231,22 @@ def step_record(run: Run, state: TrainState, window, result: WindowResult, updat
            for key, v in (("lr", update.lrs), ("grad_norm", update.norms))},
         "micro_batch_size": run.shape.micro_batch, **run.monitor.sample(),
     }
+
+
+def token_columns(history: list, result: WindowResult) -> dict:
+    """The window's real and padded tokens, over every process, and both summed over the run so far: TRL's
+    ``num_tokens`` (each micro-batch's ``attention_mask`` summed, gathered over processes, cumulative) and the
+    Trainer's ``num_input_tokens_seen`` (``non_padding``: the same; ``all``: the padded tokens). Counted from the
+    host's masks and summed over processes in the window's one count all-reduce (``steps.count_window``): no sync of
+    their own. A run resumed from a checkpoint written before the sums were kept adds up its history's windows."""
+    seen = {}
+    for key, window in (("tokens_seen", result.real_tokens), ("padded_tokens_seen", result.padded_tokens)):
+        per_window = key.removesuffix("_seen")
+        before = history[-1].get(key) if history else 0
+        if before is None:
+            before = sum(h.get(per_window, 0) for h in history)
+        seen[key] = before + window
+    return {"tokens": result.real_tokens, "padded_tokens": result.padded_tokens, **seen}
 
 
 def evaluate_if_due(run: Run, record: dict, last_of_epoch: bool) -> Optional[dict]:

@@ -379,6 +379,8 @@ def assert_same_history(two: list, one: list, same_split: bool = True, loss_abs:
             assert h2[key] == h1[key], key
         for key in ("loss", "grad_norm", "lr"):
             assert h2[key] == pytest.approx(h1[key], rel=1e-5, abs=loss_abs if key == "loss" else 0.0), key
+        for key in ("tokens", "tokens_seen"):  # real tokens, over processes and the run so far: exact
+            assert h2.get(key) == h1.get(key), key
 
 
 def checkpoint_copy(run, out, step: int):

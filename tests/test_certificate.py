@@ -53,7 +53,7 @@ def test_layouts_of_the_same_run_are_equivalent(runs, name, extra):
         c, line = verdict(big, runs(f"{name}-{b}", b, *extra))
         assert c.equivalent, c.report()
         assert line.startswith("verdict: equivalent — rests on settings; samples and lr at all 6 steps; the "
-                               "content of all 6 windows; loss ≤ "
+                               "content of all 6 windows; token counts at 6 steps; loss ≤ "
                                "1e-04; grad norm ≤ 1e-03; clipping; weights L2 "), line
     history = [json.loads(line) for line in open(big / "history.jsonl")]
     assert history[-1]["samples"] == 2 and any(h["grad_norm"] > CLIP for h in history)  # a tail; clipping active

@@ -123,16 +123,17 @@ def baseline(trainer_example_run):
     return trainer_example_run
 
 
-def train_example(root):
-    """The example's Trainer baseline (examples/trainer-baseline/train_with_trainer.py) in ``root/baseline`` and its
-    base recipe, pointing at the tiny model the script wrote."""
+def train_example(root, *extra):
+    """The example's Trainer baseline (examples/trainer-baseline/train_with_trainer.py, given ``extra`` arguments) in
+    ``root/baseline`` and its base recipe, pointing at the tiny model the script wrote."""
     import runpy
     import sys
 
     import yaml
 
     argv = sys.argv
-    sys.argv = ["train_with_trainer.py", "--out", str(root / "baseline"), "--model", str(root / "tiny-llama")]
+    sys.argv = ["train_with_trainer.py", "--out", str(root / "baseline"), "--model", str(root / "tiny-llama"),
+                *extra]
     try:
         runpy.run_path(str(EXAMPLE / "train_with_trainer.py"), run_name="__main__")
     finally:

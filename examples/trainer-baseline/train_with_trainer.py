@@ -12,7 +12,8 @@
    card ``README.md`` and the arguments as JSON (``training_args.json``).
 
 ``--lora`` trains LoRA adapters with the settings of the axolotl config ``tests/assets/axolotl-tiny-llama-lora.yaml``
-(axolotl trains with this Trainer), e.g. ``--lora --out runs/trainer-lora-baseline``.
+(axolotl trains with this Trainer), e.g. ``--lora --out runs/trainer-lora-baseline``. ``--tokens-seen all`` (or
+``non_padding``) has it log ``num_input_tokens_seen`` too (``tests/test_token_counts.py``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (r 8, alpha 16 on q_proj and v_proj: "
                    "the settings of tests/assets/axolotl-tiny-llama-lora.yaml) instead of every weight")
+    p.add_argument("--tokens-seen", default="no", choices=["no", "all", "non_padding"],
+                   help="the Trainer's include_num_input_tokens_seen: log num_input_tokens_seen at every step")
     args = p.parse_args(argv)
 
     from transformers import Trainer, TrainingArguments
@@ -69,7 +72,8 @@ def main(argv=None) -> None:
         output_dir=args.out, per_device_train_batch_size=8, gradient_accumulation_steps=2, num_train_epochs=2,
         learning_rate=2e-3, lr_scheduler_type="linear", warmup_steps=0.1, optim="adamw_torch", weight_decay=0.01,
         max_grad_norm=1.0, seed=args.seed, logging_steps=1, eval_strategy="epoch", per_device_eval_batch_size=64,
-        save_strategy="no", report_to=[], use_cpu=True, remove_unused_columns=False, disable_tqdm=True)
+        save_strategy="no", report_to=[], use_cpu=True, remove_unused_columns=False, disable_tqdm=True,
+        include_num_input_tokens_seen=args.tokens_seen)
     trainer = Trainer(model=job.model, args=targs, train_dataset=job.train_data, eval_dataset=job.val_data,
                       data_collator=job.collate_fn, processing_class=job.tokenizer)
     trainer.train()

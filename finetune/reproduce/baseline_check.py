@@ -21,6 +21,7 @@ from finetune.reproduce.record import Baseline, Imported
 from finetune.reproduce.runs import Run, read_run
 from finetune.reproduce.sources import read_baseline
 from finetune.reproduce.sources.hub import no_step_log
+from finetune.reproduce.token_counts import check_tokens
 from finetune.reproduce.update_settings import hints, run_settings, setting, settings_of, step_settings
 from finetune.reproduce.verdict import (
     UNKNOWN,
@@ -111,6 +112,7 @@ def compare_with_baseline(baseline, run, weight_rtol: float | None = None,
         _check_logged_loss(c, b, history, judged)
         _check_logged_norms(c, b, mine, judged, unchecked)
         _check_skipped(c, b, history)
+        check_tokens(c, b, mine)
     elif b.card_losses:
         unchecked.append("training loss")
         c.add("loss curve", None, "not checkable: the card's Training Loss is the mean over logging_steps, which "

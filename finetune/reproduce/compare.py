@@ -36,6 +36,7 @@ from finetune.reproduce.verdict import (
     check_settings,
     clipping,
     per_step,
+    same_token_counts,
     same_windows,
     skipped_detail,
     twin_floor,
@@ -101,6 +102,7 @@ def compare_runs(run_a, run_b, weight_rtol: float | None = None, loss_rtol: floa
     c.add("optimizer steps", len(ha) == len(hb), f"{len(ha)} vs {len(hb)}")
     n = min(len(ha), len(hb))
     same_windows(c, ha, hb, n)
+    same_token_counts(c, ha, hb, n)
     skipped_steps(c, ha[:n], hb[:n])
     steps = [h["step"] for h in ha[:n]]
     grad_tol = per_step_losses(c, (a, b), fl, steps, loss_rtol)

@@ -77,6 +77,43 @@ class EngineStep(NamedTuple):
         return f"engine: {self.where} — {self.what}: the baseline's steps are not the big-batch step, expect differs"
 
 
+class TokenCounts(NamedTuple):
+    """The tokens a baseline logged as seen — summed over its processes and over its run so far — at each logged
+    step: ``key`` its log's name for them, ``counts`` (step, count) in order, ``padding`` whether its padding is
+    counted (the Trainer's ``include_num_input_tokens_seen: all``; None: not known), ``defined`` how its tool
+    counts them, as the report says it."""
+
+    key: str
+    counts: tuple
+    padding: Optional[bool]
+    defined: str
+
+
+# TRL's SFT, DPO and reward trainers (1.16, ``compute_loss``): each micro-batch's attention_mask summed (under
+# padding-free packing, its position_ids' length), gathered over processes, added up over the run
+TRL_TOKENS = "TRL's num_tokens: each micro-batch's attention_mask summed over every process, cumulative"
+
+
+def logged_tokens(logs: list, mode) -> Optional[TokenCounts]:
+    """The token counts a Trainer-based run's log holds (its entries ``logs``): TRL's ``num_tokens``, else the
+    Trainer's ``num_input_tokens_seen``, whose ``mode`` (``include_num_input_tokens_seen``) says what it counts:
+    ``non_padding`` the attention mask, ``all`` (or True) every input id, padding included (transformers 5.24,
+    ``Trainer._track_num_input_tokens``). None when the log holds neither."""
+    for key in ("num_tokens", "num_input_tokens_seen"):
+        counts = tuple((e["step"], int(e[key])) for e in logs if isinstance(e.get(key), (int, float)) and
+                       not isinstance(e.get(key), bool) and float(e[key]).is_integer())
+        if not counts:
+            continue
+        if key == "num_tokens":
+            return TokenCounts(key, counts, False, TRL_TOKENS)
+        padding = {"all": True, True: True, "non_padding": False}.get(mode)
+        what = {True: "every input id of each micro-batch, padding included", False: "each micro-batch's "
+                "attention_mask summed", None: f"include_num_input_tokens_seen={mode!r}: what it counts is unknown"}
+        return TokenCounts(key, counts, padding, f"the Trainer's num_input_tokens_seen: {what[padding]}, over "
+                                                 "every process, cumulative")
+    return None
+
+
 @dataclass
 class Baseline:
     kind: str                                     # what was read, in messages: "Trainer folder", "model card", …
@@ -123,6 +160,11 @@ class Baseline:
 
     def get(self, name, default=None):
         return self.args[name][0] if name in self.args else default
+
+    @property
+    def token_counts(self) -> Optional[TokenCounts]:
+        """The tokens its log says it saw at each logged step, and what they count (None: it logs none)."""
+        return logged_tokens(self.logs, self.get("include_num_input_tokens_seen"))
 
     @property
     def trl(self) -> bool:

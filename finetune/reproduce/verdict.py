@@ -320,6 +320,53 @@ def same_content(c: Comparison, ha: list, hb: list, n: int) -> None:
 
 
 
+# what finetune's history counts as tokens seen: the same for any layout, as TRL's num_tokens counts them
+TOKENS_SEEN = "real tokens (the attention mask) of every window, over every process, cumulative"
+
+
+def token_count(c: Comparison, series: tuple, defined: str, names: tuple = ("RUN_A", "RUN_B"),
+                skip: tuple = (frozenset(), "")) -> None:
+    """The tokens seen by each logged step (``series``: steps, one side's counts, the other's; None where a side
+    logged none), summed over processes and over the run so far: integers, compared exactly — what each logged step
+    added since the one before, so that a row whose length changed differs at the step that held it, in any
+    precision. ``defined``: what both count; ``names``: the sides, as the report calls them; ``skip``: (the logged
+    steps whose additions are not compared, why)."""
+    steps, xs, ys = series
+    pairs = [(s, int(x), int(y)) for s, x, y in zip(steps, xs, ys) if x is not None and y is not None]
+    if not pairs:
+        c.add("token count", None, f"not checkable: no step logs a count on both sides ({defined})")
+        return
+    added = [(s, x - x0, y - y0, since) for (s, x, y), (since, x0, y0) in zip(pairs, [(None, 0, 0)] + pairs)]
+    skipped, why = skip
+    judged = [a for a in added if a[0] not in skipped]
+    left_out = f"; {len(added) - len(judged)} not compared: {why}" if len(judged) < len(added) else ""
+    at = next((i for i, (s, x, y, _) in enumerate(added) if x != y and s not in skipped), None)
+    if at is None:
+        s, x, _ = pairs[-1]
+        c.add("token count", True, f"equal at {len(judged)} of {len(pairs)} logged steps ({x} tokens by step {s}; "
+              f"{defined}{left_out})" if left_out else f"equal at all {len(pairs)} logged steps ({x} tokens by step "
+              f"{s}; {defined})", basis=f"token counts at {len(judged)} steps")
+        return
+    (s, x, y), (_, dx, dy, since) = pairs[at], added[at]
+    c.add("token count", False, f"step {s}: {x} tokens seen in {names[0]} vs {y} in {names[1]} ({dx} vs {dy} since "
+          f"{f'step {since}' if since else 'the start'}: the windows held rows of other lengths; {defined}"
+          f"{left_out})", step=s)
+
+
+def same_token_counts(c: Comparison, ha: list, hb: list, n: int) -> None:
+    """Two runs' tokens seen at each of their first ``n`` steps (history's ``tokens_seen``), exactly. Said only where
+    a run logs them (a text task's batches); a run recorded before they were kept is said as such."""
+    logged = [any("tokens_seen" in h for h in x[:n]) for x in (ha, hb)]
+    if not any(logged):
+        return
+    if not all(logged):
+        c.add("token count", None, f"not checkable: {'RUN_A' if not logged[0] else 'RUN_B'} recorded no token "
+                                   "counts (a run before they were kept)")
+        return
+    token_count(c, ([h["step"] for h in ha[:n]], [h.get("tokens_seen") for h in ha[:n]],
+                    [h.get("tokens_seen") for h in hb[:n]]), TOKENS_SEEN)
+
+
 def skipped_detail(only: list, skipped: list) -> str:
     """The skipped-steps layer's words (run against run, and against a baseline): the steps skipped on one side
     only (``only``: (step, whose)), else the steps both skipped."""

@@ -32,7 +32,7 @@ from finetune.schema import doc
 from finetune.validation import refuse_precision_for_new_model
 
 # LLaMA-Factory's pt stage trains a causal LM on plain text: this task
-COMPARE_HINTS = CompareHints(peer_names={"llamafactory": "pt"})
+COMPARE_HINTS = CompareHints(counted_as_peers=True, peer_names={"llamafactory": "pt"})
 
 # datasets and transformers (0.6 s each) are imported in the functions that use them: `finetune validate`
 # imports this module to check a recipe and loads no data nor model.

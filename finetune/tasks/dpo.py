@@ -52,6 +52,7 @@ PRECOMPUTE_PAIRS = 8  # pairs per forward when precomputing: fixed, so the numbe
 # What compare and reproduce know of this task. TRL's DPOTrainer (LLaMA-Factory's dpo stage too) averages each
 # micro-batch's mean loss over the window; its folders hold beta and loss_type.
 COMPARE_HINTS = CompareHints(step_settings=("model.beta", "model.loss_type", "model.label_smoothing", "data.too_long"),
+                             counted_as_peers=True,
                              mean_of_micro_batches="TRL's DPOTrainer", base_recipe="dpo-smollm2",
                              trl_marks=("beta", "loss_type"), peer_names={"llamafactory": "dpo"},
                              log_marks=("rewards/chosen",),

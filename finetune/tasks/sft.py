@@ -62,7 +62,7 @@ KNAPSACK = ("knapsack", "knapsack_neat")  # LLaMA-Factory's packing, without and
 
 COMPARE_HINTS = CompareHints(step_settings=("data.pack", "data.pack_group", "data.pack_shards", "data.turn_end",
                                             "data.too_long"),
-                             base_recipe="sft-smollm2", trl_marks=(),
+                             counted_as_peers=True, base_recipe="sft-smollm2", trl_marks=(),
                              peer_names={"llamafactory": "sft", "axolotl": "chat_template"},
                              peer_default=("llamafactory",), log_marks=("mean_token_accuracy",),
                              arg_marks=("dataset_text_field", "packing", "completion_only_loss", "assistant_only_loss",

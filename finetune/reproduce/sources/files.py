@@ -374,7 +374,8 @@ def _number(raw: str):
 # TensorBoard event files
 
 
-TRAIN = {"train/loss": "loss", "train/learning_rate": "learning_rate", "train/grad_norm": "grad_norm"}
+TRAIN = {"train/loss": "loss", "train/learning_rate": "learning_rate", "train/grad_norm": "grad_norm",
+         "train/num_tokens": "num_tokens", "train/num_input_tokens_seen": "num_input_tokens_seen"}
 
 
 def read_events(files: list[Path], b: Baseline) -> None:
