@@ -24,7 +24,7 @@ import pytest
 from finetune.reproduce import replay
 from finetune.reproduce.runs import read_run
 from finetune.reproduce.sources import read_baseline
-from tests.helpers import ACCELERATE, ENV, ROOT
+from tests.helpers import ACCELERATE, ENV, ROOT, cpu_kernels
 from tests.helpers import cli_in_process as cli
 
 VARIED = ROOT / "tests" / "assets" / "trl-2proc" / "varied.jsonl"
@@ -82,8 +82,8 @@ def one_word(tmp_path, baseline) -> tuple:
 
 def test_the_baselines_micro_batches_and_threads_replay_step_one_bit_for_bit(wide, tmp_path, capsys):
     code, said = reproduce(capsys, wide, tmp_path / "same")
-    assert code == 0 and verdict(said).startswith("verdict: equivalent"), said
-    assert "forward replayed bit for bit at step 1" in verdict(said), said
+    assert code == 0 and verdict(said).startswith("verdict: equivalent"), (cpu_kernels(), said)
+    assert "forward replayed bit for bit at step 1" in verdict(said), (cpu_kernels(), said)
     assert "nothing above — step-1 loss 0 (bit for bit), loss " in verdict(said), said  # its power
     threads = replay.baseline_threads(read_baseline(wide[1], "compare"))[0]
     assert f"micro-batch 4, padded as the baseline's, {threads} thread" in said, said
