@@ -92,9 +92,17 @@ def test_the_baselines_micro_batches_and_threads_replay_step_one_bit_for_bit(wid
     # the twin is the layout that differs
     assert "floor measured on twin at micro-batch 2, padded as the baseline's micro-batches of 4" in said, said
 
-    word, _ = one_word(tmp_path, wide[1])
+    word, i = one_word(tmp_path, wide[1])
     code, said = reproduce(capsys, wide, tmp_path / "word", data=word)
     assert code == 1 and verdict(said).startswith("verdict: differs — step 1: the baseline's kernels replayed"), said
+    assert re.search(r"^ok\s+token count\s+equal", said, re.M), said  # the same token count: only the numbers tell
+
+    rows = [json.loads(line) for line in VARIED.read_text().splitlines()]
+    rows[i]["messages"][1]["content"] += " Indeed."  # a word added: the row's token count changes
+    added = tmp_path / "added.jsonl"
+    added.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, said = reproduce(capsys, wide, tmp_path / "added", data=added)
+    assert code == 1 and re.search(r"^DIFF\s+token count\s+step 1: ", said, re.M), said
 
 
 def test_another_micro_batch_is_not_a_replay_and_is_held_to_its_band(wide, tmp_path, capsys):
