@@ -149,8 +149,10 @@ def train(run: Run, saved: Optional[checkpoint.Saved] = None) -> TrainResult:
     optimizers, windows and checkpointer) to its last optimizer step; ``saved``: a checkpoint (``checkpoint.read``)
     the run continues at its next window, with the same sample order and random state."""
     job, t = run.job, run.training
-    # its Accelerate hooks, removed when the run ends, error or not; fp16 on a CPU in kernels of any micro-batch
-    with run.checkpointer.hooked(run.accelerator), distributed.fp16_kernels(run.accelerator, run.scaler):
+    # its Accelerate hooks, removed when the run ends, error or not; fp16 on a CPU in kernels of any micro-batch;
+    # Accelerate's per-step question of an installed package asked once
+    with run.checkpointer.hooked(run.accelerator), distributed.fp16_kernels(run.accelerator, run.scaler), \
+            distributed.lomo_asked_once():
         state = start_state(run, saved)
         with RunLog(run.accelerator, run.reporting.dir, state, run.shape.total_steps, run.shape.effective,
                     run.reporting.tracker, rewrite=saved is not None) as log:

@@ -412,3 +412,25 @@ def test_the_gradient_checkpointing_hooks_old_name_still_works_and_says_its_new_
         warnings.simplefilter("error")
         assert Job(model=torch.nn.Linear(1, 1), train_data=[], enable_gradient_checkpointing=hook) \
             .enable_gradient_checkpointing is hook
+
+
+def test_accelerates_per_step_package_question_is_asked_once_in_a_run_and_restored_after():
+    """Accelerate's optimizer wrapper asks importlib whether lomo_optim is installed twice every step; inside a run
+    the answer is cached (asked once), and Accelerate's own function is back when the run ends."""
+    import accelerate.optimizer as wrapper
+
+    from finetune.api import test_fine_tuning
+    from tests.helpers import MLP, regression_data
+
+    own, seen = wrapper.is_lomo_available, []
+
+    class Spying(MLP):
+        def forward(self, x, y):
+            seen.append(wrapper.is_lomo_available)
+            return super().forward(x, y)
+
+    test_fine_tuning(Spying(), train_data=regression_data(16), batch_size=4, gradient_accumulation_steps=2,
+                     learning_rate=0.01)
+    assert seen and all(f is not own and hasattr(f, "cache_info") for f in seen)
+    assert seen[0].cache_info().misses <= 1 and seen[0]() == own()  # asked once, the same answer
+    assert wrapper.is_lomo_available is own
