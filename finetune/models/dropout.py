@@ -48,6 +48,7 @@ class SampleKeys:
         self.unkeyed = ""    # the attention dropout left to torch's draw (the banner says it)
         self.epoch = 0
         self.rows = None     # a key per row; None outside the loop
+        self.generators = {}  # one per device, shared by the layers: reseeded for every row they draw
         self.length = None   # what text rows are drawn at (None: each row at its own shape)
 
     def window(self, epoch: int, samples) -> None:
@@ -64,6 +65,11 @@ class SampleKeys:
     def clear(self) -> None:
         self.rows = None
 
+    def generator(self, device: torch.device) -> torch.Generator:
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device=device)
+        return self.generators[device]
+
 
 class KeyedDropout(torch.nn.Dropout):
     """``nn.Dropout`` whose mask for each row is drawn from its ``SampleKeys`` key and this layer's name; torch's
@@ -73,7 +79,6 @@ class KeyedDropout(torch.nn.Dropout):
         super().__init__(p)
         self.layer = name_key(name)
         self.keys = keys  # shared with the model's other keyed layers and the loop (not a submodule)
-        self.generators = {}  # one per device, reseeded for every row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, length = self.keys.rows, self.keys.length
@@ -83,16 +88,11 @@ class KeyedDropout(torch.nn.Dropout):
         if length is not None and x.dim() >= 3 and shape[0] <= length:  # [rows, tokens, …]: drawn at the window's
             shape[0] = length
         keep = torch.empty((len(rows), *shape), dtype=x.dtype, device=x.device)
-        g = self.generator(x.device)
+        g = self.keys.generator(x.device)
         for i, row in enumerate(rows):
             g.manual_seed(row_seed(row, self.layer))
             keep[i].bernoulli_(1 - self.p, generator=g)
         return x * (keep[:, :x.shape[1]] / (1 - self.p))
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        if device not in self.generators:
-            self.generators[device] = torch.Generator(device=device)
-        return self.generators[device]
 
 
 def key_by_sample(model: torch.nn.Module, seed: int, length_of=None):

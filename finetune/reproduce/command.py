@@ -86,7 +86,7 @@ def main(args, finetune) -> int:
     if code:
         return code
     twin, mine = None, read_run(run_dir)  # the run read once: the twin's layout, the comparison, the curves
-    if _below_fp32(mine) or dropped(mine):  # an assumed floor errs both ways: measure it on this machine
+    if _below_fp32(mine) or mine.dropout_layers:  # an assumed floor errs both ways: measure it on this machine
         twin = out / "twin"
         # in fp32 the twin keeps the run's layout: its masks are what differ (its rounding is fp32's)
         other, rounding = twin_layout(mine, args.batch_size not in (None, "auto")) if _below_fp32(mine) else \
@@ -134,19 +134,12 @@ def cpu_threads(b: Baseline) -> int | None:
     return None if torch.cuda.is_available() else kernels.baseline_threads(b)[0]
 
 
-def dropped(run: Run) -> bool:
-    """Whether the run trained with dropout (keyed by sample, in the layers its metrics count)."""
-    return bool((run.metrics or {}).get("dropout_layers"))
-
-
 def other_dropout_seed(run: Run) -> list:
     """The twin's settings that draw other dropout masks over the same samples, order and init (none without
     dropout): its floor is then dropout's noise, which another tool's masks cannot replay, beside the rounding."""
-    if not dropped(run):
+    if not run.dropout_layers:
         return []
-    seed = setting(run.recipe, "training.dropout_seed")
-    seed = setting(run.recipe, "training.seed") if seed is None else seed
-    return ["--set", f"training.dropout_seed={(int(seed or 0) + 1) % 2 ** 32}"]
+    return ["--set", f"training.dropout_seed={(int(run.dropout_seed or 0) + 1) % 2 ** 32}"]
 
 
 def _below_fp32(run: Run) -> bool:

@@ -84,10 +84,6 @@ class Floor:
         """The tolerance of ``layer`` at optimizer ``step``: its own where measured per step, else the whole run's."""
         return self.steps.get(layer, {}).get(step, self.overall[layer])
 
-    def least(self, layer: str) -> float:
-        """The smallest tolerance ``layer`` is held to at any step: the least difference it could have seen."""
-        return min(self.steps.get(layer, {}).values(), default=self.overall[layer])
-
 
 def assumed(precision: str | None, arithmetics=()) -> Floor:
     """The floor without a twin: fp32's tolerances, or ``TWIN_FACTOR`` × the layout noise measured in this

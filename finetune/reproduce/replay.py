@@ -100,7 +100,7 @@ def kernels(b: Baseline, mine: Run) -> Kernels:
     if cpu and arithmetic.get("threads") != threads_there[0]:
         differs.append(f"the threads: {arithmetic.get('threads', 'unrecorded')} here, {threads_there[0]} per "
                        f"baseline process ({threads_there[1]})")
-    if (mine.metrics or {}).get("dropout_layers"):
+    if mine.dropout_layers:
         differs.append("the dropout masks (keyed by sample here, the baseline's drawn by its own generator)")
     version, ours = b.get("pytorch_version") or b.get("torch_version"), arithmetic.get("torch")
     if version and ours and str(ours).split("+")[0] != str(version).split("+")[0]:

@@ -36,6 +36,18 @@ class Run:
         """The config's sections ({} without a config.yaml)."""
         return self.config or {}
 
+    @property
+    def dropout_layers(self) -> int:
+        """How many of its layers drew dropout masks keyed by sample (0: none, or a run from before they were
+        counted)."""
+        return (self.metrics or {}).get("dropout_layers") or 0
+
+    @property
+    def dropout_seed(self):
+        """The seed its masks were keyed by: ``training.dropout_seed``, else ``training.seed`` (None: no config)."""
+        training = self.recipe.get("training") or {}
+        return training.get("seed") if training.get("dropout_seed") is None else training["dropout_seed"]
+
     @cached_property
     def weights(self) -> dict | None:
         """The trained weights (name → tensor), read once; None when the run saved none."""

@@ -406,11 +406,7 @@ def twin_floor(a: Run, twin: Path, optimizer: str | None) -> floors.Floor:
 
 def other_masks(a: Run, twin: Run) -> bool:
     """Whether ``twin`` drew other dropout masks than ``a``: both trained keyed dropout layers, at other seeds."""
-    def seed(r: Run):
-        s = setting(r.config, "training.dropout_seed")
-        return setting(r.config, "training.seed") if s is None else s
-    layers = [(r.metrics or {}).get("dropout_layers") or 0 for r in (a, twin)]
-    return all(layers) and seed(a) != seed(twin)
+    return bool(a.dropout_layers and twin.dropout_layers) and a.dropout_seed != twin.dropout_seed
 
 
 def layout_of(run: Run) -> str:
